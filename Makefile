@@ -1,0 +1,16 @@
+.PHONY: run test install install-dev protos
+
+run: install
+	.venv/bin/kvmesh bench memory
+
+test: install-dev
+	scripts/test.sh
+
+install:
+	scripts/install.sh
+
+install-dev:
+	scripts/install.sh dev
+
+protos:
+	.venv/bin/python scripts/gen_protos.py

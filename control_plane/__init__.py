@@ -1,0 +1,1 @@
+"""Control plane: routing, worker registry, block-ownership ledger. Never imports torch."""

@@ -1,0 +1,1 @@
+"""Decode role: gRPC service around the engine that receives KV and decodes."""

@@ -1,0 +1,1 @@
+"""Paged-attention and KV-cache kernels: torch references and Triton kernels."""

@@ -1,0 +1,1 @@
+"""KV block transfer between processes and hosts: one interface, several backends."""

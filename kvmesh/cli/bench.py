@@ -1,0 +1,21 @@
+"""`kvmesh bench NAME`: benchmarks, each printing a table or `--json`.
+
+Each benchmark is a module exposing `register(subparsers) -> None`; add it to BENCH_MODULES.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any
+
+BENCH_MODULES: tuple[str, ...] = ()
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "bench", help="run a benchmark (see `kvmesh bench --help`)"
+    )
+    inner = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    for name in BENCH_MODULES:
+        importlib.import_module(name).register(inner)

@@ -1,0 +1,39 @@
+"""`kvmesh` entry point.
+
+Each subcommand lives in its own module under `kvmesh.cli` exposing
+`register(subparsers) -> None`; the module sets `func` on its parser via `set_defaults`.
+Modules are imported only when the CLI starts, and heavy imports (torch) happen inside the
+command functions, so `kvmesh --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Subcommand modules, in help order. `bench` is itself a group of benchmarks.
+COMMAND_MODULES: tuple[str, ...] = ("kvmesh.cli.bench",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvmesh",
+        description="Disaggregated prefill/decode LLM serving on a paged KV cache.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    result = args.func(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

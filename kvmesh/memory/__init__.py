@@ -1,0 +1,1 @@
+"""Paged KV memory: block pool, block tables, prefix cache, capacity planning."""

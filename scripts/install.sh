@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv and install kvmesh into it. Usage: scripts/install.sh [dev]
+# On a machine without an NVIDIA GPU the CPU build of torch is installed first, so the
+# unpinned torch requirement does not pull a multi-gigabyte CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra=${1:-}
+python3 -m venv .venv
+py=.venv/bin/python
+$py -m pip install -q --upgrade pip
+if ! command -v nvidia-smi >/dev/null 2>&1 && ! $py -c 'import torch' 2>/dev/null; then
+    $py -m pip install -q "torch==2.13.0" \
+        || $py -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+fi
+if [ "$extra" = "dev" ]; then
+    $py -m pip install -q -e '.[dev]'
+else
+    $py -m pip install -q -e .
+fi
