@@ -1,0 +1,305 @@
+"""`BlockManager`: block tables, copy-on-write fork and the prefix cache over one `BlockPool`.
+
+The scheduler's façade; it speaks integers only. Per sequence it keeps the block table, the
+number of token slots covered (`num_tokens`, set by `allocate`) and how many leading full
+blocks are committed to the prefix cache. Every call costs O(blocks it changes).
+
+Contracts:
+- `lookup_prefix` (optional) comes first for a new sequence; `allocate` grows tables, which
+  never shrink; `free` releases a table tail first, so tails are evicted first.
+- `num_tokens` counts the slots the sequence has written or writes in the step being planned.
+  `allocate` beyond a partly filled last block with ref count > 1 (after `fork`) moves the
+  sequence onto a private copy and reports `(src, dst)`; the runner copies before writing.
+- Admission `"slru"`: a published block starts probationary and is promoted to the protected
+  segment when a second request hits it; eviction takes probationary blocks first, so a flood
+  of one-off prompts cannot push out a hot shared prefix. `"lru"`: plain LRU, no promotion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvmesh.memory.block_pool import BlockPool
+from kvmesh.memory.errors import CapacityError, SequenceExistsError, UnknownSequenceError
+from kvmesh.memory.hashing import BlockHasher, HashFn
+from kvmesh.memory.metrics import MemoryMetrics
+from kvmesh.memory.prefix_cache import CachedBlock, PrefixCache
+
+ADMISSION_POLICIES = ("slru", "lru")
+
+
+class AllocResult(NamedTuple):
+    """Blocks newly placed in the table (table order) and (src, dst) copies to run first."""
+
+    new_blocks: list[int]
+    copy_pairs: list[tuple[int, int]]
+
+
+@dataclass(slots=True)
+class _Seq:
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    num_committed: int = 0  # leading full blocks whose chain hash is known
+    last_hash: int | None = None  # chain hash of block num_committed - 1
+
+
+class BlockManager:
+    """Paged KV block tables with prefix caching; see the module docstring for contracts."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        hash_seed: bytes | None = None,
+        admission: str = "slru",
+        protected_fraction: float = 0.5,
+        hash_fn: HashFn | None = None,
+    ) -> None:
+        if admission not in ADMISSION_POLICIES:
+            raise ValueError(f"admission must be one of {ADMISSION_POLICIES}, got {admission!r}")
+        if not 0.0 <= protected_fraction <= 1.0:
+            raise ValueError(f"protected_fraction must be in [0, 1], got {protected_fraction}")
+        self._cache = PrefixCache()
+        self._pool = BlockPool(
+            num_blocks,
+            block_size,
+            protected_capacity=int(num_blocks * protected_fraction),
+            on_evict=self._cache.forget,
+        )
+        self._bs = block_size
+        self._hash: HashFn = hash_fn or BlockHasher(hash_seed).hash_block
+        self._promote_on_hit = admission == "slru"
+        self.admission = admission
+        self.enable_prefix_caching = enable_prefix_caching
+        self._seqs: dict[str, _Seq] = {}
+        self._queries = self._query_tokens = self._hit_tokens = self._cow_copies = 0
+
+    # -- properties --------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._bs
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now: free plus evictable cached blocks."""
+        return self._pool.num_free
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def num_tokens(self, seq_id: str) -> int:
+        return self._get(seq_id).num_tokens
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return list(self._get(seq_id).blocks)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._pool.ref_count(block_id)
+
+    def slot_mapping(self, seq_id: str, start: int, end: int) -> list[int]:
+        """Cache slot (block_id * block_size + offset) of each token position in [start, end)."""
+        seq = self._get(seq_id)
+        if not 0 <= start <= end <= len(seq.blocks) * self._bs:
+            raise ValueError(
+                f"start/end must satisfy 0 <= start <= end <= {len(seq.blocks) * self._bs}"
+                f" (allocated slots of {seq_id!r}), got start={start}, end={end}"
+            )
+        bs, blocks = self._bs, seq.blocks
+        return [blocks[pos // bs] * bs + pos % bs for pos in range(start, end)]
+
+    def block_hashes(self, token_ids: Sequence[int], extra_key: bytes | None = None) -> list[int]:
+        """Chain hashes of the full blocks of `token_ids` (for prefix-affinity routing)."""
+        hashes: list[int] = []
+        parent: int | None = None
+        for start in range(0, len(token_ids) - self._bs + 1, self._bs):
+            parent = self._hash(parent, token_ids[start : start + self._bs], extra_key)
+            hashes.append(parent)
+        return hashes
+
+    # -- sequence lifecycle ------------------------------------------------------------------
+    def lookup_prefix(
+        self, seq_id: str, token_ids: Sequence[int], extra_key: bytes | None = None
+    ) -> int:
+        """Create `seq_id` holding the longest cached run of full prompt blocks; return its tokens.
+
+        At least one prompt token is left to compute. Hit blocks gain a reference each.
+        """
+        if seq_id in self._seqs:
+            raise SequenceExistsError(f"seq_id {seq_id!r} already exists (lookup_prefix is first)")
+        seq = self._seqs[seq_id] = _Seq()
+        extra_key = extra_key or None
+        self._queries += 1
+        self._query_tokens += len(token_ids)
+        if not self.enable_prefix_caching:
+            return 0
+        bs, parent = self._bs, None
+        for start in range(0, max(0, len(token_ids) - 1) // bs * bs, bs):
+            tokens = token_ids[start : start + bs]
+            block_hash = self._hash(parent, tokens, extra_key)
+            block = self._cache.match(block_hash, parent, tokens, extra_key)
+            if block is None:
+                break
+            self._pool.incref(block)
+            if self._promote_on_hit:
+                self._pool.protect(block)
+            seq.blocks.append(block)
+            parent = block_hash
+        seq.num_tokens = len(seq.blocks) * bs
+        seq.num_committed, seq.last_hash = len(seq.blocks), parent
+        self._hit_tokens += seq.num_tokens
+        return seq.num_tokens
+
+    def allocate(self, seq_id: str, num_tokens: int) -> AllocResult | None:
+        """Cover `num_tokens` slots in total (creating the seq if new); None if blocks run out.
+
+        All-or-nothing: on None nothing changed. A `num_tokens` at or below the current count
+        is a no-op. Raises CapacityError when the whole pool could never hold `num_tokens`.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is not None and num_tokens <= seq.num_tokens:
+            return AllocResult([], [])
+        bs = self._bs
+        blocks_needed = -(-num_tokens // bs)
+        if seq is None:
+            self._check_capacity(num_tokens, blocks_needed)
+            new = self._pool.allocate(blocks_needed)
+            if new is None:
+                return None
+            self._seqs[seq_id] = _Seq(list(new), num_tokens)
+            return AllocResult(new, [])
+        blocks = seq.blocks
+        grow = blocks_needed - len(blocks)
+        cow = seq.num_tokens % bs != 0 and self._pool.ref_count(blocks[-1]) > 1
+        if grow <= 0 and not cow:
+            seq.num_tokens = num_tokens
+            return AllocResult([], [])
+        self._check_capacity(num_tokens, blocks_needed)
+        new = self._pool.allocate(grow + cow)
+        if new is None:
+            return None
+        pairs: list[tuple[int, int]] = []
+        if cow:
+            src, dst = blocks[-1], new[0]
+            blocks[-1] = dst
+            self._pool.decref(src)
+            pairs.append((src, dst))
+            self._cow_copies += 1
+            blocks.extend(new[1:])
+        else:
+            blocks.extend(new)
+        seq.num_tokens = num_tokens
+        return AllocResult(new, pairs)
+
+    def _check_capacity(self, num_tokens: int, blocks_needed: int) -> None:
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        if blocks_needed > self._pool.num_blocks:
+            raise CapacityError(
+                f"num_tokens={num_tokens} needs {blocks_needed} blocks of {self._bs} slots,"
+                f" but the pool has only {self._pool.num_blocks} blocks"
+                f" ({self._pool.num_blocks * self._bs} slots)"
+            )
+
+    def commit(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        num_computed: int,
+        extra_key: bytes | None = None,
+    ) -> None:
+        """Publish the full blocks among the first `num_computed` tokens (KV computed).
+
+        Idempotent; O(newly full blocks). A block identical to one already cached under
+        another id stays unpublished (it is freed normally, the cached copy serves hits).
+        """
+        seq = self._get(seq_id)
+        if not 0 <= num_computed <= min(len(token_ids), seq.num_tokens):
+            raise ValueError(
+                f"num_computed must be in [0, min(len(token_ids)={len(token_ids)},"
+                f" num_tokens={seq.num_tokens})], got {num_computed}"
+            )
+        if not self.enable_prefix_caching:
+            return
+        bs, parent, extra_key = self._bs, seq.last_hash, extra_key or None
+        full = num_computed // bs
+        for index in range(seq.num_committed, full):
+            tokens = tuple(token_ids[index * bs : (index + 1) * bs])
+            block_hash = self._hash(parent, tokens, extra_key)
+            self._publish(seq.blocks[index], CachedBlock(block_hash, parent, tokens, extra_key))
+            parent = block_hash
+        if full > seq.num_committed:
+            seq.num_committed, seq.last_hash = full, parent
+
+    def _publish(self, block: int, entry: CachedBlock) -> None:
+        if self._pool.is_cached(block):
+            if self._cache.hash_of(block) != entry.block_hash:
+                raise ValueError(f"token_ids disagree with the tokens committed to block {block}")
+        elif self._cache.publish(block, entry):
+            self._pool.mark_cached(block)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """`child_id` shares every block of `parent_id` (ref +1 each); writes then copy on write."""
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise SequenceExistsError(f"child_id {child_id!r} already exists")
+        for block in parent.blocks:
+            self._pool.incref(block)
+        self._seqs[child_id] = _Seq(
+            list(parent.blocks), parent.num_tokens, parent.num_committed, parent.last_hash
+        )
+
+    def free(self, seq_id: str) -> None:
+        """Release the sequence's blocks tail first; cached ones become evictable, others free."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise UnknownSequenceError(f"seq_id {seq_id!r} is not tracked")
+        for block in reversed(seq.blocks):
+            self._pool.decref(block)
+
+    def _get(self, seq_id: str) -> _Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError(f"seq_id {seq_id!r} is not tracked")
+        return seq
+
+    # -- observability -----------------------------------------------------------------------
+    def metrics(self) -> MemoryMetrics:
+        pool = self._pool
+        total, free_now = pool.num_blocks, pool.num_free
+        return MemoryMetrics(
+            total_blocks=total,
+            free_blocks=free_now - pool.num_evictable,
+            evictable_blocks=pool.num_evictable,
+            protected_blocks=pool.num_evictable_protected,
+            in_use_blocks=total - free_now,
+            usage=(total - free_now) / total,
+            cached_blocks=len(self._cache),
+            prefix_queries=self._queries,
+            prefix_query_tokens=self._query_tokens,
+            prefix_hit_tokens=self._hit_tokens,
+            prefix_hit_rate=self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
+            evictions=pool.num_evictions,
+            cow_copies=self._cow_copies,
+            hash_collisions=self._cache.num_collisions,
+        )
+
+    def check_integrity(self) -> None:
+        """AssertionError naming the broken invariant (tables, ref counts, queues, hash index)."""
+        refs: list[int] = []
+        for seq_id, seq in self._seqs.items():
+            assert len(seq.blocks) == -(-seq.num_tokens // self._bs), (
+                f"{seq_id!r}: {len(seq.blocks)} blocks for {seq.num_tokens} tokens"
+            )
+            assert seq.num_committed <= len(seq.blocks), f"{seq_id!r}: committed past its table"
+            refs.extend(seq.blocks)
+        self._pool.check_integrity(refs)
+        cached = {b for b in range(self._pool.num_blocks) if self._pool.is_cached(b)}
+        self._cache.check_integrity(self._hash, cached)

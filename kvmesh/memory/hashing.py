@@ -1,0 +1,73 @@
+"""Chained, per-process-seeded hashes of full KV blocks (the prefix-cache key).
+
+h_i = XXH3-128(seed, h_{i-1} || len(extra_key) || extra_key || token ids of block i)
+
+The seed is random per process unless given, so no client can precompute colliding prompts;
+`extra_key` (an adapter id or a tenant salt) separates caches that must never share KV. Hits
+are still verified against the stored token ids, so even a collision is never served.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Callable, Sequence
+
+import xxhash
+
+# (parent_hash or None, token ids of one full block, extra_key) -> block hash
+HashFn = Callable[[int | None, Sequence[int], bytes | None], int]
+
+_PROCESS_SEED: bytes = os.urandom(16)
+_NO_PARENT = b"\x00" * 16
+
+
+def _seed_int(seed: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(seed)
+
+
+class BlockHasher:
+    """Computes chained block hashes under one seed; instances are immutable."""
+
+    __slots__ = ("_seed", "_seed_bytes")
+
+    def __init__(self, seed: bytes | None = None) -> None:
+        if seed is not None and not isinstance(seed, bytes | bytearray):
+            raise TypeError(f"hash_seed must be bytes or None, got {type(seed).__name__}")
+        self._seed_bytes = bytes(seed) if seed is not None else _PROCESS_SEED
+        self._seed = _seed_int(self._seed_bytes)
+
+    def hash_block(
+        self, parent: int | None, tokens: Sequence[int], extra_key: bytes | None = None
+    ) -> int:
+        """Hash of one full block given its parent's hash (None for the first block)."""
+        head = _NO_PARENT if parent is None else parent.to_bytes(16, "little")
+        if extra_key:
+            head += len(extra_key).to_bytes(4, "little") + extra_key
+        else:
+            head += b"\x00\x00\x00\x00"
+        try:
+            body = array("q", tokens).tobytes()
+        except OverflowError as exc:
+            raise ValueError("token_ids must fit in a signed 64-bit integer") from exc
+        return xxhash.xxh3_128_intdigest(head + body, seed=self._seed)
+
+    def hash_blocks(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        extra_key: bytes | None = None,
+        *,
+        max_blocks: int | None = None,
+    ) -> list[int]:
+        """Hashes of the full blocks of `token_ids` (at most `max_blocks` of them)."""
+        count = len(token_ids) // block_size
+        if max_blocks is not None:
+            count = min(count, max_blocks)
+        hashes: list[int] = []
+        parent: int | None = None
+        for index in range(count):
+            start = index * block_size
+            parent = self.hash_block(parent, token_ids[start : start + block_size], extra_key)
+            hashes.append(parent)
+        return hashes
