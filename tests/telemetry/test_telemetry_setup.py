@@ -1,0 +1,40 @@
+"""Tracing configuration from OTEL_* variables and the Prometheus text endpoint."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+
+from kvmesh.telemetry.metrics import WorkerMetrics, serve_metrics
+from kvmesh.telemetry.tracing import TracingConfig, TracingConfigError
+
+
+def test_exporter_defaults_to_none_without_endpoint() -> None:
+    config = TracingConfig.from_env("kvmesh-decode", env={})
+    assert (config.exporter, config.service_name, config.disabled) == (
+        "none",
+        "kvmesh-decode",
+        False,
+    )
+
+
+def test_endpoint_selects_otlp_and_service_name_overrides() -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317", "OTEL_SERVICE_NAME": "x"}
+    config = TracingConfig.from_env("kvmesh-decode", env=env)
+    assert (config.exporter, config.service_name) == ("otlp", "x")
+
+
+def test_unknown_exporter_names_the_variable() -> None:
+    with pytest.raises(TracingConfigError, match="OTEL_TRACES_EXPORTER"):
+        TracingConfig.from_env("kvmesh", env={"OTEL_TRACES_EXPORTER": "zipkin"})
+
+
+def test_metrics_endpoint_serves_recorded_values() -> None:
+    metrics = WorkerMetrics()
+    metrics.transfer_seconds.labels(backend="shm", outcome="completed").observe(0.02)
+    metrics.blocks.labels(state="free").set(17)
+    port = serve_metrics(metrics, 0)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'kvmesh_kv_transfer_seconds_count{backend="shm",outcome="completed"} 1.0' in body
+    assert 'kvmesh_kv_blocks{state="free"} 17.0' in body
