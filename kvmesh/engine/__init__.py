@@ -1,0 +1,1 @@
+"""Inference engine: model runner, scheduler, sampler and the LLM API."""

@@ -1,0 +1,54 @@
+"""The embedded default model: a `test`-size Llama (seed 0) built once and cached on disk.
+
+Location: `$KVMESH_CACHE_DIR/models/<DEFAULT_MODEL_NAME>`, or `~/.cache/kvmesh/models/...` when
+the variable is unset. The folder is built in a temporary sibling and renamed into place under
+an exclusive `fcntl` lock, so concurrent processes build it once and never see it half-written:
+if the final folder exists, it is complete.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
+from kvmesh.models.tiny import build_tiny_model, remove_checkpoint
+
+DEFAULT_ARCH, DEFAULT_SIZE, DEFAULT_SEED = "llama", "test", 0
+# Bump the version whenever the builder's output changes, so stale caches are not reused.
+DEFAULT_MODEL_NAME = f"tiny-{DEFAULT_ARCH}-{DEFAULT_SIZE}-seed{DEFAULT_SEED}-v1"
+CACHE_DIR_ENV = "KVMESH_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """`$KVMESH_CACHE_DIR`, or `~/.cache/kvmesh` when unset or empty."""
+    configured = os.environ.get(CACHE_DIR_ENV, "")
+    return Path(configured) if configured else Path.home() / ".cache" / "kvmesh"
+
+
+def default_model_path() -> Path:
+    """Return the cached default checkpoint folder, building it first if it does not exist."""
+    models_dir = cache_root() / "models"
+    final = models_dir / DEFAULT_MODEL_NAME
+    if final.is_dir():
+        return final
+    models_dir.mkdir(parents=True, exist_ok=True)
+    lock_path = models_dir / f".{DEFAULT_MODEL_NAME}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            if not final.is_dir():
+                _build_atomically(models_dir, final)
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    return final
+
+
+def _build_atomically(models_dir: Path, final: Path) -> None:
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models_dir))
+    try:
+        build_tiny_model(staging, DEFAULT_ARCH, DEFAULT_SIZE, DEFAULT_SEED)
+        os.rename(staging, final)
+    finally:
+        remove_checkpoint(staging)
