@@ -179,7 +179,9 @@ def _reduce_kernel(
     l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)  # noqa: E741
     m_max = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)  # [S_PAD]; empty splits weigh 0
-    acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None])
+    acc = tl.load(
+        part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0
+    )
     total = tl.sum(w * l, axis=0)
     o = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)  # [D_PAD]
     o_off = b.to(tl.int64) * stride_ob + h * stride_oh + offs_d

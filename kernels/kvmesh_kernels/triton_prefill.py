@@ -30,8 +30,9 @@ def _find_sequence(tile_cum_ptr, pid, batch, SEARCH_STEPS: tl.constexpr):
     for _ in range(SEARCH_STEPS):
         mid = (lo + hi) // 2
         go_left = tl.load(tile_cum_ptr + mid, mask=mid < batch, other=0) > pid
-        lo = tl.where((lo < hi) & ~go_left, mid + 1, lo)
-        hi = tl.where((lo < hi) & go_left, mid, hi)
+        active = lo < hi
+        lo = tl.where(active & ~go_left, mid + 1, lo)
+        hi = tl.where(active & go_left, mid, hi)
     first = tl.load(tile_cum_ptr + lo - 1, mask=lo > 0, other=0)
     return lo, first
 
@@ -91,7 +92,9 @@ def _prefill_kernel(
         r_mask = (tok_i < q_len) & (g < G)
         q_pos = ctx + tok_i  # [M]
         q_row = (q_start + tok_i).to(tl.int64) * stride_qt + (kvh * G + g) * stride_qh  # [M]
-        q = tl.load(q_ptr + q_row[:, None] + offs_d[None, :], mask=r_mask[:, None] & d_mask)
+        q = tl.load(
+            q_ptr + q_row[:, None] + offs_d[None, :], mask=r_mask[:, None] & d_mask, other=0.0
+        )
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
 
         hi = tl.minimum(ctx + t0 + BLOCK_Q, seq_len)  # last visible key + 1
