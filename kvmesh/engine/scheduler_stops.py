@@ -1,0 +1,76 @@
+"""Request admission checks and token-based stop rules (pure functions of a sequence)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvmesh.engine.errors import EmptyPromptError, InvalidParameterError, PromptTooLongError
+from kvmesh.engine.scheduler_types import SchedulerConfig
+from kvmesh.engine.sequence import Request, Sequence
+
+if TYPE_CHECKING:
+    from kvmesh.engine.sampling_params import SamplingParams
+
+
+def max_total_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
+    """Most tokens (prompt + output) one sequence of the request can ever hold."""
+    max_tokens = params.max_tokens
+    if max_tokens is None:
+        return max_model_len
+    return min(num_prompt_tokens + max_tokens, max_model_len)
+
+
+def validate_request(
+    request: Request, config: SchedulerConfig, num_blocks: int, block_size: int
+) -> None:
+    """Raise InvalidParameterError (naming the field) for a request that can never run."""
+    if len(request.seqs) != 1:
+        raise InvalidParameterError(
+            "seqs", f"a new request has one sequence, got {len(request.seqs)}"
+        )
+    seq = request.seqs[0]
+    num_prompt = seq.num_tokens
+    if num_prompt == 0:
+        raise EmptyPromptError()
+    if num_prompt > config.max_model_len:
+        raise PromptTooLongError(num_prompt, config.max_model_len)
+    max_tokens = request.params.max_tokens
+    if max_tokens is not None and num_prompt + max_tokens > config.max_model_len:
+        raise PromptTooLongError(num_prompt + max_tokens, config.max_model_len, field="max_tokens")
+    total = max_total_tokens(request.params, num_prompt, config.max_model_len)
+    needed = -(-total // block_size)
+    if needed > num_blocks:
+        raise InvalidParameterError(
+            "max_tokens",
+            f"prompt + max_tokens = {total} tokens need {needed} KV blocks of {block_size},"
+            f" but the pool holds only {num_blocks}",
+        )
+    n = request.params.n
+    if n > 1 and request.prefill_only:
+        raise InvalidParameterError("n", "prefill-only requests take n == 1")
+    if n > 1 and config.allocation == "contiguous":
+        raise InvalidParameterError("n", "parallel sampling needs allocation='paged'")
+
+
+def stop_status(
+    seq: Sequence, eos_token_id: int | None, max_model_len: int
+) -> tuple[str, int | None] | None:
+    """(finish_reason, stop_reason) if `seq`'s last token ends it, else None.
+
+    EOS (unless ignore_eos) and stop_token_ids count only after min_tokens outputs;
+    max_tokens and max_model_len end with "length".
+    """
+    params = seq.params
+    num_output = len(seq.output_ids)
+    token = seq.last_token_id
+    if num_output >= (params.min_tokens or 0):
+        if token == eos_token_id and not params.ignore_eos:
+            return "stop", None
+        stop_ids = params.stop_token_ids
+        if stop_ids and token in stop_ids:
+            return "stop", token
+    if params.max_tokens is not None and num_output >= params.max_tokens:
+        return "length", None
+    if seq.num_tokens >= max_model_len:
+        return "length", None
+    return None
