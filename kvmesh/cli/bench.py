@@ -9,7 +9,7 @@ import argparse
 import importlib
 from typing import Any
 
-BENCH_MODULES: tuple[str, ...] = ()
+BENCH_MODULES: tuple[str, ...] = ("kvmesh.cli.bench_memory",)
 
 
 def register(subparsers: Any) -> None:
