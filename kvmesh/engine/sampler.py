@@ -1,0 +1,265 @@
+"""Vectorised token sampler: one call turns a `[rows, vocab]` logits batch into one token per row.
+
+Order of operations (vLLM v1's):
+
+1. logprobs: `log_softmax` of the RAW model logits (before any processing, vLLM's default);
+2. min_tokens: EOS (unless ignore_eos) and stop_token_ids masked while output is too short;
+3. penalties: repetition (divide positive / multiply negative logits of tokens seen in prompt or
+   output), then frequency (minus count in output) and presence (minus 1 if in output);
+4. greedy rows take the argmax here; the others: temperature, min_p, top_k, top_p, then draw.
+
+Drawing is an exponential race: `argmax(probs / q)` with `q ~ Exp(1)` per vocabulary entry picks
+token i with probability probs[i]. A seeded row draws its `q` from a generator seeded with
+`mix(seed + sample_index, step)`, so its tokens depend only on its own seed, child index and
+step, never on the batch it shares; unseeded rows share the sampler's global generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, step: int) -> int:
+    """A well-spread 63-bit generator seed from a request seed and a step (splitmix64)."""
+    x = (seed * 0x9E3779B97F4A7C15 + step + 0x632BE59BD9B4E019) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One logits row to sample from and the history its penalties and stops look at.
+
+    step_seed_offset: the step a seeded row's draw is keyed on (default: len(output_ids), which
+    stays right across preemption and recompute). sample_index: child number for n > 1, so each
+    child of a seeded request draws like a request with seed `seed + sample_index` (vLLM).
+    eos_token_id: overrides the batch-wide EOS id for this row.
+    """
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    step_seed_offset: int | None = None
+    sample_index: int = 0
+    eos_token_id: int | None = None
+
+    @property
+    def step(self) -> int:
+        return len(self.output_ids) if self.step_seed_offset is None else self.step_seed_offset
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling tensors (CPU) plus the rows themselves; build with `SamplingBatch.build`."""
+
+    rows: tuple[SamplingRow, ...]
+    temperature: torch.Tensor  # [rows] float32, 1.0 for greedy rows
+    top_k: torch.Tensor  # [rows] int64, 0 = off
+    top_p: torch.Tensor  # [rows] float32
+    min_p: torch.Tensor  # [rows] float32
+    greedy: torch.Tensor  # [rows] bool
+    stop_masks: tuple[tuple[int, ...], ...]  # per row: ids masked until min_tokens is reached
+    all_greedy: bool
+    any_penalties: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    max_logprobs: int | None  # largest top-n asked for, None if no row wants logprobs
+
+    @classmethod
+    def build(cls, rows: Sequence[SamplingRow], eos_token_id: int | None = None) -> SamplingBatch:
+        """Collect the per-row parameters of `rows` (in order) into batch tensors."""
+        rows = tuple(rows)
+        params = [row.params for row in rows]
+        greedy = [p.greedy for p in params]
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            rows=rows,
+            temperature=torch.tensor(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                dtype=torch.float32,
+            ),
+            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            greedy=torch.tensor(greedy, dtype=torch.bool),
+            stop_masks=tuple(_stop_mask(row, eos_token_id) for row in rows),
+            all_greedy=all(greedy),
+            any_penalties=any(p.has_penalties for p in params),
+            any_top_k=any(p.top_k > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0.0 for p in params),
+            max_logprobs=max(asked) if asked else None,
+        )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def _stop_mask(row: SamplingRow, default_eos: int | None) -> tuple[int, ...]:
+    params = row.params
+    if len(row.output_ids) >= params.min_tokens:
+        return ()
+    eos = row.eos_token_id if row.eos_token_id is not None else default_eos
+    ids = list(params.stop_token_ids)
+    if eos is not None and not params.ignore_eos:
+        ids.append(eos)
+    return tuple(ids)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Raw-model logprobs at one position: the sampled token's, its rank (1 = most likely) and
+    the top-n tokens in descending order (n = SamplingParams.logprobs, may be 0)."""
+
+    sampled_token_id: int
+    sampled_logprob: float
+    sampled_rank: int
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [rows] int64
+    logprobs: list[TokenLogprobs | None]  # per row; None where the row asked for none
+
+
+class Sampler:
+    """Samples one token per row. Holds the global generator used by rows without a seed."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: [rows, vocab] float32, row i belonging to batch.rows[i]."""
+        assert logits.dim() == 2 and logits.shape[0] == len(batch), "one logits row per row"
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs is not None else None
+        logits = self._process(logits, batch)
+        token_ids = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(batch))
+        return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, token_ids, batch))
+
+    def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """min_tokens masking and penalties; returns a new tensor only when something applies."""
+        if any(batch.stop_masks):
+            logits = logits.clone()
+            for i, ids in enumerate(batch.stop_masks):
+                if ids:
+                    logits[i, list(ids)] = float("-inf")
+        if batch.any_penalties:
+            logits = apply_penalties(logits, batch.rows)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        device = logits.device
+        greedy_ids = logits.argmax(dim=-1)  # [rows]
+        logits = logits / batch.temperature.to(device).unsqueeze(1)
+        if batch.any_min_p:
+            logits = apply_min_p(logits, batch.min_p.to(device))
+        if batch.any_top_k or batch.any_top_p:
+            top_k = batch.top_k.to(device) if batch.any_top_k else None
+            top_p = batch.top_p.to(device) if batch.any_top_p else None
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)  # [rows, vocab]
+        race = self._exponentials(probs, batch)
+        sampled = probs.div_(race).argmax(dim=-1)  # [rows]
+        return torch.where(batch.greedy.to(device), greedy_ids, sampled)
+
+    def _exponentials(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """[rows, vocab] Exp(1) draws: per-row generators for seeded rows, global for the rest."""
+        race = torch.empty_like(probs)
+        seeded = [i for i, row in enumerate(batch.rows) if row.params.seed is not None]
+        if len(seeded) < len(batch):
+            race.exponential_(generator=self.generator)
+        for i in seeded:
+            row = batch.rows[i]
+            assert row.params.seed is not None
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed(mix_seed((row.params.seed + row.sample_index) & _MASK64, row.step))
+            race[i].exponential_(generator=gen)
+        return race
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """vLLM's repetition, frequency and presence penalties. logits: [rows, vocab]."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    counts = torch.zeros(num_rows, vocab, dtype=torch.float32, device=device)  # output counts
+    seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)  # prompt or output
+    for i, row in enumerate(rows):
+        if not row.params.has_penalties:
+            continue
+        out = torch.as_tensor(list(row.output_ids), dtype=torch.int64, device=device)
+        counts[i].index_add_(0, out, torch.ones(out.numel(), device=device))
+        seen[i, torch.as_tensor(list(row.prompt_ids), dtype=torch.int64, device=device)] = True
+    seen |= counts > 0
+    params = [row.params for row in rows]
+    rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+    freq = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+    pres = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    penalty = torch.where(seen, rep, torch.ones_like(rep))  # [rows, vocab]
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return logits - freq * counts - pres * (counts > 0).float()
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability."""
+    probs = logits.softmax(dim=-1)  # [rows, vocab]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [rows, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep each row's top_k logits (0 = all; ties at the cut kept) and its smallest set with
+    cumulative probability >= top_p (the most likely token always stays)."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # [rows, vocab] ascending
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        cut = sorted_logits.gather(1, (vocab - k).unsqueeze(1))  # [rows, 1] k-th largest
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < cut, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [rows, vocab]
+        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return sorted_logits.scatter(1, order, sorted_logits)
+
+
+def _gather_logprobs(
+    raw: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
+) -> list[TokenLogprobs | None]:
+    """Per row: the sampled token's raw logprob and rank, and the top-n. raw: [rows, vocab]."""
+    assert batch.max_logprobs is not None
+    sampled = raw.gather(1, token_ids.unsqueeze(1))  # [rows, 1]
+    ranks = (raw > sampled).sum(dim=-1) + 1  # [rows]
+    top_values, top_ids = raw.topk(batch.max_logprobs, dim=-1)  # [rows, max_logprobs]
+    out: list[TokenLogprobs | None] = []
+    for i, row in enumerate(batch.rows):
+        n = row.params.logprobs
+        if n is None:
+            out.append(None)
+            continue
+        out.append(
+            TokenLogprobs(
+                sampled_token_id=int(token_ids[i]),
+                sampled_logprob=float(sampled[i, 0]),
+                sampled_rank=int(ranks[i]),
+                top_token_ids=tuple(top_ids[i, :n].tolist()),
+                top_logprobs=tuple(top_values[i, :n].tolist()),
+            )
+        )
+    return out

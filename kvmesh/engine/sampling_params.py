@@ -1,0 +1,183 @@
+"""`SamplingParams`: how one request samples and stops, with vLLM's names, defaults and ranges.
+
+Validation here is independent of the model (`__post_init__`); `validate_for_model` adds the
+checks that need the vocabulary. Every failure is an `InvalidParameterError` naming the field.
+Sequences (`stop`, `stop_token_ids`) are normalised to tuples so the object stays hashable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.engine.errors import InvalidParameterError
+
+SAMPLING_EPS = 1e-5  # temperature below this samples greedily (vLLM's threshold)
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling and stopping options of one request (vLLM-compatible names and defaults).
+
+    temperature 0 is greedy; top_k 0 or -1 and top_p 1.0 and min_p 0.0 are off; max_tokens None
+    generates until the model's maximum length; logprobs N returns the top-N raw-model logprobs
+    of every generated position (0: only the sampled token's); seed makes the request's draws
+    reproducible regardless of what else is batched with it.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: Sequence[int] = ()
+    stop: Sequence[str] | str = ()
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            self._set(name, _float(name, getattr(self, name)))
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            self._set(name, _float(name, getattr(self, name)))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameterError(name, f"expected a bool, got {getattr(self, name)!r}")
+        self._check_counts()
+        self._check_sampling()
+        self._check_penalties()
+        self._set("stop", _stop_strings(self.stop))
+        self._set("stop_token_ids", _stop_token_ids(self.stop_token_ids))
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    def _check_counts(self) -> None:
+        if _int("n", self.n) < 1:
+            raise InvalidParameterError("n", f"must be at least 1, got {self.n}")
+        if self.max_tokens is not None and _int("max_tokens", self.max_tokens) < 1:
+            raise InvalidParameterError("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if _int("min_tokens", self.min_tokens) < 0:
+            raise InvalidParameterError(
+                "min_tokens", f"must be non-negative, got {self.min_tokens}"
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidParameterError(
+                "min_tokens",
+                f"must not exceed max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
+        if self.logprobs is not None and not 0 <= _int("logprobs", self.logprobs) <= MAX_LOGPROBS:
+            raise InvalidParameterError(
+                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+            )
+        if self.seed is not None and not 0 <= _int("seed", self.seed) < MAX_SEED:
+            raise InvalidParameterError("seed", f"must be in [0, 2**63), got {self.seed}")
+
+    def _check_sampling(self) -> None:
+        if self.temperature < 0.0:
+            raise InvalidParameterError(
+                "temperature", f"must be non-negative, got {self.temperature}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidParameterError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if _int("top_k", self.top_k) < -1:
+            raise InvalidParameterError(
+                "top_k", f"must be -1 or 0 (off) or a positive int, got {self.top_k}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidParameterError("min_p", f"must be in [0, 1], got {self.min_p}")
+
+    def _check_penalties(self) -> None:
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidParameterError(
+                "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidParameterError(name, f"must be in [-2, 2], got {value}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request always takes the most likely token (temperature ~ 0)."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the repetition, presence or frequency penalties is active."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def validate_for_model(self, vocab_size: int) -> None:
+        """Check the fields that depend on the model: stop_token_ids must lie in the vocabulary."""
+        for token_id in self.stop_token_ids:
+            if token_id >= vocab_size:
+                raise InvalidParameterError(
+                    "stop_token_ids",
+                    f"token id {token_id} is outside the vocabulary ({vocab_size})",
+                )
+
+
+def _int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParameterError(name, f"expected an int, got {value!r}")
+    return value
+
+
+def _float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidParameterError(name, f"expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidParameterError(name, f"must be finite, got {value}")
+    return float(value)
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    strings = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(strings, (list, tuple)):
+        raise InvalidParameterError("stop", f"expected a string or a list of strings, got {stop!r}")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise InvalidParameterError(
+            "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}"
+        )
+    for s in strings:
+        if not isinstance(s, str):
+            raise InvalidParameterError("stop", f"expected strings, got {s!r}")
+        if not s:
+            raise InvalidParameterError("stop", "stop strings must not be empty")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise InvalidParameterError(
+                "stop", f"stop strings are at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}"
+            )
+    return tuple(strings)
+
+
+def _stop_token_ids(ids: object) -> tuple[int, ...]:
+    if not isinstance(ids, (list, tuple)):
+        raise InvalidParameterError("stop_token_ids", f"expected a list of ints, got {ids!r}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidParameterError(
+            "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}"
+        )
+    for token_id in ids:
+        if _int("stop_token_ids", token_id) < 0:
+            raise InvalidParameterError("stop_token_ids", f"must be non-negative, got {token_id}")
+    return tuple(ids)

@@ -1,0 +1,218 @@
+"""Sampler behaviour: greedy, filters, penalties, min_tokens, seeds and logprobs."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from kvmesh.engine.sampler import Sampler, SamplingBatch, SamplingRow
+from kvmesh.engine.sampling_params import SamplingParams
+
+VOCAB = 64
+EOS = 7
+
+
+def random_logits(rows: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3  # [rows, V]
+
+
+def row(
+    params: SamplingParams, output: tuple[int, ...] = (), prompt: tuple[int, ...] = (1, 2), **kw
+) -> SamplingRow:
+    return SamplingRow(params=params, prompt_ids=prompt, output_ids=output, **kw)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], seed: int = 0, eos: int | None = EOS):
+    sampler = Sampler(torch.Generator().manual_seed(seed))
+    return sampler(logits, SamplingBatch.build(rows, eos_token_id=eos))
+
+
+def draws(logits_row: torch.Tensor, params: SamplingParams, count: int) -> Counter[int]:
+    """`count` independent draws of one row, as one batch of identical unseeded rows."""
+    logits = logits_row.unsqueeze(0).expand(count, -1).contiguous()  # [count, V]
+    out = sample(logits, [row(params)] * count, seed=3)
+    return Counter(out.token_ids.tolist())
+
+
+def test_greedy_is_argmax() -> None:
+    logits = random_logits(5, seed=1)
+    out = sample(logits, [row(SamplingParams(temperature=0.0))] * 5)
+    assert out.token_ids.dtype == torch.int64
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+    assert out.logprobs == [None] * 5
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(top_k=1),
+        SamplingParams(top_p=1e-6),
+        SamplingParams(temperature=1e-4),
+        SamplingParams(min_p=1.0),
+        SamplingParams(temperature=2.0, top_k=1, seed=5),
+    ],
+    ids=["top_k=1", "tiny top_p", "tiny temperature", "min_p=1", "seeded top_k=1"],
+)
+def test_degenerate_filters_equal_greedy(params: SamplingParams) -> None:
+    logits = random_logits(8, seed=2)
+    out = sample(logits, [row(params)] * 8)
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+
+
+def test_plain_sampling_follows_the_distribution() -> None:
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.1]))
+    counts = draws(logits, SamplingParams(), 4000)
+    for token, p in enumerate([0.6, 0.3, 0.1]):
+        assert abs(counts[token] / 4000 - p) < 0.03
+
+
+def test_temperature_sharpens_and_flattens() -> None:
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.1]))
+    cold = draws(logits, SamplingParams(temperature=0.25), 2000)
+    hot = draws(logits, SamplingParams(temperature=4.0), 2000)
+    assert cold[0] / 2000 > 0.9  # 0.6^4 / (0.6^4 + 0.3^4 + 0.1^4) ~ 0.94
+    assert 0.2 < hot[2] / 2000 < 0.35  # close to uniform
+
+
+def test_top_k_and_top_p_and_min_p_restrict_the_support() -> None:
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04])
+    logits = torch.log(probs)
+    assert set(draws(logits, SamplingParams(top_k=2), 1000)) == {0, 1}
+    assert set(draws(logits, SamplingParams(top_p=0.85), 1000)) == {0, 1, 2}
+    assert set(draws(logits, SamplingParams(top_p=0.7), 1000)) == {0, 1}
+    # min_p 0.45: keep p >= 0.18 -> {0, 1, 2}; 0.6: keep p >= 0.24 -> {0, 1}
+    assert set(draws(logits, SamplingParams(min_p=0.45), 1000)) == {0, 1, 2}
+    assert set(draws(logits, SamplingParams(min_p=0.6), 1000)) == {0, 1}
+    assert len(draws(logits, SamplingParams(top_k=-1), 1000)) == 5
+
+
+def test_filters_only_touch_their_own_row() -> None:
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.3]] * 600))
+    rows = [row(SamplingParams(top_k=1)), row(SamplingParams())] * 300
+    out = sample(logits, rows).token_ids.view(300, 2)
+    assert set(out[:, 0].tolist()) == {0}
+    assert set(out[:, 1].tolist()) == {0, 1, 2}
+
+
+@pytest.mark.parametrize(
+    ("logits", "params", "prompt", "output", "expected"),
+    [
+        ([2.0, 1.9], SamplingParams(temperature=0, repetition_penalty=1.2), (5,), (0,), 1),
+        ([2.0, 1.9], SamplingParams(temperature=0, repetition_penalty=1.2), (0,), (), 1),
+        ([-1.0, -1.1], SamplingParams(temperature=0, repetition_penalty=1.2), (0,), (), 1),
+        ([2.0, 1.9], SamplingParams(temperature=0, repetition_penalty=1.01), (0,), (), 0),
+        ([1.0, 0.9], SamplingParams(temperature=0, presence_penalty=0.2), (5,), (0,), 1),
+        ([1.0, 0.9], SamplingParams(temperature=0, presence_penalty=0.2), (0,), (), 0),
+        ([1.0, 0.9], SamplingParams(temperature=0, frequency_penalty=0.06), (5,), (0, 0), 1),
+        ([1.0, 0.9], SamplingParams(temperature=0, frequency_penalty=0.06), (5,), (0,), 0),
+        ([1.0, 0.9], SamplingParams(temperature=0, presence_penalty=-0.5), (5,), (1,), 1),
+    ],
+)
+def test_penalties_change_the_choice(logits, params, prompt, output, expected) -> None:
+    full = torch.full((1, 8), -5.0)
+    full[0, :2] = torch.tensor(logits)
+    out = sample(full, [row(params, output=output, prompt=prompt)], eos=None)
+    assert out.token_ids.tolist() == [expected]
+
+
+def test_penalties_apply_per_row() -> None:
+    full = torch.full((2, 8), -5.0)
+    full[:, :2] = torch.tensor([2.0, 1.9])
+    rows = [
+        row(SamplingParams(temperature=0, repetition_penalty=1.5), output=(0,), prompt=(5,)),
+        row(SamplingParams(temperature=0), output=(0,), prompt=(5,)),
+    ]
+    assert sample(full, rows).token_ids.tolist() == [1, 0]
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, EOS], logits[0, 9], logits[0, 3] = 5.0, 4.0, 3.0
+    greedy = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[9])
+    assert sample(logits, [row(greedy, output=(1,))]).token_ids.tolist() == [3]
+    assert sample(logits, [row(greedy, output=(1, 1))]).token_ids.tolist() == [EOS]
+    ignore = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert sample(logits, [row(ignore, output=())]).token_ids.tolist() == [EOS]
+    per_row_eos = row(SamplingParams(temperature=0, min_tokens=1), eos_token_id=9)
+    assert sample(logits, [per_row_eos], eos=None).token_ids.tolist() == [EOS]
+    assert sample(
+        logits, [row(SamplingParams(temperature=0, min_tokens=1))]
+    ).token_ids.tolist() == [9]
+
+
+def seeded_run(
+    seed: int, position: int, others: list[SamplingParams], steps: int = 12
+) -> list[int]:
+    """Tokens of one seeded row over `steps` steps, placed at `position` among `others`."""
+    tokens: list[int] = []
+    for step in range(steps):
+        target = random_logits(1, seed=100 + step)
+        batch_logits = random_logits(len(others) + 1, seed=1000 + step + len(others))
+        batch_logits[position] = target[0]
+        rows = [row(p, output=(0,) * step) for p in others]
+        rows.insert(position, row(SamplingParams(seed=seed, top_p=0.95), output=tuple(tokens)))
+        out = sample(batch_logits, rows, seed=step * 7 + len(others))
+        tokens.append(int(out.token_ids[position]))
+    return tokens
+
+
+def test_seeded_rows_are_independent_of_the_batch() -> None:
+    alone = seeded_run(42, 0, [])
+    mixed = [SamplingParams(), SamplingParams(seed=1), SamplingParams(temperature=0)]
+    assert seeded_run(42, 2, mixed) == alone
+    assert seeded_run(42, 1, mixed[:1] * 5) == alone
+    assert len(set(alone)) > 3
+    assert seeded_run(43, 0, []) != alone
+
+
+def test_seeded_draw_is_keyed_on_step_and_child_index() -> None:
+    logits = random_logits(1, seed=9)
+    params, other = SamplingParams(seed=7), SamplingParams(seed=8)
+    by_step = [
+        sample(logits, [row(params, step_seed_offset=s)]).token_ids.item() for s in range(30)
+    ]
+    assert len(set(by_step)) > 5
+    again = [sample(logits, [row(params, output=(0,) * s)]).token_ids.item() for s in range(30)]
+    assert again == by_step
+    child = [
+        sample(logits, [row(params, step_seed_offset=s, sample_index=1)]).token_ids.item()
+        for s in range(30)
+    ]
+    sibling = [sample(logits, [row(other, step_seed_offset=s)]).token_ids.item() for s in range(30)]
+    assert child == sibling != by_step
+
+
+def test_unseeded_rows_follow_the_global_generator() -> None:
+    logits = random_logits(16, seed=4)
+    rows = [row(SamplingParams())] * 16
+    assert torch.equal(
+        sample(logits, rows, seed=1).token_ids, sample(logits, rows, seed=1).token_ids
+    )
+    assert not torch.equal(
+        sample(logits, rows, seed=1).token_ids, sample(logits, rows, seed=2).token_ids
+    )
+
+
+def test_logprobs_are_raw_sorted_and_consistent() -> None:
+    logits = random_logits(3, seed=5)
+    rows = [
+        row(SamplingParams(logprobs=5, temperature=0.7, repetition_penalty=1.3), output=(4, 5)),
+        row(SamplingParams(temperature=0)),
+        row(SamplingParams(logprobs=0, temperature=0)),
+    ]
+    out = sample(logits, rows)
+    reference = logits.log_softmax(dim=-1)
+    first, none, zero = out.logprobs
+    assert none is None and zero is not None and first is not None
+    assert first.top_token_ids == tuple(reference[0].topk(5).indices.tolist())
+    assert list(first.top_logprobs) == sorted(first.top_logprobs, reverse=True)
+    assert first.top_logprobs == pytest.approx(reference[0].topk(5).values.tolist())
+    assert first.sampled_token_id == int(out.token_ids[0])
+    assert first.sampled_logprob == pytest.approx(float(reference[0, first.sampled_token_id]))
+    assert (
+        first.sampled_rank == int((reference[0] > reference[0, first.sampled_token_id]).sum()) + 1
+    )
+    assert zero.top_token_ids == () and zero.sampled_rank == 1
+    assert zero.sampled_logprob == pytest.approx(float(reference[2].max()))
