@@ -5,23 +5,10 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvmesh.engine.sequence import Request, Sequence
 from kvmesh.memory import BlockManager
-
-try:
-    from kvmesh.engine.sampling_params import SamplingParams
-except ImportError:  # the sampling module lands separately; same field names
-    from dataclasses import dataclass, field
-
-    @dataclass
-    class SamplingParams:  # type: ignore[no-redef]
-        n: int = 1
-        max_tokens: int | None = 16
-        min_tokens: int = 0
-        ignore_eos: bool = False
-        stop_token_ids: list[int] = field(default_factory=list)
-
 
 BLOCK_SIZE = 4
 EOS = 2
