@@ -65,8 +65,11 @@ def _store_row(
     else:
         xf = x.to(tl.float32)  # [H_PAD, D_PAD]
         qmax = 127.0 if QUANT == 1 else 448.0
-        sc = tl.maximum(tl.max(tl.abs(xf), axis=1) / qmax, MIN_SC)  # [H_PAD]
-        y = tl.minimum(tl.maximum(xf / sc[:, None], -qmax), qmax)
+        # IEEE division (tl.div_rn), so the result is bit-identical to the torch reference.
+        amax = tl.max(tl.abs(xf), axis=1)  # [H_PAD]
+        sc = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, qmax, tl.float32)), MIN_SC)
+        y = tl.div_rn(xf, tl.broadcast_to(sc[:, None], xf.shape))  # [H_PAD, D_PAD]
+        y = tl.minimum(tl.maximum(y, -qmax), qmax)
         if QUANT == 1:  # noqa: SIM108 (constexpr branch, dtypes differ)
             q = _rint(y).to(tl.int8)
         else:

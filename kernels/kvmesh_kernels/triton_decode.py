@@ -178,6 +178,7 @@ def _reduce_kernel(
     m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
     l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)  # noqa: E741
     m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # every split empty: weights 0 below
     w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)  # [S_PAD]; empty splits weigh 0
     acc = tl.load(
         part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0
