@@ -22,6 +22,11 @@ HEAD_DIMS = (64, 80, 96, 128, 256)
 FP8_DTYPE = torch.float8_e4m3fn
 
 
+def raw_view(x: torch.Tensor) -> torch.Tensor:
+    """Same bytes, as uint8 when the dtype is fp8 (CPU index_copy_/index_select lack fp8)."""
+    return x.view(torch.uint8) if x.dtype == FP8_DTYPE else x
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """Shape and element types of one worker's paged KV cache.
@@ -161,7 +166,7 @@ def _block_ids(cache: PagedKVCache, block_ids: Any, name: str = "block_ids") -> 
 def gather_blocks(cache: PagedKVCache, block_ids: Any) -> PackedBlocks:
     """Copy the given blocks (all layers, scales too) into one contiguous PackedBlocks."""
     ids = _block_ids(cache, block_ids)
-    data = cache.data.index_select(0, ids)
+    data = raw_view(cache.data).index_select(0, ids).view(cache.data.dtype)
     scales = None if cache.scales is None else cache.scales.index_select(0, ids)
     return PackedBlocks(cache.spec, data, scales)
 
@@ -177,7 +182,7 @@ def scatter_blocks(cache: PagedKVCache, block_ids: Any, packed: PackedBlocks) ->
         )
     if (packed.scales is None) != (cache.scales is None):
         raise ValueError("packed.scales must be present exactly when the cache is quantized")
-    cache.data.index_copy_(0, ids, packed.data.to(cache.data.device))
+    raw_view(cache.data).index_copy_(0, ids, raw_view(packed.data).to(cache.data.device))
     if cache.scales is not None and packed.scales is not None:
         cache.scales.index_copy_(0, ids, packed.scales.to(cache.scales.device))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh_kernels.cache import LayerKV, PagedKVCache
+from kvmesh_kernels.cache import LayerKV, PagedKVCache, raw_view
 from kvmesh_kernels.quant import quantize
 
 
@@ -39,6 +39,7 @@ def torch_copy_blocks(cache: PagedKVCache, pairs: torch.Tensor) -> None:
         return
     src = pairs[:, 0].long()  # [N]
     dst = pairs[:, 1].long()  # [N]
-    cache.data.index_copy_(0, dst, cache.data.index_select(0, src))
+    data = raw_view(cache.data)  # fp8 as uint8: same bytes
+    data.index_copy_(0, dst, data.index_select(0, src))
     if cache.scales is not None:
         cache.scales.index_copy_(0, dst, cache.scales.index_select(0, src))
