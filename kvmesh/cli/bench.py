@@ -9,7 +9,7 @@ import argparse
 import importlib
 from typing import Any
 
-BENCH_MODULES: tuple[str, ...] = ("kvmesh.cli.bench_memory",)
+BENCH_MODULES: tuple[str, ...] = ("kvmesh.cli.bench_memory", "kvmesh.cli.bench_scheduler")
 
 
 def register(subparsers: Any) -> None:

@@ -19,7 +19,12 @@ from collections import deque
 from collections.abc import Mapping
 
 from kvmesh.engine.errors import InvalidParameterError
-from kvmesh.engine.scheduler_stops import max_total_tokens, stop_status, validate_request
+from kvmesh.engine.scheduler_stops import (
+    max_total_tokens,
+    prepare_stop_check,
+    stop_status,
+    validate_request,
+)
 from kvmesh.engine.scheduler_types import (
     ALLOCATIONS,
     POLICIES,
@@ -69,6 +74,7 @@ class Scheduler:
         validate_request(request, self.config, bm.num_blocks, self._bs)
         seq = request.seqs[0]
         seq.status = WAITING
+        prepare_stop_check(seq, self.config)
         self._requests[request.request_id] = request
         self._seqs[seq.seq_id] = seq
         self._waiting.append(seq)
@@ -124,6 +130,7 @@ class Scheduler:
             )
         seq.num_computed_tokens = num_computed_tokens
         seq.status = RUNNING
+        prepare_stop_check(seq, self.config)
         self._requests[request.request_id] = request
         self._seqs[seq.seq_id] = seq
         self._running.append(seq)
@@ -132,7 +139,7 @@ class Scheduler:
             self.block_manager.commit(
                 seq.seq_id, seq.all_token_ids, num_computed_tokens, seq.extra_key
             )
-        if self._after_token(seq):
+        if self._apply_stop(seq):
             self._running.remove(seq)
             return [seq]
         return []
@@ -175,27 +182,17 @@ class Scheduler:
         if self.config.policy == "static" and not self._running:
             self._enroll_static_batch()
         decodes: list[ScheduledChunk] = []
+        prefilling: list[Sequence] = []
+        budget = self._plan_decodes(budget, decodes, prefilling)
         prefills: list[ScheduledChunk] = []
-        running = self._running
-        for seq in list(running) if running else ():
+        for seq in prefilling:
             if budget == 0:
                 break
-            if seq.status is RUNNING and seq.num_tokens - seq.num_computed_tokens == 1:
-                chunk = self._plan_running(seq, 1)
-                if chunk is not None:
-                    decodes.append(chunk)
-                    budget -= 1
-        for seq in list(running) if running else ():
-            if budget == 0:
-                break
-            if seq.status is not RUNNING or seq.seq_id in self._planned:
-                continue
-            size = self._chunk_size(seq, budget)
-            if size:
-                chunk = self._plan_running(seq, size)
-                if chunk is not None:
-                    prefills.append(chunk)
-                    budget -= size
+            size = self._chunk_size(seq, budget) if seq.status is RUNNING else 0
+            chunk = self._plan_running(seq, size) if size else None
+            if chunk is not None:
+                prefills.append(chunk)
+                budget -= size
         if self.config.policy == "continuous":
             budget = self._admit_waiting(budget, prefills)
         return SchedulerOutput(
@@ -204,6 +201,40 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted_seq_ids=tuple(self._preempted),
         )
+
+    def _plan_decodes(
+        self, budget: int, decodes: list[ScheduledChunk], prefilling: list[Sequence]
+    ) -> int:
+        """One token per running decode, oldest first; collects the still-prefilling ones.
+
+        Hot path. A decode whose token lands in its (private) last block skips the block
+        manager: the table is unchanged. Crossing a block boundary, or a table not yet cached
+        (new, forked or just resumed), goes through `allocate`.
+        """
+        bs, tables, planned = self._bs, self._tables, self._planned
+        for seq in list(self._running):
+            if seq.status is not RUNNING:
+                continue  # preempted earlier in this loop
+            start = seq.num_computed_tokens
+            tokens = seq.all_token_ids
+            if len(tokens) - start != 1:
+                prefilling.append(seq)
+                continue
+            if budget == 0:
+                break
+            seq_id = seq.seq_id
+            table = tables.get(seq_id)
+            if table is None or start % bs == 0:
+                chunk = self._plan_running(seq, 1)
+                if chunk is None:
+                    continue
+            else:
+                slot = table[start // bs] * bs + start % bs
+                chunk = ScheduledChunk(seq_id, (tokens[start],), start, table, (slot,), (seq_id,))
+                planned.add(seq_id)
+            decodes.append(chunk)
+            budget -= 1
+        return budget
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq` to compute this step: 0 when it must wait for a larger budget."""
@@ -323,6 +354,7 @@ class Scheduler:
         request = self._requests[seq.request_id]
         if len(request.seqs) > 1:
             return (seq.seq_id,)
+        self._tables.pop(seq.seq_id, None)  # its last block is now shared: next write copies
         for index in range(1, seq.params.n):
             child = seq.fork(child_seq_id(seq.request_id, index))
             self.block_manager.fork(seq.seq_id, child.seq_id)
@@ -348,43 +380,54 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Sequence]:
         """Apply a step's results: progress, sampled tokens, commits, stops; changed seqs."""
         changed: list[Sequence] = []
-        finished = False
+        left = False
+        bs, seqs = self._bs, self._seqs
+        commit = self.config.enable_prefix_caching
         for chunk in output.chunks:
-            seq = self._seqs.get(chunk.seq_id)
+            seq = seqs.get(chunk.seq_id)
             if seq is None or seq.status is not RUNNING:
                 continue  # aborted or finished since it was planned
-            assert seq.num_computed_tokens == chunk.start_pos, (seq.seq_id, chunk.start_pos)
-            computed = chunk.start_pos + len(chunk.token_ids)
+            start = chunk.start_pos
+            assert seq.num_computed_tokens == start, (seq.seq_id, start)
+            computed = start + len(chunk.token_ids)
             seq.num_computed_tokens = computed
-            if (
-                self.config.enable_prefix_caching
-                and computed // self._bs > chunk.start_pos // self._bs
-            ):
-                self.block_manager.commit(seq.seq_id, seq.all_token_ids, computed, seq.extra_key)
+            if commit and computed // bs > start // bs:
+                self._commit(seq, computed)
             for sample_id in chunk.sample_seq_ids:
-                target = self._seqs[sample_id]
+                target = seq if sample_id == chunk.seq_id else seqs[sample_id]
                 target.num_computed_tokens = computed
-                target.append_token(sampled[sample_id])
-                finished |= self._after_token(target)
+                token = sampled[sample_id]
+                target.append_token(token)
                 changed.append(target)
-        if finished:
+                if (
+                    token in target.stop_token_set or target.num_tokens >= target.token_limit
+                ) and self._apply_stop(target):
+                    left = True
+                elif len(target.output_ids) == 1 and self._requests[target.request_id].prefill_only:
+                    target.status = SequenceStatus.PREFILLED  # holds its blocks until released
+                    left = True
+        if left:
             self._running = [seq for seq in self._running if seq.status is RUNNING]
         return changed
 
-    def _after_token(self, seq: Sequence) -> bool:
-        """Apply stop rules and prefill-only parking; True if `seq` left the running batch."""
+    def _commit(self, seq: Sequence, computed: int) -> None:
+        """Publish newly full blocks; first bring the manager's slot count up to `computed`
+        (in-block decodes skip `allocate`, so it may trail by less than a block)."""
+        bm = self.block_manager
+        bm.allocate(seq.seq_id, computed)
+        bm.commit(seq.seq_id, seq.all_token_ids, computed, seq.extra_key)
+
+    def _apply_stop(self, seq: Sequence) -> bool:
+        """Finish `seq` (freeing its blocks) if a stop rule fires; True if it finished."""
         stop = stop_status(seq, self.config.eos_token_id, self.config.max_model_len)
-        if stop is not None:
-            self.block_manager.free(seq.seq_id)
-            self._tables.pop(seq.seq_id, None)
-            del self._seqs[seq.seq_id]
-            seq.finish(*stop)
-            self._forget_if_done(seq.request_id)
-            return True
-        if self._requests[seq.request_id].prefill_only:
-            seq.status = SequenceStatus.PREFILLED
-            return True
-        return False
+        if stop is None:
+            return False
+        self.block_manager.free(seq.seq_id)
+        self._tables.pop(seq.seq_id, None)
+        del self._seqs[seq.seq_id]
+        seq.finish(*stop)
+        self._forget_if_done(seq.request_id)
+        return True
 
     def _drop(self, seq: Sequence) -> None:
         """Remove a live sequence from every queue and free its blocks."""

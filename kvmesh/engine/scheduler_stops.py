@@ -52,6 +52,16 @@ def validate_request(
         raise InvalidParameterError("n", "parallel sampling needs allocation='paged'")
 
 
+def prepare_stop_check(seq: Sequence, config: SchedulerConfig) -> None:
+    """Precompute what `stop_status` needs to be consulted: a token set and a length limit."""
+    params = seq.params
+    seq.token_limit = max_total_tokens(params, seq.num_prompt_tokens, config.max_model_len)
+    stops = set(params.stop_token_ids or ())
+    if config.eos_token_id is not None and not params.ignore_eos:
+        stops.add(config.eos_token_id)
+    seq.stop_token_set = frozenset(stops)
+
+
 def stop_status(
     seq: Sequence, eos_token_id: int | None, max_model_len: int
 ) -> tuple[str, int | None] | None:

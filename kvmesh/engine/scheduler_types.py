@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvmesh.engine.errors import InvalidParameterError
 
@@ -54,9 +55,9 @@ class SchedulerConfig:
             )
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """Tokens of one sequence computed in one step.
+class ScheduledChunk(NamedTuple):
+    """Tokens of one sequence computed in one step (immutable; a NamedTuple because one is built
+    per running sequence per step and a tuple builds about 3x faster than a frozen dataclass).
 
     `start_pos` is the position of `token_ids[0]` (== num_computed_tokens before the step).
     `sample_seq_ids` receive a token sampled from this chunk's last logits row: () for a

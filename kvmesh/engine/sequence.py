@@ -68,6 +68,9 @@ class Sequence:
     extra_key: bytes | None = None  # prefix-cache salt (adapter, tenant)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
+    # set by the scheduler at admission so the per-token stop check is two comparisons:
+    token_limit: int = 0  # most tokens (prompt + output) this sequence may reach
+    stop_token_set: frozenset[int] = frozenset()  # tokens that may end it (stop ids, EOS)
     _token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +123,8 @@ class Sequence:
             first_token_time=self.first_token_time,
             extra_key=self.extra_key,
             num_cached_tokens=self.num_cached_tokens,
+            token_limit=self.token_limit,
+            stop_token_set=self.stop_token_set,
         )
         return child
 
