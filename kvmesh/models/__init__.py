@@ -11,6 +11,7 @@ _LAZY = {
     "ARCHS": "kvmesh.models.tiny",
     "SIZES": "kvmesh.models.tiny",
     "default_model_path": "kvmesh.models.default",
+    "resolve_model_path": "kvmesh.models.default",
     "build_byte_tokenizer": "kvmesh.models.tokenizer",
 }
 

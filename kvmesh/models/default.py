@@ -13,6 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.models.tiny import build_tiny_model, remove_checkpoint
 
 DEFAULT_ARCH, DEFAULT_SIZE, DEFAULT_SEED = "llama", "test", 0
@@ -52,3 +53,18 @@ def _build_atomically(models_dir: Path, final: Path) -> None:
         os.rename(staging, final)
     finally:
         remove_checkpoint(staging)
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
+    """The checkpoint folder a command should load: `model`, or the default model when None.
+
+    Raises InvalidParameterError("model", ...) when the folder has no config.json.
+    """
+    if model is None:
+        return default_model_path()
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise InvalidParameterError(
+            "model", f"{str(path)!r} is not a checkpoint folder (no config.json)"
+        )
+    return path
