@@ -1,0 +1,24 @@
+"""`kvmesh bench scheduler` runs end to end on a small batch and reports what it promises."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvmesh.cli.bench_scheduler import measure
+from kvmesh.cli.main import main
+
+
+def test_measure_reports_per_step_statistics() -> None:
+    row = measure(8, steps=20)
+    assert row["running"] == 8 and row["steps"] == 20
+    assert 0 < row["p50_us"] <= row["p99_us"]
+    assert row["cpu_mean_us"] > 0
+
+
+def test_cli_json_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "scheduler", "--batch", "4", "--steps", "5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["goal_us"] == 500.0
+    assert [row["running"] for row in report["results"]] == [4]
