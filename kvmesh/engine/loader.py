@@ -1,0 +1,110 @@
+"""Load a local transformers checkpoint with kvmesh's paged attention (never from a hub).
+
+Supported: decoder-only models whose transformers code routes attention through the attention
+interface with a plain `lm_head` (Llama, Qwen2, Qwen3, Mistral with its sliding window).
+Anything else fails here, at load, with UnsupportedModelError naming what is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvmesh.engine.attention import register_attention
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.errors import InvalidParameterError, UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_UNSUPPORTED_FEATURES = ("final_logit_softcapping", "attn_logit_softcapping", "logit_scale")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for the runner, its config, and its tokenizer (None when absent)."""
+
+    path: Path
+    model: Any  # transformers PreTrainedModel, eval mode, on `device`
+    hf_config: Any
+    tokenizer: Any | None
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """The checkpoint folder: `model`, or the embedded default when None."""
+    if model is None:
+        from kvmesh.models.default import default_model_path
+
+        return default_model_path()
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise InvalidParameterError("model", f"{model!r} is not a folder with a config.json")
+    return path
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameterError("device", "cuda requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config: Any) -> torch.dtype:
+    """`auto` = the checkpoint's dtype (float32 when it names none)."""
+    if name != "auto":
+        return _DTYPES[name]
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(saved, torch.dtype):
+        return saved
+    return _DTYPES.get(str(saved).removeprefix("torch."), torch.float32)
+
+
+def check_supported(hf_config: Any) -> None:
+    """Raise UnsupportedModelError unless the runner can execute this architecture."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    for feature in _UNSUPPORTED_FEATURES:
+        if getattr(hf_config, feature, None):
+            raise UnsupportedModelError(f"{model_type}: {feature} is not supported")
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Load weights (progress bar when `show_progress`) and the optional tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    path = resolve_model_path(config.model)
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    check_supported(hf_config)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, hf_config)
+    if config.show_progress:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(path),
+        dtype=dtype,
+        attn_implementation=register_attention(),
+        local_files_only=True,
+    )
+    model = model.to(device).eval().requires_grad_(False)
+    return LoadedModel(path, model, hf_config, load_tokenizer(path), dtype, device)
+
+
+def load_tokenizer(path: Path) -> Any | None:
+    """The checkpoint's tokenizer, or None when the folder has none."""
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

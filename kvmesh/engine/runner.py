@@ -1,0 +1,166 @@
+"""ModelRunner: the engine's tensor side. One flat token batch per step, no padding.
+
+The runner owns the model and the paged KV cache. Per step it turns the scheduler's plan
+(`SchedulerOutput`: chunks of tokens with positions, block tables and slot mappings) into flat
+tensors, runs transformers' model with kvmesh's paged attention, and applies the LM head only
+to the rows whose logits are sampled (the last token of each chunk with `sample_seq_ids`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from kvmesh_kernels.cache import KVCacheSpec, PagedKVCache, allocate_kv_cache
+
+from kvmesh.engine.attention import ForwardContext
+from kvmesh.engine.loader import LoadedModel
+
+
+class ChunkPlan(Protocol):
+    """What the runner reads from one scheduled chunk (kvmesh.engine.scheduler.ScheduledChunk)."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def start_pos(self) -> int: ...
+    @property
+    def block_table(self) -> Sequence[int]: ...
+    @property
+    def slot_mapping(self) -> Sequence[int]: ...
+    @property
+    def sample_seq_ids(self) -> Sequence[str]: ...
+
+
+class StepPlan(Protocol):
+    """What the runner reads from one step's plan (kvmesh.engine.scheduler.SchedulerOutput)."""
+
+    @property
+    def chunks(self) -> Sequence[ChunkPlan]: ...
+    @property
+    def copy_pairs(self) -> Sequence[tuple[int, int]]: ...
+
+
+@dataclass(frozen=True)
+class FlatBatch:
+    """One step's model inputs on the device.
+
+    input_ids, positions: [num_tokens] int64; sample_rows: [num_sampled] int64 indices into the
+    flat tokens (one per chunk that samples, in chunk order).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    sample_rows: torch.Tensor
+    context: ForwardContext
+
+
+class ModelRunner:
+    """Runs a loaded model on a paged KV cache of `num_blocks` blocks."""
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: str):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.kv_cache: PagedKVCache = allocate_kv_cache(
+            kv_cache_spec(loaded.hf_config, num_blocks, block_size, loaded.dtype, kv_dtype),
+            device=self.device,
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.spec.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.spec.num_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.loaded.hf_config.vocab_size)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst (all layers, K and V) before a step writes into dst."""
+        if not pairs:
+            return
+        index = torch.tensor(pairs, dtype=torch.int64, device=self.device)  # [N, 2]
+        data = self.kv_cache.data
+        data.index_copy_(0, index[:, 1], data.index_select(0, index[:, 0]))
+        scales = self.kv_cache.scales
+        if scales is not None:
+            scales.index_copy_(0, index[:, 1], scales.index_select(0, index[:, 0]))
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run one step; returns float32 logits [num sampling chunks, vocab] in chunk order."""
+        batch = self.prepare(plan.chunks)
+        output = self.model.model(
+            input_ids=batch.input_ids[None],  # [1, T]
+            position_ids=batch.positions[None],  # [1, T]
+            use_cache=False,
+            kvmesh_ctx=batch.context,
+        )
+        hidden = output.last_hidden_state[0]  # [T, hidden]
+        sampled = hidden.index_select(0, batch.sample_rows)  # [S, hidden]
+        return self.model.lm_head(sampled).float()  # [S, vocab]
+
+    def prepare(self, chunks: Sequence[ChunkPlan]) -> FlatBatch:
+        """Flatten chunks (single-token chunks first, as the scheduler orders them)."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        for chunk in chunks:
+            count = len(chunk.token_ids)
+            assert count > 0, "empty chunk"
+            token_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_pos, chunk.start_pos + count))
+            slots.extend(chunk.slot_mapping)
+            query_start_loc.append(query_start_loc[-1] + count)
+            seq_lens.append(chunk.start_pos + count)
+            if chunk.sample_seq_ids:
+                sample_rows.append(query_start_loc[-1] - 1)
+        num_decodes = 0
+        while num_decodes < len(chunks) and len(chunks[num_decodes].token_ids) == 1:
+            num_decodes += 1
+        context = ForwardContext(
+            kv_cache=self.kv_cache,
+            slot_mapping=self._tensor(slots),
+            block_tables=self._block_tables(chunks),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            num_decodes=num_decodes,
+        )
+        return FlatBatch(
+            self._tensor(token_ids), self._tensor(positions), self._tensor(sample_rows), context
+        )
+
+    def _block_tables(self, chunks: Sequence[ChunkPlan]) -> torch.Tensor:
+        """[num_seqs, max_blocks] int64, rows padded with block 0 (masked by seq_lens)."""
+        width = max(len(chunk.block_table) for chunk in chunks)
+        rows = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
+        return self._tensor(rows)
+
+    def _tensor(self, values: Any) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def kv_cache_spec(
+    hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, kv_dtype: str
+) -> KVCacheSpec:
+    """The cache shape a transformers config needs (GQA-aware, explicit head_dim honoured)."""
+    heads = int(hf_config.num_attention_heads)
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return KVCacheSpec(
+        num_blocks=num_blocks,
+        num_layers=int(hf_config.num_hidden_layers),
+        block_size=block_size,
+        num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    ).validate()
