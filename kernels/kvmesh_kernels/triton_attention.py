@@ -67,7 +67,7 @@ def triton_paged_decode_attention(
         scale,
         sliding_window or 0,
         num_splits,
-        small_tiles=query.device.type != "cuda",
+        interpreted=query.device.type != "cuda",
     )
     return out
 
@@ -97,6 +97,6 @@ def triton_paged_prefill_attention(
         out,
         scale,
         sliding_window or 0,
-        small_tiles=query.device.type != "cuda",
+        interpreted=query.device.type != "cuda",
     )
     return out

@@ -97,6 +97,7 @@ def _decode_kernel(
     QUANT: tl.constexpr,
     DIRECT: tl.constexpr,
     PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -115,6 +116,8 @@ def _decode_kernel(
     heads = kvh * G + offs_g  # [G_PAD]
     q_off = b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G_PAD, D_PAD]
+    if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns
+        q = q.to(tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -189,6 +192,11 @@ def _reduce_kernel(
     tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
+def dot_precision(dtype: torch.dtype, interpreted: bool) -> str:
+    """Exact float32 products for float32 inputs (and in the interpreter, which upcasts)."""
+    return "ieee" if dtype == torch.float32 or interpreted else "tf32"
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter)."""
     if device.type != "cuda":
@@ -215,7 +223,7 @@ def launch_decode(
     scale: float,
     window: int,
     num_splits: int,
-    small_tiles: bool,
+    interpreted: bool,
 ) -> None:
     """Run the decode kernel (and the reduce kernel when num_splits > 1) into `out`."""
     batch, num_q_heads, head_dim = query.shape
@@ -233,15 +241,14 @@ def launch_decode(
         )
     sc = scales if scales is not None else data
     sc_strides = scales.stride() if scales is not None else (0, 0, 0, 0)
-    prec = "ieee" if query.dtype == torch.float32 else "tf32"
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         query, data, sc, block_tables, seq_lens, out, part_acc, part_ml,
         scale * LOG2E, window, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *data.stride()[:4], *sc_strides,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_N=16 if small_tiles else 64, BLOCK_SIZE=block_size, QUANT=scales is not None,
-        DIRECT=direct, PREC=prec,
+        BLOCK_N=16 if interpreted else 64, BLOCK_SIZE=block_size, QUANT=scales is not None,
+        DIRECT=direct, PREC=dot_precision(query.dtype, interpreted), UPCAST=interpreted,
     )  # fmt: skip
     if not direct:
         _reduce_kernel[(batch, num_q_heads)](

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh_kernels.triton_decode import LOG2E, kv_tile
+from kvmesh_kernels.triton_decode import LOG2E, dot_precision, kv_tile
 
 
 @triton.jit
@@ -72,6 +72,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     QUANT: tl.constexpr,
     PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -92,9 +93,10 @@ def _prefill_kernel(
         r_mask = (tok_i < q_len) & (g < G)
         q_pos = ctx + tok_i  # [M]
         q_row = (q_start + tok_i).to(tl.int64) * stride_qt + (kvh * G + g) * stride_qh  # [M]
-        q = tl.load(
-            q_ptr + q_row[:, None] + offs_d[None, :], mask=r_mask[:, None] & d_mask, other=0.0
-        )
+        q_mask = r_mask[:, None] & d_mask[None, :]
+        q = tl.load(q_ptr + q_row[:, None] + offs_d[None, :], mask=q_mask, other=0.0)  # [M, D_PAD]
+        if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns
+            q = q.to(tl.float32)
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
 
         hi = tl.minimum(ctx + t0 + BLOCK_Q, seq_len)  # last visible key + 1
@@ -146,7 +148,7 @@ def launch_prefill(
     out: torch.Tensor,  # [num_tokens, Hq, D]
     scale: float,
     window: int,
-    small_tiles: bool,
+    interpreted: bool,
 ) -> None:
     """Run the prefill kernel into `out` (rows of every chunk are written)."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -156,7 +158,7 @@ def launch_prefill(
         return
     group = num_q_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
-    rows = 16 if small_tiles else 64
+    rows = 16 if interpreted else 64
     block_q = max(1, rows // g_pad)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [batch]
     tile_cum = torch.cumsum(torch.div(q_lens + block_q - 1, block_q, rounding_mode="floor"), 0)
@@ -170,7 +172,8 @@ def launch_prefill(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *data.stride()[:4], *sc_strides,
         G=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_Q=block_q, BLOCK_N=16 if small_tiles else 64, BLOCK_SIZE=block_size,
-        QUANT=scales is not None, PREC="ieee" if query.dtype == torch.float32 else "tf32",
+        BLOCK_Q=block_q, BLOCK_N=16 if interpreted else 64, BLOCK_SIZE=block_size,
+        QUANT=scales is not None, PREC=dot_precision(query.dtype, interpreted),
+        UPCAST=interpreted,
         SEARCH_STEPS=max(1, batch.bit_length()),
     )  # fmt: skip
