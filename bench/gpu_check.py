@@ -152,7 +152,7 @@ def write_row(tokens: int, kv_dtype: str, device: torch.device) -> dict[str, Any
 def summary(result: dict[str, Any]) -> str:
     lines = [f"device: {result['device']}  copy bandwidth: {result['copy_gbs']:.0f} GB/s"]
     lines.append(f"{'kv':>4} {'batch':>5} {'ctx':>6} {'paged us':>9} {'GB/s':>7} "
-                 f"{'of copy':>7} {'p/contig':>8} {'p/sdpa':>7}")  # fmt: skip
+                 f"{'of copy':>7} {'p/contig':>8} {'p/sdpa':>7} {'err':>8}")  # fmt: skip
     for r in result["decode"]:
         if "skipped" in r:
             lines.append(f"{r['kv_dtype']:>4} {r['batch']:>5} {r['context']:>6}  {r['skipped']}")
@@ -160,7 +160,8 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(
             f"{r['kv_dtype']:>4} {r['batch']:>5} {r['context']:>6} {r['paged_s'] * 1e6:>9.1f} "
             f"{r['paged_gbs']:>7.0f} {r['fraction_of_copy']:>7.2f} "
-            f"{r['paged_over_contiguous']:>8.3f} {r.get('paged_over_sdpa', float('nan')):>7.3f}"
+            f"{r['paged_over_contiguous']:>8.3f} {r.get('paged_over_sdpa', math.nan):>7.3f} "
+            f"{r.get('rel_error_vs_sdpa', math.nan):>8.1e}"
         )
     for w in result["write_kv"]:
         lines.append(f"write_kv {w['kv_dtype']:>4} {w['tokens']:>6} tokens: "
