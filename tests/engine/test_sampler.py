@@ -6,6 +6,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.engine.sampler import Sampler, SamplingBatch, SamplingRow
 from kvmesh.engine.sampling_params import SamplingParams
@@ -216,3 +218,37 @@ def test_logprobs_are_raw_sorted_and_consistent() -> None:
     )
     assert zero.top_token_ids == () and zero.sampled_rank == 1
     assert zero.sampled_logprob == pytest.approx(float(reference[2].max()))
+
+
+def allowed_tokens(logits: torch.Tensor, params: SamplingParams) -> set[int]:
+    """Reference support of one row, one token at a time: temperature, min_p, top_k, top_p."""
+    probs = (logits / params.temperature).softmax(dim=-1).tolist()
+    keep = {i for i, p in enumerate(probs) if p >= params.min_p * max(probs)}
+    by_prob = sorted(keep, key=lambda i: -probs[i])
+    if params.top_k > 0:
+        keep = {i for i in keep if probs[i] >= probs[by_prob[min(params.top_k, len(by_prob)) - 1]]}
+    mass = sum(probs[i] for i in keep)
+    kept, total = set(), 0.0
+    for i in sorted(keep, key=lambda i: -probs[i]):
+        kept.add(i)
+        total += probs[i] / mass
+        if total >= params.top_p - 1e-6:
+            break
+    return kept
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    temperature=st.sampled_from([0.5, 1.0, 1.7]),
+    top_k=st.sampled_from([0, 1, 3, 10]),
+    top_p=st.sampled_from([1.0, 0.9, 0.5, 0.2]),
+    min_p=st.sampled_from([0.0, 0.05, 0.3]),
+)
+def test_samples_stay_inside_the_combined_support(seed, temperature, top_k, top_p, min_p) -> None:
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    logits = random_logits(1, seed=seed, vocab=16)[0]
+    support = allowed_tokens(logits, params)
+    seen = set(draws(logits, params, 300))
+    assert seen <= support
+    assert logits.argmax().item() in seen

@@ -122,11 +122,16 @@ def test_cli_writes_checkpoint(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "q" / "config.json").read_text())["model_type"] == "qwen3"
 
 
-def test_default_model_is_built_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_model_is_built_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
     first = default_model_path()
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert default_model_path() == first
+    capsys.readouterr()
+    assert main(["model", "default"]) == 0
+    assert capsys.readouterr().out.strip() == str(first)
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
     assert first == tmp_path / "models" / DEFAULT_MODEL_NAME
     assert AutoTokenizer.from_pretrained(first).eos_token_id == EOS_TOKEN_ID
