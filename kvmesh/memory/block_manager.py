@@ -25,7 +25,7 @@ from kvmesh.memory.block_pool import BlockPool
 from kvmesh.memory.errors import CapacityError, SequenceExistsError, UnknownSequenceError
 from kvmesh.memory.hashing import BlockHasher, HashFn
 from kvmesh.memory.metrics import MemoryMetrics
-from kvmesh.memory.prefix_cache import CachedBlock, PrefixCache
+from kvmesh.memory.prefix_cache import BlockRef, PrefixCache
 
 ADMISSION_POLICIES = ("slru", "lru")
 
@@ -43,6 +43,8 @@ class _Seq:
     num_tokens: int = 0
     num_committed: int = 0  # leading full blocks whose chain hash is known
     last_hash: int | None = None  # chain hash of block num_committed - 1
+    last_ref: BlockRef | None = None  # cached entry holding block num_committed - 1
+    chain_broken: bool = False  # a true hash collision: publish nothing further
 
 
 class BlockManager:
@@ -140,20 +142,21 @@ class BlockManager:
         self._query_tokens += len(token_ids)
         if not self.enable_prefix_caching:
             return 0
-        bs, parent = self._bs, None
+        bs, parent_hash, parent_ref = self._bs, None, None
         for start in range(0, max(0, len(token_ids) - 1) // bs * bs, bs):
             tokens = token_ids[start : start + bs]
-            block_hash = self._hash(parent, tokens, extra_key)
-            block = self._cache.match(block_hash, parent, tokens, extra_key)
-            if block is None:
+            block_hash = self._hash(parent_hash, tokens, extra_key)
+            ref = self._cache.match(block_hash, parent_ref, tokens, extra_key)
+            if ref is None:
                 break
-            self._pool.incref(block)
+            self._pool.incref(ref[0])
             if self._promote_on_hit:
-                self._pool.protect(block)
-            seq.blocks.append(block)
-            parent = block_hash
+                self._pool.protect(ref[0])
+            seq.blocks.append(ref[0])
+            parent_hash, parent_ref = block_hash, ref
         seq.num_tokens = len(seq.blocks) * bs
-        seq.num_committed, seq.last_hash = len(seq.blocks), parent
+        seq.num_committed = len(seq.blocks)
+        seq.last_hash, seq.last_ref = parent_hash, parent_ref
         self._hit_tokens += seq.num_tokens
         return seq.num_tokens
 
@@ -228,22 +231,51 @@ class BlockManager:
             )
         if not self.enable_prefix_caching:
             return
-        bs, parent, extra_key = self._bs, seq.last_hash, extra_key or None
-        full = num_computed // bs
+        full = num_computed // self._bs
+        if full <= seq.num_committed:
+            return
+        if not seq.chain_broken:
+            self._publish_blocks(seq, token_ids, full, extra_key or None)
+        seq.num_committed = full
+
+    def _publish_blocks(
+        self, seq: _Seq, token_ids: Sequence[int], full: int, extra_key: bytes | None
+    ) -> None:
+        bs, parent_hash, parent_ref = self._bs, seq.last_hash, seq.last_ref
         for index in range(seq.num_committed, full):
             tokens = tuple(token_ids[index * bs : (index + 1) * bs])
-            block_hash = self._hash(parent, tokens, extra_key)
-            self._publish(seq.blocks[index], CachedBlock(block_hash, parent, tokens, extra_key))
-            parent = block_hash
-        if full > seq.num_committed:
-            seq.num_committed, seq.last_hash = full, parent
+            block_hash = self._hash(parent_hash, tokens, extra_key)
+            ref = self._publish(
+                seq.blocks[index], block_hash, parent_hash, parent_ref, tokens, extra_key
+            )
+            if ref is None:
+                seq.chain_broken = True
+                return
+            parent_hash, parent_ref = block_hash, ref
+        seq.last_hash, seq.last_ref = parent_hash, parent_ref
 
-    def _publish(self, block: int, entry: CachedBlock) -> None:
-        if self._pool.is_cached(block):
-            if self._cache.hash_of(block) != entry.block_hash:
+    def _publish(
+        self,
+        block: int,
+        block_hash: int,
+        parent_hash: int | None,
+        parent_ref: BlockRef | None,
+        tokens: tuple[int, ...],
+        extra_key: bytes | None,
+    ) -> BlockRef | None:
+        """Ref of the cached entry now holding this content; None on a true hash collision."""
+        entry = self._cache.entry(block)
+        if entry is not None:
+            if (entry.block_hash, entry.tokens, entry.extra_key) != (block_hash, tokens, extra_key):
                 raise ValueError(f"token_ids disagree with the tokens committed to block {block}")
-        elif self._cache.publish(block, entry):
+            return entry.ref
+        twin = self._cache.match(block_hash, parent_ref, tokens, extra_key, count_collision=False)
+        if twin is not None:
+            return twin
+        ref = self._cache.publish(block, block_hash, parent_hash, parent_ref, tokens, extra_key)
+        if ref is not None:
             self._pool.mark_cached(block)
+        return ref
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """`child_id` shares every block of `parent_id` (ref +1 each); writes then copy on write."""
@@ -253,7 +285,12 @@ class BlockManager:
         for block in parent.blocks:
             self._pool.incref(block)
         self._seqs[child_id] = _Seq(
-            list(parent.blocks), parent.num_tokens, parent.num_committed, parent.last_hash
+            list(parent.blocks),
+            parent.num_tokens,
+            parent.num_committed,
+            parent.last_hash,
+            parent.last_ref,
+            parent.chain_broken,
         )
 
     def free(self, seq_id: str) -> None:

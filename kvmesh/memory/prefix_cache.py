@@ -1,8 +1,13 @@
-"""Prefix-cache index: block hash -> block id, with the tokens of every cached block kept so a
-hit is verified token by token (a hash collision is reported as a miss, never served).
+"""Prefix-cache index: block hash -> block id, verified on every hit.
+
+A hit must match the block's token ids, extra key and *parent publication*: each published
+block records the exact (block id, publication number) of the cached block before it in its
+chain, and a lookup only follows a block whose parent is the block it matched one step
+earlier. So even forced hash collisions can never serve KV computed under another context.
 
 Only full blocks whose KV is computed are published. One block per hash: if an identical block
-is already cached under another id, the newcomer stays unpublished (it frees normally).
+is already cached under another id, the newcomer stays unpublished (it frees normally) and its
+chain continues from the cached twin.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from dataclasses import dataclass
 
 from kvmesh.memory.hashing import HashFn
 
+BlockRef = tuple[int, int]  # (block id, publication number): one publication of one block
+
 
 @dataclass(frozen=True, slots=True)
 class CachedBlock:
@@ -19,16 +26,19 @@ class CachedBlock:
 
     block_hash: int
     parent_hash: int | None
+    parent_ref: BlockRef | None
     tokens: tuple[int, ...]
     extra_key: bytes | None
+    ref: BlockRef
 
 
 class PrefixCache:
-    """Maps chained block hashes to cached block ids; O(1) per operation."""
+    """Maps chained block hashes to cached blocks; O(1) per operation (plus the token compare)."""
 
     def __init__(self) -> None:
         self._index: dict[int, int] = {}
         self._entries: dict[int, CachedBlock] = {}
+        self._publications = 0
         self.num_collisions = 0
 
     def __len__(self) -> int:
@@ -37,36 +47,49 @@ class PrefixCache:
     def match(
         self,
         block_hash: int,
-        parent_hash: int | None,
+        parent_ref: BlockRef | None,
         tokens: Sequence[int],
         extra_key: bytes | None,
-    ) -> int | None:
-        """Cached block id holding exactly this block (same chain, tokens and key), or None."""
+        *,
+        count_collision: bool = True,
+    ) -> BlockRef | None:
+        """The cached block holding exactly this block after `parent_ref`, or None."""
         block = self._index.get(block_hash)
         if block is None:
             return None
         entry = self._entries[block]
         if (
-            entry.parent_hash != parent_hash
+            entry.parent_ref != parent_ref
             or entry.extra_key != extra_key
             or entry.tokens != tuple(tokens)
         ):
-            self.num_collisions += 1
+            self.num_collisions += count_collision
             return None
-        return block
+        return entry.ref
 
-    def publish(self, block: int, entry: CachedBlock) -> bool:
-        """Index `block` under `entry.block_hash`; False (nothing changed) if the hash is taken."""
+    def publish(
+        self,
+        block: int,
+        block_hash: int,
+        parent_hash: int | None,
+        parent_ref: BlockRef | None,
+        tokens: tuple[int, ...],
+        extra_key: bytes | None,
+    ) -> BlockRef | None:
+        """Index `block`; returns its ref, or None (nothing changed) if the hash is taken."""
         assert block not in self._entries, f"block {block} is already published"
-        if entry.block_hash in self._index:
-            return False
-        self._index[entry.block_hash] = block
-        self._entries[block] = entry
-        return True
+        if block_hash in self._index:
+            return None
+        self._publications += 1
+        ref = (block, self._publications)
+        self._index[block_hash] = block
+        self._entries[block] = CachedBlock(
+            block_hash, parent_hash, parent_ref, tokens, extra_key, ref
+        )
+        return ref
 
-    def hash_of(self, block: int) -> int | None:
-        entry = self._entries.get(block)
-        return None if entry is None else entry.block_hash
+    def entry(self, block: int) -> CachedBlock | None:
+        return self._entries.get(block)
 
     def forget(self, block: int) -> None:
         """Drop an evicted block from the index."""
@@ -82,5 +105,6 @@ class PrefixCache:
         for block_hash, block in self._index.items():
             entry = self._entries[block]
             assert entry.block_hash == block_hash, f"block {block} indexed under a foreign hash"
+            assert entry.ref[0] == block, f"block {block} carries the ref of {entry.ref[0]}"
             recomputed = hash_fn(entry.parent_hash, entry.tokens, entry.extra_key)
             assert recomputed == block_hash, f"block {block}: hash does not match its tokens"

@@ -266,3 +266,14 @@ def test_integrity_check_detects_corruption() -> None:
     m._pool._refs[0] += 1
     with pytest.raises(AssertionError, match="block 0: ref count 2 != 1"):
         m.check_integrity()
+
+
+def test_collision_with_same_tokens_under_another_parent_is_not_served() -> None:
+    m = make(hash_fn=lambda parent, tokens, key: sum(tokens) % 5)
+    repeated = [1, 2, 3, 4, 1, 2, 3, 4, 9]
+    run_prompt(m, "a", repeated)
+    assert m.metrics().cached_blocks == 1
+    m.free("a")
+    assert m.lookup_prefix("b", repeated) == 4
+    assert m.block_table("b") == [0]
+    m.check_integrity()
