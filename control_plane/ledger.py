@@ -226,10 +226,11 @@ class Ledger:
     def close(self, request_id: str, outcome: str, generation: int | None = None) -> list[Release]:
         """Close a live entry; returns the Release every (possible) holder must receive.
 
-        Closing an id that is not live returns [] (closing is idempotent).
+        Closing an id that is not live only records the outcome and returns [] (idempotent).
         """
         entry = self._entries.get(request_id)
         if entry is None:
+            self._remember(request_id, outcome)
             return []
         if generation is not None and generation != entry.generation:
             raise StaleGeneration(

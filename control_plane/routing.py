@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from control_plane.registry import WorkerRecord
 
 AFFINITY_BLOCKS = 1
+DEFAULT_TRANSFER_BACKENDS = ("cuda_ipc", "shm", "nccl", "gloo", "grpc", "fake")
 
 
 class NoRouteError(Exception):
@@ -32,6 +33,7 @@ class RoutingConfig:
     # Extra queued requests the affine prefill worker may carry over the least-loaded one.
     affinity_slack: int = 4
     affinity_blocks: int = AFFINITY_BLOCKS
+    transfer_backends: tuple[str, ...] = DEFAULT_TRANSFER_BACKENDS
 
 
 def prefix_key(prompt_ids: Sequence[int], block_size: int, salt: bytes, blocks: int = 1) -> bytes:
@@ -77,6 +79,18 @@ def order_decode(workers: Sequence[WorkerRecord], needed_blocks: int) -> list[Wo
     )
 
 
+def common_backend(
+    prefill: WorkerRecord, decode: WorkerRecord, preference: Sequence[str]
+) -> str | None:
+    """First preferred backend the decode worker receives on (and the prefill worker lists,
+    when it lists any)."""
+    offered = prefill.info.transfer_endpoints
+    for backend in preference:
+        if backend in decode.info.transfer_endpoints and (not offered or backend in offered):
+            return backend
+    return None
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // max(1, block_size))
 
@@ -89,10 +103,11 @@ def order_pairs(
     salt: bytes,
     config: RoutingConfig,
 ) -> list[tuple[WorkerRecord, WorkerRecord]]:
-    """Compatible (prefill, decode) pairs, best first.
+    """Compatible (prefill, decode) pairs, best first: equal layouts and a common transfer
+    backend.
 
     Raises NoRouteError: UNAVAILABLE when a role has no live worker, FAILED_PRECONDITION when
-    no prefill worker's layout equals any decode worker's.
+    no prefill worker's layout equals any decode worker's, or they share no transfer backend.
     """
     if not prefills or not decodes:
         missing = "prefill" if not prefills else "decode"
@@ -110,5 +125,11 @@ def order_pairs(
         raise NoRouteError(
             "FAILED_PRECONDITION",
             "worker.layout: no prefill worker's KV cache layout matches a decode worker's",
+        )
+    pairs = [(p, d) for p, d in pairs if common_backend(p, d, config.transfer_backends)]
+    if not pairs:
+        raise NoRouteError(
+            "FAILED_PRECONDITION",
+            "worker.transfer_endpoints: no prefill and decode worker share a KV transfer backend",
         )
     return pairs

@@ -14,7 +14,12 @@ import sys
 from collections.abc import Sequence
 
 # Subcommand modules, in help order. `bench` is itself a group of benchmarks.
-COMMAND_MODULES: tuple[str, ...] = ("kvmesh.cli.bench", "kvmesh.cli.plan", "kvmesh.cli.model")
+COMMAND_MODULES: tuple[str, ...] = (
+    "kvmesh.cli.bench",
+    "kvmesh.cli.plan",
+    "kvmesh.cli.model",
+    "kvmesh.cli.serve",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,109 @@
+"""The control plane's shared state: registry, ledger, channels to workers, and the listeners
+told when a worker incarnation is gone or the set of usable workers changes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from control_plane.config import ControlConfig
+from control_plane.ledger import Ledger, WorkerRef
+from control_plane.metrics import ControlMetrics
+from control_plane.registry import ROLE_NAMES, Registry, WorkerRecord
+
+WorkerLostListener = Callable[[WorkerRef], None]
+ServingListener = Callable[[bool], Awaitable[None]]
+
+
+class ChannelPool:
+    """One grpc.aio channel per worker address, closed when no incarnation uses it."""
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self._options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+        ]
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=self._options)
+            self._channels[address] = channel
+        return channel
+
+    async def drop(self, address: str) -> None:
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close(grace=None)
+
+    async def close(self) -> None:
+        for address in list(self._channels):
+            await self.drop(address)
+
+
+class Cluster:
+    def __init__(
+        self,
+        config: ControlConfig,
+        metrics: ControlMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.control_epoch = random.SystemRandom().getrandbits(63) | 1
+        self.registry = Registry(config.lease_seconds, clock)
+        self.ledger = Ledger(
+            clock, config.history_size, reservation_lease=config.reservation_lease_seconds
+        )
+        self.metrics = metrics or ControlMetrics()
+        self.channels = ChannelPool(config.max_message_bytes)
+        self._lost_listeners: list[WorkerLostListener] = []
+        self._serving_listeners: list[ServingListener] = []
+        self._serving = False
+
+    def on_worker_lost(self, listener: WorkerLostListener) -> None:
+        self._lost_listeners.append(listener)
+
+    def on_serving_change(self, listener: ServingListener) -> None:
+        self._serving_listeners.append(listener)
+
+    @property
+    def serving(self) -> bool:
+        return self._serving
+
+    async def worker_gone(self, record: WorkerRecord, *, expired: bool) -> None:
+        """An incarnation died (lease) or was replaced: fail its requests, forget its state."""
+        worker = WorkerRef(record.worker_id, record.epoch)
+        if expired:
+            self.metrics.lease_expiries.labels(record.role).inc()
+        self.ledger.drop_worker(worker)
+        for listener in self._lost_listeners:
+            listener(worker)
+        if self.registry.get(record.worker_id) is None:
+            await self.channels.drop(record.address)
+        await self.refresh()
+
+    async def reap(self) -> list[WorkerRecord]:
+        dead = self.registry.reap()
+        for record in dead:
+            await self.worker_gone(record, expired=True)
+        if not dead:
+            await self.refresh()
+        return dead
+
+    async def refresh(self) -> None:
+        """Update gauges and tell listeners when the usable worker set appeared or vanished."""
+        for role in ROLE_NAMES.values():
+            self.metrics.workers.labels(role).set(len(self.registry.alive(role)))
+        self.metrics.ledger_entries.set(len(self.ledger))
+        serving = self.registry.has_serving_set()
+        if serving != self._serving:
+            self._serving = serving
+            await asyncio.gather(*(listener(serving) for listener in self._serving_listeners))

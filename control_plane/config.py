@@ -1,0 +1,59 @@
+"""Frozen configuration of the control plane (built once from the command line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from control_plane.routing import DEFAULT_TRANSFER_BACKENDS, RoutingConfig
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    # Requests in flight at once; beyond it Generate answers RESOURCE_EXHAUSTED.
+    max_inflight: int = 256
+    # A worker is dead after this long without a heartbeat.
+    lease_seconds: float = 3.0
+    heartbeat_interval_seconds: float = 1.0
+    # How often the reaper looks for dead workers (never longer than the lease).
+    reap_interval_seconds: float = 0.5
+    # A decode reservation is reclaimed when Decode has not started within this long.
+    reservation_lease_seconds: float = 30.0
+    # Upper bound of any request's deadline, whatever the client asked.
+    max_request_seconds: float = 600.0
+    # Hint sent in the `retry-after-ms` trailer with RESOURCE_EXHAUSTED.
+    retry_after_ms: int = 200
+    # Bounded wait for in-flight requests at shutdown.
+    drain_seconds: float = 10.0
+    # Bound of each Release call.
+    release_timeout_seconds: float = 1.0
+    # Finished request ids remembered for idempotent Abort.
+    history_size: int = 4096
+    # Extra queued requests the prefix-affine prefill worker may carry over the least loaded.
+    affinity_slack: int = 4
+    # KV transfer backends in order of preference.
+    transfer_backends: tuple[str, ...] = DEFAULT_TRANSFER_BACKENDS
+    reflection: bool = False
+    # Prometheus text endpoint port; 0 disables it.
+    metrics_port: int = 0
+    max_message_bytes: int = 64 * 1024 * 1024
+
+    @property
+    def routing(self) -> RoutingConfig:
+        return RoutingConfig(self.affinity_slack, transfer_backends=self.transfer_backends)
+
+    def __post_init__(self) -> None:
+        checks = {
+            "max_inflight": self.max_inflight >= 1,
+            "lease_seconds": self.lease_seconds > 0,
+            "heartbeat_interval_seconds": 0 < self.heartbeat_interval_seconds < self.lease_seconds,
+            "reap_interval_seconds": 0 < self.reap_interval_seconds <= self.lease_seconds,
+            "reservation_lease_seconds": self.reservation_lease_seconds > 0,
+            "max_request_seconds": self.max_request_seconds > 0,
+            "drain_seconds": self.drain_seconds >= 0,
+            "port": 0 <= self.port < 65536,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"{bad[0]} is out of range")

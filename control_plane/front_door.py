@@ -1,0 +1,284 @@
+"""GenerationService: the public front door (Generate, Abort, GetModelInfo).
+
+Each Generate call is a Run: admission (bounded in-flight count), structural checks, then up to
+two attempts (a retry only when a worker was lost before any token reached the client). Every
+exit path — success, failure, client cancel, deadline, Abort, worker death — closes the ledger
+entry and sends Release to every (possible) holder, each bounded by a short timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from control_plane.cluster import Cluster
+from control_plane.driver import TRACER, Driver
+from control_plane.ledger import LedgerError, Release, WorkerRef
+from control_plane.routing import NoRouteError
+from control_plane.run import RpcFailure, Run, WorkerLost
+from control_plane.validation import FieldError, check_generate_request, check_request_id
+from kvmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+LOG = logging.getLogger("kvmesh.control_plane")
+MAX_TRIES = 2
+ABORT_WAIT_SECONDS = 1.0
+
+
+class FrontDoor(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+        self._driver = Driver(cluster)
+        self._runs: dict[str, Run] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.draining = False
+        cluster.on_worker_lost(self._worker_lost)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._runs)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return self._idle.is_set()
+
+    def cancel_all(self) -> None:
+        for run in list(self._runs.values()):
+            if run.attempt is not None:
+                run.attempt.cancel()
+
+    # -- Generate --------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            run = self._admit(request, context)
+        except RpcFailure as failure:
+            await self._fail(context, failure)
+            return
+        try:
+            async for response in self._relay(run):
+                yield response
+            run.status = grpc.StatusCode.OK
+        except RpcFailure as failure:
+            run.status = failure.code
+            await self._fail(context, failure)
+        finally:
+            await asyncio.shield(self._finish(run))
+
+    def _admit(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> Run:
+        if self.draining:
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the control plane is shutting down")
+        try:
+            request_id = check_generate_request(request)
+        except FieldError as error:
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+        if request_id in self._runs or self._cluster.ledger.is_live(request_id):
+            raise RpcFailure(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running"
+            )
+        config = self._cluster.config
+        if len(self._runs) >= config.max_inflight:
+            raise RpcFailure(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{config.max_inflight} requests are in flight; retry later",
+                config.retry_after_ms,
+            )
+        now = self._cluster.clock()
+        client_left = context.time_remaining()
+        budget = config.max_request_seconds
+        if client_left is not None:
+            budget = min(budget, client_left)
+        run = Run(request_id, request, now, now + budget, clock=self._cluster.clock)
+        run.span = TRACER.start_span("Generate", attributes={"kvmesh.request_id": request_id})
+        self._runs[request_id] = run
+        self._idle.clear()
+        self._cluster.metrics.inflight.set(len(self._runs))
+        return run
+
+    async def _relay(self, run: Run) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        while True:
+            if run.aborted:
+                raise RpcFailure(grpc.StatusCode.ABORTED, f"request {run.request_id!r} was aborted")
+            run.tries += 1
+            run.workers.clear()
+            run.lost = None
+            run.attempt = asyncio.create_task(self._driver.attempt(run))
+            async for response in self._drain(run):
+                yield response
+            lost = self._outcome(run)
+            if lost is None:
+                return
+            if run.streamed or run.tries >= MAX_TRIES:
+                raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(lost))
+            LOG.info("retrying %s after: %s", run.request_id, lost)
+            self._cluster.metrics.retries.inc()
+            run.avoid.add(lost.worker_id)
+            await self._release(self._cluster.ledger.close(run.request_id, "retried"))
+
+    async def _drain(self, run: Run) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """Yield the attempt's responses until it ends (bounded by the run's deadline)."""
+        assert run.attempt is not None
+        while True:
+            getter = asyncio.ensure_future(run.queue.get())
+            try:
+                done, _ = await asyncio.wait(
+                    {getter, run.attempt},
+                    timeout=max(run.remaining(), 0.0) + 1.0,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                if not getter.done():
+                    getter.cancel()
+            if getter in done:
+                yield getter.result()
+            elif not done:
+                run.attempt.cancel()
+                raise RpcFailure(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"request {run.request_id!r} timed out"
+                )
+            else:
+                while not run.queue.empty():
+                    yield run.queue.get_nowait()
+                return
+
+    def _outcome(self, run: Run) -> WorkerLost | None:
+        """None on success, WorkerLost when a retry may help; raises RpcFailure otherwise."""
+        attempt = run.attempt
+        assert attempt is not None and attempt.done()
+        if attempt.cancelled():
+            if run.aborted:
+                raise RpcFailure(grpc.StatusCode.ABORTED, f"request {run.request_id!r} was aborted")
+            if run.lost is not None:
+                return WorkerLost(run.lost, f"worker {run.lost!r} stopped heartbeating")
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the control plane is shutting down")
+        error = attempt.exception()
+        if error is None:
+            return None
+        if isinstance(error, WorkerLost):
+            return error
+        if isinstance(error, RpcFailure):
+            raise error
+        if isinstance(error, NoRouteError):
+            raise RpcFailure(grpc.StatusCode[error.code], str(error))
+        if isinstance(error, LedgerError):
+            raise RpcFailure(grpc.StatusCode.ALREADY_EXISTS, str(error))
+        LOG.error("request %s failed", run.request_id, exc_info=error)
+        raise RpcFailure(grpc.StatusCode.INTERNAL, f"control plane error: {error!r}")
+
+    async def _fail(self, context: grpc.aio.ServicerContext, failure: RpcFailure) -> None:
+        if failure.retry_after_ms is not None:
+            context.set_trailing_metadata((("retry-after-ms", str(failure.retry_after_ms)),))
+        await context.abort(failure.code, failure.message)
+
+    async def _finish(self, run: Run) -> None:
+        """Stop the attempt, close the ledger entry, release every holder; always runs."""
+        attempt = run.attempt
+        if attempt is not None and not attempt.done():
+            attempt.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(attempt, ABORT_WAIT_SECONDS)
+        status = run.status or (
+            grpc.StatusCode.ABORTED if run.aborted else grpc.StatusCode.CANCELLED
+        )
+        await self._release(self._cluster.ledger.close(run.request_id, status.name))
+        self._runs.pop(run.request_id, None)
+        metrics = self._cluster.metrics
+        metrics.requests.labels(status.name).inc()
+        metrics.inflight.set(len(self._runs))
+        metrics.ledger_entries.set(len(self._cluster.ledger))
+        if status == grpc.StatusCode.OK and run.timings.ttft is not None:
+            self._observe_ttft(run)
+        run.span.set_attribute("rpc.grpc.status_code", status.value[0])
+        run.span.end()
+        run.done.set()
+        if not self._runs:
+            self._idle.set()
+
+    def _observe_ttft(self, run: Run) -> None:
+        t, metrics = run.timings, self._cluster.metrics
+        assert t.ttft is not None
+        metrics.ttft.observe(t.ttft)
+        phases = {"queue": t.queue, "prefill": t.prefill, "transfer": t.transfer}
+        phases["first_decode"] = t.first_decode
+        for phase, seconds in phases.items():
+            metrics.ttft_phase.labels(phase).observe(seconds)
+
+    async def _release(self, releases: list[Release]) -> None:
+        await asyncio.gather(*(self._release_one(r) for r in releases))
+
+    async def _release_one(self, release: Release) -> None:
+        """Best effort, bounded: a worker that misses it is told again by its next heartbeat."""
+        record = self._cluster.registry.get(release.worker.worker_id)
+        if record is None or record.epoch != release.worker.epoch:
+            return
+        channel = self._cluster.channels.get(record.address)
+        stub: worker_pb2_grpc.DecodeServiceStub | worker_pb2_grpc.PrefillServiceStub
+        if record.role == "decode":
+            stub = worker_pb2_grpc.DecodeServiceStub(channel)
+        else:
+            stub = worker_pb2_grpc.PrefillServiceStub(channel)
+        request = worker_pb2.ReleaseRequest(
+            request_id=release.request_id, generation=release.generation, reason="closed"
+        )
+        try:
+            await stub.Release(request, timeout=self._cluster.config.release_timeout_seconds)
+        except grpc.aio.AioRpcError as error:
+            LOG.warning(
+                "release of %s on %s failed: %s", release.request_id, record.worker_id, error.code()
+            )
+
+    def _worker_lost(self, worker: WorkerRef) -> None:
+        for run in self._runs.values():
+            if worker in run.workers and run.attempt is not None and not run.attempt.done():
+                run.lost = worker.worker_id
+                run.attempt.cancel()
+
+    # -- Abort, GetModelInfo ---------------------------------------------------------------
+
+    async def Abort(
+        self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.AbortResponse:
+        request_id = request.request_id
+        try:
+            if not request_id:
+                raise FieldError("request_id must not be empty")
+            check_request_id(request_id)
+        except FieldError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        run = self._runs.get(request_id)
+        if run is not None:
+            run.aborted = True
+            if run.attempt is not None:
+                run.attempt.cancel()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(run.done.wait(), ABORT_WAIT_SECONDS)
+            return generation_pb2.AbortResponse(aborted=True)
+        if self._cluster.ledger.closed_outcome(request_id) is not None:
+            return generation_pb2.AbortResponse(aborted=False)
+        await context.abort(
+            grpc.StatusCode.NOT_FOUND,
+            f"request_id {request_id!r} is not running and not among recently finished requests",
+        )
+        raise AssertionError("unreachable")
+
+    async def GetModelInfo(
+        self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ModelInfo:
+        registry = self._cluster.registry
+        workers = registry.alive("decode") + registry.alive("prefill") + registry.alive("colocated")
+        if not workers:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no live worker is registered")
+        info = generation_pb2.ModelInfo()
+        info.CopyFrom(workers[0].info.model)
+        paired = registry.alive("prefill") and registry.alive("decode")
+        info.mode = "disaggregated" if paired else "colocated"
+        return info

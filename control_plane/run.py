@@ -1,0 +1,136 @@
+"""State of one Generate call at the front door, and conversion of worker responses."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+
+from control_plane.ledger import WorkerRef
+from kvmesh.v1 import generation_pb2, worker_pb2
+
+
+class RpcFailure(Exception):
+    """The request ends with this gRPC status (message names the field or the worker)."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+
+class WorkerLost(Exception):
+    """A worker the request depends on died or became unreachable."""
+
+    def __init__(self, worker_id: str, message: str) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+
+
+@dataclass
+class Timings:
+    queue: float = 0.0
+    prefill: float = 0.0
+    transfer: float = 0.0
+    first_decode: float = 0.0
+    ttft: float | None = None
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+@dataclass
+class Run:
+    request_id: str
+    request: generation_pb2.GenerateRequest
+    arrival: float
+    deadline: float
+    clock: Callable[[], float] = time.monotonic
+    queue: asyncio.Queue[generation_pb2.GenerateResponse] = field(default_factory=asyncio.Queue)
+    attempt: asyncio.Task[None] | None = None
+    tries: int = 0
+    generation: int | None = None
+    # Worker incarnations the current attempt called; worker ids to avoid on a retry.
+    workers: set[WorkerRef] = field(default_factory=set)
+    avoid: set[str] = field(default_factory=set)
+    lost: str | None = None
+    aborted: bool = False
+    streamed: bool = False
+    status: grpc.StatusCode | None = None
+    timings: Timings = field(default_factory=Timings)
+    finished_indexes: set[int] = field(default_factory=set)
+    span: trace.Span = field(default_factory=lambda: trace.INVALID_SPAN)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def remaining(self) -> float:
+        return self.deadline - self.clock()
+
+    def timeout(self) -> float:
+        """Timeout for the next worker call; DEADLINE_EXCEEDED when none is left."""
+        remaining = self.remaining()
+        if remaining <= 0:
+            raise RpcFailure(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"request {self.request_id!r} ran out of time"
+            )
+        return remaining
+
+    def trace_context(self) -> otel_context.Context:
+        return trace.set_span_in_context(self.span)
+
+    @staticmethod
+    def metadata() -> tuple[tuple[str, str], ...]:
+        """The current trace context as gRPC metadata (W3C traceparent)."""
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        return tuple(carrier.items())
+
+    def response(self, worker: worker_pb2.DecodeResponse) -> generation_pb2.GenerateResponse:
+        """A client response from a decode (or colocated) worker's response."""
+        now = self.clock()
+        if worker.token_ids and self.timings.ttft is None:
+            self.timings.ttft = now - self.arrival
+            self.timings.first_decode = worker.first_decode_seconds
+        out = generation_pb2.GenerateResponse(
+            request_id=self.request_id,
+            index=worker.index,
+            token_ids=worker.token_ids,
+            text=worker.text,
+            logprobs=worker.logprobs,
+            finish_reason=worker.finish_reason,
+        )
+        which = worker.WhichOneof("stop_reason")
+        if which == "stop_token_id":
+            out.stop_token_id = worker.stop_token_id
+        elif which == "stop_string":
+            out.stop_string = worker.stop_string
+        if worker.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+            self.finished_indexes.add(worker.index)
+            out.usage.CopyFrom(self.usage(worker, now))
+        return out
+
+    def usage(self, worker: worker_pb2.DecodeResponse, now: float) -> generation_pb2.Usage:
+        t = self.timings
+        return generation_pb2.Usage(
+            prompt_tokens=t.prompt_tokens,
+            completion_tokens=worker.completion_tokens,
+            cached_tokens=max(t.cached_tokens, worker.cached_tokens),
+            ttft_seconds=t.ttft if t.ttft is not None else now - self.arrival,
+            ttft_breakdown=generation_pb2.TtftBreakdown(
+                queue_seconds=t.queue,
+                prefill_seconds=t.prefill,
+                transfer_seconds=t.transfer,
+                first_decode_seconds=t.first_decode,
+            ),
+            e2e_seconds=now - self.arrival,
+        )
+
+    def expected_completions(self) -> int:
+        sampling = self.request.sampling
+        return sampling.n if sampling.HasField("n") else 1

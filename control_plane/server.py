@@ -1,0 +1,101 @@
+"""The control-plane gRPC server: GenerationService + ControlService + health (+ reflection).
+
+Health: the overall service ("") is SERVING while up; "kvmesh.v1.GenerationService" is
+SERVING only while a usable worker set is registered (a prefill + decode pair with equal
+layouts, or a colocated worker). Draining sets everything NOT_SERVING, refuses new requests,
+waits (bounded) for in-flight ones, then stops.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from control_plane.cluster import Cluster
+from control_plane.config import ControlConfig
+from control_plane.control_service import ControlServicer, Reaper
+from control_plane.front_door import FrontDoor
+from kvmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+LOG = logging.getLogger("kvmesh.control_plane")
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+CONTROL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["ControlService"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def server_options(config: ControlConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+class ControlServer:
+    """Owns the grpc.aio server and the control plane's state; start() then drain()."""
+
+    def __init__(self, config: ControlConfig) -> None:
+        self.config = config
+        self.cluster = Cluster(config)
+        self.front_door = FrontDoor(self.cluster)
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        self._reaper = Reaper(self.cluster)
+        self._server = grpc.aio.server(options=server_options(config))
+        self.port = 0
+        self.cluster.on_serving_change(self._serving_changed)
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        server = self._server
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(self.front_door, server)
+        worker_pb2_grpc.add_ControlServiceServicer_to_server(ControlServicer(self.cluster), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if self.config.reflection:
+            from grpc_reflection.v1alpha import reflection
+
+            names = (GENERATION_SERVICE, CONTROL_SERVICE, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection((*names, health.SERVICE_NAME), server)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"port: cannot bind {self.config.host}:{self.config.port}")
+        if self.config.metrics_port:
+            start_http_server(self.config.metrics_port, registry=self.cluster.metrics.registry)
+        await self.health.set("", SERVING)
+        await self.health.set(CONTROL_SERVICE, SERVING)
+        await self.health.set(GENERATION_SERVICE, NOT_SERVING)
+        await server.start()
+        self._reaper.start()
+        LOG.info("control plane serving on %s", self.address)
+
+    async def _serving_changed(self, serving: bool) -> None:
+        if not self.front_door.draining:
+            await self.health.set(GENERATION_SERVICE, SERVING if serving else NOT_SERVING)
+
+    async def drain(self, grace: float | None = None) -> None:
+        """Refuse new requests, wait for in-flight ones (bounded), then stop."""
+        grace = self.config.drain_seconds if grace is None else grace
+        self.front_door.draining = True
+        await self.health.enter_graceful_shutdown()
+        if not await self.front_door.wait_idle(grace):
+            LOG.warning("drain: cancelling %d requests still in flight", self.front_door.inflight)
+            self.front_door.cancel_all()
+            await self.front_door.wait_idle(1.0)
+        await self.stop()
+
+    async def stop(self) -> None:
+        await self._reaper.stop()
+        await self._server.stop(grace=1.0)
+        await self.cluster.channels.close()
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()

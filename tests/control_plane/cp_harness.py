@@ -1,0 +1,83 @@
+"""A real control-plane server on a loopback port with client stubs, for async tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, replace
+from typing import Any
+
+import grpc
+from cp_workers import FakeWorker
+from grpc_health.v1 import health_pb2_grpc
+
+from control_plane.config import ControlConfig
+from control_plane.server import ControlServer
+from kvmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
+
+TEST_CONFIG = ControlConfig(host="127.0.0.1", port=0, drain_seconds=2.0)
+
+
+def run_async(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+    """Turn an async test scenario into a plain test function (bounded by pytest-timeout)."""
+
+    def test() -> None:
+        asyncio.run(scenario())
+
+    test.__name__ = scenario.__name__
+    test.__doc__ = scenario.__doc__
+    return test
+
+
+@dataclass
+class Harness:
+    server: ControlServer
+    channel: grpc.aio.Channel
+    generation: generation_pb2_grpc.GenerationServiceStub
+    control: worker_pb2_grpc.ControlServiceStub
+    health: health_pb2_grpc.HealthStub
+
+    async def add(self, worker_id: str, role: str, **kwargs: Any) -> FakeWorker:
+        worker = await FakeWorker(worker_id, role, **kwargs).start()
+        await worker.register(self.control)
+        return worker
+
+
+@contextlib.asynccontextmanager
+async def control_plane(**overrides: Any) -> AsyncIterator[Harness]:
+    server = ControlServer(replace(TEST_CONFIG, **overrides))
+    await server.start()
+    channel = grpc.aio.insecure_channel(server.address)
+    try:
+        yield Harness(
+            server,
+            channel,
+            generation_pb2_grpc.GenerationServiceStub(channel),
+            worker_pb2_grpc.ControlServiceStub(channel),
+            health_pb2_grpc.HealthStub(channel),
+        )
+    finally:
+        await channel.close(grace=None)
+        await server.stop()
+
+
+def text_request(text: str = "hello world", **kwargs: Any) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(text=text, **kwargs)
+
+
+async def collect(call: Any) -> list[generation_pb2.GenerateResponse]:
+    return [response async for response in call]
+
+
+async def status_of(
+    call: Any,
+) -> tuple[grpc.StatusCode, str, list[generation_pb2.GenerateResponse]]:
+    """Read a Generate stream to its end; returns (status code, details, responses)."""
+    responses: list[generation_pb2.GenerateResponse] = []
+    try:
+        async for response in call:
+            responses.append(response)
+    except grpc.aio.AioRpcError as error:
+        return error.code(), error.details() or "", responses
+    return grpc.StatusCode.OK, "", responses

@@ -1,0 +1,225 @@
+"""A real in-test gRPC worker peer (Prefill/Decode/Colocated services over loopback).
+
+It keeps block sets in a dict, so tests can see exactly what a worker holds and what the control
+plane released. Blocks are freed only by Release or by finishing a stream, never by a cancelled
+call, so tests observe the control plane's own cleanup. Knobs: `gate` (Decode/Generate wait for
+it before their first response), `reserve_error`, `tokens` (responses after the first token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+
+import grpc
+from cp_fixtures import layout, worker_info
+
+from kvmesh.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+
+_EPOCHS = itertools.count(101)
+VOCAB = 256
+LENGTH = generation_pb2.FINISH_REASON_LENGTH
+UNFINISHED = generation_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class FakeWorker(
+    worker_pb2_grpc.PrefillServiceServicer,
+    worker_pb2_grpc.DecodeServiceServicer,
+    worker_pb2_grpc.ColocatedServiceServicer,
+):
+    def __init__(
+        self, worker_id: str, role: str, *, num_blocks: int = 64, block_size: int = 16
+    ) -> None:
+        self.worker_id, self.role = worker_id, role
+        self.epoch = next(_EPOCHS)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.held: dict[str, worker_pb2.HeldBlockSet] = {}
+        self.released: list[tuple[str, int]] = []
+        self.calls: list[str] = []
+        self.metadata: list[dict[str, str]] = []
+        self.gate: asyncio.Event | None = None
+        self.stream_started = asyncio.Event()
+        self.changed = asyncio.Event()
+        self.reserve_error: grpc.StatusCode | None = None
+        self.tokens = 3
+        self.address = ""
+        self._server: grpc.aio.Server | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> FakeWorker:
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_PrefillServiceServicer_to_server(self, server)
+        worker_pb2_grpc.add_DecodeServiceServicer_to_server(self, server)
+        worker_pb2_grpc.add_ColocatedServiceServicer_to_server(self, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        self._server, self.address = server, f"127.0.0.1:{port}"
+        return self
+
+    async def kill(self) -> None:
+        """Stop at once: open calls fail, new connections are refused."""
+        if self._server is not None:
+            await self._server.stop(grace=None)
+
+    def info(self, **overrides: object) -> worker_pb2.WorkerInfo:
+        kwargs: dict[str, object] = {"epoch": self.epoch, "address": self.address}
+        kwargs["kv_layout"] = layout(block_size=self.block_size)
+        kwargs["num_blocks"] = self.num_blocks
+        kwargs.update(overrides)
+        return worker_info(self.worker_id, self.role, **kwargs)  # type: ignore[arg-type]
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        used = sum(h.num_blocks for h in self.held.values())
+        return worker_pb2.WorkerLoad(
+            total_blocks=self.num_blocks, free_blocks=self.num_blocks - used, running=len(self.held)
+        )
+
+    async def register(self, control: worker_pb2_grpc.ControlServiceStub) -> None:
+        request = worker_pb2.RegisterRequest(
+            worker=self.info(), held=list(self.held.values()), load=self.load()
+        )
+        await control.Register(request, timeout=5)
+
+    async def heartbeat(
+        self, control: worker_pb2_grpc.ControlServiceStub
+    ) -> worker_pb2.HeartbeatResponse:
+        request = worker_pb2.HeartbeatRequest(
+            worker_id=self.worker_id, epoch=self.epoch, load=self.load(),
+            held=list(self.held.values()),
+        )  # fmt: skip
+        response = await control.Heartbeat(request, timeout=5)
+        for request_id in response.release_request_ids:
+            self._free(request_id, 0)
+        return response
+
+    async def keep_alive(self, control: worker_pb2_grpc.ControlServiceStub, every: float) -> None:
+        """Heartbeat until cancelled (what a real worker's background loop does)."""
+        while True:
+            await self.heartbeat(control)
+            await asyncio.sleep(every)
+
+    def _hold(
+        self, request_id: str, generation: int, state: worker_pb2.BlockSetState, blocks: int
+    ) -> None:
+        self.held[request_id] = worker_pb2.HeldBlockSet(
+            request_id=request_id, state=state, num_blocks=blocks, generation=generation
+        )
+        self.changed.set()
+
+    def _free(self, request_id: str, generation: int) -> bool:
+        held = self.held.get(request_id)
+        if held is None or (generation and held.generation != generation):
+            return False
+        del self.held[request_id]
+        self.released.append((request_id, held.generation))
+        self.changed.set()
+        return True
+
+    async def wait_empty(self, timeout: float = 1.0) -> None:
+        async def empty() -> None:
+            while self.held:
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(empty(), timeout)
+
+    def _record(self, name: str, context: grpc.aio.ServicerContext) -> None:
+        self.calls.append(name)
+        self.metadata.append({k: str(v) for k, v in context.invocation_metadata() or ()})
+
+    # -- PrefillService --------------------------------------------------------------------
+
+    async def Prepare(
+        self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrepareResponse:
+        self._record("Prepare", context)
+        req = request.request
+        ids = list(req.text.encode()) if req.HasField("text") else list(req.token_ids.ids)
+        for i, token in enumerate(ids):
+            if not 0 <= token < VOCAB:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"token_ids.ids[{i}] = {token} is outside [0, {VOCAB})",
+                )
+        engine = worker_pb2.EngineRequest(
+            request_id=req.request_id, prompt_ids=ids, sampling=req.sampling,
+            cache_salt=req.cache_salt,
+        )  # fmt: skip
+        return worker_pb2.PrepareResponse(request=engine)
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        self._record("Prefill", context)
+        req, target = request.request, request.target
+        blocks = len(target.block_ids)
+        self._hold(req.request_id, target.generation, worker_pb2.BLOCK_SET_STATE_FILLING, blocks)
+        self._free(req.request_id, target.generation)  # acknowledged by the decode side
+        first = worker_pb2.FirstToken(index=0, token_id=req.prompt_ids[-1])
+        return worker_pb2.PrefillResponse(
+            first_tokens=[first], cached_tokens=0, queue_seconds=0.001,
+            prefill_seconds=0.002, transfer_seconds=0.003, transfer_bytes=blocks * 1024,
+        )  # fmt: skip
+
+    async def Release(
+        self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReleaseResponse:
+        self._record("Release", context)
+        return worker_pb2.ReleaseResponse(
+            released=self._free(request.request_id, request.generation)
+        )
+
+    # -- DecodeService ---------------------------------------------------------------------
+
+    async def Reserve(
+        self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReserveResponse:
+        self._record("Reserve", context)
+        if self.reserve_error is not None:
+            await context.abort(self.reserve_error, "no free KV blocks")
+        req = request.request
+        blocks = -(-len(req.prompt_ids) // self.block_size)
+        self._hold(req.request_id, request.generation, worker_pb2.BLOCK_SET_STATE_RESERVED, blocks)
+        return worker_pb2.ReserveResponse(
+            block_ids=list(range(blocks)), transfer_id=f"t-{req.request_id}", epoch=self.epoch,
+            layout=layout(block_size=self.block_size),
+        )  # fmt: skip
+
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        self._record("Decode", context)
+        held = self.held[request.request_id]
+        held.state = worker_pb2.BLOCK_SET_STATE_DECODING
+        first = [t.token_id for t in request.first_tokens]
+        async for response in self._tokens(first, request.request_id, request.generation):
+            yield response
+
+    async def Generate(
+        self, request: worker_pb2.EngineRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        self._record("Generate", context)
+        self._hold(request.request_id, 0, worker_pb2.BLOCK_SET_STATE_DECODING, 1)
+        async for response in self._tokens([request.prompt_ids[-1]], request.request_id, 0):
+            response.queue_seconds, response.prefill_seconds = 0.004, 0.005
+            yield response
+
+    async def _tokens(
+        self, first: list[int], request_id: str, generation: int
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        self.stream_started.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        yield worker_pb2.DecodeResponse(
+            index=0, token_ids=first, text="a", first_decode_seconds=0.01
+        )
+        for i in range(self.tokens):
+            last = i == self.tokens - 1
+            yield worker_pb2.DecodeResponse(
+                index=0, token_ids=[i], text="b",
+                finish_reason=LENGTH if last else UNFINISHED,
+                completion_tokens=self.tokens + 1 if last else 0,
+            )  # fmt: skip
+        self._free(request_id, generation)
