@@ -9,7 +9,11 @@ import argparse
 import importlib
 from typing import Any
 
-BENCH_MODULES: tuple[str, ...] = ("kvmesh.cli.bench_memory", "kvmesh.cli.bench_scheduler")
+BENCH_MODULES: tuple[str, ...] = (
+    "kvmesh.cli.bench_memory",
+    "kvmesh.cli.bench_scheduler",
+    "kvmesh.cli.bench_prefix_cache",
+)
 
 
 def register(subparsers: Any) -> None:
