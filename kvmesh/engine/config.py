@@ -60,7 +60,7 @@ class EngineConfig:
             raise InvalidParameterError("memory_utilization", "must be in (0, 1]")
 
 
-DEFAULT_CPU_KV_BYTES = 2 * 1024**3
+DEFAULT_CPU_KV_BYTES = 1024**3
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

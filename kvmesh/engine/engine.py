@@ -1,0 +1,255 @@
+"""LLMEngine: the step loop gluing scheduler, runner, sampler, detokenizer and outputs.
+
+Per step:
+
+    plan = scheduler.schedule()            # who runs, which blocks, which rows are sampled
+    runner.copy_blocks(plan.copy_pairs)    # copy-on-write before any write
+    logits = runner.execute(plan)          # [sampling chunks, vocab]
+    tokens = sampler(logits rows expanded to every sampled sequence)
+    scheduler.update(plan, tokens)         # token stops, frees finished blocks
+    detokenize, stop strings -> scheduler.finish_sequence, RequestOutput per touched request
+
+Not thread-safe: one thread drives it (the async engine serialises calls onto its worker).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.detokenizer import SequenceText
+from kvmesh.engine.engine_setup import EngineParts, build_engine_parts
+from kvmesh.engine.errors import InvalidParameterError
+from kvmesh.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvmesh.engine.sampler import SamplingBatch, SamplingRow, TokenLogprobs
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.scheduler_types import SchedulerOutput
+from kvmesh.engine.sequence import Request, Sequence
+
+PromptInput = str | Seq[int]
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of one request: texts, per-sequence outputs, timings."""
+
+    request: Request
+    prompt: str | None
+    texts: dict[str, SequenceText] = field(default_factory=dict)
+    outputs: dict[str, CompletionOutput] = field(default_factory=dict)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+
+class LLMEngine:
+    """Offline engine: `add_request`, then `step()` until `has_unfinished()` is False."""
+
+    def __init__(self, config: EngineConfig | None = None, parts: EngineParts | None = None):
+        self.config = config or EngineConfig()
+        self.parts = parts or build_engine_parts(self.config)
+        self.scheduler = self.parts.scheduler
+        self.runner = self.parts.runner
+        self.sampler = self.parts.sampler
+        self.tokenizer = self.parts.loaded.tokenizer
+        self._tracked: dict[str, _Tracked] = {}
+        self._seq_request: dict[str, str] = {}
+        self._step_logprobs: dict[str, TokenLogprobs] = {}
+        if self.config.show_progress:
+            print(self.parts.capacity_line(), file=sys.stderr)
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        prefill_only: bool = False,
+    ) -> Request:
+        """Validate and queue a request (InvalidParameterError names the bad field)."""
+        params = params or SamplingParams()
+        prompt_ids, text = self.encode_prompt(prompt)
+        params.validate_for_model(self.runner.vocab_size)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        request = Request.from_prompt(
+            request_id, prompt_ids, params, arrival_time=arrival, prefill_only=prefill_only
+        )
+        self.scheduler.add_request(request)
+        self._tracked[request_id] = _Tracked(request, text, metrics=RequestMetrics(arrival))
+        self._seq_request[request_id] = request_id
+        return request
+
+    def encode_prompt(self, prompt: PromptInput) -> tuple[list[int], str | None]:
+        """Token ids of a text or token-id prompt, checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParameterError("prompt", "text needs a tokenizer; pass token ids")
+            return list(self.tokenizer.encode(prompt)), prompt
+        ids = list(prompt)
+        vocab = self.runner.vocab_size
+        for token_id in ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise InvalidParameterError("prompt_token_ids", f"{token_id!r} is not an int")
+            if not 0 <= token_id < vocab:
+                raise InvalidParameterError(
+                    "prompt_token_ids", f"token id {token_id} is outside [0, {vocab})"
+                )
+        return ids, None
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; its final output, or None if unknown."""
+        tracked = self._tracked.get(request_id)
+        self.scheduler.abort_request(request_id)
+        if tracked is None:
+            return None
+        return self._finish_output(tracked)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._tracked)
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; outputs of every request that changed."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        self.runner.copy_blocks(plan.copy_pairs)
+        logits = self.runner.execute(plan)  # [sampling chunks, vocab]
+        sampled = self._sample(plan, logits)
+        changed = self.scheduler.update(plan, sampled)
+        now = time.monotonic()
+        touched: dict[str, _Tracked] = {}
+        for seq in changed:
+            tracked = self._tracked[seq.request_id]
+            self._record_token(tracked, seq, now)
+            touched[seq.request_id] = tracked
+        self._step_logprobs.clear()
+        return [self._emit(tracked) for tracked in touched.values()]
+
+    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> dict[str, int]:
+        """One token per sampled sequence; n > 1 children share their chunk's logits row."""
+        row_of_chunk: list[int] = []
+        rows: list[SamplingRow] = []
+        seq_ids: list[str] = []
+        chunk_row = 0
+        for chunk in plan.chunks:
+            if not chunk.sample_seq_ids:
+                continue
+            request = self._tracked[self._seq_request[chunk.seq_id]].request
+            for seq_id in chunk.sample_seq_ids:
+                self._seq_request.setdefault(seq_id, request.request_id)
+                seq = _find_seq(request, seq_id)
+                index = request.seqs.index(seq)
+                rows.append(SamplingRow(seq.params, seq.prompt_ids, seq.output_ids, None, index))
+                row_of_chunk.append(chunk_row)
+                seq_ids.append(seq_id)
+            chunk_row += 1
+        if len(row_of_chunk) != chunk_row:
+            logits = logits[torch.tensor(row_of_chunk)]  # [sampled sequences, vocab]
+        batch = SamplingBatch.build(rows, self.parts.eos_token_id)
+        result = self.sampler(logits, batch)
+        for seq_id, logprobs in zip(seq_ids, result.logprobs, strict=True):
+            if logprobs is not None:
+                self._step_logprobs[seq_id] = logprobs
+        return dict(zip(seq_ids, result.token_ids.tolist(), strict=True))
+
+    def _record_token(self, tracked: _Tracked, seq: Sequence, now: float) -> None:
+        out = tracked.outputs.get(seq.seq_id)
+        if out is None:
+            out = self._new_completion(tracked, seq)
+        new_ids = seq.output_ids[len(out.token_ids) :]
+        out.token_ids.extend(new_ids)
+        out.new_token_ids.extend(new_ids)
+        out.token_times.extend([now] * len(new_ids))
+        logprobs = self._step_logprobs.get(seq.seq_id)
+        if logprobs is not None:
+            out.logprobs = [*(out.logprobs or []), logprobs]
+        if tracked.metrics.first_token_time is None:
+            tracked.metrics.first_token_time = now
+        text = tracked.texts[seq.seq_id]
+        out.new_text += text.append(new_ids)
+        out.text = text.text
+        if text.stopped_by is not None and not seq.status.is_finished:
+            self.scheduler.finish_sequence(seq.seq_id, "stop", text.stopped_by)
+        out.finish_reason = seq.finish_reason
+        out.stop_reason = seq.stop_reason
+        if text.stopped_by is not None:
+            out.finish_reason, out.stop_reason = "stop", text.stopped_by
+
+    def _new_completion(self, tracked: _Tracked, seq: Sequence) -> CompletionOutput:
+        params = seq.params
+        stops = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop)
+        tracked.texts[seq.seq_id] = SequenceText(
+            self.tokenizer,
+            seq.prompt_ids,
+            stops,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+        )
+        out = CompletionOutput(index=tracked.request.seqs.index(seq), text="", token_ids=[])
+        tracked.outputs[seq.seq_id] = out
+        return out
+
+    def _emit(self, tracked: _Tracked) -> RequestOutput:
+        """Snapshot the request; forget it once finished; reset the per-output deltas."""
+        if tracked.request.is_finished:
+            return self._finish_output(tracked)
+        output = self._snapshot(tracked, finished=False)
+        for out in tracked.outputs.values():
+            out.new_token_ids, out.new_text = [], ""
+        return output
+
+    def _finish_output(self, tracked: _Tracked) -> RequestOutput:
+        request = tracked.request
+        for seq in request.seqs:
+            out = tracked.outputs.get(seq.seq_id) or self._new_completion(tracked, seq)
+            if out.finish_reason is None:
+                out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+        tracked.metrics.finished_time = time.monotonic()
+        self._tracked.pop(request.request_id, None)
+        for seq in request.seqs:
+            self._seq_request.pop(seq.seq_id, None)
+        return self._snapshot(tracked, finished=True)
+
+    def _snapshot(self, tracked: _Tracked, finished: bool) -> RequestOutput:
+        request = tracked.request
+        outputs = [
+            _copy_completion(tracked.outputs[s.seq_id])
+            for s in request.seqs
+            if s.seq_id in tracked.outputs
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=list(request.seqs[0].prompt_ids),
+            outputs=sorted(outputs, key=lambda o: o.index),
+            finished=finished,
+            metrics=RequestMetrics(**vars(tracked.metrics)),
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
+        )
+
+
+def _find_seq(request: Request, seq_id: str) -> Sequence:
+    for seq in request.seqs:
+        if seq.seq_id == seq_id:
+            return seq
+    raise AssertionError(f"sequence {seq_id} not in request {request.request_id}")
+
+
+def _copy_completion(out: CompletionOutput) -> CompletionOutput:
+    return CompletionOutput(
+        index=out.index,
+        text=out.text,
+        token_ids=list(out.token_ids),
+        finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
+        logprobs=None if out.logprobs is None else list(out.logprobs),
+        new_token_ids=list(out.new_token_ids),
+        new_text=out.new_text,
+        token_times=list(out.token_times),
+    )

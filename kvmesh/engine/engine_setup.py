@@ -1,0 +1,121 @@
+"""Build an engine's parts from an EngineConfig: model, KV pool sized by budget, scheduler.
+
+KV pool size: `num_kv_blocks` if given, else the memory planner over a budget of
+`kv_cache_memory` bytes (or, on CUDA, `memory_utilization` of the device minus the weights;
+on CPU `DEFAULT_CPU_KV_BYTES`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from kvmesh.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from kvmesh.engine.errors import InvalidParameterError
+from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.runner import ModelRunner
+from kvmesh.engine.sampler import Sampler
+from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
+from kvmesh.memory import BlockManager
+from kvmesh.memory.planner import KVModelShape, plan_kv_capacity
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """Everything an LLMEngine drives, built once."""
+
+    loaded: LoadedModel
+    runner: ModelRunner
+    scheduler: Scheduler
+    sampler: Sampler
+    max_model_len: int
+    eos_token_id: int | None
+
+    def capacity_line(self) -> str:
+        """Start-up summary: blocks, tokens, max concurrency at max model length."""
+        spec = self.runner.kv_cache.spec
+        tokens = spec.num_blocks * spec.block_size
+        per_seq = -(-self.max_model_len // spec.block_size)
+        mib = spec.num_blocks * spec.bytes_per_block / 2**20
+        return (
+            f"kvmesh: KV cache {spec.num_blocks} blocks x {spec.block_size} tokens = {tokens} "
+            f"tokens ({mib:.1f} MiB, {spec.kv_dtype}); max concurrency at "
+            f"{self.max_model_len} tokens: {spec.num_blocks // per_seq}"
+        )
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    loaded = load_model(config)
+    max_model_len = resolve_max_model_len(config, loaded.hf_config)
+    num_blocks = plan_num_blocks(config, loaded, max_model_len)
+    runner = ModelRunner(loaded, num_blocks, config.block_size, config.kv_dtype)
+    eos = eos_token_id(loaded)
+    scheduler_config = SchedulerConfig(
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        enable_prefix_caching=config.enable_prefix_caching,
+        policy=config.policy,
+        allocation=config.allocation,
+        eos_token_id=eos,
+    )
+    block_manager = BlockManager(
+        num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+    )
+    scheduler = Scheduler(scheduler_config, block_manager)
+    return EngineParts(loaded, runner, scheduler, Sampler(), max_model_len, eos)
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if config.max_model_len is None:
+        if limit is None:
+            raise InvalidParameterError("max_model_len", "the model config names none; set it")
+        return int(limit)
+    if limit is not None and config.max_model_len > limit:
+        raise InvalidParameterError(
+            "max_model_len", f"{config.max_model_len} exceeds the model's {limit} positions"
+        )
+    return config.max_model_len
+
+
+def plan_num_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    shape = KVModelShape.from_config(loaded.path)
+    dtype_name = str(loaded.dtype).removeprefix("torch.")
+    shape = replace(shape, dtype=dtype_name)
+    if config.kv_cache_memory is not None or loaded.device.type != "cuda":
+        memory, utilization, weights = config.kv_cache_memory or DEFAULT_CPU_KV_BYTES, 1.0, 0
+    else:
+        memory = torch.cuda.get_device_properties(loaded.device).total_memory
+        utilization = config.memory_utilization
+        weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    plan = plan_kv_capacity(
+        shape,
+        memory_bytes=memory,
+        utilization=utilization,
+        weights_bytes=weights,
+        block_size=config.block_size,
+        kv_dtype=config.kv_dtype,
+        max_model_len=max_model_len,
+    )
+    if plan.num_blocks < 1:
+        raise InvalidParameterError("kv_cache_memory", "budget holds no KV block")
+    return plan.num_blocks
+
+
+def eos_token_id(loaded: LoadedModel) -> int | None:
+    """The model's end-of-sequence id (first one when it lists several)."""
+    generation = getattr(loaded.model, "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(loaded.hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return None if eos is None else int(eos)

@@ -1,0 +1,67 @@
+"""What `LLM.generate` and the async engine return, in the shape vLLM users know.
+
+`CompletionOutput` is one generated sequence (n of them per request), cumulative: token_ids
+and text so far. `new_token_ids` / `new_text` hold only what this output adds to the previous
+one of the same sequence (what a streaming client forwards). Times are `time.monotonic()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from kvmesh.engine.sampler import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    """One sequence of a request. finish_reason: None while running, else stop|length|abort."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    token_times: list[float] = field(default_factory=list)  # when each output token was made
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        """Seconds between consecutive output tokens (len(token_ids) - 1 values)."""
+        times = self.token_times
+        return [b - a for a, b in itertools.pairwise(times)]
+
+
+@dataclass
+class RequestMetrics:
+    """Request timings: arrival, first token and finish (monotonic seconds)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token in seconds, None until the first token exists."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """Everything about one request so far; `finished` when every sequence has finished."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
