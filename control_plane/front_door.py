@@ -68,6 +68,7 @@ class FrontDoor(generation_pb2_grpc.GenerationServiceServicer):
             run.status = grpc.StatusCode.OK
         except RpcFailure as failure:
             run.status = failure.code
+            await asyncio.shield(self._finish(run))  # released before the client sees the end
             await self._fail(context, failure)
         finally:
             await asyncio.shield(self._finish(run))
@@ -180,12 +181,19 @@ class FrontDoor(generation_pb2_grpc.GenerationServiceServicer):
         await context.abort(failure.code, failure.message)
 
     async def _finish(self, run: Run) -> None:
-        """Stop the attempt, close the ledger entry, release every holder; always runs."""
+        """Stop the attempt, close the ledger entry, release every holder (once)."""
+        if run.finishing:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(run.done.wait(), 3 * ABORT_WAIT_SECONDS)
+            return
+        run.finishing = True
         attempt = run.attempt
         if attempt is not None and not attempt.done():
             attempt.cancel()
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(attempt, ABORT_WAIT_SECONDS)
+        elif attempt is not None and not attempt.cancelled():
+            attempt.exception()  # retrieved (already reported through the status)
         status = run.status or (
             grpc.StatusCode.ABORTED if run.aborted else grpc.StatusCode.CANCELLED
         )

@@ -43,7 +43,7 @@ class Load:
         return self.running + self.waiting
 
 
-@dataclass
+@dataclass(eq=False)
 class WorkerRecord:
     info: worker_pb2.WorkerInfo
     load: Load

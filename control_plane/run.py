@@ -67,6 +67,7 @@ class Run:
     timings: Timings = field(default_factory=Timings)
     finished_indexes: set[int] = field(default_factory=set)
     span: trace.Span = field(default_factory=lambda: trace.INVALID_SPAN)
+    finishing: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def remaining(self) -> float:

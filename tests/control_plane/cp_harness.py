@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -37,9 +37,12 @@ class Harness:
     generation: generation_pb2_grpc.GenerationServiceStub
     control: worker_pb2_grpc.ControlServiceStub
     health: health_pb2_grpc.HealthStub
+    workers: list[FakeWorker] = field(default_factory=list)
 
     async def add(self, worker_id: str, role: str, **kwargs: Any) -> FakeWorker:
+        """Start a worker peer and register it (stopped when the harness closes)."""
         worker = await FakeWorker(worker_id, role, **kwargs).start()
+        self.workers.append(worker)
         await worker.register(self.control)
         return worker
 
@@ -49,17 +52,20 @@ async def control_plane(**overrides: Any) -> AsyncIterator[Harness]:
     server = ControlServer(replace(TEST_CONFIG, **overrides))
     await server.start()
     channel = grpc.aio.insecure_channel(server.address)
+    harness = Harness(
+        server,
+        channel,
+        generation_pb2_grpc.GenerationServiceStub(channel),
+        worker_pb2_grpc.ControlServiceStub(channel),
+        health_pb2_grpc.HealthStub(channel),
+    )
     try:
-        yield Harness(
-            server,
-            channel,
-            generation_pb2_grpc.GenerationServiceStub(channel),
-            worker_pb2_grpc.ControlServiceStub(channel),
-            health_pb2_grpc.HealthStub(channel),
-        )
+        yield harness
     finally:
         await channel.close(grace=None)
         await server.stop()
+        for worker in harness.workers:
+            await worker.kill()
 
 
 def text_request(text: str = "hello world", **kwargs: Any) -> generation_pb2.GenerateRequest:
@@ -76,7 +82,7 @@ async def status_of(
     """Read a Generate stream to its end; returns (status code, details, responses)."""
     responses: list[generation_pb2.GenerateResponse] = []
     try:
-        async for response in call:
+        while (response := await call.read()) != grpc.aio.EOF:  # type: ignore[attr-defined]
             responses.append(response)
     except grpc.aio.AioRpcError as error:
         return error.code(), error.details() or "", responses

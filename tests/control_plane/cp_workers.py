@@ -3,7 +3,8 @@
 It keeps block sets in a dict, so tests can see exactly what a worker holds and what the control
 plane released. Blocks are freed only by Release or by finishing a stream, never by a cancelled
 call, so tests observe the control plane's own cleanup. Knobs: `gate` (Decode/Generate wait for
-it before their first response), `reserve_error`, `tokens` (responses after the first token).
+it before their first response), `after_first_gate`, `prefill_gate`, `reserve_error`, `tokens`
+(responses after the first token).
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ class FakeWorker(
         self.calls: list[str] = []
         self.metadata: list[dict[str, str]] = []
         self.gate: asyncio.Event | None = None
+        self.after_first_gate: asyncio.Event | None = None
+        self.prefill_gate: asyncio.Event | None = None
         self.stream_started = asyncio.Event()
+        self.prefill_started = asyncio.Event()
         self.changed = asyncio.Event()
         self.reserve_error: grpc.StatusCode | None = None
         self.tokens = 3
@@ -156,6 +160,9 @@ class FakeWorker(
         req, target = request.request, request.target
         blocks = len(target.block_ids)
         self._hold(req.request_id, target.generation, worker_pb2.BLOCK_SET_STATE_FILLING, blocks)
+        self.prefill_started.set()
+        if self.prefill_gate is not None:
+            await self.prefill_gate.wait()
         self._free(req.request_id, target.generation)  # acknowledged by the decode side
         first = worker_pb2.FirstToken(index=0, token_id=req.prompt_ids[-1])
         return worker_pb2.PrefillResponse(
@@ -215,6 +222,8 @@ class FakeWorker(
         yield worker_pb2.DecodeResponse(
             index=0, token_ids=first, text="a", first_decode_seconds=0.01
         )
+        if self.after_first_gate is not None:
+            await self.after_first_gate.wait()
         for i in range(self.tokens):
             last = i == self.tokens - 1
             yield worker_pb2.DecodeResponse(

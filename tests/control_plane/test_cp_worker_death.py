@@ -1,0 +1,90 @@
+"""Worker death over real gRPC: retry before the first token, UNAVAILABLE after it, the lease
+reaper for a silent worker, and no blocks left on the survivors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+from cp_harness import control_plane, run_async, status_of, text_request
+
+
+@run_async
+async def test_decode_death_before_first_token_retries_on_another_decode_worker() -> None:
+    async with control_plane() as cp:
+        prefill = await cp.add("p0", "prefill")
+        doomed = await cp.add("d0", "decode", num_blocks=128)  # ranked first
+        spare = await cp.add("d1", "decode")
+        doomed.gate = asyncio.Event()
+        call = cp.generation.Generate(text_request(request_id="r"), timeout=10)
+        await asyncio.wait_for(doomed.stream_started.wait(), 5)
+        await doomed.kill()
+        code, _, responses = await status_of(call)
+        assert code == grpc.StatusCode.OK and len(responses) == 4
+        assert prefill.calls == ["Prepare", "Prefill"] * 2  # prefill redone
+        assert spare.calls[:2] == ["Reserve", "Decode"] and spare.held == {}
+        assert len(cp.server.cluster.ledger) == 0
+        assert cp.server.cluster.metrics.retries._value.get() == 1
+
+
+@run_async
+async def test_decode_death_after_a_streamed_token_is_unavailable() -> None:
+    async with control_plane() as cp:
+        await cp.add("p0", "prefill")
+        decode = await cp.add("d0", "decode")
+        await cp.add("d1", "decode")
+        decode.after_first_gate = asyncio.Event()
+        call = cp.generation.Generate(text_request(request_id="r"), timeout=10)
+        first = await asyncio.wait_for(call.read(), 5)
+        assert list(first.token_ids)
+        await decode.kill()
+        code, details, _ = await status_of(call)
+        assert code == grpc.StatusCode.UNAVAILABLE and "d0" in details
+        assert len(cp.server.cluster.ledger) == 0
+
+
+@run_async
+async def test_prefill_death_mid_transfer_releases_the_reservation_and_retries() -> None:
+    async with control_plane() as cp:
+        doomed = await cp.add("p0", "prefill")
+        decode = await cp.add("d0", "decode")
+        doomed.prefill_gate = asyncio.Event()
+        call = cp.generation.Generate(text_request(request_id="r"), timeout=10)
+        await asyncio.wait_for(doomed.prefill_started.wait(), 5)
+        first_generation = decode.held["r"].generation
+        spare = await cp.add("p1", "prefill")
+        await doomed.kill()
+        code, _, _ = await status_of(call)
+        assert code == grpc.StatusCode.OK
+        assert spare.calls == ["Prepare", "Prefill"]
+        assert ("r", first_generation) in decode.released  # the first reservation
+        assert decode.held == {} and len(cp.server.cluster.ledger) == 0
+
+
+@run_async
+async def test_silent_decode_worker_is_reaped_and_the_request_completes_elsewhere() -> None:
+    async with control_plane(lease_seconds=0.4, heartbeat_interval_seconds=0.1,
+                             reap_interval_seconds=0.05) as cp:  # fmt: skip
+        prefill = await cp.add("p0", "prefill")
+        silent = await cp.add("d0", "decode", num_blocks=128)  # ranked first, never heartbeats
+        spare = await cp.add("d1", "decode")
+        silent.gate = asyncio.Event()  # hangs without dying
+        alive = [asyncio.create_task(w.keep_alive(cp.control, 0.05)) for w in (prefill, spare)]
+        try:
+            code, _, responses = await status_of(
+                cp.generation.Generate(text_request(request_id="r"), timeout=10)
+            )
+        finally:
+            for task in alive:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        assert code == grpc.StatusCode.OK and len(responses) == 4
+        assert cp.server.cluster.metrics.lease_expiries.labels("decode")._value.get() == 1
+        assert "r" in silent.held  # it never heard a Release: it was dead to the ledger
+        # It comes back: told it is unknown, re-registers with its held set, is told to free it.
+        assert not (await silent.heartbeat(cp.control)).registered
+        await silent.register(cp.control)
+        response = await silent.heartbeat(cp.control)
+        assert list(response.release_request_ids) == ["r"] and silent.held == {}
