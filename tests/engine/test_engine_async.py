@@ -1,0 +1,65 @@
+"""AsyncLLMEngine: streaming deltas, abort, early exit and bad input, on a real tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.errors import InvalidParameterError
+from kvmesh.engine.llm import LLM
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.models.tiny import build_tiny_model
+
+PROMPTS = ([11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25, 26, 27, 28])
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("qwen2"), "qwen2", "test", seed=0)
+
+
+def test_streams_match_offline_and_abort_frees_blocks(checkpoint: Path) -> None:
+    offline = LLM(str(checkpoint), num_kv_blocks=64).generate(list(PROMPTS), PARAMS)
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(EngineConfig(model=str(checkpoint), num_kv_blocks=64))
+        try:
+
+            async def collect(request_id: str, prompt: list[int]) -> tuple[list[int], list[int]]:
+                deltas: list[int] = []
+                final: list[int] = []
+                async for output in engine.generate(request_id, prompt, PARAMS):
+                    deltas.extend(output.outputs[0].new_token_ids)
+                    final = output.outputs[0].token_ids
+                return deltas, final
+
+            results = await asyncio.gather(
+                *(collect(f"r{i}", list(p)) for i, p in enumerate(PROMPTS))
+            )
+            for (deltas, final), expected in zip(results, offline, strict=True):
+                assert deltas == final == expected.outputs[0].token_ids
+
+            long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+            async for _ in engine.generate("early", list(PROMPTS[0]), long):
+                break  # leaving the stream aborts the request
+            stream = engine.generate("aborted", list(PROMPTS[1]), long)
+            await stream.__anext__()
+            assert await engine.abort("aborted") is True
+            last = [o async for o in stream]
+            assert last[-1].finished and last[-1].outputs[0].finish_reason == "abort"
+            assert await engine.abort("aborted") is False
+
+            with pytest.raises(InvalidParameterError):
+                await engine.add_request("bad", [1, 99999], PARAMS)
+            bm = engine.engine.scheduler.block_manager
+            assert await engine.call(lambda: bm.num_free_blocks) == bm.num_blocks
+            assert engine.num_unfinished == 0
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=120))
