@@ -108,13 +108,14 @@ class BlockManager:
 
     def slot_mapping(self, seq_id: str, start: int, end: int) -> list[int]:
         """Cache slot (block_id * block_size + offset) of each token position in [start, end)."""
-        seq = self._get(seq_id)
-        if not 0 <= start <= end <= len(seq.blocks) * self._bs:
+        blocks, bs = self._get(seq_id).blocks, self._bs
+        if not 0 <= start <= end <= len(blocks) * bs:
             raise ValueError(
-                f"start/end must satisfy 0 <= start <= end <= {len(seq.blocks) * self._bs}"
+                f"start/end must satisfy 0 <= start <= end <= {len(blocks) * bs}"
                 f" (allocated slots of {seq_id!r}), got start={start}, end={end}"
             )
-        bs, blocks = self._bs, seq.blocks
+        if end - start == 1:
+            return [blocks[start // bs] * bs + start % bs]
         return [blocks[pos // bs] * bs + pos % bs for pos in range(start, end)]
 
     def block_hashes(self, token_ids: Sequence[int], extra_key: bytes | None = None) -> list[int]:

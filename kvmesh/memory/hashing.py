@@ -10,8 +10,9 @@ are still verified against the stored token ids, so even a collision is never se
 from __future__ import annotations
 
 import os
-from array import array
+import struct
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 
 import xxhash
 
@@ -20,6 +21,11 @@ HashFn = Callable[[int | None, Sequence[int], bytes | None], int]
 
 _PROCESS_SEED: bytes = os.urandom(16)
 _NO_PARENT = b"\x00" * 16
+
+
+@lru_cache(maxsize=64)
+def _packer(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}q")
 
 
 def _seed_int(seed: bytes) -> int:
@@ -47,9 +53,9 @@ class BlockHasher:
         else:
             head += b"\x00\x00\x00\x00"
         try:
-            body = array("q", tokens).tobytes()
-        except OverflowError as exc:
-            raise ValueError("token_ids must fit in a signed 64-bit integer") from exc
+            body = _packer(len(tokens)).pack(*tokens)
+        except struct.error as exc:
+            raise ValueError("token_ids must be integers that fit in 64 bits (signed)") from exc
         return xxhash.xxh3_128_intdigest(head + body, seed=self._seed)
 
     def hash_blocks(

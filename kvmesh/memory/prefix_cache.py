@@ -13,15 +13,14 @@ chain continues from the cached twin.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvmesh.memory.hashing import HashFn
 
 BlockRef = tuple[int, int]  # (block id, publication number): one publication of one block
 
 
-@dataclass(frozen=True, slots=True)
-class CachedBlock:
+class CachedBlock(NamedTuple):
     """What a published block holds: its chain position and exact contents."""
 
     block_hash: int
