@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvmesh.cli.plan",
     "kvmesh.cli.model",
     "kvmesh.cli.serve",
+    "kvmesh.cli.up",
 )
 
 

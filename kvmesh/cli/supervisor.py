@@ -1,0 +1,180 @@
+"""Supervision of local child processes for `kvmesh up` (and the system tests).
+
+Contract:
+- Every child runs in its own process group (so a terminal's Ctrl-C reaches only the
+  supervisor, which stops children in order) with stdout and stderr merged into a pipe that a
+  reader thread drains line by line (the child never blocks on a full pipe).
+- A watchdog process holds the read end of a pipe whose write end only the supervisor holds.
+  When the supervisor exits for any reason, kill -9 included, the watchdog sees EOF, sends
+  SIGTERM to every child process group still registered, and SIGKILL after `grace` seconds.
+  So no child outlives its supervisor.
+- `wait_for(child, pattern, deadline)` returns the first output line matching `pattern`, or
+  raises ChildFailed when the child exits or the deadline passes first (with its output tail).
+- `stop(child, grace)` sends SIGTERM to the group, waits at most `grace` seconds, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+TAIL_LINES = 60
+
+
+class ChildFailed(RuntimeError):
+    """A child exited or missed its deadline; the message ends with its last output lines."""
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[str]
+    lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
+    tail: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=TAIL_LINES)
+    )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def output_tail(self) -> str:
+        return "\n".join(self.tail)
+
+
+class Supervisor:
+    """Starts, watches and stops child processes; see the module docstring."""
+
+    def __init__(self, echo: bool = False, grace: float = 5.0) -> None:
+        self.echo = echo  # copy children's output (prefixed with their name) to stderr
+        self.grace = grace
+        self.children: list[Child] = []
+        read_end, self._watch_fd = os.pipe()
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli.supervisor", str(grace)],
+            stdin=read_end, start_new_session=True, close_fds=True,
+        )  # fmt: skip
+        os.close(read_end)
+
+    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
+        """Start `argv` as a new process group; its output is read by a background thread."""
+        process = subprocess.Popen(
+            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )  # fmt: skip
+        child = Child(name, process)
+        self.children.append(child)
+        os.write(self._watch_fd, f"+{process.pid}\n".encode())
+        threading.Thread(target=self._read, args=(child,), daemon=True).start()
+        return child
+
+    def _read(self, child: Child) -> None:
+        assert child.process.stdout is not None
+        for raw in child.process.stdout:
+            line = raw.rstrip("\n")
+            child.tail.append(line)
+            child.lines.put(line)
+            if self.echo:
+                print(f"[{child.name}] {line}", file=sys.stderr, flush=True)
+        child.lines.put(None)
+
+    def wait_for(
+        self, child: Child, pattern: str | re.Pattern[str], deadline: float
+    ) -> re.Match[str]:
+        """First line of `child` matching `pattern` (re.search) before `deadline` (monotonic)."""
+        regex = re.compile(pattern)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ChildFailed(f"{child.name} not ready in time\n{child.output_tail()}")
+            try:
+                line = child.lines.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if line is None:
+                code = child.process.wait()
+                raise ChildFailed(f"{child.name} exited with {code}\n{child.output_tail()}")
+            match = regex.search(line)
+            if match is not None:
+                return match
+
+    def stop(self, child: Child, grace: float | None = None, sig: int = signal.SIGTERM) -> int:
+        """Signal the child's group, wait at most `grace` s, then SIGKILL it; the exit code."""
+        grace = self.grace if grace is None else grace
+        _signal_group(child.pid, sig)
+        try:
+            child.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            _signal_group(child.pid, signal.SIGKILL)
+            child.process.wait()
+        _signal_group(child.pid, signal.SIGKILL)  # leftovers of the group, if any
+        os.write(self._watch_fd, f"-{child.pid}\n".encode())
+        return child.process.returncode
+
+    def kill(self, child: Child) -> None:
+        """SIGKILL the child's group now (failure injection)."""
+        self.stop(child, grace=0.0, sig=signal.SIGKILL)
+
+    def stop_all(self, grace: float | None = None) -> None:
+        """Stop every child still running (SIGTERM all first, then wait, bounded)."""
+        grace = self.grace if grace is None else grace
+        running = [c for c in self.children if c.alive()]
+        for child in running:
+            _signal_group(child.pid, signal.SIGTERM)
+        end = time.monotonic() + grace
+        for child in running:
+            self.stop(child, grace=max(0.0, end - time.monotonic()))
+
+    def close(self) -> None:
+        """Stop all children, then let the watchdog exit."""
+        self.stop_all()
+        os.close(self._watch_fd)
+        self._watchdog.wait(timeout=self.grace + 5)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def watchdog(grace: float) -> None:
+    """Read `+pgid`/`-pgid` lines from stdin; at EOF terminate the groups still listed."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    groups: set[int] = set()
+    for line in sys.stdin:
+        text = line.strip()
+        if text[:1] in "+-" and text[1:].isdigit():
+            (groups.add if text[0] == "+" else groups.discard)(int(text[1:]))
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGTERM)
+    end = time.monotonic() + grace
+    while time.monotonic() < end and any(_group_alive(g) for g in groups):
+        time.sleep(0.05)
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    watchdog(float(sys.argv[1]) if len(sys.argv) > 1 else 5.0)

@@ -1,0 +1,258 @@
+"""`kvmesh up`: the whole system on localhost, one process per role, until Ctrl-C.
+
+Start order: control plane (its "listening on HOST:PORT" line), then every worker (its
+`KVMESH_READY {json}` line), then the front door's health for GenerationService must read
+SERVING, all before `--startup-timeout`. Stop order: the control plane first (it drains in-flight
+requests, bounded), then the workers (SIGTERM, SIGKILL after a bound). Children run under
+`kvmesh.cli.supervisor`, so none outlives `kvmesh up`, even when it is killed with SIGKILL.
+`LocalSystem` is the same thing as a context manager for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.cli.supervisor import Child, ChildFailed, Supervisor
+
+CONTROL_READY = re.compile(r"listening on (\S+)")
+WORKER_READY = re.compile(r"KVMESH_READY (\{.*\})")
+TRANSFER_BACKENDS = ("shm", "grpc", "gloo")
+DEMO_PROMPT = "The paged KV cache"
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """What to start. `model=None` uses the embedded default model."""
+
+    model: str | None = None
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 picks a free port
+    transfer_backend: str = "shm"
+    threads: int | None = None  # torch threads per worker
+    startup_timeout: float = 180.0
+    drain_seconds: float = 5.0
+    control_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if min(self.prefill, self.decode, self.colocated) < 0:
+            raise ValueError("--prefill, --decode and --colocated must be >= 0")
+        if self.colocated == 0 and (self.prefill == 0 or self.decode == 0):
+            raise ValueError("need at least one prefill and one decode worker, or --colocated")
+
+    def roles(self) -> list[str]:
+        return (
+            ["prefill"] * self.prefill + ["decode"] * self.decode + (["colocated"] * self.colocated)
+        )
+
+
+@dataclass
+class Worker:
+    role: str
+    child: Child
+    ready: dict[str, Any] = field(default_factory=dict)  # the worker's KVMESH_READY payload
+
+
+class LocalSystem:
+    """Control plane + workers as local processes; `start()` returns the front door address."""
+
+    def __init__(self, config: UpConfig, echo: bool = False) -> None:
+        self.config = config
+        self.supervisor = Supervisor(echo=echo, grace=5.0)
+        self.endpoint = ""
+        self.model_dir = ""
+        self.control: Child | None = None
+        self.workers: list[Worker] = []
+
+    def __enter__(self) -> LocalSystem:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> str:
+        deadline = time.monotonic() + self.config.startup_timeout
+        self.model_dir = resolve_model(self.config.model)
+        self.start_control(deadline)
+        for role in self.config.roles():
+            self.start_worker(role, deadline)
+        for worker in self.workers:
+            ready = self.supervisor.wait_for(worker.child, WORKER_READY, deadline)
+            worker.ready = json.loads(ready.group(1))
+        wait_serving(self.endpoint, deadline)
+        return self.endpoint
+
+    def start_control(self, deadline: float) -> str:
+        """(Re)start the control plane; returns its address."""
+        c = self.config
+        argv = [*kvmesh_argv(), "serve", "control", "--host", c.host, "--port", str(c.port),
+                "--transfer-backends", c.transfer_backend,
+                "--drain-seconds", str(c.drain_seconds), *c.control_args]  # fmt: skip
+        if self.endpoint:  # a restart keeps the address the workers know
+            argv[argv.index("--port") + 1] = self.endpoint.rsplit(":", 1)[1]
+        self.control = self.supervisor.start("control", argv)
+        self.endpoint = self.supervisor.wait_for(self.control, CONTROL_READY, deadline).group(1)
+        return self.endpoint
+
+    def start_worker(self, role: str, deadline: float | None = None) -> Worker:
+        """Start one worker; with a deadline, also wait for its ready line."""
+        c = self.config
+        name = f"{role}-{sum(w.role == role for w in self.workers)}"
+        argv = [*kvmesh_argv(), "serve", role, "--control", self.endpoint,
+                "--model", self.model_dir, "--host", c.host, "--port", "0",
+                "--transfer-backend", c.transfer_backend, *c.worker_args]  # fmt: skip
+        env = {}
+        if c.threads is not None:
+            env = {"OMP_NUM_THREADS": str(c.threads), "KVMESH_NUM_THREADS": str(c.threads)}
+        worker = Worker(role, self.supervisor.start(name, argv, env))
+        self.workers.append(worker)
+        if deadline is not None:
+            ready = self.supervisor.wait_for(worker.child, WORKER_READY, deadline)
+            worker.ready = json.loads(ready.group(1))
+        return worker
+
+    def stop(self) -> None:
+        """Drain the control plane, then stop the workers; bounded, idempotent."""
+        if self.control is not None and self.control.alive():
+            self.supervisor.stop(self.control, grace=self.config.drain_seconds + 3.0)
+        self.supervisor.close()
+
+    def dead_children(self) -> list[Child]:
+        children = [w.child for w in self.workers]
+        if self.control is not None:
+            children.append(self.control)
+        return [c for c in children if not c.alive()]
+
+
+def kvmesh_argv() -> list[str]:
+    """How to run the `kvmesh` command with this interpreter."""
+    return [sys.executable, "-m", "kvmesh.cli.main"]
+
+
+def resolve_model(model: str | None) -> str:
+    from kvmesh.models.default import resolve_model_path
+
+    return str(resolve_model_path(model))
+
+
+def wait_serving(endpoint: str, deadline: float) -> None:
+    """Block until the front door reports GenerationService SERVING (ChildFailed at deadline)."""
+    from kvmesh.client import Client
+
+    with Client(endpoint) as client:
+        while not client.serving(timeout=1.0):
+            if time.monotonic() >= deadline:
+                raise ChildFailed(f"front door {endpoint} did not become SERVING in time")
+            time.sleep(0.1)
+
+
+# -- command ---------------------------------------------------------------------------------
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "up", help="start control plane, prefill and decode workers locally (Ctrl-C stops)"
+    )
+    add = parser.add_argument
+    add("--model", default=None, help="checkpoint folder (default: the embedded default model)")
+    add("--prefill", type=int, default=1, help="prefill workers (default %(default)s)")
+    add("--decode", type=int, default=1, help="decode workers (default %(default)s)")
+    add("--colocated", type=int, default=0, help="colocated workers (default %(default)s)")
+    add("--host", default="127.0.0.1", help="address every process binds (default %(default)s)")
+    add("--port", type=int, default=50051, help="front door port (default %(default)s)")
+    add("--transfer-backend", choices=TRANSFER_BACKENDS, default="shm",
+        help="KV transfer backend between prefill and decode (default %(default)s)")  # fmt: skip
+    add("--threads", type=int, default=None, help="torch threads per worker process")
+    add("--startup-timeout", type=float, default=180.0, help="seconds (default %(default)s)")
+    add("--verbose", action="store_true", help="show the children's logs")
+    add("--demo", action="store_true", help="send one request, print it, then stop everything")
+    add("--prompt", default=DEMO_PROMPT, help="prompt of the --demo request")
+    add("--max-tokens", type=int, default=32, help="tokens of the --demo request")
+    parser.set_defaults(func=run_up)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    try:
+        config = UpConfig(
+            model=args.model, prefill=args.prefill, decode=args.decode,
+            colocated=args.colocated, host=args.host, port=args.port,
+            transfer_backend=args.transfer_backend, threads=args.threads,
+            startup_timeout=args.startup_timeout,
+        )  # fmt: skip
+    except ValueError as error:
+        print(f"kvmesh up: {error}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    system = LocalSystem(config, echo=args.verbose)
+    try:
+        endpoint = system.start()
+        print_banner(system, endpoint)
+        if args.demo:
+            from kvmesh.cli.generate_remote import demo
+
+            return demo(endpoint, args.prompt, args.max_tokens)
+        return serve_until_stopped(system)
+    except ChildFailed as error:
+        print(f"kvmesh up: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        print("kvmesh up: stopping (draining the control plane, then the workers)", flush=True)
+        system.stop()
+        print("kvmesh up: stopped", flush=True)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def print_banner(system: LocalSystem, endpoint: str) -> None:
+    c = system.config
+    roles = ", ".join(f"{n} {r}" for r, n in
+                      (("prefill", c.prefill), ("decode", c.decode), ("colocated", c.colocated))
+                      if n)  # fmt: skip
+    print(f"kvmesh is up: front door {endpoint} ({roles}; transfer {c.transfer_backend}; "
+          f"model {system.model_dir})", flush=True)  # fmt: skip
+    print(f'  kvmesh generate --target {endpoint} "Hello"')
+    print(f'  python -c \'from kvmesh.client import Client; '
+          f'print(Client("{endpoint}").complete("Hello").text)\'')  # fmt: skip
+    print("Ctrl-C drains and stops everything.", flush=True)
+
+
+def serve_until_stopped(system: LocalSystem) -> int:
+    """Wait for Ctrl-C/SIGTERM; exit 1 early if the control plane dies."""
+    stop = threading.Event()
+    reported: set[str] = set()
+    while not stop.wait(0.5):
+        for child in system.dead_children():
+            if child.name not in reported:
+                reported.add(child.name)
+                print(f"kvmesh up: {child.name} exited with {child.process.returncode}\n"
+                      f"{child.output_tail()}", file=sys.stderr, flush=True)  # fmt: skip
+                if child is system.control:
+                    return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from kvmesh.cli.main import main as kvmesh_main
+
+    return kvmesh_main(["up", *(argv or [])])

@@ -1,0 +1,371 @@
+"""Python client of a running kvmesh system (the control plane's GenerationService).
+
+    from kvmesh.client import Client
+    with Client("127.0.0.1:50051") as client:
+        for chunk in client.generate("Hello", max_tokens=32, temperature=0):
+            print(chunk.text, end="")
+        result = client.complete([1, 2, 3], max_tokens=8, timeout=10)
+
+Sampling keywords are the fields of `kvmesh.v1.SamplingParams` (vLLM's names); unset ones take
+the server's defaults. `timeout` (seconds) is the gRPC deadline of the call, i.e. the request's
+deadline. Every gRPC failure is raised as a `KvmeshError` subclass carrying the status code and
+the server's message. `AsyncClient` has the same methods as coroutines / async iterators.
+Importing this module never imports torch.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.v1 import generation_pb2, generation_pb2_grpc
+
+GENERATION_SERVICE = "kvmesh.v1.GenerationService"
+FINISH_REASONS = {
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_ABORT: "abort",
+}
+_REPEATED_SAMPLING = frozenset({"stop", "stop_token_ids"})
+Prompt = str | Sequence[int]
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+class KvmeshError(Exception):
+    """A call failed; `code` is the gRPC status, `message` the server's explanation."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None
+    ) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+
+class InvalidArgument(KvmeshError):
+    """A request field is invalid (the message names it); nothing was started."""
+
+
+class NotFound(KvmeshError):
+    """Abort of a request id the server does not know."""
+
+
+class ResourceExhausted(KvmeshError):
+    """The system is at capacity; retry after `retry_after_ms`."""
+
+
+class DeadlineExceeded(KvmeshError):
+    """The call's deadline expired; the request's blocks were released."""
+
+
+class Unavailable(KvmeshError):
+    """No worker of a needed role is alive, one died mid-request, or the server is down."""
+
+
+class Aborted(KvmeshError):
+    """The request was aborted with Abort."""
+
+
+class Cancelled(KvmeshError):
+    """The call was cancelled by this client."""
+
+
+_ERRORS: dict[grpc.StatusCode, type[KvmeshError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.ABORTED: Aborted,
+    grpc.StatusCode.CANCELLED: Cancelled,
+}
+
+
+def error_from_rpc(error: grpc.RpcError) -> KvmeshError:
+    """The typed exception for a failed call (KvmeshError itself for other codes)."""
+    code = error.code()  # type: ignore[attr-defined]
+    retry = None
+    metadata: Any = error.trailing_metadata() or ()  # type: ignore[attr-defined]
+    for key, value in metadata:
+        if key == "retry-after-ms":
+            retry = int(value)
+    message = error.details() or ""  # type: ignore[attr-defined]
+    return _ERRORS.get(code, KvmeshError)(code, message, retry)
+
+
+# -- results ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts and timings of one completion (seconds), as the front door measured them."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    ttft_seconds: float
+    queue_seconds: float
+    prefill_seconds: float
+    transfer_seconds: float
+    first_decode_seconds: float
+    e2e_seconds: float
+
+    @classmethod
+    def from_proto(cls, usage: generation_pb2.Usage) -> Usage:
+        b = usage.ttft_breakdown
+        return cls(
+            usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
+            usage.ttft_seconds, b.queue_seconds, b.prefill_seconds, b.transfer_seconds,
+            b.first_decode_seconds, usage.e2e_seconds,
+        )  # fmt: skip
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed response: new tokens of completion `index`; the last one has usage."""
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
+    stop_reason: int | str | None = None
+    usage: Usage | None = None
+
+    @classmethod
+    def from_proto(cls, r: generation_pb2.GenerateResponse) -> Chunk:
+        which = r.WhichOneof("stop_reason")
+        return cls(
+            request_id=r.request_id,
+            index=r.index,
+            token_ids=tuple(r.token_ids),
+            text=r.text,
+            finish_reason=FINISH_REASONS.get(r.finish_reason),
+            stop_reason=getattr(r, which) if which else None,
+            usage=Usage.from_proto(r.usage) if r.HasField("usage") else None,
+        )
+
+
+@dataclass
+class Completion:
+    """One finished completion (all of its chunks joined)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    usage: Usage | None = None
+
+
+@dataclass
+class Result:
+    """What `complete` returns: every completion of the request, by index."""
+
+    request_id: str
+    completions: list[Completion]
+
+    @property
+    def text(self) -> str:
+        return self.completions[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.completions[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.completions[0].finish_reason
+
+    @property
+    def usage(self) -> Usage | None:
+        return self.completions[0].usage
+
+
+def collect(request_id: str, chunks: list[Chunk]) -> Result:
+    """Join streamed chunks into a Result."""
+    by_index: dict[int, Completion] = {}
+    for chunk in chunks:
+        c = by_index.setdefault(chunk.index, Completion(chunk.index))
+        c.text += chunk.text
+        c.token_ids.extend(chunk.token_ids)
+        if chunk.finish_reason is not None:
+            c.finish_reason, c.stop_reason, c.usage = (
+                chunk.finish_reason, chunk.stop_reason, chunk.usage,
+            )  # fmt: skip
+    return Result(request_id, [by_index[i] for i in sorted(by_index)])
+
+
+def build_request(
+    prompt: Prompt, request_id: str | None = None, cache_salt: bytes = b"", **sampling: Any
+) -> generation_pb2.GenerateRequest:
+    """A GenerateRequest; unknown sampling keywords raise TypeError naming them."""
+    request = generation_pb2.GenerateRequest(
+        request_id=request_id or f"cli-{uuid.uuid4().hex}", cache_salt=cache_salt
+    )
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(int(i) for i in prompt)
+    known = generation_pb2.SamplingParams.DESCRIPTOR.fields_by_name
+    for name, value in sampling.items():
+        if name not in known:
+            raise TypeError(f"unknown sampling field {name!r}")
+        if value is None:
+            continue
+        if name in _REPEATED_SAMPLING:
+            getattr(request.sampling, name).extend(value)
+        else:
+            setattr(request.sampling, name, value)
+    return request
+
+
+# -- clients ---------------------------------------------------------------------------------
+
+
+def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+class Stream:
+    """Iterator of Chunks of one Generate call; `cancel()` cancels the request."""
+
+    def __init__(self, request_id: str, call: Any) -> None:
+        self.request_id = request_id
+        self._call = call
+
+    def __iter__(self) -> Iterator[Chunk]:
+        try:
+            for response in self._call:
+                yield Chunk.from_proto(response)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class Client:
+    """Blocking client; one channel per instance (thread-safe; use as a context manager)."""
+
+    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+        self.target = target
+        self.timeout = timeout  # default deadline of every call (seconds); None = none
+        self._channel = grpc.insecure_channel(target, options=channel_options())
+        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate(
+        self, prompt: Prompt, *, request_id: str | None = None, timeout: float | None = None,
+        cache_salt: bytes = b"", **sampling: Any,
+    ) -> Stream:  # fmt: skip
+        """Start a request; iterate the returned Stream for its chunks."""
+        request = build_request(prompt, request_id, cache_salt, **sampling)
+        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        return Stream(request.request_id, call)
+
+    def complete(self, prompt: Prompt, **kwargs: Any) -> Result:
+        """Run a request to the end and return its completions (same arguments as generate)."""
+        stream = self.generate(prompt, **kwargs)
+        return collect(stream.request_id, list(stream))
+
+    def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+        """Abort a request; False when it had already finished (NotFound when unknown)."""
+        request = generation_pb2.AbortRequest(request_id=request_id)
+        try:
+            return bool(self._stub.Abort(request, timeout=timeout or self.timeout).aborted)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+    def model_info(self, *, timeout: float | None = None) -> generation_pb2.ModelInfo:
+        try:
+            request = generation_pb2.GetModelInfoRequest()
+            return self._stub.GetModelInfo(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+    def serving(self, *, timeout: float = 1.0) -> bool:
+        """Whether the front door reports GenerationService SERVING (workers registered)."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        request = health_pb2.HealthCheckRequest(service=GENERATION_SERVICE)
+        try:
+            response = stub.Check(request, timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+class AsyncClient:
+    """asyncio client (grpc.aio); create and use it inside one running event loop."""
+
+    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close(None)
+
+    async def generate(
+        self, prompt: Prompt, *, request_id: str | None = None, timeout: float | None = None,
+        cache_salt: bytes = b"", **sampling: Any,
+    ) -> AsyncIterator[Chunk]:  # fmt: skip
+        """Async iterator of a request's chunks; closing it early cancels the request."""
+        request = build_request(prompt, request_id, cache_salt, **sampling)
+        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        try:
+            async for response in call:
+                yield Chunk.from_proto(response)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+        finally:
+            call.cancel()
+
+    async def complete(self, prompt: Prompt, **kwargs: Any) -> Result:
+        request_id = kwargs.pop("request_id", None) or f"cli-{uuid.uuid4().hex}"
+        chunks = [c async for c in self.generate(prompt, request_id=request_id, **kwargs)]
+        return collect(request_id, chunks)
+
+    async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+        request = generation_pb2.AbortRequest(request_id=request_id)
+        try:
+            response = await self._stub.Abort(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+        return bool(response.aborted)
+
+    async def model_info(self, *, timeout: float | None = None) -> generation_pb2.ModelInfo:
+        try:
+            request = generation_pb2.GetModelInfoRequest()
+            return await self._stub.GetModelInfo(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
