@@ -20,6 +20,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvmesh.cli.model",
     "kvmesh.cli.serve",
     "kvmesh.cli.up",
+    "kvmesh.cli.generate",
 )
 
 

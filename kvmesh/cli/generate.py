@@ -1,0 +1,104 @@
+"""`kvmesh generate [--model DIR] "prompt"`: generate offline and stream the text.
+
+The request is built from the arguments once (`request_from_args`), then handed to a backend:
+today the in-process engine; a remote backend (`--target HOST:PORT`) can plug in beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "generate", help="generate text for one prompt (streams to stdout)"
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run_generate)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="?", default=None, help="prompt text")
+    parser.add_argument("--prompt-ids", default=None, help="token-id prompt: 1,2,3")
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: tiny model)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--json", action="store_true", help="end with a JSON line of results")
+
+
+def request_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(prompt: str | list[int], SamplingParams) from the command line."""
+    from kvmesh.engine.errors import InvalidParameterError
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise InvalidParameterError("prompt", "give either a prompt text or --prompt-ids")
+    prompt: Any = args.prompt
+    if args.prompt_ids is not None:
+        try:
+            prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise InvalidParameterError("prompt_ids", "expected integers like 1,2,3") from None
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    return prompt, params
+
+
+def stream_local(args: argparse.Namespace, prompt: Any, params: Any) -> Iterator[Any]:
+    """RequestOutputs of one request run on an in-process engine."""
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=args.model, show_progress=True))
+    engine.add_request("cli-0", prompt, params)
+    while engine.has_unfinished():
+        yield from engine.step()
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from kvmesh.engine.errors import InvalidParameterError
+
+    try:
+        prompt, params = request_from_args(args)
+        final = None
+        for output in stream_local(args, prompt, params):
+            sys.stdout.write(output.outputs[0].new_text)
+            sys.stdout.flush()
+            final = output
+    except InvalidParameterError as error:
+        print(f"kvmesh generate: {error}", file=sys.stderr)
+        return 2
+    sys.stdout.write("\n")
+    if args.json and final is not None:
+        completion = final.outputs[0]
+        print(
+            json.dumps(
+                {
+                    "token_ids": completion.token_ids,
+                    "text": completion.text,
+                    "finish_reason": completion.finish_reason,
+                    "prompt_tokens": len(final.prompt_token_ids),
+                    "completion_tokens": len(completion.token_ids),
+                    "ttft_s": final.metrics.ttft,
+                }
+            )
+        )
+    return 0
