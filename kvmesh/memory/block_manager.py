@@ -246,37 +246,17 @@ class BlockManager:
         for index in range(seq.num_committed, full):
             tokens = tuple(token_ids[index * bs : (index + 1) * bs])
             block_hash = self._hash(parent_hash, tokens, extra_key)
-            ref = self._publish(
-                seq.blocks[index], block_hash, parent_hash, parent_ref, tokens, extra_key
+            block = seq.blocks[index]
+            ref, is_new = self._cache.commit_block(
+                block, block_hash, parent_hash, parent_ref, tokens, extra_key
             )
+            if is_new:
+                self._pool.mark_cached(block)
             if ref is None:
                 seq.chain_broken = True
                 return
             parent_hash, parent_ref = block_hash, ref
         seq.last_hash, seq.last_ref = parent_hash, parent_ref
-
-    def _publish(
-        self,
-        block: int,
-        block_hash: int,
-        parent_hash: int | None,
-        parent_ref: BlockRef | None,
-        tokens: tuple[int, ...],
-        extra_key: bytes | None,
-    ) -> BlockRef | None:
-        """Ref of the cached entry now holding this content; None on a true hash collision."""
-        entry = self._cache.entry(block)
-        if entry is not None:
-            if (entry.block_hash, entry.tokens, entry.extra_key) != (block_hash, tokens, extra_key):
-                raise ValueError(f"token_ids disagree with the tokens committed to block {block}")
-            return entry.ref
-        twin = self._cache.match(block_hash, parent_ref, tokens, extra_key, count_collision=False)
-        if twin is not None:
-            return twin
-        ref = self._cache.publish(block, block_hash, parent_hash, parent_ref, tokens, extra_key)
-        if ref is not None:
-            self._pool.mark_cached(block)
-        return ref
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """`child_id` shares every block of `parent_id` (ref +1 each); writes then copy on write."""

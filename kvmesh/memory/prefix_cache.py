@@ -87,6 +87,29 @@ class PrefixCache:
         )
         return ref
 
+    def commit_block(
+        self,
+        block: int,
+        block_hash: int,
+        parent_hash: int | None,
+        parent_ref: BlockRef | None,
+        tokens: tuple[int, ...],
+        extra_key: bytes | None,
+    ) -> tuple[BlockRef | None, bool]:
+        """(ref of the entry now holding this content, newly published?); ref None on a
+        true hash collision. An identical block cached under another id is reused (its twin).
+        """
+        entry = self._entries.get(block)
+        if entry is not None:
+            if (entry.block_hash, entry.tokens, entry.extra_key) != (block_hash, tokens, extra_key):
+                raise ValueError(f"token_ids disagree with the tokens committed to block {block}")
+            return entry.ref, False
+        twin = self.match(block_hash, parent_ref, tokens, extra_key, count_collision=False)
+        if twin is not None:
+            return twin, False
+        ref = self.publish(block, block_hash, parent_hash, parent_ref, tokens, extra_key)
+        return ref, ref is not None
+
     def entry(self, block: int) -> CachedBlock | None:
         return self._entries.get(block)
 
