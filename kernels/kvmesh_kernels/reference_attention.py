@@ -18,25 +18,49 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from kvmesh_kernels.cache import LayerKV
+from kvmesh_kernels.cache import LayerKV, raw_view
 from kvmesh_kernels.quant import dequantize
+
+# Reused gather buffers, one per (device, dtype): fresh multi-megabyte allocations on every
+# call cost more in page faults than the copy itself. Not thread-safe (one engine thread).
+_WORKSPACE: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
+def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (str(device), dtype)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _WORKSPACE[key] = buf
+    return buf[:numel]
 
 
 def gather_context(
     layer: LayerKV, block_ids: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the blocks block_ids [batch, n] as [batch, n * block_size, H, D] in dtype."""
+    """K and V of the blocks block_ids [batch, n] as [batch, n * block_size, H, D] in dtype.
+
+    The results may be views of a reused workspace: valid until the next gather.
+    """
     batch, n = block_ids.shape
     ids = block_ids.reshape(-1).long().clamp_(0, layer.data.shape[0] - 1)  # [batch * n]
+    block_shape = layer.data.shape[2:]  # [block_size, H, D]
+    numel = ids.numel() * block_shape.numel()
+    plain = layer.scales is None and layer.data.dtype == dtype
+    buf = _workspace(2 * numel, dtype, layer.data.device) if plain else None
     out = []
     for kv in (0, 1):
-        x = layer.data[:, kv].index_select(0, ids)  # [batch * n, block_size, H, D]
-        if layer.scales is not None:
-            s = layer.scales[:, kv].index_select(0, ids)  # [batch * n, block_size, H]
-            x = dequantize(x, s, dtype)
-        elif x.dtype != dtype:
+        src = layer.data[:, kv]  # [num_blocks, block_size, H, D]
+        if buf is not None:
+            x = buf[kv * numel : (kv + 1) * numel].view(ids.numel(), *block_shape)
+            torch.index_select(src, 0, ids, out=x)
+        else:
+            x = raw_view(src).index_select(0, ids).view(src.dtype)
+            if layer.scales is not None:
+                s = layer.scales[:, kv].index_select(0, ids)  # [batch * n, block_size, H]
+                x = dequantize(x, s, dtype)
             x = x.to(dtype)
-        out.append(x.view(batch, n * layer.block_size, *x.shape[2:]))
+        out.append(x.view(batch, n * layer.block_size, *block_shape[1:]))
     return out[0], out[1]
 
 

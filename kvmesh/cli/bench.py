@@ -13,6 +13,8 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvmesh.cli.bench_memory",
     "kvmesh.cli.bench_scheduler",
     "kvmesh.cli.bench_prefix_cache",
+    "kvmesh.cli.bench_throughput",
+    "kvmesh.cli.bench_kernels",
 )
 
 

@@ -1,0 +1,145 @@
+"""`kvmesh bench kernels`: CPU paged decode attention vs contiguous SDPA, and KV write rate.
+
+Decode: batch B, each context T tokens, paged in random physical block order, against
+`scaled_dot_product_attention` on the same K/V stored contiguously `[B, Hkv, T, D]` (GQA folded
+into the query axis, its fastest form here). The paged time includes gathering the blocks.
+Timings are medians of interleaved repeats; compare the ratio, not the absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("kernels", help="paged vs contiguous decode attention (CPU)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--q-heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--write-tokens", type=int, default=4096)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(func=run)
+
+
+def _median_ms(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Interleave the functions (one warm-up each), return each one's median in ms."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bench_decode(args: argparse.Namespace, context: int) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+    from kvmesh_kernels import KVCacheSpec, allocate_kv_cache, paged_decode_attention
+
+    b, hq, hkv, d, bs = args.batch, args.q_heads, args.kv_heads, args.head_dim, args.block_size
+    nb = -(-context // bs)
+    cache = allocate_kv_cache(KVCacheSpec(b * nb, 1, bs, hkv, d))
+    cache.data.normal_()
+    layer = cache.layer(0)
+    tables = torch.randperm(b * nb).view(b, nb).to(torch.int32)  # [B, nb]
+    seq_lens = torch.full((b,), context, dtype=torch.int32)  # [B]
+    ids = tables.reshape(-1).long()
+    # The same K/V, contiguous: [B, Hkv, T, D]
+    k = layer.data[:, 0].index_select(0, ids).view(b, nb * bs, hkv, d)[:, :context]
+    v = layer.data[:, 1].index_select(0, ids).view(b, nb * bs, hkv, d)[:, :context]
+    k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    query = torch.randn(b, hq, d)  # [B, Hq, D]
+    q4 = query.view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
+    scale = d**-0.5
+    ms = _median_ms(
+        {
+            "contiguous": lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale),
+            "paged": lambda: paged_decode_attention(query, layer, tables, seq_lens, scale=scale),
+        },
+        args.repeats,
+    )
+    paged = paged_decode_attention(query, layer, tables, seq_lens, scale=scale)
+    dense = F.scaled_dot_product_attention(q4, k, v, scale=scale).reshape(b, hq, d)
+    assert torch.allclose(paged, dense, atol=1e-4), "paged and contiguous outputs disagree"
+    return {
+        "context": context,
+        "contiguous_ms": ms["contiguous"],
+        "paged_ms": ms["paged"],
+        "ratio": ms["paged"] / ms["contiguous"],
+    }
+
+
+def bench_write(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
+    import torch
+    from kvmesh_kernels import KVCacheSpec, allocate_kv_cache, write_kv
+
+    n, bs = args.write_tokens, args.block_size
+    cache = allocate_kv_cache(
+        KVCacheSpec(-(-n // bs) * 2, 1, bs, args.kv_heads, args.head_dim, kv_dtype=kv_dtype)
+    )
+    key = torch.randn(n, args.kv_heads, args.head_dim)  # [n, Hkv, D]
+    value = torch.randn(n, args.kv_heads, args.head_dim)
+    slots = torch.randperm(cache.spec.num_blocks * bs)[:n]  # [n]
+    ms = _median_ms({"w": lambda: write_kv(cache.layer(0), key, value, slots)}, args.repeats)
+    return {"kv_dtype": kv_dtype, "tokens": n, "ms": ms["w"], "tokens_per_s": n / ms["w"] * 1e3}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    decode = [bench_decode(args, c) for c in args.contexts]
+    write = [bench_write(args, kv) for kv in ("auto", "int8", "fp8")]
+    shape = {
+        "batch": args.batch,
+        "q_heads": args.q_heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "block_size": args.block_size,
+        "dtype": "float32",
+        "threads": torch.get_num_threads(),
+    }
+    result = {"shape": shape, "decode": decode, "write_kv": write}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    _print_tables(result)
+    return 0
+
+
+def _print_tables(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    shape = ", ".join(f"{k}={v}" for k, v in result["shape"].items())
+    table = Table(title=f"paged decode vs contiguous SDPA ({shape})")
+    for col in ("context", "contiguous ms", "paged ms", "paged / contiguous"):
+        table.add_column(col, justify="right")
+    for row in result["decode"]:
+        table.add_row(
+            str(row["context"]),
+            f"{row['contiguous_ms']:.1f}",
+            f"{row['paged_ms']:.1f}",
+            f"{row['ratio']:.2f}",
+        )
+    writes = Table(title="write_kv (random slots)")
+    for col in ("kv dtype", "tokens", "ms", "tokens/s"):
+        writes.add_column(col, justify="right")
+    for row in result["write_kv"]:
+        writes.add_row(
+            row["kv_dtype"], str(row["tokens"]), f"{row['ms']:.2f}", f"{row['tokens_per_s']:,.0f}"
+        )
+    console = Console()
+    console.print(table)
+    console.print(writes)
