@@ -18,6 +18,10 @@ def register(subparsers: Any) -> None:
         "generate", help="generate text for one prompt (streams to stdout)"
     )
     add_arguments(parser)
+    # Remote mode (--target HOST:PORT): kvmesh.cli.generate_remote adds its extra options.
+    from kvmesh.cli.generate_remote import add_remote_arguments
+
+    add_remote_arguments(parser)
     parser.set_defaults(func=run_generate)
 
 
@@ -74,6 +78,10 @@ def stream_local(args: argparse.Namespace, prompt: Any, params: Any) -> Iterator
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    if getattr(args, "target", None):
+        from kvmesh.cli.generate_remote import run_remote
+
+        return run_remote(args)
     from kvmesh.engine.errors import InvalidParameterError
 
     try:

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,8 @@ class UpConfig:
     startup_timeout: float = 180.0
     drain_seconds: float = 5.0
     control_args: tuple[str, ...] = ()
-    worker_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()  # passed to every worker
+    role_args: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # role -> extra args
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -92,7 +93,7 @@ class LocalSystem:
         self.model_dir = resolve_model(self.config.model)
         self.start_control(deadline)
         for role in self.config.roles():
-            self.start_worker(role, deadline)
+            self.start_worker(role)  # all load their model in parallel
         for worker in self.workers:
             ready = self.supervisor.wait_for(worker.child, WORKER_READY, deadline)
             worker.ready = json.loads(ready.group(1))
@@ -117,10 +118,12 @@ class LocalSystem:
         name = f"{role}-{sum(w.role == role for w in self.workers)}"
         argv = [*kvmesh_argv(), "serve", role, "--control", self.endpoint,
                 "--model", self.model_dir, "--host", c.host, "--port", "0",
-                "--transfer-backend", c.transfer_backend, *c.worker_args]  # fmt: skip
-        env = {}
+                "--metrics-port", "0", *c.worker_args, *c.role_args.get(role, ())]  # fmt: skip
+        if role != "colocated":
+            argv += ["--transfer-backend", c.transfer_backend]
         if c.threads is not None:
-            env = {"OMP_NUM_THREADS": str(c.threads), "KVMESH_NUM_THREADS": str(c.threads)}
+            argv += ["--num-threads", str(c.threads)]
+        env = {} if c.threads is None else {"OMP_NUM_THREADS": str(c.threads)}
         worker = Worker(role, self.supervisor.start(name, argv, env))
         self.workers.append(worker)
         if deadline is not None:
@@ -172,8 +175,8 @@ def register(subparsers: Any) -> None:
     )
     add = parser.add_argument
     add("--model", default=None, help="checkpoint folder (default: the embedded default model)")
-    add("--prefill", type=int, default=1, help="prefill workers (default %(default)s)")
-    add("--decode", type=int, default=1, help="decode workers (default %(default)s)")
+    add("--prefill", type=int, default=None, help="prefill workers (default 1, 0 with --colocated)")
+    add("--decode", type=int, default=None, help="decode workers (default 1, 0 with --colocated)")
     add("--colocated", type=int, default=0, help="colocated workers (default %(default)s)")
     add("--host", default="127.0.0.1", help="address every process binds (default %(default)s)")
     add("--port", type=int, default=50051, help="front door port (default %(default)s)")
@@ -189,9 +192,12 @@ def register(subparsers: Any) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    pair_default = 0 if args.colocated else 1
+    prefill = pair_default if args.prefill is None else args.prefill
+    decode = pair_default if args.decode is None else args.decode
     try:
         config = UpConfig(
-            model=args.model, prefill=args.prefill, decode=args.decode,
+            model=args.model, prefill=prefill, decode=decode,
             colocated=args.colocated, host=args.host, port=args.port,
             transfer_backend=args.transfer_backend, threads=args.threads,
             startup_timeout=args.startup_timeout,
