@@ -1,0 +1,139 @@
+"""Colocated role: one engine does prefill and decode (small deployments; the baseline).
+
+Serves ColocatedService.Generate plus PrefillService.Prepare / Release (the control plane
+prepares and releases through the same calls it uses for prefill workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from kvmesh.engine import disagg
+from kvmesh.service.runtime import WorkerRuntime
+from kvmesh.service.server import WorkerServer, span
+from kvmesh.service.status import ServiceError, abort_with
+from kvmesh.service.streaming import responses
+from kvmesh.telemetry.tracing import tracer
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
+TRACER = tracer("kvmesh.colocated")
+COLOCATED_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["ColocatedService"].full_name
+PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+
+
+class ColocatedServicer(worker_pb2_grpc.ColocatedServiceServicer):
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+
+    async def Generate(
+        self, request: worker_pb2.EngineRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        with span(TRACER, "colocated.generate", context):
+            arrival = time.monotonic()
+            worker = self.runtime.worker
+            try:
+                engine_request = self.runtime.request_from(request, prefill_only=False)
+            except Exception as exc:
+                await abort_with(context, exc)
+            rid = engine_request.request_id
+            sink = worker.subscribe(rid)
+            finished = False
+            try:
+                await worker.call(lambda e: disagg.add_request(e, engine_request))
+                added = time.monotonic()
+                first = await sink.get()
+                queue = added - arrival
+                stream = responses(
+                    sink,
+                    added,
+                    first,
+                    queue_seconds=queue,
+                    prefill_seconds=time.monotonic() - added,
+                )
+                async for response in stream:
+                    yield response
+                finished = True
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as exc:
+                await abort_with(context, exc)
+            finally:
+                worker.unsubscribe(rid)
+                if not finished:
+                    worker.submit(lambda e: e.abort_request(rid))
+
+
+class ColocatedPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
+    """Prepare and Release for a colocated worker; Prefill needs a prefill worker."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+
+    async def Prepare(
+        self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrepareResponse:
+        with span(TRACER, "colocated.prepare", context):
+            try:
+                return worker_pb2.PrepareResponse(request=self.runtime.prepare(request.request))
+            except Exception as exc:
+                await abort_with(context, exc)
+                raise
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        error = ServiceError(grpc.StatusCode.UNIMPLEMENTED, "a colocated worker does not ship KV")
+        await abort_with(context, error)
+        raise error
+
+    async def Release(
+        self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReleaseResponse:
+        rid = request.request_id
+        released = await self.runtime.worker.call(lambda e: e.abort_request(rid) is not None)
+        return worker_pb2.ReleaseResponse(released=released)
+
+
+class ColocatedRole:
+    """RoleServices of a colocated worker: no transfer endpoints, nothing held across calls."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+        self.transfer_endpoints: dict[str, str] = {}
+
+    def held(self) -> list[worker_pb2.HeldBlockSet]:
+        return []
+
+    async def release(self, request_id: str, reason: str) -> bool:
+        return await self.runtime.worker.call(lambda e: e.abort_request(request_id) is not None)
+
+    async def close(self) -> None:
+        return None
+
+
+async def install(
+    runtime: WorkerRuntime, server: WorkerServer, args: object, metrics: object
+) -> ColocatedRole:
+    """Add the colocated worker's services to `server`."""
+    server.add(
+        worker_pb2_grpc.add_ColocatedServiceServicer_to_server,
+        ColocatedServicer(runtime),
+        COLOCATED_SERVICE,
+    )
+    server.add(
+        worker_pb2_grpc.add_PrefillServiceServicer_to_server,
+        ColocatedPrefillServicer(runtime),
+        PREFILL_SERVICE,
+    )
+    return ColocatedRole(runtime)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """`kvmesh serve colocated ...`"""
+    from kvmesh.service.process import serve_role
+
+    return serve_role("colocated", argv, install)

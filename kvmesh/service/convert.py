@@ -1,0 +1,109 @@
+"""Protobuf ⇄ engine conversion for the worker services (protobuf stops here).
+
+Unset optional sampling fields take the engine's defaults; set ones are validated by the
+engine's own rules (`InvalidParameterError` names the field).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.engine.outputs import CompletionOutput, RequestOutput
+from kvmesh.engine.sampler import TokenLogprobs
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.v1 import generation_pb2, worker_pb2
+
+_OPTIONAL_SAMPLING = (
+    "n",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "logprobs",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+FINISH_REASONS = {
+    None: generation_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": generation_pb2.FINISH_REASON_STOP,
+    "length": generation_pb2.FINISH_REASON_LENGTH,
+    "abort": generation_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(message: generation_pb2.SamplingParams) -> SamplingParams:
+    """Engine SamplingParams from the proto; raises InvalidParameterError naming the field."""
+    kwargs: dict[str, Any] = {
+        name: getattr(message, name) for name in _OPTIONAL_SAMPLING if message.HasField(name)
+    }
+    if message.stop_token_ids:
+        kwargs["stop_token_ids"] = tuple(message.stop_token_ids)
+    if message.stop:
+        kwargs["stop"] = tuple(message.stop)
+    return SamplingParams(**kwargs)
+
+
+def logprobs_to_proto(item: TokenLogprobs) -> generation_pb2.TokenLogprobs:
+    return generation_pb2.TokenLogprobs(
+        token_id=item.sampled_token_id,
+        logprob=item.sampled_logprob,
+        top_token_ids=list(item.top_token_ids),
+        top_logprobs=list(item.top_logprobs),
+    )
+
+
+def logprobs_from_proto(message: generation_pb2.TokenLogprobs) -> TokenLogprobs:
+    """The wire form carries no rank; 0 marks it unknown."""
+    return TokenLogprobs(
+        sampled_token_id=message.token_id,
+        sampled_logprob=message.logprob,
+        sampled_rank=0,
+        top_token_ids=tuple(message.top_token_ids),
+        top_logprobs=tuple(message.top_logprobs),
+    )
+
+
+def completion_response(out: CompletionOutput, cached_tokens: int) -> worker_pb2.DecodeResponse:
+    """The delta of one completion since its previous output (new ids, text, logprobs)."""
+    new = out.new_token_ids
+    response = worker_pb2.DecodeResponse(index=out.index, token_ids=new, text=out.new_text)
+    if out.logprobs and new:
+        response.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs[-len(new) :])
+    if out.finish_reason is not None:
+        response.finish_reason = FINISH_REASONS.get(
+            out.finish_reason, generation_pb2.FINISH_REASON_UNSPECIFIED
+        )
+        response.completion_tokens = len(out.token_ids)
+        response.cached_tokens = cached_tokens
+        if isinstance(out.stop_reason, str):
+            response.stop_string = out.stop_reason
+        elif isinstance(out.stop_reason, int):
+            response.stop_token_id = out.stop_reason
+    return response
+
+
+def decode_responses(output: RequestOutput) -> list[worker_pb2.DecodeResponse]:
+    """Responses for every completion that changed in `output` (new tokens or finished)."""
+    return [
+        completion_response(out, output.num_cached_tokens)
+        for out in output.outputs
+        if out.new_token_ids or out.new_text or out.finish_reason is not None
+    ]
+
+
+def first_tokens(output: RequestOutput) -> list[worker_pb2.FirstToken]:
+    """The first token of every completion of a prefilled request."""
+    result = []
+    for out in output.outputs:
+        first = worker_pb2.FirstToken(index=out.index, token_id=out.token_ids[0])
+        if out.logprobs:
+            first.logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
+        result.append(first)
+    return result

@@ -1,0 +1,112 @@
+"""A worker process: engine thread, gRPC server, metrics, control-plane agent, drain on signal.
+
+Each role module supplies `install(runtime, server, args) -> RoleServices`, which adds its
+servicers to the server and reports what it holds for heartbeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
+
+from kvmesh.service.options import ROLES, build_runtime, engine_config, parse
+from kvmesh.service.runtime import WorkerRuntime
+from kvmesh.service.server import WorkerServer, print_ready, run_until_signal
+from kvmesh.telemetry.metrics import WorkerMetrics, serve_metrics
+from kvmesh.v1 import worker_pb2
+
+LOG = logging.getLogger("kvmesh.service")
+
+
+class RoleServices(Protocol):
+    """What a role exposes to the process around it."""
+
+    transfer_endpoints: dict[str, str]
+
+    def held(self) -> list[worker_pb2.HeldBlockSet]: ...
+
+    async def release(self, request_id: str, reason: str) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+Install = Callable[
+    [WorkerRuntime, WorkerServer, argparse.Namespace, WorkerMetrics], Awaitable[RoleServices]
+]
+
+
+def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
+    """Parse options, start everything, print the ready line, run until SIGTERM/SIGINT."""
+    args = parse(role, argv, transfer=role != "colocated")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from kvmesh.telemetry.tracing import setup_tracing
+
+    setup_tracing(f"kvmesh-{role}")
+
+    async def main(stop: asyncio.Event) -> None:
+        runtime = build_runtime(engine_config(args), role, args.worker_id)
+        metrics = WorkerMetrics()
+        server = WorkerServer(args.host, args.port, reflection=args.reflection)
+        services = await install(runtime, server, args, metrics)
+        await server.start()
+        metrics_address = ""
+        if args.metrics_port is not None:
+            metrics_address = f"{args.host}:{serve_metrics(metrics, args.metrics_port, args.host)}"
+        info = worker_info(runtime, role, server.address, services, metrics_address)
+        agent = None
+        if args.control:
+            from kvmesh.service.agent import ControlAgent
+
+            agent = ControlAgent(args.control, info, runtime, services)
+            agent.start()
+        print_ready(
+            role,
+            server.address,
+            runtime.worker_id,
+            epoch=runtime.epoch,
+            metrics_address=metrics_address,
+            transfer_endpoints=services.transfer_endpoints,
+        )
+        await stop.wait()
+        LOG.info("%s %s draining", role, runtime.worker_id)
+        await server.drain(args.drain_seconds)
+        if agent is not None:
+            await agent.stop()
+        await services.close()
+        runtime.worker.stop()
+
+    return run_until_signal(main)
+
+
+def worker_info(
+    runtime: WorkerRuntime,
+    role: str,
+    address: str,
+    services: RoleServices,
+    metrics_address: str = "",
+) -> worker_pb2.WorkerInfo:
+    return worker_pb2.WorkerInfo(
+        worker_id=runtime.worker_id,
+        role=ROLES[role],
+        address=address,
+        epoch=runtime.epoch,
+        layout=runtime.layout,
+        num_blocks=runtime.worker.load().total_blocks,
+        transfer_endpoints=services.transfer_endpoints,
+        model=runtime.model,
+        metrics_address=metrics_address,
+    )
+
+
+def load_proto(runtime: WorkerRuntime) -> worker_pb2.WorkerLoad:
+    load = runtime.worker.load()
+    return worker_pb2.WorkerLoad(
+        total_blocks=load.total_blocks,
+        free_blocks=load.free_blocks,
+        cached_blocks=load.cached_blocks,
+        running=load.running,
+        waiting=load.waiting,
+    )

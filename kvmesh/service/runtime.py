@@ -1,0 +1,142 @@
+"""What every worker role shares: identity, KV layout, model info and request preparation."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import struct
+from pathlib import Path
+
+from kvmesh.engine.disagg import build_request
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.errors import InvalidParameterError
+from kvmesh.engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+)
+from kvmesh.engine.sequence import Request
+from kvmesh.service.convert import sampling_from_proto
+from kvmesh.service.engine_worker import EngineWorker
+from kvmesh.v1 import generation_pb2, worker_pb2
+
+LAYOUT_NAME = "block-major-v1"
+
+
+def new_epoch() -> int:
+    """A random non-zero 64-bit incarnation number."""
+    return int.from_bytes(os.urandom(8), "little") or 1
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Hash of config.json and the safetensors headers: equal weights layout, equal hash."""
+    digest = hashlib.sha256()
+    config = model_dir / "config.json"
+    if config.exists():
+        digest.update(config.read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with path.open("rb") as handle:
+            (size,) = struct.unpack("<Q", handle.read(8))
+            digest.update(handle.read(min(size, 64 << 20)))
+    return digest.hexdigest()[:32]
+
+
+def layout_of(engine: LLMEngine, fingerprint: str) -> worker_pb2.KVCacheLayout:
+    spec = engine.runner.kv_cache.spec
+    return worker_pb2.KVCacheLayout(
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        block_size=spec.block_size,
+        dtype=str(spec.dtype).removeprefix("torch."),
+        kv_dtype=spec.kv_dtype,
+        layout=LAYOUT_NAME,
+        model_fingerprint=fingerprint,
+    )
+
+
+def check_layout(ours: worker_pb2.KVCacheLayout, theirs: worker_pb2.KVCacheLayout, where: str):
+    """InvalidParameterError-free check: returns the first differing field's message or None."""
+    for field in ours.DESCRIPTOR.fields:
+        a, b = getattr(ours, field.name), getattr(theirs, field.name)
+        if a != b:
+            return f"{where}.{field.name}: {b!r} does not match this worker's {a!r}"
+    return None
+
+
+def model_info(engine: LLMEngine, mode: str) -> generation_pb2.ModelInfo:
+    parts = engine.parts
+    hf = parts.loaded.hf_config
+    archs = getattr(hf, "architectures", None) or [type(parts.loaded.model).__name__]
+    return generation_pb2.ModelInfo(
+        model_name=parts.loaded.path.name,
+        architecture=str(archs[0]),
+        vocab_size=engine.runner.vocab_size,
+        max_model_len=parts.max_model_len,
+        eos_token_id=-1 if parts.eos_token_id is None else parts.eos_token_id,
+        has_tokenizer=engine.tokenizer is not None,
+        block_size=engine.runner.block_size,
+        mode=mode,
+        max_stop_strings=MAX_STOP_STRINGS,
+        max_stop_string_chars=MAX_STOP_STRING_CHARS,
+        max_logprobs=MAX_LOGPROBS,
+    )
+
+
+@dataclasses.dataclass
+class WorkerRuntime:
+    """One worker process's engine thread and identity."""
+
+    worker: EngineWorker
+    worker_id: str
+    epoch: int
+    layout: worker_pb2.KVCacheLayout
+    model: generation_pb2.ModelInfo
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.worker.engine
+
+    def prepare(self, message: generation_pb2.GenerateRequest) -> worker_pb2.EngineRequest:
+        """Validate and tokenize a client request (InvalidParameterError names the field)."""
+        if not message.request_id:
+            raise InvalidParameterError("request_id", "must not be empty")
+        params = sampling_from_proto(message.sampling)
+        which = message.WhichOneof("prompt")
+        if which == "text":
+            if self.engine.tokenizer is None:
+                raise InvalidParameterError("prompt.text", "this model has no tokenizer")
+            if not message.text:
+                raise InvalidParameterError("prompt", "must contain at least one token")
+            ids = list(self.engine.tokenizer.encode(message.text))
+        elif which == "token_ids":
+            ids = list(message.token_ids.ids)
+        else:
+            raise InvalidParameterError("prompt", "set text or token_ids")
+        self.build(message.request_id, ids, params, message.cache_salt)
+        return worker_pb2.EngineRequest(
+            request_id=message.request_id,
+            prompt_ids=ids,
+            sampling=message.sampling,
+            cache_salt=message.cache_salt,
+        )
+
+    def request_from(self, message: worker_pb2.EngineRequest, prefill_only: bool) -> Request:
+        """The engine Request of a prepared request, re-validated (a worker trusts no caller)."""
+        if not message.request_id:
+            raise InvalidParameterError("request_id", "must not be empty")
+        params = sampling_from_proto(message.sampling)
+        return self.build(
+            message.request_id, message.prompt_ids, params, message.cache_salt, prefill_only
+        )
+
+    def build(self, request_id, ids, params, salt: bytes, prefill_only: bool = False) -> Request:
+        try:
+            return build_request(
+                self.engine, request_id, ids, params, extra_key=salt, prefill_only=prefill_only
+            )
+        except InvalidParameterError as exc:
+            if exc.field == "prompt_token_ids":
+                raise InvalidParameterError("prompt.token_ids", exc.message) from None
+            raise

@@ -1,0 +1,129 @@
+"""grpc.aio server bootstrap for a worker: message limits, health, optional reflection, drain.
+
+Health: "" and every added service are SERVING once started and NOT_SERVING while draining.
+`serve_until_signal` runs a worker on uvloop until SIGTERM/SIGINT, then drains: health goes
+NOT_SERVING, in-flight calls get `drain_seconds` to finish, the rest are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+SERVING = health_pb2.HealthCheckResponse.SERVING
+READY_PREFIX = "KVMESH_READY "
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+class WorkerServer:
+    """A grpc.aio server plus health; add services with `add`, then `start`."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        reflection: bool = False,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.host = host
+        self.requested_port = port
+        self.reflection = reflection
+        self.server = grpc.aio.server(options=server_options(max_message_bytes))
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        self.service_names: list[str] = []
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def add(self, adder: Callable[[Any, grpc.aio.Server], None], servicer: Any, name: str) -> None:
+        """Register `servicer` with its generated `add_..._to_server` under its full name."""
+        adder(servicer, self.server)
+        self.service_names.append(name)
+
+    async def start(self) -> None:
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if self.reflection:
+            from grpc_reflection.v1alpha import reflection
+
+            names = (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if self.port == 0:
+            raise OSError(f"port: cannot bind {self.host}:{self.requested_port}")
+        await self.server.start()
+        for name in ("", *self.service_names):
+            await self.health.set(name, SERVING)
+
+    async def drain(self, grace: float) -> None:
+        """NOT_SERVING everywhere, then stop, giving in-flight calls `grace` seconds."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+def print_ready(role: str, address: str, worker_id: str, **extra: Any) -> None:
+    """The one machine-readable line supervisors and tests wait for."""
+    line = {"role": role, "address": address, "worker_id": worker_id, **extra}
+    print(READY_PREFIX + json.dumps(line, sort_keys=True), flush=True)
+
+
+def trace_context(context: grpc.aio.ServicerContext) -> otel_context.Context:
+    """The caller's trace context from W3C headers in the call metadata."""
+    carrier = {key: value for key, value in (context.invocation_metadata() or ()) if
+               isinstance(value, str)}  # fmt: skip
+    return propagate.extract(carrier)
+
+
+def span(tracer: trace.Tracer, name: str, context: grpc.aio.ServicerContext) -> Any:
+    """A server span for one call, child of the caller's span."""
+    return tracer.start_as_current_span(
+        name, context=trace_context(context), kind=trace.SpanKind.SERVER
+    )
+
+
+def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
+    """Run `main(stop_event)` on uvloop; SIGTERM/SIGINT set the event. Returns an exit code."""
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    try:
+        import uvloop
+
+        uvloop.run(runner())
+    except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
+        asyncio.run(runner())
+    except KeyboardInterrupt:
+        return 130
+    except OSError as exc:
+        print(f"kvmesh worker: {exc}", file=sys.stderr)
+        return 2
+    return 0
