@@ -1,1 +1,51 @@
-"""KV block transfer between processes and hosts: one interface, several backends."""
+"""KV block transfer between processes and hosts: one interface, several backends.
+
+Importing this package is light (no torch); names resolve lazily. Backends:
+`get_backend("fake" | "shm" | "gloo" | "grpc" | "cuda_ipc")` returns a module with `Sender`
+and `Receiver` classes implementing `kv_transfer.interface.KVSender` / `KVReceiver`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+BACKENDS = {
+    "fake": "kv_transfer.backends.fake",
+    "shm": "kv_transfer.backends.shm",
+    "gloo": "kv_transfer.backends.gloo",
+    "grpc": "kv_transfer.backends.grpc_stream",
+    "cuda_ipc": "kv_transfer.backends.cuda_ipc",
+}
+
+_LAZY = {
+    "KVLayout": "kv_transfer.layout",
+    "BlockStore": "kv_transfer.blocks",
+    "KVSender": "kv_transfer.interface",
+    "KVReceiver": "kv_transfer.interface",
+    "SendHandle": "kv_transfer.interface",
+    "ReceiveHandle": "kv_transfer.receiver_core",
+    "TransferRequest": "kv_transfer.state",
+    "TransferResult": "kv_transfer.state",
+    "TransferState": "kv_transfer.state",
+    "new_transfer_id": "kv_transfer.header",
+}
+
+
+def get_backend(name: str) -> ModuleType:
+    """Import and return backend `name`; unknown names raise `ValueError` listing the choices."""
+    module = BACKENDS.get(name)
+    if module is None:
+        raise ValueError(f"unknown kv_transfer backend {name!r}; choose from {sorted(BACKENDS)}")
+    return importlib.import_module(module)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kv_transfer' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = ["BACKENDS", "get_backend", *_LAZY]

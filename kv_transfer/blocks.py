@@ -1,0 +1,76 @@
+"""`BlockStore`: whole-block gather/scatter between a block-major cache and raw byte buffers.
+
+Payload of n blocks (the wire format; independent of any kernel library):
+`[n * scales_bytes_per_block][n * kv_bytes_per_block]` — scales first (float32, so both parts
+stay aligned), each part in block order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kv_transfer.errors import FrameError
+from kv_transfer.layout import KVLayout
+
+
+class BlockStore:
+    """A cache `[num_blocks, L, 2, bs, H, D]` plus optional scales `[num_blocks, L, 2, bs, H]`."""
+
+    def __init__(
+        self, cache: torch.Tensor, scales: torch.Tensor | None = None, *, model_id: str = ""
+    ) -> None:
+        if not cache.is_contiguous() or (scales is not None and not scales.is_contiguous()):
+            raise FrameError("cache", "cache and scales must be contiguous")
+        self.cache = cache
+        self.scales = scales
+        self.layout = KVLayout.of(cache, scales, model_id=model_id)
+        self.num_blocks = int(cache.shape[0])
+
+    def check_ids(self, ids: torch.Tensor, field: str) -> None:
+        """Raise `FrameError(field)` unless every id is a valid block id."""
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise FrameError(field, f"block id outside [0, {self.num_blocks})")
+
+    def _views(self, buf: torch.Tensor, n: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Split a uint8 buffer of n blocks into (scales view, kv view) shaped like the cache."""
+        sb = n * self.layout.scales_bytes_per_block
+        kb = n * self.layout.kv_bytes_per_block
+        if buf.numel() < sb + kb:
+            raise FrameError("payload_len", f"need {sb + kb} bytes for {n} blocks")
+        kv = buf[sb : sb + kb].view(self.cache.dtype).view(n, *self.cache.shape[1:])
+        if self.scales is None:
+            return None, kv
+        return buf[:sb].view(torch.float32).view(n, *self.scales.shape[1:]), kv
+
+    def gather_into(self, ids: torch.Tensor, buf: torch.Tensor) -> int:
+        """Copy blocks `ids` (int64 [n]) into the front of uint8 `buf`; return bytes written."""
+        n = int(ids.numel())
+        scales_view, kv_view = self._views(buf, n)
+        torch.index_select(self.cache, 0, ids, out=kv_view)
+        if scales_view is not None:
+            assert self.scales is not None
+            torch.index_select(self.scales, 0, ids, out=scales_view)
+        return n * self.layout.bytes_per_block
+
+    def scatter_from(self, ids: torch.Tensor, buf: torch.Tensor) -> None:
+        """Write n blocks from the front of uint8 `buf` into cache rows `ids` (int64 [n])."""
+        scales_view, kv_view = self._views(buf, int(ids.numel()))
+        self.cache.index_copy_(0, ids, kv_view)
+        if scales_view is not None:
+            assert self.scales is not None
+            self.scales.index_copy_(0, ids, scales_view)
+
+
+def as_ids(block_ids: object, field: str) -> torch.Tensor:
+    """Block ids (sequence or tensor) as a contiguous int64 CPU tensor [n]."""
+    ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).contiguous()
+    if ids.numel() == 0:
+        raise FrameError(field, "empty block set")
+    return ids
+
+
+def frames_for(num_blocks: int, bytes_per_block: int, frame_bytes: int) -> list[tuple[int, int]]:
+    """Split a block set into frames of whole blocks: [(block_offset, n)] of ≤ frame_bytes each
+    (a block larger than frame_bytes travels alone)."""
+    per = max(1, frame_bytes // bytes_per_block)
+    return [(off, min(per, num_blocks - off)) for off in range(0, num_blocks, per)]

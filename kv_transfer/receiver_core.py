@@ -1,0 +1,184 @@
+"""Receiver side shared by every backend: reservations, fencing, validation and scatter.
+
+A transfer may write only into blocks reserved for it by `expect(request, dst_ids, deadline)`;
+frames whose transfer id is unknown or whose epoch differs are refused without touching any
+reservation (a stale or restarted peer never writes into blocks it no longer owns).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+import torch
+
+from kv_transfer.blocks import BlockStore, as_ids
+from kv_transfer.errors import (
+    FrameError,
+    StaleEpochError,
+    TransferError,
+    TransferStateError,
+    UnknownTransferError,
+)
+from kv_transfer.header import FrameHeader
+from kv_transfer.state import TransferRecord, TransferRequest, TransferResult, TransferState
+
+_RECENT = 1024  # ended transfers remembered, so late frames get the real reason
+
+
+@dataclasses.dataclass
+class _Reservation:
+    record: TransferRecord
+    dst: torch.Tensor  # int64 [n] destination block ids reserved for this transfer
+    frames_seen: set[int] = dataclasses.field(default_factory=set)
+    frame_count: int | None = None
+    blocks_written: int = 0
+
+
+class ReceiveHandle:
+    """One reserved destination: wait for completion, or cancel it (no writes after cancel)."""
+
+    def __init__(self, core: ReceiverCore, reservation: _Reservation) -> None:
+        self._core = core
+        self._res = reservation
+
+    @property
+    def state(self) -> TransferState:
+        return self._res.record.state
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        """Block until terminal or the reservation deadline (then EXPIRED)."""
+        result = self._res.record.wait(timeout)
+        if result.state.is_terminal:
+            self._core.forget(self._res)
+        return result
+
+    def cancel(self) -> bool:
+        """End as CANCELLED unless already terminal; an in-progress write finishes first."""
+        ended = self._res.record.end(TransferState.CANCELLED)
+        self._core.forget(self._res)
+        return ended
+
+
+class ReceiverCore:
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._reservations: dict[bytes, _Reservation] = {}
+        self._recent: collections.OrderedDict[bytes, TransferRecord] = collections.OrderedDict()
+
+    def expect(
+        self, request: TransferRequest, dst_block_ids: object, deadline: float
+    ) -> ReceiveHandle:
+        """Reserve: accept exactly this transfer id and epoch into `dst_block_ids` by deadline."""
+        dst = as_ids(dst_block_ids, "dst_block_ids")
+        self.store.check_ids(dst, "dst_block_ids")
+        if int(torch.unique(dst).numel()) != int(dst.numel()):
+            raise FrameError("dst_block_ids", "duplicate block ids")
+        res = _Reservation(TransferRecord(request, int(dst.numel()), deadline), dst)
+        with self._lock:
+            if request.transfer_id in self._reservations:
+                raise TransferStateError("transfer_id already reserved")
+            self._reservations[request.transfer_id] = res
+        return ReceiveHandle(self, res)
+
+    def forget(self, res: _Reservation) -> None:
+        with self._lock:
+            tid = res.record.request.transfer_id
+            if self._reservations.get(tid) is res:
+                del self._reservations[tid]
+                self._recent[tid] = res.record
+                while len(self._recent) > _RECENT:
+                    self._recent.popitem(last=False)
+
+    def _find(self, header: FrameHeader) -> _Reservation:
+        with self._lock:
+            res = self._reservations.get(header.transfer_id)
+            ended = self._recent.get(header.transfer_id) if res is None else None
+        if ended is not None and ended.request.epoch == header.epoch:
+            raise ended.error or TransferStateError(f"transfer already {ended.state.name}")
+        if res is None:
+            raise UnknownTransferError(f"transfer {header.transfer_id.hex()} not reserved here")
+        if header.epoch != res.record.request.epoch:
+            raise StaleEpochError(
+                f"epoch {header.epoch} != reserved epoch {res.record.request.epoch}"
+            )
+        if res.record.expire_if_due():
+            self.forget(res)
+            raise res.record.error or TransferStateError(res.record.state.name)
+        return res
+
+    def _fail(self, res: _Reservation, error: TransferError) -> TransferError:
+        res.record.end(TransferState.FAILED, error)
+        self.forget(res)
+        return error
+
+    def on_begin(self, header: FrameHeader, dst_payload: bytes | bytearray | memoryview) -> None:
+        """Sender announces the transfer and the destination ids it believes were reserved."""
+        res = self._find(header)
+        theirs = torch.frombuffer(bytearray(dst_payload), dtype=torch.int32).to(torch.int64)
+        with res.record.lock:
+            if res.record.state is not TransferState.PENDING:
+                raise TransferStateError(f"BEGIN in state {res.record.state.name}")
+            if not torch.equal(theirs, res.dst):
+                raise self._fail(res, FrameError("dst_block_ids", "differ from the reservation"))
+            res.record.move(TransferState.IN_FLIGHT)
+
+    def on_frame(self, header: FrameHeader, payload: torch.Tensor) -> None:
+        """Validate one FRAME (uint8 payload [payload_len]) and scatter it into reserved blocks."""
+        res = self._find(header)
+        with res.record.lock:  # held across the write: cancel() waits for it, then no more writes
+            if res.record.state is not TransferState.IN_FLIGHT:
+                raise TransferStateError(f"FRAME in state {res.record.state.name}")
+            try:
+                self._check_frame(res, header, payload)
+            except TransferError as exc:
+                raise self._fail(res, exc) from None
+            lo, n = header.block_offset, header.num_blocks
+            self.store.scatter_from(res.dst[lo : lo + n], payload)
+            res.frames_seen.add(header.frame_index)
+            res.frame_count = header.frame_count
+            res.blocks_written += n
+            res.record.num_bytes += header.payload_len
+
+    def _check_frame(self, res: _Reservation, header: FrameHeader, payload: torch.Tensor) -> None:
+        if res.frame_count not in (None, header.frame_count):
+            raise FrameError("frame_count", f"changed from {res.frame_count}")
+        if header.frame_index in res.frames_seen:
+            raise FrameError("frame_index", f"frame {header.frame_index} repeated")
+        total = int(res.dst.numel())
+        if header.num_blocks == 0 or header.block_offset + header.num_blocks > total:
+            raise FrameError("block_offset", f"blocks outside the reserved set of {total}")
+        want = header.num_blocks * self.store.layout.bytes_per_block
+        if header.payload_len != want:
+            raise FrameError("payload_len", f"{header.payload_len} != {want} for the blocks")
+        header.verify_payload(payload.numpy())
+
+    def on_end(self, header: FrameHeader) -> TransferResult:
+        """Sender finished: COMPLETED when every reserved block was written exactly once."""
+        res = self._find(header)
+        with res.record.lock:
+            if res.record.state is not TransferState.IN_FLIGHT:
+                raise TransferStateError(f"END in state {res.record.state.name}")
+            if res.blocks_written != int(res.dst.numel()) or len(res.frames_seen) != (
+                res.frame_count or 0
+            ):
+                raise self._fail(res, FrameError("frame_count", "END before every frame"))
+            res.record.move(TransferState.COMPLETED)
+        self.forget(res)
+        return res.record.result()
+
+    def on_cancel(self, header: FrameHeader) -> None:
+        """The sender cancelled: end CANCELLED (a stale peer's CANCEL is refused by `_find`)."""
+        res = self._find(header)
+        res.record.end(TransferState.CANCELLED)
+        self.forget(res)
+
+    def fail_ids(self, transfer_ids: set[bytes], error: TransferError) -> None:
+        """A connection died: fail the transfers it had begun that are still IN_FLIGHT."""
+        with self._lock:
+            reservations = [r for t, r in self._reservations.items() if t in transfer_ids]
+        for res in reservations:
+            if res.record.state is TransferState.IN_FLIGHT:
+                self._fail(res, error)

@@ -1,0 +1,138 @@
+"""Transfer state machine, request and result records.
+
+```
+PENDING ──▶ IN_FLIGHT ──▶ COMPLETED
+   │            │
+   └────────────┴──▶ FAILED | CANCELLED | EXPIRED      (terminal states never change)
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+
+from kv_transfer.errors import (
+    DeadlineExpiredError,
+    FrameError,
+    IllegalTransitionError,
+    TransferCancelledError,
+    TransferError,
+)
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    IN_FLIGHT = "in_flight"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self not in (TransferState.PENDING, TransferState.IN_FLIGHT)
+
+
+_ENDS = {TransferState.FAILED, TransferState.CANCELLED, TransferState.EXPIRED}
+LEGAL: dict[TransferState, frozenset[TransferState]] = {
+    TransferState.PENDING: frozenset({TransferState.IN_FLIGHT, *_ENDS}),
+    TransferState.IN_FLIGHT: frozenset({TransferState.COMPLETED, *_ENDS}),
+    **{s: frozenset() for s in (TransferState.COMPLETED, *_ENDS)},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferRequest:
+    """Identity of one transfer: a 16-byte id and the epoch the blocks were reserved under."""
+
+    transfer_id: bytes
+    epoch: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.transfer_id, bytes) or len(self.transfer_id) != 16:
+            raise FrameError("transfer_id", "must be 16 bytes")
+        if not 0 <= self.epoch < 1 << 64:
+            raise FrameError("epoch", f"must fit in u64, got {self.epoch}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferResult:
+    transfer_id: bytes
+    state: TransferState
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    error: TransferError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state is TransferState.COMPLETED
+
+
+class TransferRecord:
+    """Thread-safe state of one transfer with a condition to wait on."""
+
+    def __init__(self, request: TransferRequest, num_blocks: int, deadline: float) -> None:
+        self.request = request
+        self.num_blocks = num_blocks
+        self.deadline = deadline
+        self.started = time.monotonic()
+        self.state = TransferState.PENDING
+        self.error: TransferError | None = None
+        self.num_bytes = 0
+        self.lock = threading.RLock()
+        self._changed = threading.Condition(self.lock)
+
+    def move(self, new: TransferState, error: TransferError | None = None) -> None:
+        """Apply a legal transition; raise `IllegalTransitionError` otherwise."""
+        with self.lock:
+            if new not in LEGAL[self.state]:
+                raise IllegalTransitionError(f"{self.state.name} -> {new.name}")
+            self.state = new
+            self.error = error or self.error
+            self._changed.notify_all()
+
+    def end(self, new: TransferState, error: TransferError | None = None) -> bool:
+        """Move to a terminal state unless already terminal; True when this call ended it."""
+        with self.lock:
+            if self.state.is_terminal:
+                return False
+            if error is None and new is TransferState.CANCELLED:
+                error = TransferCancelledError("cancelled")
+            if error is None and new is TransferState.EXPIRED:
+                error = DeadlineExpiredError(f"deadline passed in state {self.state.name}")
+            self.move(new, error)
+            return True
+
+    def expire_if_due(self) -> bool:
+        """End as EXPIRED when the deadline has passed; True if the record is (now) terminal."""
+        with self.lock:
+            if not self.state.is_terminal and time.monotonic() >= self.deadline:
+                self.end(TransferState.EXPIRED)
+            return self.state.is_terminal
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        """Wait until terminal or the deadline (expiry ends it as EXPIRED); never unbounded."""
+        limit = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
+        with self.lock:
+            while not self.state.is_terminal:
+                left = limit - time.monotonic()
+                if left <= 0:
+                    self.expire_if_due()
+                    break
+                self._changed.wait(min(left, 0.5))
+            return self.result()
+
+    def result(self) -> TransferResult:
+        with self.lock:
+            return TransferResult(
+                self.request.transfer_id,
+                self.state,
+                self.num_blocks,
+                self.num_bytes,
+                time.monotonic() - self.started,
+                self.error,
+            )

@@ -1,0 +1,147 @@
+"""Each CPU backend end to end between two real processes (`kv_transfer.peer`)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+from kvt_peers import SPEC, Peer
+
+BACKENDS = ["shm"]
+SLOW = {
+    "num_blocks": 4096,
+    "layers": 1,
+    "block_size": 4,
+    "heads": 1,
+    "head_dim": 256,
+}  # 4 KiB blocks
+
+
+def tid() -> str:
+    return os.urandom(16).hex()
+
+
+_POOL: dict[tuple[str, str], tuple[Peer, Peer]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_pool() -> Iterator[None]:
+    yield
+    for receiver, sender in _POOL.values():
+        sender.close()
+        receiver.close()
+    _POOL.clear()
+
+
+def peers(backend: str, store: dict) -> tuple[Peer, Peer]:
+    """A connected (receiver, sender) pair, reused across tests; rebuilt after a kill."""
+    key = (backend, repr(sorted(store.items())))
+    pair = _POOL.get(key)
+    if pair is None or any(p.proc.poll() is not None for p in pair):
+        for p in pair or ():
+            p.close()
+        receiver, sender = Peer(backend, {**store, "seed": 1}), Peer(backend, {**store, "seed": 2})
+        frame = 4096 if store is SLOW else 3000
+        assert sender.call("connect", address=receiver.address, options={"frame_bytes": frame}) == {
+            "ok": True
+        }
+        pair = _POOL[key] = (receiver, sender)
+    return pair
+
+
+@pytest.mark.parametrize("variant", [{"dtype": "bfloat16"}, {"dtype": "float32", "scales": True}])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_block_sets_arrive_exactly(backend: str, variant: dict) -> None:
+    receiver, sender = peers(backend, {**SPEC, **variant})
+    rng = random.Random(backend)
+    for count in (1, 7, 40):
+        src, dst = rng.sample(range(64), count), rng.sample(range(64), count)
+        t, before = tid(), receiver.call("digest", ids=dst)["digest"]
+        assert receiver.call("expect", tid=t, epoch=3, dst=dst, seconds=20) == {"ok": True}
+        sent = sender.call("send", tid=t, epoch=3, src=src, dst=dst, seconds=20)
+        assert sent["state"] == "COMPLETED", sent
+        assert receiver.call("wait", tid=t)["state"] == "COMPLETED"
+        got = receiver.call("digest", ids=dst)["digest"]
+        assert got == sender.call("digest", ids=src)["digest"] != before
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stale_epoch_and_unknown_transfer_leave_blocks_untouched(backend: str) -> None:
+    receiver, sender = peers(backend, SPEC)
+    t, dst = tid(), [10, 11, 12]
+    before = receiver.call("digest", ids=dst)["digest"]
+    receiver.call("expect", tid=t, epoch=5, dst=dst, seconds=20)
+    stale = sender.call("send", tid=t, epoch=4, src=[1, 2, 3], dst=dst, seconds=10)
+    unknown = sender.call("send", tid=tid(), epoch=5, src=[1, 2, 3], dst=dst, seconds=10)
+    assert (stale["state"], stale["error"]) == ("FAILED", "StaleEpochError")
+    assert (unknown["state"], unknown["error"]) == ("FAILED", "UnknownTransferError"), unknown
+    assert receiver.call("digest", ids=dst)["digest"] == before
+    ok = sender.call("send", tid=t, epoch=5, src=[1, 2, 3], dst=dst, seconds=10)
+    assert ok["state"] == "COMPLETED"
+
+
+def start_slow(receiver: Peer, sender: Peer, seconds: float = 30) -> str:
+    """A transfer of 4096 one-block frames (thousands of round trips) that is still running."""
+    t = tid()
+    ids = list(range(4096))
+    receiver.call("expect", tid=t, epoch=1, dst=ids, seconds=seconds)
+    sender.call("start", tid=t, epoch=1, src=ids, dst=ids, seconds=seconds)
+    return t
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancel_reaches_an_in_flight_transfer(backend: str, side: str) -> None:
+    receiver, sender = peers(backend, SLOW)
+    t = start_slow(receiver, sender)
+    time.sleep(0.05)
+    (sender if side == "sender" else receiver).call("cancel", tid=t)
+    assert sender.call("wait", tid=t)["state"] == "CANCELLED"
+    assert receiver.call("wait", tid=t)["state"] == "CANCELLED"
+    assert_no_segments(receiver, sender)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deadline_expiry_ends_expired_without_leaks(backend: str) -> None:
+    receiver, sender = peers(backend, SLOW)
+    t = start_slow(receiver, sender, seconds=0.2)
+    assert sender.call("wait", tid=t)["state"] == "EXPIRED"
+    assert receiver.call("wait", tid=t)["state"] in ("EXPIRED", "CANCELLED")
+    assert_no_segments(receiver, sender)
+
+
+@pytest.mark.parametrize("victim", ["sender", "receiver"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_peer_killed_mid_transfer_ends_without_hang(backend: str, victim: str) -> None:
+    receiver, sender = peers(backend, SLOW)
+    t = start_slow(receiver, sender, seconds=8)
+    time.sleep(0.05)
+    dead, survivor = (sender, receiver) if victim == "sender" else (receiver, sender)
+    os.kill(dead.proc.pid, signal.SIGKILL)
+    began = time.monotonic()
+    result = survivor.call("wait", tid=t, timeout=20)
+    assert result["state"] in ("FAILED", "EXPIRED")
+    assert time.monotonic() - began < 9
+    assert_no_segments(survivor)
+
+
+def assert_no_segments(*peers: Peer) -> None:
+    """No named segment in /dev/shm and no mapping left, once connections wind down (a killed
+    creator's name is removed by its resource tracker shortly after the kill)."""
+    limit = time.monotonic() + 5
+
+    def names() -> list[str]:
+        shm = "/dev/shm"
+        return [n for n in os.listdir(shm) if n.startswith("kvmesh_")] if os.path.isdir(shm) else []
+
+    while names() and time.monotonic() < limit:
+        time.sleep(0.05)
+    assert names() == []
+    for peer in peers:
+        while peer.call("maps")["maps"] and time.monotonic() < limit:
+            time.sleep(0.05)
+        assert peer.call("maps")["maps"] == []
