@@ -8,6 +8,7 @@ import pytest
 import torch
 from dense_reference import dense_attention, random_paged_cache, rel_error
 from kvmesh_kernels import paged_attention, paged_decode_attention, paged_prefill_attention
+from kvmesh_kernels.reference_attention import key_mask
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
@@ -92,3 +93,14 @@ def test_empty_context_gives_zeros() -> None:
     assert torch.equal(out[0], torch.zeros(4, 64)) and torch.equal(out[2], torch.zeros(4, 64))
     ref = dense_attention(query[1:2], pc.keys[1], pc.values[1], 0.1)
     assert rel_error(out[1:2], ref) < 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_sliding_window_rule_matches_transformers(window: int) -> None:
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    fn = masking_utils.sliding_window_causal_mask_function(window)
+    pos = torch.arange(20)
+    zero = torch.tensor(0)
+    theirs = fn(zero, zero, pos.view(-1, 1), pos.view(1, -1))  # [20, 20] bool
+    ours = key_mask(pos.view(-1, 1), pos.view(1, -1), window)  # [20, 20]
+    assert torch.equal(ours, theirs)
