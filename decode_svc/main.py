@@ -1,0 +1,58 @@
+"""`kvmesh serve decode ...`: a decode worker (DecodeService + KV transfer receivers)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from decode_svc.reservations import ReservationTable, block_store, open_receivers
+from decode_svc.service import DecodeServicer
+from kvmesh.service.runtime import WorkerRuntime
+from kvmesh.service.server import WorkerServer
+from kvmesh.telemetry.metrics import WorkerMetrics
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
+DECODE_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
+DEFAULT_BACKENDS = ["shm", "grpc", "gloo"]
+
+
+class DecodeRole:
+    """RoleServices of a decode worker."""
+
+    def __init__(self, servicer: DecodeServicer, table: ReservationTable) -> None:
+        self.servicer = servicer
+        self.table = table
+        self.transfer_endpoints = {name: r.address for name, r in table.receivers.items()}
+
+    def held(self) -> list[worker_pb2.HeldBlockSet]:
+        return self.table.held()
+
+    async def release(self, request_id: str, reason: str) -> bool:
+        return self.servicer.release(request_id)
+
+    async def close(self) -> None:
+        await self.table.close()
+
+
+async def install(
+    runtime: WorkerRuntime,
+    server: WorkerServer,
+    args: argparse.Namespace | None,
+    metrics: WorkerMetrics | None,
+) -> DecodeRole:
+    """Open the KV receivers and add DecodeService to `server`."""
+    backends = list(getattr(args, "transfer_backend", None) or DEFAULT_BACKENDS)
+    store = block_store(runtime.worker, runtime.layout.model_fingerprint)
+    receivers = open_receivers(store, backends)
+    table = ReservationTable(runtime.worker, receivers)
+    table.start_reaper()
+    servicer = DecodeServicer(runtime, table, metrics or WorkerMetrics())
+    server.add(worker_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, DECODE_SERVICE)
+    return DecodeRole(servicer, table)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """`kvmesh serve decode ...`"""
+    from kvmesh.service.process import serve_role
+
+    return serve_role("decode", argv, install)

@@ -1,0 +1,161 @@
+"""Decode-side reservations: blocks held for a request's incoming KV, fenced and leased.
+
+```
+Reserve ──▶ RESERVED ──(KV lands)──▶ TRANSFERRED ──Decode──▶ DECODING ──finish──▶ gone
+   │            └── lease expires / Release ──▶ gone (receive handle cancelled, blocks freed)
+```
+A reservation names (request id, generation, transfer id); the receiver accepts frames only
+for that transfer id and `epoch == generation`, so a stale prefill can never write here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kv_transfer import get_backend
+from kv_transfer.blocks import BlockStore
+from kv_transfer.interface import KVReceiver
+from kv_transfer.receiver_core import ReceiveHandle, ReceiverCore
+from kv_transfer.state import TransferRequest, TransferState
+from kvmesh.engine import disagg
+from kvmesh.engine.sequence import Request
+from kvmesh.service.engine_worker import EngineWorker
+from kvmesh.v1 import worker_pb2
+
+LOG = logging.getLogger("kvmesh.decode")
+REAP_INTERVAL_SECONDS = 0.1
+
+
+@dataclasses.dataclass
+class Reservation:
+    request: Request
+    generation: int
+    transfer_id: bytes  # 16 bytes; hex on the gRPC wire
+    block_ids: list[int]
+    handle: ReceiveHandle
+    deadline: float  # monotonic end of the lease while not decoding
+    decoding: bool = False
+    task: asyncio.Task[Any] | None = None  # the Decode call serving it
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def held(self) -> worker_pb2.HeldBlockSet:
+        if self.decoding:
+            state = worker_pb2.BLOCK_SET_STATE_DECODING
+        elif self.handle.state is TransferState.COMPLETED:
+            state = worker_pb2.BLOCK_SET_STATE_TRANSFERRED
+        else:
+            state = worker_pb2.BLOCK_SET_STATE_RESERVED
+        return worker_pb2.HeldBlockSet(
+            request_id=self.request_id,
+            state=state,
+            num_blocks=len(self.block_ids),
+            generation=self.generation,
+            lease_remaining_seconds=max(0.0, self.deadline - time.monotonic()),
+        )
+
+
+def block_store(worker: EngineWorker, model_id: str) -> BlockStore:
+    cache = worker.engine.runner.kv_cache
+    scales: torch.Tensor | None = getattr(cache, "scales", None)
+    return BlockStore(cache.data, scales, model_id=model_id)
+
+
+def open_receivers(store: BlockStore, backends: list[str]) -> dict[str, KVReceiver]:
+    """One receiver per backend, all sharing one ReceiverCore: a reservation is accepted on
+    whichever backend the sender picks. Backends that cannot run here are skipped."""
+    core = ReceiverCore(store)
+    receivers: dict[str, KVReceiver] = {}
+    for name in backends:
+        try:
+            receiver = get_backend(name).Receiver(store)
+        except (ImportError, ValueError, OSError, RuntimeError) as exc:
+            LOG.warning("kv transfer backend %s unavailable: %s", name, exc)
+            continue
+        receiver.core = core
+        receivers[name] = receiver
+    return receivers
+
+
+class ReservationTable:
+    """Reservations of one decode worker; methods run on the asyncio loop."""
+
+    def __init__(self, worker: EngineWorker, receivers: dict[str, KVReceiver]) -> None:
+        self.worker = worker
+        self.receivers = receivers
+        self._core = next(iter(receivers.values())).core if receivers else None
+        self._by_request: dict[str, Reservation] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self.on_expire: Callable[[Reservation], None] = lambda res: None
+
+    def get(self, request_id: str) -> Reservation | None:
+        return self._by_request.get(request_id)
+
+    def held(self) -> list[worker_pb2.HeldBlockSet]:
+        return [res.held() for res in self._by_request.values()]
+
+    async def reserve(
+        self, request: Request, generation: int, lease_seconds: float
+    ) -> Reservation | None:
+        """Blocks for the prompt plus a receive slot; None when the pool is short now."""
+        assert self._core is not None
+        rid, num_prompt = request.request_id, len(request.seqs[0].prompt_ids)
+        blocks = await self.worker.call(lambda e: disagg.reserve_blocks(e, rid, num_prompt))
+        if blocks is None:
+            return None
+        deadline = time.monotonic() + lease_seconds
+        transfer_id = os.urandom(16)
+        try:
+            handle = self._core.expect(TransferRequest(transfer_id, generation), blocks, deadline)
+        except BaseException:
+            self.worker.submit(lambda e: disagg.free_reservation(e, rid))
+            raise
+        res = Reservation(request, generation, transfer_id, blocks, handle, deadline)
+        self._by_request[rid] = res
+        return res
+
+    def drop(self, res: Reservation) -> bool:
+        """Forget `res`: no more KV writes, and its blocks go back unless it joined the batch
+        (then the request is aborted). True when it was held."""
+        if self._by_request.get(res.request_id) is not res:
+            return False
+        del self._by_request[res.request_id]
+        res.handle.cancel()
+        rid = res.request_id
+        if res.decoding:
+            self.worker.submit(lambda e: e.abort_request(rid))
+        self.worker.submit(lambda e: disagg.free_reservation(e, rid))
+        return True
+
+    def start_reaper(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for res in list(self._by_request.values()):
+            if res.task is not None:
+                res.task.cancel()
+            self.drop(res)
+        for receiver in self.receivers.values():
+            receiver.close()
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_SECONDS)
+            now = time.monotonic()
+            for res in list(self._by_request.values()):
+                if not res.decoding and now >= res.deadline:
+                    LOG.info("reservation of %s expired", res.request_id)
+                    self.drop(res)
+                    self.on_expire(res)

@@ -1,0 +1,58 @@
+"""`kvmesh serve prefill ...`: a prefill worker (PrefillService + KV senders)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from kvmesh.service.runtime import WorkerRuntime
+from kvmesh.service.server import WorkerServer
+from kvmesh.telemetry.metrics import WorkerMetrics
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from prefill_svc.senders import SenderPool, available_backends, block_store
+from prefill_svc.service import PrefillServicer
+
+PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+DEFAULT_BACKENDS = ["shm", "grpc", "gloo"]
+
+
+class PrefillRole:
+    """RoleServices of a prefill worker (it receives no KV: no transfer endpoints)."""
+
+    def __init__(self, servicer: PrefillServicer, senders: SenderPool) -> None:
+        self.servicer = servicer
+        self.senders = senders
+        self.transfer_endpoints: dict[str, str] = {name: "" for name in senders.backends}
+
+    def held(self) -> list[worker_pb2.HeldBlockSet]:
+        return self.servicer.held()
+
+    async def release(self, request_id: str, reason: str) -> bool:
+        return self.servicer.release(request_id)
+
+    async def close(self) -> None:
+        for active in list(self.servicer.active.values()):
+            if active.task is not None:
+                active.task.cancel()
+        self.senders.close()
+
+
+async def install(
+    runtime: WorkerRuntime,
+    server: WorkerServer,
+    args: argparse.Namespace | None,
+    metrics: WorkerMetrics | None,
+) -> PrefillRole:
+    """Create the sender pool and add PrefillService to `server`."""
+    backends = available_backends(list(getattr(args, "transfer_backend", None) or DEFAULT_BACKENDS))
+    senders = SenderPool(block_store(runtime.worker, runtime.layout.model_fingerprint), backends)
+    servicer = PrefillServicer(runtime, senders, metrics or WorkerMetrics())
+    server.add(worker_pb2_grpc.add_PrefillServiceServicer_to_server, servicer, PREFILL_SERVICE)
+    return PrefillRole(servicer, senders)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """`kvmesh serve prefill ...`"""
+    from kvmesh.service.process import serve_role
+
+    return serve_role("prefill", argv, install)

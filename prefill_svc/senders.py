@@ -1,0 +1,67 @@
+"""A pool of KV senders per (backend, endpoint): one transfer per sender at a time."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import torch
+
+from kv_transfer import get_backend
+from kv_transfer.blocks import BlockStore
+from kv_transfer.interface import KVSender
+from kvmesh.service.engine_worker import EngineWorker
+
+MAX_IDLE_PER_PEER = 4
+
+
+def block_store(worker: EngineWorker, model_id: str) -> BlockStore:
+    cache = worker.engine.runner.kv_cache
+    scales: torch.Tensor | None = getattr(cache, "scales", None)
+    return BlockStore(cache.data, scales, model_id=model_id)
+
+
+def available_backends(names: list[str]) -> list[str]:
+    """The backends among `names` whose module imports here."""
+    found = []
+    for name in names:
+        try:
+            get_backend(name)
+        except (ImportError, ValueError):
+            continue
+        found.append(name)
+    return found
+
+
+class SenderPool:
+    """`acquire` connects (layout handshake) or reuses an idle sender; `release` returns it."""
+
+    def __init__(self, store: BlockStore, backends: list[str]) -> None:
+        self.store = store
+        self.backends = backends
+        self._idle: dict[tuple[str, str], list[KVSender]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def acquire(self, backend: str, endpoint: str) -> KVSender:
+        """A sender to `endpoint` (blocking: may connect; LayoutMismatchError on mismatch)."""
+        with self._lock:
+            idle = self._idle[(backend, endpoint)]
+            if idle:
+                return idle.pop()
+        sender: KVSender = get_backend(backend).Sender(self.store, endpoint)
+        return sender
+
+    def release(self, backend: str, endpoint: str, sender: KVSender) -> None:
+        with self._lock:
+            idle = self._idle[(backend, endpoint)]
+            if len(idle) < MAX_IDLE_PER_PEER:
+                idle.append(sender)
+                return
+        sender.close()
+
+    def close(self) -> None:
+        with self._lock:
+            senders = [s for group in self._idle.values() for s in group]
+            self._idle.clear()
+        for sender in senders:
+            sender.close()
