@@ -15,6 +15,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvmesh.cli.bench_prefix_cache",
     "kvmesh.cli.bench_throughput",
     "kvmesh.cli.bench_kernels",
+    "kvmesh.cli.bench_disagg",
 )
 
 
