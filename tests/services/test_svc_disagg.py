@@ -66,7 +66,7 @@ class ControlDriver:
     def __init__(self, prefill: RunningWorker, decode: RunningWorker, backend: str) -> None:
         self.p = worker_pb2_grpc.PrefillServiceStub(prefill.channel)
         self.d = worker_pb2_grpc.DecodeServiceStub(decode.channel)
-        self.decode = decode
+        self.prefill_worker, self.decode = prefill, decode
         self.backend = backend
 
     def prepare(self, rid: str, ids: list[int], **sampling: Any) -> worker_pb2.EngineRequest:

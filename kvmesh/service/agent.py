@@ -1,0 +1,103 @@
+"""ControlAgent: a worker's registration and heartbeats with the control plane.
+
+Register (retried with capped exponential backoff until it succeeds), then Heartbeat every
+interval the control plane asked for, with load and held block sets. `registered=false`
+(the control plane restarted) → register again, reporting what is held; the request ids in
+`release_request_ids` are released locally. Every RPC has a deadline; failures back off and
+retry, so a worker survives control-plane restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+
+import grpc
+
+from kvmesh.service.runtime import WorkerRuntime
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
+LOG = logging.getLogger("kvmesh.service.agent")
+RPC_TIMEOUT_SECONDS = 2.0
+BACKOFF_MIN_SECONDS = 0.1
+BACKOFF_MAX_SECONDS = 2.0
+DEFAULT_INTERVAL_SECONDS = 1.0
+
+
+class ControlAgent:
+    def __init__(
+        self, target: str, info: worker_pb2.WorkerInfo, runtime: WorkerRuntime, services: Any
+    ) -> None:
+        self.target = target
+        self.info = info
+        self.runtime = runtime
+        self.services = services
+        self.interval = DEFAULT_INTERVAL_SECONDS
+        self.registrations = 0
+        self.registered = asyncio.Event()
+        self._channel: grpc.aio.Channel | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._channel = grpc.aio.insecure_channel(self.target)
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._channel is not None:
+            await self._channel.close()
+
+    def _load(self) -> worker_pb2.WorkerLoad:
+        load = self.runtime.worker.load()
+        return worker_pb2.WorkerLoad(
+            total_blocks=load.total_blocks,
+            free_blocks=load.free_blocks,
+            cached_blocks=load.cached_blocks,
+            running=load.running,
+            waiting=load.waiting,
+        )
+
+    async def _run(self) -> None:
+        assert self._channel is not None
+        stub = worker_pb2_grpc.ControlServiceStub(self._channel)
+        backoff = BACKOFF_MIN_SECONDS
+        while True:
+            try:
+                if not self.registered.is_set():
+                    await self._register(stub)
+                await self._heartbeat(stub)
+                backoff = BACKOFF_MIN_SECONDS
+                await asyncio.sleep(self.interval)
+            except grpc.aio.AioRpcError as error:
+                LOG.warning("control plane %s: %s %s", self.target, error.code(), error.details())
+                await asyncio.sleep(backoff * (1 + random.random() / 2))
+                backoff = min(backoff * 2, BACKOFF_MAX_SECONDS)
+
+    async def _register(self, stub: worker_pb2_grpc.ControlServiceStub) -> None:
+        request = worker_pb2.RegisterRequest(
+            worker=self.info, held=self.services.held(), load=self._load()
+        )
+        response = await stub.Register(request, timeout=RPC_TIMEOUT_SECONDS)
+        if response.heartbeat_interval_seconds > 0:
+            self.interval = response.heartbeat_interval_seconds
+        self.registrations += 1
+        self.registered.set()
+        LOG.info("registered %s with control plane %s", self.info.worker_id, self.target)
+
+    async def _heartbeat(self, stub: worker_pb2_grpc.ControlServiceStub) -> None:
+        request = worker_pb2.HeartbeatRequest(
+            worker_id=self.info.worker_id,
+            epoch=self.info.epoch,
+            load=self._load(),
+            held=self.services.held(),
+        )
+        response = await stub.Heartbeat(request, timeout=RPC_TIMEOUT_SECONDS)
+        if not response.registered:
+            self.registered.clear()
+            return
+        for request_id in response.release_request_ids:
+            await self.services.release(request_id, "control plane released it")
