@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvmesh.service.options import ROLES, build_runtime, engine_config, parse
 from kvmesh.service.runtime import WorkerRuntime
@@ -49,6 +49,7 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
     async def main(stop: asyncio.Event) -> None:
         runtime = build_runtime(engine_config(args), role, args.worker_id)
         metrics = WorkerMetrics()
+        bind_load_gauges(metrics, runtime.worker.load)
         server = WorkerServer(args.host, args.port, reflection=args.reflection)
         services = await install(runtime, server, args, metrics)
         await server.start()
@@ -110,3 +111,12 @@ def load_proto(runtime: WorkerRuntime) -> worker_pb2.WorkerLoad:
         running=load.running,
         waiting=load.waiting,
     )
+
+
+def bind_load_gauges(metrics: WorkerMetrics, load: Callable[[], Any]) -> None:
+    """Block and queue gauges read the engine's load snapshot at every scrape (read-only)."""
+    metrics.blocks.labels("used").set_function(lambda: load().total_blocks - load().free_blocks)
+    metrics.blocks.labels("free").set_function(lambda: load().free_blocks)
+    metrics.blocks.labels("cached").set_function(lambda: load().cached_blocks)
+    metrics.running.set_function(lambda: load().running)
+    metrics.waiting.set_function(lambda: load().waiting)
