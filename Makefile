@@ -1,7 +1,7 @@
 .PHONY: run test install install-dev protos
 
 run: install
-	.venv/bin/kvmesh bench memory
+	.venv/bin/kvmesh up --demo
 
 test: install-dev
 	scripts/test.sh

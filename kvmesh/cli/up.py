@@ -179,7 +179,7 @@ def register(subparsers: Any) -> None:
     add("--decode", type=int, default=None, help="decode workers (default 1, 0 with --colocated)")
     add("--colocated", type=int, default=0, help="colocated workers (default %(default)s)")
     add("--host", default="127.0.0.1", help="address every process binds (default %(default)s)")
-    add("--port", type=int, default=50051, help="front door port (default %(default)s)")
+    add("--port", type=int, default=None, help="front door port (default 50051; --demo: any)")
     add("--transfer-backend", choices=TRANSFER_BACKENDS, default="shm",
         help="KV transfer backend between prefill and decode (default %(default)s)")  # fmt: skip
     add("--threads", type=int, default=None, help="torch threads per worker process")
@@ -198,7 +198,8 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         config = UpConfig(
             model=args.model, prefill=prefill, decode=decode,
-            colocated=args.colocated, host=args.host, port=args.port,
+            colocated=args.colocated, host=args.host,
+            port=(0 if args.demo else 50051) if args.port is None else args.port,
             transfer_backend=args.transfer_backend, threads=args.threads,
             startup_timeout=args.startup_timeout,
         )  # fmt: skip
