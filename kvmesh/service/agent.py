@@ -49,7 +49,7 @@ class ControlAgent:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         if self._channel is not None:
-            await self._channel.close()
+            await self._channel.close(None)
 
     def _load(self) -> worker_pb2.WorkerLoad:
         load = self.runtime.worker.load()

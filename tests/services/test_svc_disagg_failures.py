@@ -87,7 +87,9 @@ def decode_request(reservation: Any, first: list[dict[str, int]], **change: Any)
         "epoch": reservation.epoch,
         "generation": 7,
         "transfer_id": reservation.transfer_id,
-        "first_tokens": [worker_pb2.FirstToken(**f) for f in first],
+        "first_tokens": [
+            worker_pb2.FirstToken(index=f["index"], token_id=f["token_id"]) for f in first
+        ],
     }
     fields.update(change)
     return worker_pb2.DecodeRequest(**fields)
