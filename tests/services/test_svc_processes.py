@@ -87,6 +87,7 @@ def generate(address: str, rid: str) -> list[int]:
         return [t for r in stub.Generate(request, timeout=60) for t in r.token_ids]
 
 
+@pytest.mark.slow
 def test_workers_register_serve_and_drain(
     control: ControlServer, svc_model_dir: Path, svc_loop: LoopThread
 ) -> None:
