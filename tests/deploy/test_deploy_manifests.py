@@ -58,10 +58,19 @@ def pod_specs() -> Iterator[tuple[Path, dict[str, Any], dict[str, Any]]]:
 
 
 def kvmesh_containers() -> list[tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]]:
-    """(label, workload, pod spec, container) for containers that run the kvmesh CLI."""
+    """(label, workload, pod spec, container) for containers that run the kvmesh CLI.
+
+    An overlay patch's container is merged over the base container of the same name (top-level
+    fields replaced, as a strategic merge does for these fields)."""
+    base = {
+        (obj["metadata"]["name"], c["name"]): c
+        for obj, pod in base_deployments().values()
+        for c in pod.get("containers", [])
+    }
     found = []
     for path, obj, pod in pod_specs():
-        for container in pod.get("containers", []):
+        for patch in pod.get("containers", []):
+            container = {**base.get((obj["metadata"]["name"], patch["name"]), {}), **patch}
             args = container.get("args") or []
             if args[:1] == ["serve"] or container.get("image", "").startswith("kvmesh"):
                 label = f"{path.relative_to(ROOT)}:{obj['metadata']['name']}/{container['name']}"
@@ -218,7 +227,8 @@ def test_ports_flags_probes_and_annotations_agree() -> None:
         assert set(ports) == {"grpc", "metrics"}, f"{label}: ports {ports}"
         assert role_args.port == ports["grpc"], f"{label}: --port vs containerPort grpc"
         assert role_args.metrics_port == ports["metrics"], f"{label}: --metrics-port"
-        annotations = obj["spec"]["template"]["metadata"]["annotations"]
+        base_obj, base_pod = base_deployments()[obj["metadata"]["name"]]
+        annotations = base_obj["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
         assert int(annotations["prometheus.io/port"]) == ports["metrics"], label
         for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -226,7 +236,7 @@ def test_ports_flags_probes_and_annotations_agree() -> None:
             assert probe["port"] == ports["grpc"], f"{label}: {kind} port"
             assert probe.get("service", "") in services, f"{label}: {kind} {probe}"
         assert container["readinessProbe"]["grpc"].get("service"), f"{label}: readiness service"
-        grace = pod["terminationGracePeriodSeconds"]
+        grace = pod.get("terminationGracePeriodSeconds", base_pod["terminationGracePeriodSeconds"])
         needed = prestop_seconds(container) + role_args.drain_seconds
         assert grace >= needed + 5, f"{label}: grace {grace}s < preStop + drain {needed}s + 5"
 
