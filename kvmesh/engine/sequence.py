@@ -71,19 +71,15 @@ class Sequence:
     # set by the scheduler at admission so the per-token stop check is two comparisons:
     token_limit: int = 0  # most tokens (prompt + output) this sequence may reach
     stop_token_set: frozenset[int] = frozenset()  # tokens that may end it (stop ids, EOS)
-    _token_ids: list[int] = field(init=False, repr=False)
+    # prompt then output ids, kept in step by `append_token`; read it, never mutate it
+    all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._token_ids = [*self.prompt_ids, *self.output_ids]
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt then output ids; a live view, do not mutate."""
-        return self._token_ids
+        self.all_token_ids = [*self.prompt_ids, *self.output_ids]
 
     @property
     def num_tokens(self) -> int:
-        return len(self._token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,11 +91,11 @@ class Sequence:
 
     @property
     def last_token_id(self) -> int:
-        return self._token_ids[-1]
+        return self.all_token_ids[-1]
 
     def append_token(self, token_id: int) -> None:
         self.output_ids.append(token_id)
-        self._token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
 

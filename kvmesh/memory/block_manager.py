@@ -28,6 +28,7 @@ from kvmesh.memory.metrics import MemoryMetrics
 from kvmesh.memory.prefix_cache import BlockRef, PrefixCache
 
 ADMISSION_POLICIES = ("slru", "lru")
+_new_result = tuple.__new__  # _new_result(AllocResult, (new, pairs)): no Python-level __new__
 
 
 class AllocResult(NamedTuple):
@@ -169,7 +170,7 @@ class BlockManager:
         """
         seq = self._seqs.get(seq_id)
         if seq is not None and num_tokens <= seq.num_tokens:
-            return AllocResult([], [])
+            return _new_result(AllocResult, ([], []))
         bs = self._bs
         blocks_needed = -(-num_tokens // bs)
         if seq is None:
@@ -184,7 +185,7 @@ class BlockManager:
         cow = seq.num_tokens % bs != 0 and self._pool.ref_count(blocks[-1]) > 1
         if grow <= 0 and not cow:
             seq.num_tokens = num_tokens
-            return AllocResult([], [])
+            return _new_result(AllocResult, ([], []))
         self._check_capacity(num_tokens, blocks_needed)
         new = self._pool.allocate(grow + cow)
         if new is None:
@@ -221,15 +222,20 @@ class BlockManager:
     ) -> None:
         """Publish the full blocks among the first `num_computed` tokens (KV computed).
 
-        Idempotent; O(newly full blocks). A block identical to one already cached under
-        another id stays unpublished (it is freed normally, the cached copy serves hits).
+        Idempotent; O(newly full blocks), each hashed once from its parent's hash. The
+        computed tokens were written, so `num_tokens` rises to `num_computed` if it trailed
+        (allowed within the blocks the sequence holds). A block identical to one already
+        cached under another id stays unpublished (it is freed normally, the cached copy
+        serves hits).
         """
         seq = self._get(seq_id)
-        if not 0 <= num_computed <= min(len(token_ids), seq.num_tokens):
+        if not 0 <= num_computed <= len(token_ids) or num_computed > len(seq.blocks) * self._bs:
             raise ValueError(
                 f"num_computed must be in [0, min(len(token_ids)={len(token_ids)},"
-                f" num_tokens={seq.num_tokens})], got {num_computed}"
+                f" allocated slots={len(seq.blocks) * self._bs})], got {num_computed}"
             )
+        if num_computed > seq.num_tokens:
+            seq.num_tokens = num_computed
         if not self.enable_prefix_caching:
             return
         full = num_computed // self._bs
@@ -243,11 +249,12 @@ class BlockManager:
         self, seq: _Seq, token_ids: Sequence[int], full: int, extra_key: bytes | None
     ) -> None:
         bs, parent_hash, parent_ref = self._bs, seq.last_hash, seq.last_ref
+        commit_block, blocks = self._cache.commit_block, seq.blocks
         for index in range(seq.num_committed, full):
             tokens = tuple(token_ids[index * bs : (index + 1) * bs])
             block_hash = self._hash(parent_hash, tokens, extra_key)
-            block = seq.blocks[index]
-            ref, is_new = self._cache.commit_block(
+            block = blocks[index]
+            ref, is_new = commit_block(
                 block, block_hash, parent_hash, parent_ref, tokens, extra_key
             )
             if is_new:

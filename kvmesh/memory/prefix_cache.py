@@ -18,6 +18,7 @@ from typing import NamedTuple
 from kvmesh.memory.hashing import HashFn
 
 BlockRef = tuple[int, int]  # (block id, publication number): one publication of one block
+_new_entry = tuple.__new__  # _new_entry(CachedBlock, fields): no Python-level __new__
 
 
 class CachedBlock(NamedTuple):
@@ -82,8 +83,8 @@ class PrefixCache:
         self._publications += 1
         ref = (block, self._publications)
         self._index[block_hash] = block
-        self._entries[block] = CachedBlock(
-            block_hash, parent_hash, parent_ref, tokens, extra_key, ref
+        self._entries[block] = _new_entry(
+            CachedBlock, (block_hash, parent_hash, parent_ref, tokens, extra_key, ref)
         )
         return ref
 
@@ -104,11 +105,10 @@ class PrefixCache:
             if (entry.block_hash, entry.tokens, entry.extra_key) != (block_hash, tokens, extra_key):
                 raise ValueError(f"token_ids disagree with the tokens committed to block {block}")
             return entry.ref, False
+        if block_hash not in self._index:  # the common case: new content, publish it
+            return self.publish(block, block_hash, parent_hash, parent_ref, tokens, extra_key), True
         twin = self.match(block_hash, parent_ref, tokens, extra_key, count_collision=False)
-        if twin is not None:
-            return twin, False
-        ref = self.publish(block, block_hash, parent_hash, parent_ref, tokens, extra_key)
-        return ref, ref is not None
+        return twin, False
 
     def entry(self, block: int) -> CachedBlock | None:
         return self._entries.get(block)
