@@ -69,6 +69,12 @@ def ledger_entries(system: LocalSystem) -> float:
     return sample(system.control_metrics, "kvmesh_control_ledger_entries")  # type: ignore[attr-defined]
 
 
+def live_workers(system: LocalSystem, role: str) -> float:
+    """Workers of `role` the control plane counts as alive."""
+    address = system.control_metrics  # type: ignore[attr-defined]
+    return sample(address, "kvmesh_control_workers", role=role)
+
+
 def wait_until(predicate: Callable[[], bool], seconds: float, what: str) -> float:
     """Poll `predicate` until true; returns the seconds it took, AssertionError at the bound."""
     start = time.monotonic()
