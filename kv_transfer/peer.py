@@ -107,6 +107,12 @@ def _command(
             reply({"ok": True})
         else:
             reply(result_json(sender.send(req, cmd["src"], cmd["dst"], deadline=deadline)))
+    elif op == "unary":  # gRPC only: the whole block set as one message (baseline)
+        req = TransferRequest(bytes.fromhex(cmd["tid"]), cmd["epoch"])
+        plan = sender.plan(req, cmd["src"], cmd["dst"])
+        start = time.monotonic()
+        sender.send_unary(plan, start + cmd["seconds"])
+        reply({"state": "COMPLETED", "seconds": time.monotonic() - start})
     elif op == "digest":
         reply({"digest": digest(store, cmd["ids"])})
     return sender

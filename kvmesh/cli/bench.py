@@ -16,6 +16,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvmesh.cli.bench_throughput",
     "kvmesh.cli.bench_kernels",
     "kvmesh.cli.bench_disagg",
+    "kvmesh.cli.bench_transfer",
 )
 
 

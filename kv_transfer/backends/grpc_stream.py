@@ -1,0 +1,268 @@
+"""Cross-host fallback: `KVTransferService.PushBlocks`, a client stream of ~2 MiB frames.
+
+The receiver runs a `grpc.aio` server (uvloop when installed) on its own thread; the sender
+uses a synchronous channel. The call's deadline is the transfer deadline; cancelling the call
+cancels the transfer on both sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from kv_transfer.blocks import BlockStore
+from kv_transfer.errors import (
+    DeadlineExpiredError,
+    LayoutMismatchError,
+    PeerError,
+    TransferCancelledError,
+    TransferError,
+    error_from_wire,
+)
+from kv_transfer.header import FrameHeader, MsgType
+from kv_transfer.interface import DEFAULT_FRAME_BYTES, KVReceiver, KVSender, SendPlan, Waiter
+from kv_transfer.interface import fill_frame as _fill
+from kv_transfer.layout import KVLayout
+from kv_transfer.state import TransferRecord, TransferState
+from kvmesh.v1 import kv_transfer_pb2 as pb
+from kvmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+# Frame payloads are read-only `bytes`; the receiver only reads them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+HANDSHAKE_SECONDS = 10.0
+
+
+def _options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def _header(frame: pb.KVFrame) -> FrameHeader:
+    return FrameHeader(
+        MsgType(frame.msg_type),
+        bytes(frame.transfer_id).ljust(16, b"\0")[:16],
+        frame.epoch,
+        frame.frame_index,
+        frame.frame_count,
+        frame.block_offset,
+        frame.num_blocks,
+        frame.payload_len,
+        0,
+        frame.checksum,
+        frame.flags,
+    )
+
+
+class _Servicer(pb_grpc.KVTransferServiceServicer):
+    def __init__(self, receiver: Receiver) -> None:
+        self.r = receiver
+
+    async def Handshake(self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext):
+        try:
+            self.r.layout.check_compatible(KVLayout.from_bytes(request.layout))
+        except TransferError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return pb.HandshakeReply(layout=self.r.layout.to_bytes())
+
+    async def PushBlocks(self, request_iterator, context: grpc.aio.ServicerContext):
+        begun: FrameHeader | None = None
+        try:
+            async for frame in request_iterator:
+                begun = begun or _header(frame)
+                result = self.r.apply(frame)
+                if result is not None:
+                    return result
+            raise PeerError("stream ended before END")
+        except TransferError as exc:
+            return pb.PushResult(state="FAILED", error_code=exc.code, message=str(exc))
+        except asyncio.CancelledError:  # the sender cancelled the call or its deadline passed
+            if begun is not None:
+                with contextlib.suppress(TransferError):
+                    self.r.core.on_cancel(begun)
+            raise
+
+    async def PushBlocksUnary(self, request: pb.KVFrame, context: grpc.aio.ServicerContext):
+        try:
+            head = _header(request)
+            self.r.core.on_begin(head, _ids_bytes(request.dst_block_ids))
+            self.r.apply(request)
+            return self.r.apply(
+                pb.KVFrame(msg_type=MsgType.END, transfer_id=head.transfer_id, epoch=head.epoch)
+            )
+        except TransferError as exc:
+            return pb.PushResult(state="FAILED", error_code=exc.code, message=str(exc))
+
+
+def _ids_bytes(ids: object) -> bytes:
+    return torch.tensor(list(ids), dtype=torch.int32).numpy().tobytes()  # type: ignore[call-overload]
+
+
+class Receiver(KVReceiver):
+    def __init__(
+        self, store: BlockStore, *, bind: str = "127.0.0.1:0", max_message_bytes: int = 8 << 20
+    ) -> None:
+        super().__init__(store)
+        self._loop = _new_loop()
+        self._server: grpc.aio.Server | None = None
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(bind, max_message_bytes, ready))
+        self._thread.daemon = True
+        self._thread.start()
+        if not ready.wait(HANDSHAKE_SECONDS) or self._port <= 0:
+            raise PeerError(f"gRPC receiver could not bind {bind}")
+        self._host = bind.rsplit(":", 1)[0]
+
+    def _run(self, bind: str, max_bytes: int, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = grpc.aio.server(options=_options(max_bytes))
+        pb_grpc.add_KVTransferServiceServicer_to_server(_Servicer(self), self._server)
+        self._port = self._server.add_insecure_port(bind)
+        self._loop.run_until_complete(self._server.start())
+        ready.set()
+        self._loop.run_forever()
+
+    @property
+    def address(self) -> str:
+        return f"{self._host}:{self._port}"
+
+    def apply(self, frame: pb.KVFrame) -> pb.PushResult | None:
+        """Apply one frame to the receiver core; a PushResult once the transfer ended."""
+        header = _header(frame)
+        if header.msg_type is MsgType.BEGIN:
+            self.core.on_begin(header, _ids_bytes(frame.dst_block_ids))
+        elif header.msg_type is MsgType.FRAME:
+            self.core.on_frame(header, torch.frombuffer(frame.payload, dtype=torch.uint8))
+        elif header.msg_type is MsgType.END:
+            result = self.core.on_end(header)
+            return pb.PushResult(state=result.state.name, num_bytes=result.num_bytes)
+        elif header.msg_type is MsgType.CANCEL:
+            self.core.on_cancel(header)
+            return pb.PushResult(state="CANCELLED", error_code="cancelled")
+        return None
+
+    def close(self) -> None:
+        if self._server is not None:
+            fut = asyncio.run_coroutine_threadsafe(self._server.stop(0.5), self._loop)
+            with contextlib.suppress(Exception):
+                fut.result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
+
+
+class Sender(KVSender):
+    def __init__(
+        self,
+        store: BlockStore,
+        address: str,
+        *,
+        frame_bytes: int = DEFAULT_FRAME_BYTES,
+        max_message_bytes: int = 8 << 20,
+        checksum: bool = True,
+    ) -> None:
+        super().__init__(store, frame_bytes)
+        self.checksum = checksum
+        self._channel = grpc.insecure_channel(address, options=_options(max_message_bytes))
+        self._stub = pb_grpc.KVTransferServiceStub(self._channel)
+        self._staging = torch.empty(
+            max(frame_bytes, self.layout.bytes_per_block), dtype=torch.uint8
+        )
+        request = pb.HandshakeRequest(layout=self.layout.to_bytes())
+        try:
+            reply = self._stub.Handshake(request, timeout=HANDSHAKE_SECONDS)
+        except grpc.RpcError as exc:
+            reply = _handshake_refused(exc)
+        self.layout.check_compatible(KVLayout.from_bytes(reply.layout))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _frames(self, plan: SendPlan, cancel: threading.Event) -> Iterator[pb.KVFrame]:
+        tid, epoch = plan.request.transfer_id, plan.request.epoch
+        dst = plan.dst.tolist()
+        yield pb.KVFrame(msg_type=MsgType.BEGIN, transfer_id=tid, epoch=epoch, dst_block_ids=dst)
+        for index in range(len(plan.frames)):
+            if cancel.is_set():
+                yield pb.KVFrame(msg_type=MsgType.CANCEL, transfer_id=tid, epoch=epoch)
+                return
+            header, payload = _fill(self.store, plan, index, self._staging, self.checksum)
+            yield _to_proto(header, payload.numpy().tobytes())
+        yield pb.KVFrame(msg_type=MsgType.END, transfer_id=tid, epoch=epoch)
+
+    def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
+        left = waiter.check()
+        call = self._stub.PushBlocks.future(self._frames(plan, waiter.cancel), timeout=left)
+        done = threading.Event()
+        call.add_done_callback(lambda _: done.set())
+        while not done.wait(0.05):
+            if waiter.cancel.is_set():
+                call.cancel()
+        try:
+            result = call.result()
+        except grpc.RpcError as exc:
+            raise _rpc_error(exc, waiter) from None
+        _raise_for(result)
+
+    def send_unary(self, plan: SendPlan, deadline: float) -> pb.PushResult:
+        """The whole block set as ONE message (baseline for the stream; needs a large limit)."""
+        buf = torch.empty(int(plan.src.numel()) * self.layout.bytes_per_block, dtype=torch.uint8)
+        whole = SendPlan(plan.request, plan.src, plan.dst, [(0, int(plan.src.numel()))])
+        header, payload = _fill(self.store, whole, 0, buf, self.checksum)
+        frame = _to_proto(header, payload.numpy().tobytes())
+        frame.dst_block_ids.extend(plan.dst.tolist())
+        result = self._stub.PushBlocksUnary(frame, timeout=deadline - time.monotonic())
+        _raise_for(result)
+        return result
+
+
+def _to_proto(header: FrameHeader, payload: bytes) -> pb.KVFrame:
+    return pb.KVFrame(
+        msg_type=header.msg_type,
+        transfer_id=header.transfer_id,
+        epoch=header.epoch,
+        frame_index=header.frame_index,
+        frame_count=header.frame_count,
+        block_offset=header.block_offset,
+        num_blocks=header.num_blocks,
+        payload_len=header.payload_len,
+        checksum=header.checksum,
+        flags=header.flags,
+        payload=payload,
+    )
+
+
+def _raise_for(result: pb.PushResult) -> None:
+    if result.state != TransferState.COMPLETED.name:
+        raise error_from_wire(result.error_code or "peer", result.message or result.state)
+
+
+def _rpc_error(exc: grpc.RpcError, waiter: Waiter) -> TransferError:
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    if code is grpc.StatusCode.CANCELLED and waiter.cancel.is_set():
+        return TransferCancelledError("cancelled by the sender")
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExpiredError("gRPC deadline exceeded")
+    return PeerError(f"gRPC {code}: {exc}")
+
+
+def _handshake_refused(exc: grpc.RpcError) -> pb.HandshakeReply:
+    if isinstance(exc, grpc.Call) and exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
+        raise LayoutMismatchError("layout", "ours", exc.details())
+    raise PeerError(f"handshake failed: {exc}")
