@@ -14,7 +14,6 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvmesh.cli.bench_scheduler",
     "kvmesh.cli.bench_prefix_cache",
     "kvmesh.cli.bench_throughput",
-    "kvmesh.cli.bench_throughput",
     "kvmesh.cli.bench_kernels",
     "kvmesh.cli.bench_disagg",
     "kvmesh.cli.bench_transfer",
