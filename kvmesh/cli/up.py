@@ -238,6 +238,9 @@ def print_banner(system: LocalSystem, endpoint: str) -> None:
                       if n)  # fmt: skip
     print(f"kvmesh is up: front door {endpoint} ({roles}; transfer {c.transfer_backend}; "
           f"model {system.model_dir})", flush=True)  # fmt: skip
+    for w in system.workers:
+        print(f"  {w.child.name}: {w.ready.get('address', '?')} "
+              f"(metrics {w.ready.get('metrics_address') or 'off'})")  # fmt: skip
     print(f'  kvmesh generate --target {endpoint} "Hello"')
     print(f'  python -c \'from kvmesh.client import Client; '
           f'print(Client("{endpoint}").complete("Hello").text)\'')  # fmt: skip

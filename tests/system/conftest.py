@@ -1,11 +1,13 @@
-"""One disaggregated system (1 prefill + 1 decode, shared memory) shared by the system tests."""
+"""Shared by the system tests: one disaggregated system (1 prefill + 1 decode, shared memory)
+and the offline engine on the same default model, for greedy parity."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
-from sys_harness import local_system
+from sys_harness import GREEDY, local_system
 
 from kvmesh.cli.up import LocalSystem
 
@@ -14,3 +16,18 @@ from kvmesh.cli.up import LocalSystem
 def shm_system() -> Iterator[tuple[LocalSystem, str]]:
     with local_system(transfer_backend="shm") as started:
         yield started
+
+
+@pytest.fixture(scope="session")
+def offline() -> Callable[[list[Any]], list[list[int]]]:
+    """Greedy token ids (GREEDY sampling) of the offline engine for each prompt."""
+    from kvmesh import LLM, SamplingParams
+    from kvmesh.models.default import default_model_path
+
+    llm = LLM(model=str(default_model_path()))
+    params = SamplingParams(**GREEDY)
+
+    def run(prompts: list[Any]) -> list[list[int]]:
+        return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
+
+    return run

@@ -15,6 +15,7 @@ from kvmesh.cli.up import LocalSystem, UpConfig
 
 # Short leases so that death is noticed quickly; every wait in the tests is bounded by these.
 CONTROL_ARGS = ("--lease-seconds", "2", "--heartbeat-interval", "0.5", "--reservation-lease", "5")
+GREEDY: dict[str, Any] = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 WORKER_ARGS = ("--num-kv-blocks", "256", "--drain-seconds", "2")
 
 

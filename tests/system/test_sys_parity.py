@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from sys_harness import idle, local_system, sample, wait_until
+from sys_harness import GREEDY, idle, local_system, sample, wait_until
 
 from kvmesh.cli.up import LocalSystem
 from kvmesh.client import Client
 
-GREEDY: dict[str, Any] = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 # Ragged: shorter than a block, across block boundaries, several blocks; ids and text.
 PROMPTS: list[Any] = [[5, 9, 2], list(range(3, 40)), [(7 * i) % 1000 + 1 for i in range(90)]]
 TEXT_PROMPT = "Paged attention keeps the KV cache in fixed-size blocks."
-
-
-@pytest.fixture(scope="module")
-def offline() -> Iterator[Any]:
-    from kvmesh import LLM, SamplingParams
-    from kvmesh.models.default import default_model_path
-
-    llm = LLM(model=str(default_model_path()))
-    params = SamplingParams(**GREEDY)
-
-    def run(prompts: list[Any]) -> list[list[int]]:
-        return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
-
-    yield run
 
 
 def _remote(endpoint: str, prompts: list[Any]) -> list[list[int]]:
@@ -71,7 +55,7 @@ def test_shared_memory(shm_system: tuple[LocalSystem, str], offline: Any) -> Non
     _check(system, endpoint, "shm", [*PROMPTS, TEXT_PROMPT], offline)
 
 
-@pytest.mark.parametrize("backend", ["grpc", "gloo"])
+@pytest.mark.parametrize("backend", ["gloo"])  # grpc: test_sys_cli.py
 def test_other_cpu_backends(backend: str, offline: Any) -> None:
     if not _backend_installed(backend):
         pytest.skip(f"kv_transfer has no {backend} backend in this checkout")
