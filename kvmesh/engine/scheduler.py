@@ -170,6 +170,7 @@ class Scheduler(DisaggregationMixin, AdmissionMixin, PreemptionMixin):
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Sequence]:
         """Apply a step's results: progress, sampled tokens, commits, stops; changed seqs."""
         changed: list[Sequence] = []
+        append_changed = changed.append
         left = False
         bs, seqs = self._bs, self._seqs
         commit = self.block_manager.commit if self.config.enable_prefix_caching else None
@@ -185,24 +186,43 @@ class Scheduler(DisaggregationMixin, AdmissionMixin, PreemptionMixin):
                 # (this also brings the manager's slot count, which in-block decodes leave
                 # trailing by less than a block, up to `computed`)
                 commit(seq_id, seq.all_token_ids, computed, seq.extra_key)
-            for sample_id in sample_ids:
-                if sample_id == seq_id:
-                    target = seq
-                else:
-                    target = seqs[sample_id]
-                    target.num_computed_tokens = computed
-                token = sampled[sample_id]
-                if target.first_token_time is None:
-                    target.append_token(token)
-                else:  # `append_token` inlined for the decode hot path
-                    target.output_ids.append(token)
-                    target.all_token_ids.append(token)
-                changed.append(target)
-                if (
-                    token in target.stop_token_set
-                    or len(target.all_token_ids) >= target.token_limit
-                ) and self._stop_or_park(target):
+            if len(sample_ids) != 1:  # () mid-prefill; n children after a forking chunk
+                if sample_ids and self._sample_children(seq, sample_ids, sampled, changed):
                     left = True
+                continue
+            token = sampled[seq_id]  # hot path: one token for the sequence itself
+            tokens = seq.all_token_ids
+            if seq.first_token_time is None:
+                seq.append_token(token)
+            else:  # `append_token` inlined
+                seq.output_ids.append(token)
+                tokens.append(token)
+            append_changed(seq)
+            if (
+                token in seq.stop_token_set or len(tokens) >= seq.token_limit
+            ) and self._stop_or_park(seq):
+                left = True
         if left:
             self._running = [seq for seq in self._running if seq.status is RUNNING]
         return changed
+
+    def _sample_children(
+        self,
+        seq: Sequence,
+        sample_ids: tuple[str, ...],
+        sampled: Mapping[str, int],
+        changed: list[Sequence],
+    ) -> bool:
+        """Give each of the n children its first token; True if any left the batch."""
+        left = False
+        for sample_id in sample_ids:
+            target = self._seqs[sample_id]
+            target.num_computed_tokens = seq.num_computed_tokens
+            token = sampled[sample_id]
+            target.append_token(token)
+            changed.append(target)
+            if (
+                token in target.stop_token_set or target.num_tokens >= target.token_limit
+            ) and self._stop_or_park(target):
+                left = True
+        return left

@@ -179,7 +179,7 @@ class BlockManager:
             if new is None:
                 return None
             self._seqs[seq_id] = _Seq(list(new), num_tokens)
-            return AllocResult(new, [])
+            return _new_result(AllocResult, (new, []))
         blocks = seq.blocks
         grow = blocks_needed - len(blocks)
         cow = seq.num_tokens % bs != 0 and self._pool.ref_count(blocks[-1]) > 1
@@ -201,7 +201,7 @@ class BlockManager:
         else:
             blocks.extend(new)
         seq.num_tokens = num_tokens
-        return AllocResult(new, pairs)
+        return _new_result(AllocResult, (new, pairs))
 
     def _check_capacity(self, num_tokens: int, blocks_needed: int) -> None:
         if not isinstance(num_tokens, int) or num_tokens < 0:

@@ -21,6 +21,7 @@ HashFn = Callable[[int | None, Sequence[int], bytes | None], int]
 
 _PROCESS_SEED: bytes = os.urandom(16)
 _NO_PARENT = b"\x00" * 16
+_NO_PARENT_NO_KEY = b"\x00" * 20
 
 
 @lru_cache(maxsize=64)
@@ -47,11 +48,11 @@ class BlockHasher:
         self, parent: int | None, tokens: Sequence[int], extra_key: bytes | None = None
     ) -> int:
         """Hash of one full block given its parent's hash (None for the first block)."""
-        head = _NO_PARENT if parent is None else parent.to_bytes(16, "little")
         if extra_key:
+            head = _NO_PARENT if parent is None else parent.to_bytes(16, "little")
             head += len(extra_key).to_bytes(4, "little") + extra_key
-        else:
-            head += b"\x00\x00\x00\x00"
+        else:  # the parent's 16 bytes and a zero key length in one call (parent < 2**128)
+            head = _NO_PARENT_NO_KEY if parent is None else parent.to_bytes(20, "little")
         try:
             body = _packer(len(tokens)).pack(*tokens)
         except struct.error as exc:

@@ -15,6 +15,7 @@ def test_measure_reports_per_step_statistics() -> None:
     assert row["running"] == 8 and row["steps"] == 20
     assert 0 < row["p50_us"] <= row["p99_us"]
     assert row["cpu_mean_us"] > 0
+    assert 0 < row["cpu_p50_us"] <= row["cpu_p99_us"]
 
 
 def test_cli_json_output(capsys: pytest.CaptureFixture[str]) -> None:

@@ -277,3 +277,15 @@ def test_collision_with_same_tokens_under_another_parent_is_not_served() -> None
     assert m.lookup_prefix("b", repeated) == 4
     assert m.block_table("b") == [0]
     m.check_integrity()
+
+
+def test_commit_brings_a_trailing_slot_count_up_within_held_blocks() -> None:
+    m = make()
+    m.allocate("a", 5)  # two blocks of 4; slots 5..7 written later without allocate
+    m.commit("a", list(range(8)), 8)
+    assert m.num_tokens("a") == 8
+    assert m.metrics().cached_blocks == 2
+    m.check_integrity()
+    with pytest.raises(ValueError, match="num_computed"):
+        m.commit("a", list(range(12)), 9)  # past the blocks it holds
+    assert m.num_tokens("a") == 8
