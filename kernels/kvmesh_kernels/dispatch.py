@@ -3,6 +3,9 @@
 Backend choice, first match wins: `set_backend(...)`, the environment variable
 KVMESH_KERNEL_BACKEND (read once, on first use), else "triton" for CUDA tensors when triton
 imports and "torch" otherwise. Triton modules are imported only when that backend runs.
+On CPU the "torch" backend runs attention through the fused C++ kernel (`cpu_attention`,
+built on first use) when it is available, else the torch reference; "reference" always runs
+the torch reference. KVMESH_CPU_KERNEL=0 turns the fused kernel off.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from kvmesh_kernels.reference_attention import (
 )
 from kvmesh_kernels.reference_cache_ops import torch_copy_blocks, torch_write_kv
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "reference")
 ENV_VAR = "KVMESH_KERNEL_BACKEND"
 _TRITON_FUNCS = {
     "write_kv": ("kvmesh_kernels.triton_cache_ops", "triton_write_kv"),
@@ -39,7 +42,8 @@ class BackendUnavailableError(RuntimeError):
 
 
 def set_backend(name: str | None) -> None:
-    """Force a backend ("torch" or "triton") for every call; None restores automatic choice."""
+    """Force a backend ("torch", "triton" or "reference") for every call; None restores the
+    automatic choice."""
     if name is not None and name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {name!r}")
     _state["override"] = name
@@ -82,6 +86,15 @@ def _triton(op: str) -> Callable[..., Any]:
     if func is None:
         raise BackendUnavailableError(f"triton backend unavailable: {module_name}.{func_name}")
     return func  # type: ignore[no-any-return]
+
+
+def _fused_cpu(query: torch.Tensor, layer: LayerKV) -> Callable[..., torch.Tensor] | None:
+    """The fused CPU attention kernel when the torch backend can use it here, else None."""
+    if query.device.type != "cpu" or get_backend(query.device) != "torch":
+        return None
+    from kvmesh_kernels import cpu_attention
+
+    return cpu_attention.cpu_paged_attention if cpu_attention.supports(query, layer) else None
 
 
 def _check(ok: bool, message: str) -> None:
@@ -226,6 +239,19 @@ def paged_decode_attention(
         func = _triton("decode")
     else:
         _check_lengths(block_tables, seq_lens, layer.block_size, None)
+        fused = _fused_cpu(query, layer)
+        if fused is not None:
+            starts = torch.arange(query.shape[0] + 1, dtype=torch.int32)  # [batch + 1]
+            return fused(
+                query,
+                layer,
+                block_tables,
+                seq_lens,
+                starts,
+                scale=scale,
+                sliding_window=sliding_window,
+                num_splits=num_splits,
+            )
     return func(
         query,
         layer,
@@ -263,7 +289,8 @@ def paged_prefill_attention(
         )
     q_lens = _q_lens(query, seq_lens, query_start_loc)
     _check_lengths(block_tables, seq_lens, layer.block_size, q_lens)
-    return torch_paged_prefill_attention(
+    func = _fused_cpu(query, layer) or torch_paged_prefill_attention
+    return func(
         query,
         layer,
         block_tables,
@@ -306,7 +333,8 @@ def paged_attention(
     q_lens = _q_lens(query, seq_lens, query_start_loc)
     _check(all(q >= 1 for q in q_lens), "paged_attention needs q_len >= 1 for every sequence")
     _check_lengths(block_tables, seq_lens, layer.block_size, q_lens)
-    return torch_paged_attention(
+    func = _fused_cpu(query, layer) or torch_paged_attention
+    return func(
         query,
         layer,
         block_tables,

@@ -1,0 +1,451 @@
+// Fused CPU paged attention (decode and prefill/extend) reading K/V blocks in place.
+//
+// Cache layer view (element strides, int64):
+//   data   [num_blocks, 2, block_size, num_kv_heads, head_dim]   f32 | bf16 | f16 | int8 | fp8
+//   scales [num_blocks, 2, block_size, num_kv_heads]             f32, quantized caches only
+// Flat varlen queries: q [num_tokens, Hq, D] f32 contiguous; sequence b owns rows
+// qsl[b]..qsl[b+1], the last q_len tokens of its seq_lens[b]-token context.
+//
+// One work item = (sequence, kv heads, query tile, context split). It holds the G = Hq / Hkv
+// query heads of each of its kv heads for its query tokens (rows = heads x tokens x G), so every
+// K/V row is loaded and converted once per item, and walks its key range block by block through
+// the block table with an online softmax in float32. A decode item takes all kv heads, so it
+// reads each block's [block_size, Hkv, D] K and V as contiguous bytes (no page hopping between
+// head slices); a prefill tile takes one kv head and up to q_tile tokens, reusing each K/V row
+// across q_tile x G rows. A query at position p sees key t iff t <= p and
+// (no window or t > p - window). Rows that see no key give zeros. With more than one split,
+// items write partial (m, l, acc) and a second pass combines them.
+//
+// Plain C ABI (called through ctypes) and OpenMP; no torch headers, so it builds in seconds.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KVM_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define KVM_CLONES
+#endif
+#define KVM_INLINE inline __attribute__((always_inline))
+
+namespace {
+
+enum DType : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2, kI8 = 3, kFP8 = 4 };
+
+// Every field is 8 bytes so the ctypes mirror needs no padding rules.
+struct Params {
+  int64_t q, out, data, scales, fp8_lut, block_tables, seq_lens, query_start_loc;  // pointers
+  int64_t dtype, num_blocks, block_size, num_kv_heads, num_q_heads, head_dim;
+  int64_t s_block, s_kv, s_tok, s_head;      // data strides (elements)
+  int64_t ss_block, ss_kv, ss_tok, ss_head;  // scales strides (elements)
+  int64_t batch, max_blocks, window, q_tile, num_splits, num_threads;
+  double scale;
+};
+
+struct Item {
+  int64_t b, h0, h1, t0, t1;  // sequence, kv heads [h0, h1), query tokens [t0, t1) of its chunk
+  int64_t k0, k1;             // key range of this split
+  int64_t slot;               // partial-result slot (split mode), else -1
+  int64_t cost;
+};
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+KVM_INLINE float bf16_to_f32(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// IEEE half -> float, branch-free (exact for normals, subnormals, inf, nan).
+KVM_INLINE float f16_to_f32(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const uint32_t exp_offset = 0xE0u << 23;
+  uint32_t nbits = (two_w >> 4) + exp_offset;
+  float normalized;
+  std::memcpy(&normalized, &nbits, 4);
+  normalized *= 0x1.0p-112f;
+  uint32_t dbits = (two_w >> 17) | (126u << 23);
+  float denormalized;
+  std::memcpy(&denormalized, &dbits, 4);
+  denormalized -= 0.5f;
+  float mag = two_w < (1u << 27) ? denormalized : normalized;
+  uint32_t mbits;
+  std::memcpy(&mbits, &mag, 4);
+  mbits |= sign;
+  float out;
+  std::memcpy(&out, &mbits, 4);
+  return out;
+}
+
+// Row of head_dim elements as float: f32 rows are used in place, others converted into buf.
+template <int DT>
+KVM_INLINE const float* load_row(const char* base, int64_t elem, const float* lut, float* buf,
+                                 int64_t n) {
+  if constexpr (DT == kF32) {
+    return reinterpret_cast<const float*>(base) + elem;
+  } else if constexpr (DT == kBF16) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(base) + elem;
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) buf[d] = bf16_to_f32(s[d]);
+  } else if constexpr (DT == kF16) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(base) + elem;
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) buf[d] = f16_to_f32(s[d]);
+  } else if constexpr (DT == kI8) {
+    const int8_t* s = reinterpret_cast<const int8_t*>(base) + elem;
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(s[d]);
+  } else {
+    const uint8_t* s = reinterpret_cast<const uint8_t*>(base) + elem;
+    for (int64_t d = 0; d < n; ++d) buf[d] = lut[s[d]];
+  }
+  return buf;
+}
+
+KVM_INLINE float dot1(const float* a, const float* k, int64_t n) {
+  // Four chains over the four quarters of the row (head dims are multiples of 16).
+  const int64_t q = n / 4;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t d = 0; d < q; ++d) {
+    s0 += a[d] * k[d];
+    s1 += a[d + q] * k[d + q];
+    s2 += a[d + 2 * q] * k[d + 2 * q];
+    s3 += a[d + 3 * q] * k[d + 3 * q];
+  }
+  return (s0 + s1) + (s2 + s3);
+}
+
+KVM_INLINE void dot4(const float* q, int64_t n, const float* k, float* s, int64_t stride) {
+  // Four query rows (q, q + n, ...) against one key row: K read once, four chains.
+  const float *a0 = q, *a1 = q + n, *a2 = q + 2 * n, *a3 = q + 3 * n;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t d = 0; d < n; ++d) {
+    const float kd = k[d];
+    s0 += a0[d] * kd;
+    s1 += a1[d] * kd;
+    s2 += a2[d] * kd;
+    s3 += a3[d] * kd;
+  }
+  s[0] = s0;
+  s[stride] = s1;
+  s[2 * stride] = s2;
+  s[3 * stride] = s3;
+}
+
+KVM_INLINE void axpy(float* acc, float w, const float* v, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) acc[d] += w * v[d];
+}
+
+struct Scratch {
+  std::vector<float> q, acc, s, kbuf, vbuf, m, l;
+  std::vector<int64_t> pos;
+  std::vector<const float*> krows;
+};
+
+// Rows are ordered [head][token][g]: row = (h - h0) * ntok * G + (t - t0) * G + g.
+template <int DT>
+KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t rmax,
+                         float* part_acc, float* part_ml) {
+  const int64_t D = p.head_dim, bs = p.block_size, hq = p.num_q_heads;
+  const int64_t G = hq / p.num_kv_heads;
+  const int64_t ntok = it.t1 - it.t0, nheads = it.h1 - it.h0;
+  const int64_t rph = ntok * G;  // rows per kv head
+  const int64_t rows = nheads * rph;
+  const int32_t* qsl = reinterpret_cast<const int32_t*>(p.query_start_loc);
+  const int32_t* seq_lens = reinterpret_cast<const int32_t*>(p.seq_lens);
+  const int32_t* table = reinterpret_cast<const int32_t*>(p.block_tables) + it.b * p.max_blocks;
+  const float* qsrc = reinterpret_cast<const float*>(p.q);
+  const char* data = reinterpret_cast<const char*>(p.data);
+  const float* scales = reinterpret_cast<const float*>(p.scales);
+  const float* lut = reinterpret_cast<const float*>(p.fp8_lut);
+  const float scale = static_cast<float>(p.scale);
+  const int64_t seq_len = seq_lens[it.b];
+  const int64_t q_len = qsl[it.b + 1] - qsl[it.b];
+  const bool quant = DT == kI8 || DT == kFP8;
+
+  float* q = sc.q.data();
+  float* acc = sc.acc.data();
+  float* s = sc.s.data();
+  float* m = sc.m.data();
+  float* l = sc.l.data();
+  int64_t* pos = sc.pos.data();
+  const int64_t pos_min = seq_len - q_len + it.t0, pos_max = seq_len - q_len + it.t1 - 1;
+  for (int64_t hh = 0; hh < nheads; ++hh) {
+    for (int64_t t = 0; t < ntok; ++t) {
+      const float* src = qsrc + (qsl[it.b] + it.t0 + t) * hq * D + (it.h0 + hh) * G * D;
+      float* dst = q + (hh * rph + t * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) dst[i] = src[i] * scale;
+      for (int64_t g = 0; g < G; ++g) pos[hh * rph + t * G + g] = pos_min + t;
+    }
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.f);
+
+  for (int64_t k_lo = it.k0; k_lo < it.k1;) {
+    const int64_t blk = k_lo / bs;
+    const int64_t k_hi = std::min(it.k1, (blk + 1) * bs);
+    const int64_t n = k_hi - k_lo;
+    int64_t phys = table[blk];
+    phys = std::min<int64_t>(std::max<int64_t>(phys, 0), p.num_blocks - 1);
+    const int64_t off0 = k_lo - blk * bs;
+    const int64_t kbase = phys * p.s_block + off0 * p.s_tok;  // int64 element offsets
+    const int64_t vbase = kbase + p.s_kv;
+    const int64_t sbase = phys * p.ss_block + off0 * p.ss_tok;
+
+    // Scores s[r * bs + i], token-major over the block so K is read in address order.
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t hh = 0; hh < nheads; ++hh) {
+        const int64_t h = it.h0 + hh;
+        const float* k = load_row<DT>(data, kbase + i * p.s_tok + h * p.s_head, lut,
+                                      sc.kbuf.data(), D);
+        const float* qh = q + hh * rph * D;
+        float* sh = s + hh * rph * bs + i;
+        int64_t r = 0;
+        for (; r + 4 <= rph; r += 4) dot4(qh + r * D, D, k, sh + r * bs, bs);
+        for (; r < rph; ++r) sh[r * bs] = dot1(qh + r * D, k, D);
+        if (quant) {
+          const float ks = scales[sbase + i * p.ss_tok + h * p.ss_head];
+          for (r = 0; r < rph; ++r) sh[r * bs] *= ks;
+        }
+      }
+    }
+    const bool full = k_hi - 1 <= pos_min && (p.window <= 0 || k_lo > pos_max - p.window);
+    if (!full) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t t = k_lo + i;
+          if (t > pos[r] || (p.window > 0 && t <= pos[r] - p.window)) s[r * bs + i] = kNegInf;
+        }
+      }
+    }
+    // Online softmax: s becomes probabilities relative to the running max.
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s + r * bs;
+      float mx = kNegInf;
+      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
+      if (mx == kNegInf) {
+        std::fill(sr, sr + n, 0.f);
+        continue;
+      }
+      const float m_new = std::max(m[r], mx);
+      const float corr = std::exp(m[r] - m_new);
+      float sum = 0.f;
+      for (int64_t i = 0; i < n; ++i) {
+        sr[i] = std::exp(sr[i] - m_new);
+        sum += sr[i];
+      }
+      if (corr != 1.f) {
+        float* ar = acc + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+      }
+      l[r] = l[r] * corr + sum;
+      m[r] = m_new;
+    }
+    // acc += p * V, each V row loaded once for the rows of its head.
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t hh = 0; hh < nheads; ++hh) {
+        const int64_t h = it.h0 + hh;
+        const float* v = load_row<DT>(data, vbase + i * p.s_tok + h * p.s_head, lut,
+                                      sc.vbuf.data(), D);
+        const float vs = quant ? scales[sbase + p.ss_kv + i * p.ss_tok + h * p.ss_head] : 1.f;
+        for (int64_t r = hh * rph; r < (hh + 1) * rph; ++r) {
+          const float w = s[r * bs + i] * vs;
+          if (w != 0.f) axpy(acc + r * D, w, v, D);
+        }
+      }
+    }
+    k_lo = k_hi;
+  }
+
+  if (it.slot >= 0) {
+    std::memcpy(part_acc + it.slot * rmax * D, acc, sizeof(float) * rows * D);
+    for (int64_t r = 0; r < rows; ++r) {
+      part_ml[(it.slot * rmax + r) * 2] = m[r];
+      part_ml[(it.slot * rmax + r) * 2 + 1] = l[r];
+    }
+    return;
+  }
+  float* out = reinterpret_cast<float*>(p.out);
+  for (int64_t hh = 0; hh < nheads; ++hh) {
+    for (int64_t t = 0; t < ntok; ++t) {
+      float* dst = out + (qsl[it.b] + it.t0 + t) * hq * D + (it.h0 + hh) * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = hh * rph + t * G + g;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        const float* ar = acc + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[g * D + d] = ar[d] * inv;
+      }
+    }
+  }
+}
+
+// One item, compiled for AVX2+FMA and for the baseline ISA (picked at load time).
+template <int DT>
+KVM_CLONES __attribute__((noinline)) void run_item_isa(const Params& p, const Item& it,
+                                                      Scratch& sc, int64_t rmax,
+                                                      float* part_acc, float* part_ml) {
+  run_item<DT>(p, it, sc, rmax, part_acc, part_ml);
+}
+
+template <int DT>
+void run_items(const Params& p, const std::vector<Item>& items, int64_t rmax, float* part_acc,
+               float* part_ml) {
+  const int64_t D = p.head_dim, bs = p.block_size;
+  const int64_t count = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(static_cast<int>(p.num_threads))
+  {
+    Scratch sc;
+    sc.q.resize(rmax * D);
+    sc.acc.resize(rmax * D);
+    sc.s.resize(rmax * bs);
+    sc.kbuf.resize(D);
+    sc.vbuf.resize(D);
+    sc.m.resize(rmax);
+    sc.l.resize(rmax);
+    sc.pos.resize(rmax);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < count; ++i) run_item_isa<DT>(p, items[i], sc, rmax, part_acc, part_ml);
+  }
+}
+
+// Combines the splits of each group: the rows of group j live in slots j * S .. j * S + S - 1.
+void combine(const Params& p, const std::vector<Item>& groups, int64_t splits, int64_t rmax,
+             const float* part_acc, const float* part_ml) {
+  const int64_t G = p.num_q_heads / p.num_kv_heads;
+  const int64_t D = p.head_dim, hq = p.num_q_heads;
+  const int32_t* qsl = reinterpret_cast<const int32_t*>(p.query_start_loc);
+  float* out = reinterpret_cast<float*>(p.out);
+  const int64_t count = static_cast<int64_t>(groups.size());
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(p.num_threads))
+  for (int64_t j = 0; j < count; ++j) {
+    const Item& it = groups[j];
+    const int64_t ntok = it.t1 - it.t0, rph = ntok * G;
+    for (int64_t hh = 0; hh < it.h1 - it.h0; ++hh) {
+      for (int64_t t = 0; t < ntok; ++t) {
+        float* dst = out + (qsl[it.b] + it.t0 + t) * hq * D + (it.h0 + hh) * G * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = hh * rph + t * G + g;
+          float mx = kNegInf;
+          for (int64_t sp = 0; sp < splits; ++sp) {
+            mx = std::max(mx, part_ml[((j * splits + sp) * rmax + r) * 2]);
+          }
+          float* o = dst + g * D;
+          std::fill(o, o + D, 0.f);
+          if (mx == kNegInf) continue;
+          float total = 0.f;
+          for (int64_t sp = 0; sp < splits; ++sp) {
+            const int64_t row = (j * splits + sp) * rmax + r;
+            const float ms = part_ml[row * 2];
+            if (ms == kNegInf) continue;
+            const float w = std::exp(ms - mx);
+            total += part_ml[row * 2 + 1] * w;
+            axpy(o, w, part_acc + row * D, D);
+          }
+          const float inv = total > 0.f ? 1.f / total : 0.f;
+          for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int kvmesh_cpu_paged_attention(const Params* params) {
+  const Params& p = *params;
+  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0 || p.q_tile <= 0 ||
+      p.block_size <= 0 || p.head_dim % 16 != 0) {
+    return 1;
+  }
+  const int32_t* qsl = reinterpret_cast<const int32_t*>(p.query_start_loc);
+  const int32_t* seq_lens = reinterpret_cast<const int32_t*>(p.seq_lens);
+  const int64_t G = p.num_q_heads / p.num_kv_heads;
+  const int64_t rmax = std::max(p.q_tile * G, p.num_q_heads);
+
+  // Groups: a decode row takes all kv heads; a prefill chunk is cut into (kv head, q_tile).
+  std::vector<Item> groups;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t q_len = qsl[b + 1] - qsl[b], seq_len = seq_lens[b];
+    const int64_t tile = q_len == 1 ? 1 : p.q_tile;
+    const int64_t heads = q_len == 1 ? p.num_kv_heads : 1;
+    for (int64_t t0 = 0; t0 < q_len; t0 += tile) {
+      const int64_t t1 = std::min(q_len, t0 + tile);
+      const int64_t first_pos = seq_len - q_len + t0, last_pos = seq_len - q_len + t1 - 1;
+      int64_t k1 = std::max<int64_t>(0, last_pos + 1);
+      int64_t k0 = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+      k0 = std::min(k0, k1);
+      longest = std::max(longest, k1 - k0);
+      for (int64_t h0 = 0; h0 < p.num_kv_heads; h0 += heads) {
+        const int64_t cost = (k1 - k0 + 1) * (t1 - t0) * G * heads;
+        groups.push_back({b, h0, h0 + heads, t0, t1, k0, k1, -1, cost});
+      }
+    }
+  }
+  if (groups.empty()) return 0;
+
+  // Context splits only when there are too few groups to keep every thread busy.
+  int64_t splits = p.num_splits;
+  const int64_t count = static_cast<int64_t>(groups.size());
+  if (splits <= 0) {
+    const int64_t want = (4 * p.num_threads + count - 1) / count;
+    const int64_t most = std::max<int64_t>(1, longest / 256);
+    splits = count >= 2 * p.num_threads ? 1 : std::min(want, most);
+  }
+  splits = std::max<int64_t>(1, splits);
+
+  std::vector<Item> items;
+  std::vector<float> part_acc, part_ml;
+  if (splits == 1) {
+    items = groups;
+  } else {
+    items.reserve(count * splits);
+    for (int64_t j = 0; j < count; ++j) {
+      const Item& g = groups[j];
+      int64_t chunk = (g.k1 - g.k0 + splits - 1) / splits;
+      chunk = std::max<int64_t>(1, (chunk + p.block_size - 1) / p.block_size * p.block_size);
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        Item it = g;
+        it.k0 = std::min(g.k1, g.k0 + sp * chunk);
+        it.k1 = std::min(g.k1, it.k0 + chunk);
+        it.slot = j * splits + sp;
+        it.cost = (it.k1 - it.k0 + 1) * (g.t1 - g.t0) * G * (g.h1 - g.h0);
+        items.push_back(it);
+      }
+    }
+    part_acc.assign(static_cast<size_t>(count * splits * rmax * p.head_dim), 0.f);
+    part_ml.assign(static_cast<size_t>(count * splits * rmax * 2), 0.f);
+  }
+  // Longest first, so dynamic scheduling balances ragged lengths.
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  float* pa = part_acc.empty() ? nullptr : part_acc.data();
+  float* pm = part_ml.empty() ? nullptr : part_ml.data();
+  switch (p.dtype) {
+    case kF32: run_items<kF32>(p, items, rmax, pa, pm); break;
+    case kBF16: run_items<kBF16>(p, items, rmax, pa, pm); break;
+    case kF16: run_items<kF16>(p, items, rmax, pa, pm); break;
+    case kI8: run_items<kI8>(p, items, rmax, pa, pm); break;
+    case kFP8: run_items<kFP8>(p, items, rmax, pa, pm); break;
+    default: return 2;
+  }
+  if (splits > 1) combine(p, groups, splits, rmax, pa, pm);
+  return 0;
+}
