@@ -1,7 +1,7 @@
 """KV block transfer between processes and hosts: one interface, several backends.
 
 Importing this package is light (no torch); names resolve lazily. Backends:
-`get_backend("fake" | "shm" | "grpc")` returns a module with `Sender`
+`get_backend("fake" | "shm" | "gloo" | "grpc")` returns a module with `Sender`
 and `Receiver` classes implementing `kv_transfer.interface.KVSender` / `KVReceiver`.
 """
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from kvt_peers import SPEC, Peer
 
-BACKENDS = ["shm", "grpc"]
+BACKENDS = ["shm", "grpc", "gloo"]
 SLOW = {
     "num_blocks": 4096,
     "layers": 1,
@@ -93,7 +93,9 @@ def start_slow(receiver: Peer, sender: Peer, seconds: float = 30) -> str:
     return t
 
 
-@pytest.mark.parametrize(("backend", "side"), [("shm", "receiver"), ("grpc", "sender")])
+@pytest.mark.parametrize(
+    ("backend", "side"), [("shm", "receiver"), ("grpc", "sender"), ("gloo", "receiver")]
+)
 def test_cancel_reaches_an_in_flight_transfer(backend: str, side: str) -> None:
     receiver, sender = peers(backend, SLOW)
     t = start_slow(receiver, sender)
@@ -113,7 +115,9 @@ def test_deadline_expiry_ends_expired_without_leaks(backend: str) -> None:
     assert_no_segments(receiver, sender)
 
 
-@pytest.mark.parametrize(("backend", "victim"), [("shm", "sender"), ("grpc", "receiver")])
+@pytest.mark.parametrize(
+    ("backend", "victim"), [("shm", "sender"), ("grpc", "receiver"), ("gloo", "receiver")]
+)
 def test_peer_killed_mid_transfer_ends_without_hang(backend: str, victim: str) -> None:
     receiver, sender = peers(backend, SLOW)
     t = start_slow(receiver, sender, seconds=8)
