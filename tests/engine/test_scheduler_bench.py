@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,3 +26,18 @@ def test_cli_json_output(capsys: pytest.CaptureFixture[str]) -> None:
     report = json.loads(capsys.readouterr().out)
     assert report["goal_us"] == 500.0
     assert [row["running"] for row in report["results"]] == [4]
+
+
+def test_side_by_side_against_another_tree() -> None:
+    script = Path(__file__).resolve().parents[2] / "bench" / "scheduler_step.py"
+    repo = script.parents[1]
+    args = ["--against", str(repo), "--rounds", "1", "--batch", "4", "--steps", "5", "--json"]
+    done = subprocess.run(
+        [sys.executable, str(script), *args], cwd=repo, capture_output=True, text=True, check=True
+    )
+    report = json.loads(done.stdout)
+    assert [(row["code"], row["running"]) for row in report["results"]] == [
+        ("this", 4),
+        ("against", 4),
+    ]
+    assert all(row["cpu_mean_us"] > 0 for row in report["results"])
