@@ -43,7 +43,8 @@ async def install(
     """Open the KV receivers and add DecodeService to `server`."""
     backends = list(getattr(args, "transfer_backend", None) or DEFAULT_BACKENDS)
     store = block_store(runtime.worker, runtime.layout.model_fingerprint)
-    receivers = open_receivers(store, backends)
+    host = getattr(args, "host", None) or "127.0.0.1"
+    receivers = open_receivers(store, backends, host, getattr(args, "transfer_port", None) or 0)
     table = ReservationTable(runtime.worker, receivers)
     table.start_reaper()
     servicer = DecodeServicer(runtime, table, metrics or WorkerMetrics())

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer import get_backend
+from kv_transfer import NETWORK_BACKENDS, bind_address, get_backend
 from kv_transfer.blocks import BlockStore
 from kv_transfer.interface import KVReceiver
 from kv_transfer.receiver_core import ReceiveHandle, ReceiverCore
@@ -71,14 +71,21 @@ def block_store(worker: EngineWorker, model_id: str) -> BlockStore:
     return BlockStore(cache.data, scales, model_id=model_id)
 
 
-def open_receivers(store: BlockStore, backends: list[str]) -> dict[str, KVReceiver]:
+def open_receivers(
+    store: BlockStore, backends: list[str], host: str = "127.0.0.1", port: int = 0
+) -> dict[str, KVReceiver]:
     """One receiver per backend, all sharing one ReceiverCore: a reservation is accepted on
-    whichever backend the sender picks. Backends that cannot run here are skipped."""
+    whichever backend the sender picks. Backends that cannot run here are skipped. Network
+    receivers bind `host` on `port`, `port + 1`, ... in `backends` order (0: free ports)."""
     core = ReceiverCore(store)
     receivers: dict[str, KVReceiver] = {}
+    network = [name for name in backends if name in NETWORK_BACKENDS]
     for name in backends:
+        options: dict[str, str] = {}
+        if name in network:
+            options["bind"] = bind_address(host, port + network.index(name) if port else 0)
         try:
-            receiver = get_backend(name).Receiver(store)
+            receiver = get_backend(name).Receiver(store, **options)
         except (ImportError, ValueError, OSError, RuntimeError) as exc:
             LOG.warning("kv transfer backend %s unavailable: %s", name, exc)
             continue

@@ -18,6 +18,8 @@ BACKENDS = {
     "grpc": "kv_transfer.backends.grpc_stream",
 }
 
+NETWORK_BACKENDS = ("gloo", "grpc")  # receivers take `bind="HOST:PORT"` (port 0 picks one)
+
 _LAZY = {
     "KVLayout": "kv_transfer.layout",
     "BlockStore": "kv_transfer.blocks",
@@ -47,4 +49,9 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["BACKENDS", "get_backend", *_LAZY]
+def bind_address(host: str, port: int) -> str:
+    """`HOST:PORT` for a receiver's `bind` (IPv6 hosts bracketed)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+__all__ = ["BACKENDS", "NETWORK_BACKENDS", "bind_address", "get_backend", *_LAZY]

@@ -202,7 +202,7 @@ class Receiver(KVReceiver):
 
     @property
     def address(self) -> str:
-        return f"{self._host}:{self._port}"
+        return f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
 
     def close(self) -> None:
         if self._closed:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 import warnings
@@ -119,7 +120,8 @@ class Receiver(KVReceiver):
         self._thread.start()
         if not ready.wait(HANDSHAKE_SECONDS) or self._port <= 0:
             raise PeerError(f"gRPC receiver could not bind {bind}")
-        self._host = bind.rsplit(":", 1)[0]
+        host = bind.rsplit(":", 1)[0]
+        self._host = socket.getfqdn() if host in ("0.0.0.0", "[::]") else host
 
     def _run(self, bind: str, max_bytes: int, ready: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)

@@ -58,6 +58,13 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
             choices=("shm", "gloo", "grpc", "fake"),
             help="KV transfer backend(s) (repeatable; default shm and grpc)",
         )
+        p.add_argument(
+            "--transfer-port",
+            type=int,
+            default=0,
+            help="first port of the network KV receivers (grpc, gloo: one port each, in order, "
+            "on --host); 0 picks free ports",
+        )
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = pick)")
     p.add_argument("--reflection", action="store_true", help="serve gRPC server reflection")
     p.add_argument("--drain-seconds", type=float, default=10.0)
