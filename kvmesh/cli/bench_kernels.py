@@ -1,9 +1,11 @@
 """`kvmesh bench kernels`: CPU paged decode attention vs contiguous SDPA, and KV write rate.
 
-Decode: batch B, each context T tokens, paged in random physical block order, against
-`scaled_dot_product_attention` on the same K/V stored contiguously `[B, Hkv, T, D]` (GQA folded
-into the query axis, its fastest form here). The paged time includes gathering the blocks.
-Timings are medians of interleaved repeats; compare the ratio, not the absolute times.
+Decode: batch B, each context T tokens, paged in random physical block order, three ways on the
+same data in the same run: `scaled_dot_product_attention` on the K/V stored contiguously
+`[B, Hkv, T, D]` (GQA folded into the query axis, its fastest form here), the torch reference
+(`paged_decode_attention` with backend "reference": gather the blocks, then sdpa) and the fused
+C++ kernel (backend "torch" on CPU: blocks read in place). Timings are medians of interleaved
+repeats; compare the ratios, not the absolute times.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def _median_ms(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, flo
 def bench_decode(args: argparse.Namespace, context: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
-    from kvmesh_kernels import KVCacheSpec, allocate_kv_cache, paged_decode_attention
+    from kvmesh_kernels import KVCacheSpec, allocate_kv_cache, paged_decode_attention, set_backend
+    from kvmesh_kernels.cpu_build import available
 
     b, hq, hkv, d, bs = args.batch, args.q_heads, args.kv_heads, args.head_dim, args.block_size
     nb = -(-context // bs)
@@ -63,22 +66,36 @@ def bench_decode(args: argparse.Namespace, context: int) -> dict[str, Any]:
     query = torch.randn(b, hq, d)  # [B, Hq, D]
     q4 = query.view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
     scale = d**-0.5
-    ms = _median_ms(
-        {
-            "contiguous": lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale),
-            "paged": lambda: paged_decode_attention(query, layer, tables, seq_lens, scale=scale),
-        },
-        args.repeats,
-    )
-    paged = paged_decode_attention(query, layer, tables, seq_lens, scale=scale)
+
+    def paged(backend: str) -> Any:
+        set_backend(backend)
+        try:
+            return paged_decode_attention(query, layer, tables, seq_lens, scale=scale)
+        finally:
+            set_backend(None)
+
+    fns: dict[str, Callable[[], Any]] = {
+        "contiguous": lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale),
+        "reference": lambda: paged("reference"),
+    }
+    fused_ok = available()
+    if fused_ok:
+        fns["fused"] = lambda: paged("torch")
+    ms = _median_ms(fns, args.repeats)
     dense = F.scaled_dot_product_attention(q4, k, v, scale=scale).reshape(b, hq, d)
-    assert torch.allclose(paged, dense, atol=1e-4), "paged and contiguous outputs disagree"
-    return {
+    for name in fns:
+        if name != "contiguous":
+            out = fns[name]()
+            assert torch.allclose(out, dense, atol=1e-4), f"{name} and contiguous outputs disagree"
+    row = {
         "context": context,
         "contiguous_ms": ms["contiguous"],
-        "paged_ms": ms["paged"],
-        "ratio": ms["paged"] / ms["contiguous"],
+        "reference_ms": ms["reference"],
+        "reference_ratio": ms["reference"] / ms["contiguous"],
+        "fused_ms": ms.get("fused"),
+        "fused_ratio": ms["fused"] / ms["contiguous"] if fused_ok else None,
     }
+    return row
 
 
 def bench_write(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
@@ -98,6 +115,7 @@ def bench_write(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+    from kvmesh_kernels.cpu_build import available
 
     decode = [bench_decode(args, c) for c in args.contexts]
     write = [bench_write(args, kv) for kv in ("auto", "int8", "fp8")]
@@ -109,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         "block_size": args.block_size,
         "dtype": "float32",
         "threads": torch.get_num_threads(),
+        "fused_kernel": available(),
     }
     result = {"shape": shape, "decode": decode, "write_kv": write}
     if args.json:
@@ -124,14 +143,21 @@ def _print_tables(result: dict[str, Any]) -> None:
 
     shape = ", ".join(f"{k}={v}" for k, v in result["shape"].items())
     table = Table(title=f"paged decode vs contiguous SDPA ({shape})")
-    for col in ("context", "contiguous ms", "paged ms", "paged / contiguous"):
+    cols = ("context", "contiguous ms", "reference ms", "fused ms", "reference / contig")
+    for col in (*cols, "fused / contig"):
         table.add_column(col, justify="right")
+
+    def fmt(value: float | None, digits: int) -> str:
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
     for row in result["decode"]:
         table.add_row(
             str(row["context"]),
-            f"{row['contiguous_ms']:.1f}",
-            f"{row['paged_ms']:.1f}",
-            f"{row['ratio']:.2f}",
+            fmt(row["contiguous_ms"], 1),
+            fmt(row["reference_ms"], 1),
+            fmt(row["fused_ms"], 1),
+            fmt(row["reference_ratio"], 2),
+            fmt(row["fused_ratio"], 2),
         )
     writes = Table(title="write_kv (random slots)")
     for col in ("kv dtype", "tokens", "ms", "tokens/s"):

@@ -152,7 +152,7 @@ KVM_INLINE void axpy(float* acc, float w, const float* v, int64_t n) {
 struct Scratch {
   std::vector<float> q, acc, s, kbuf, vbuf, m, l;
   std::vector<int64_t> pos;
-  std::vector<const float*> krows;
+  std::vector<const float*> vrows;
 };
 
 // Rows are ordered [head][token][g]: row = (h - h0) * ntok * G + (t - t0) * G + g.
@@ -256,16 +256,33 @@ KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t r
       l[r] = l[r] * corr + sum;
       m[r] = m_new;
     }
-    // acc += p * V, each V row loaded once for the rows of its head.
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t hh = 0; hh < nheads; ++hh) {
-        const int64_t h = it.h0 + hh;
-        const float* v = load_row<DT>(data, vbase + i * p.s_tok + h * p.s_head, lut,
-                                      sc.vbuf.data(), D);
-        const float vs = quant ? scales[sbase + p.ss_kv + i * p.ss_tok + h * p.ss_head] : 1.f;
-        for (int64_t r = hh * rph; r < (hh + 1) * rph; ++r) {
-          const float w = s[r * bs + i] * vs;
-          if (w != 0.f) axpy(acc + r * D, w, v, D);
+    // acc += p * V per head: each output element accumulates over the block's n keys in a
+    // register (V rows stay in L1), so acc is loaded and stored once per block.
+    for (int64_t hh = 0; hh < nheads; ++hh) {
+      const int64_t h = it.h0 + hh;
+      for (int64_t i = 0; i < n; ++i) {
+        sc.vrows[i] = load_row<DT>(data, vbase + i * p.s_tok + h * p.s_head, lut,
+                                   sc.vbuf.data() + i * D, D);
+      }
+      if (quant) {
+        for (int64_t i = 0; i < n; ++i) {
+          const float vs = scales[sbase + p.ss_kv + i * p.ss_tok + h * p.ss_head];
+          for (int64_t r = hh * rph; r < (hh + 1) * rph; ++r) s[r * bs + i] *= vs;
+        }
+      }
+      const float* const* vr = sc.vrows.data();
+      for (int64_t r = hh * rph; r < (hh + 1) * rph; ++r) {
+        const float* w = s + r * bs;
+        float* ar = acc + r * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {  // head dims are multiples of 16
+          float a[16];
+          for (int j = 0; j < 16; ++j) a[j] = ar[d0 + j];
+          for (int64_t i = 0; i < n; ++i) {
+            const float wi = w[i];
+            const float* v = vr[i] + d0;
+            for (int j = 0; j < 16; ++j) a[j] += wi * v[j];
+          }
+          for (int j = 0; j < 16; ++j) ar[d0 + j] = a[j];
         }
       }
     }
@@ -315,7 +332,8 @@ void run_items(const Params& p, const std::vector<Item>& items, int64_t rmax, fl
     sc.acc.resize(rmax * D);
     sc.s.resize(rmax * bs);
     sc.kbuf.resize(D);
-    sc.vbuf.resize(D);
+    sc.vbuf.resize(bs * D);
+    sc.vrows.resize(bs);
     sc.m.resize(rmax);
     sc.l.resize(rmax);
     sc.pos.resize(rmax);
