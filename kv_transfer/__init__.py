@@ -1,7 +1,7 @@
 """KV block transfer between processes and hosts: one interface, several backends.
 
 Importing this package is light (no torch); names resolve lazily. Backends:
-`get_backend("fake" | "shm" | "gloo" | "grpc")` returns a module with `Sender`
+`get_backend("fake" | "shm" | "gloo" | "grpc" | "cuda_ipc")` returns a module with `Sender`
 and `Receiver` classes implementing `kv_transfer.interface.KVSender` / `KVReceiver`.
 """
 
@@ -16,6 +16,7 @@ BACKENDS = {
     "shm": "kv_transfer.backends.shm",
     "gloo": "kv_transfer.backends.gloo",
     "grpc": "kv_transfer.backends.grpc_stream",
+    "cuda_ipc": "kv_transfer.backends.cuda_ipc",
 }
 
 NETWORK_BACKENDS = ("gloo", "grpc")  # receivers take `bind="HOST:PORT"` (port 0 picks one)

@@ -45,6 +45,7 @@ class BlockStore:
     def gather_into(self, ids: torch.Tensor, buf: torch.Tensor) -> int:
         """Copy blocks `ids` (int64 [n]) into the front of uint8 `buf`; return bytes written."""
         n = int(ids.numel())
+        ids = ids.to(self.cache.device, non_blocking=True)
         scales_view, kv_view = self._views(buf, n)
         torch.index_select(self.cache, 0, ids, out=kv_view)
         if scales_view is not None:
@@ -55,6 +56,7 @@ class BlockStore:
     def scatter_from(self, ids: torch.Tensor, buf: torch.Tensor) -> None:
         """Write n blocks from the front of uint8 `buf` into cache rows `ids` (int64 [n])."""
         scales_view, kv_view = self._views(buf, int(ids.numel()))
+        ids = ids.to(self.cache.device, non_blocking=True)
         self.cache.index_copy_(0, ids, kv_view)
         if scales_view is not None:
             assert self.scales is not None

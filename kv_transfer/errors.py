@@ -85,7 +85,7 @@ class AuthenticationError(TransferError):
     code = "auth"
 
 
-class BackendUnavailableError(TransferError):
+class BackendUnavailableError(TransferError, RuntimeError):
     """The backend cannot run here (missing CUDA, missing package)."""
 
     code = "unavailable"

@@ -21,7 +21,7 @@ from kv_transfer.errors import (
     TransferStateError,
     UnknownTransferError,
 )
-from kv_transfer.header import FrameHeader
+from kv_transfer.header import FLAG_NO_CHECKSUM, FrameHeader
 from kv_transfer.state import TransferRecord, TransferRequest, TransferResult, TransferState
 
 _RECENT = 1024  # ended transfers remembered, so late frames get the real reason
@@ -153,7 +153,13 @@ class ReceiverCore:
         want = header.num_blocks * self.store.layout.bytes_per_block
         if header.payload_len != want:
             raise FrameError("payload_len", f"{header.payload_len} != {want} for the blocks")
-        header.verify_payload(payload.numpy())
+        if payload.device.type == "cpu":
+            header.verify_payload(payload.numpy())
+        elif header.flags & FLAG_NO_CHECKSUM:  # device payload: length only, no host copy
+            if payload.numel() != header.payload_len:
+                raise FrameError("payload_len", f"{header.payload_len} != {payload.numel()}")
+        else:
+            header.verify_payload(payload.cpu().numpy())
 
     def on_end(self, header: FrameHeader) -> TransferResult:
         """Sender finished: COMPLETED when every reserved block was written exactly once."""

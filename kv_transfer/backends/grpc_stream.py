@@ -218,6 +218,8 @@ class Sender(KVSender):
                 call.cancel()
         try:
             result = call.result()
+        except grpc.FutureCancelledError:
+            raise TransferCancelledError("cancelled by the sender") from None
         except grpc.RpcError as exc:
             raise _rpc_error(exc, waiter) from None
         _raise_for(result)

@@ -256,11 +256,15 @@ class Sender(KVSender):
             slot = free.pop()
             buf = ring[slot * self._slot_bytes : (slot + 1) * self._slot_bytes]
             header, _ = fill_frame(self.store, plan, index, buf, self.checksum)
+            self._publish(buf)
             send_msg(conn, dataclasses.replace(header, aux=slot, flags=header.flags | FLAG_IN_SLOT))
         for _ in range(self._slots - len(free)):
             self._expect(MsgType.FRAME_ACK, waiter)
         send_msg(conn, frame_header(MsgType.END, tid, epoch))
         self._expect(MsgType.DONE, waiter)
+
+    def _publish(self, slot: torch.Tensor) -> None:
+        """Make a filled slot visible to the receiver before its FRAME header goes out."""
 
     def _expect(self, kind: MsgType, waiter: Waiter) -> FrameHeader:
         """Next message must be `kind`; ERROR and CANCEL raise the peer's reason."""

@@ -55,7 +55,7 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
         p.add_argument(
             "--transfer-backend",
             action="append",
-            choices=("shm", "gloo", "grpc", "fake"),
+            choices=("shm", "gloo", "grpc", "cuda_ipc", "fake"),
             help="KV transfer backend(s) (repeatable; default shm and grpc)",
         )
         p.add_argument(
