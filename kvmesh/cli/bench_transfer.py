@@ -27,7 +27,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("transfer", help="KV transfer bandwidth per backend vs memcpy")
     parser.add_argument("--mib", type=int, default=256, help="block set size in MiB")
     parser.add_argument("--repeat", type=int, default=3, help="runs per backend (best is kept)")
-    parser.add_argument("--backends", default="shm,grpc", help="comma-separated backends")
+    parser.add_argument("--backends", default="shm,gloo,grpc", help="comma-separated backends")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
