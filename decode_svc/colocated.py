@@ -6,19 +6,19 @@ prepares and releases through the same calls it uses for prefill workers).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
-from kvmesh.engine import disagg
-from kvmesh.service.runtime import WorkerRuntime
 from kvmesh.service.server import WorkerServer, span
 from kvmesh.service.status import ServiceError, abort_with
-from kvmesh.service.streaming import responses
 from kvmesh.telemetry.tracing import tracer
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:  # the engine loads with the runtime, not with `kvmesh serve colocated --help`
+    from kvmesh.service.runtime import WorkerRuntime
 
 TRACER = tracer("kvmesh.colocated")
 COLOCATED_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["ColocatedService"].full_name
@@ -32,39 +32,35 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedServiceServicer):
     async def Generate(
         self, request: worker_pb2.EngineRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        from kvmesh.engine import disagg
+        from kvmesh.service.streaming import responses
+
         with span(TRACER, "colocated.generate", context):
             arrival = time.monotonic()
-            worker = self.runtime.worker
             try:
                 engine_request = self.runtime.request_from(request, prefill_only=False)
+                stream = await self.runtime.engine.open_stream(
+                    engine_request.request_id, lambda e: disagg.add_request(e, engine_request)
+                )
             except Exception as exc:
                 await abort_with(context, exc)
-            rid = engine_request.request_id
-            sink = worker.subscribe(rid)
-            finished = False
+                return
             try:
-                await worker.call(lambda e: disagg.add_request(e, engine_request))
                 added = time.monotonic()
-                first = await sink.get()
-                queue = added - arrival
-                stream = responses(
-                    sink,
+                first = await anext(stream)
+                outputs = responses(
+                    stream,
                     added,
                     first,
-                    queue_seconds=queue,
+                    queue_seconds=added - arrival,
                     prefill_seconds=time.monotonic() - added,
                 )
-                async for response in stream:
+                async for response in outputs:
                     yield response
-                finished = True
-            except (asyncio.CancelledError, GeneratorExit):
-                raise
             except Exception as exc:
                 await abort_with(context, exc)
             finally:
-                worker.unsubscribe(rid)
-                if not finished:
-                    worker.submit(lambda e: e.abort_request(rid))
+                stream.close()  # aborts the request unless it finished
 
 
 class ColocatedPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
@@ -93,8 +89,7 @@ class ColocatedPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseResponse:
-        rid = request.request_id
-        released = await self.runtime.worker.call(lambda e: e.abort_request(rid) is not None)
+        released = await self.runtime.engine.abort(request.request_id)
         return worker_pb2.ReleaseResponse(released=released)
 
 
@@ -109,7 +104,7 @@ class ColocatedRole:
         return []
 
     async def release(self, request_id: str, reason: str) -> bool:
-        return await self.runtime.worker.call(lambda e: e.abort_request(request_id) is not None)
+        return await self.runtime.engine.abort(request_id)
 
     async def close(self) -> None:
         return None

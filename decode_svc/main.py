@@ -1,16 +1,22 @@
-"""`kvmesh serve decode ...`: a decode worker (DecodeService + KV transfer receivers)."""
+"""`kvmesh serve decode ...`: a decode worker (DecodeService + KV transfer receivers).
+
+Importing this module is light (no torch): `run` parses the options before the engine loads.
+"""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from decode_svc.reservations import ReservationTable, block_store, open_receivers
-from decode_svc.service import DecodeServicer
-from kvmesh.service.runtime import WorkerRuntime
-from kvmesh.service.server import WorkerServer
-from kvmesh.telemetry.metrics import WorkerMetrics
-from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from decode_svc.reservations import ReservationTable
+    from decode_svc.service import DecodeServicer
+    from kvmesh.service.runtime import WorkerRuntime
+    from kvmesh.service.server import WorkerServer
+    from kvmesh.telemetry.metrics import WorkerMetrics
 
 DECODE_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 DEFAULT_BACKENDS = ["shm", "grpc", "gloo"]
@@ -41,11 +47,17 @@ async def install(
     metrics: WorkerMetrics | None,
 ) -> DecodeRole:
     """Open the KV receivers and add DecodeService to `server`."""
+    from decode_svc.reservations import ReservationTable, open_receivers
+    from decode_svc.service import DecodeServicer
+    from kv_transfer.blocks import BlockStore
+    from kvmesh.telemetry.metrics import WorkerMetrics
+    from kvmesh.v1 import worker_pb2_grpc
+
     backends = list(getattr(args, "transfer_backend", None) or DEFAULT_BACKENDS)
-    store = block_store(runtime.worker, runtime.layout.model_fingerprint)
+    store = BlockStore(*runtime.kv_cache_tensors(), model_id=runtime.layout.model_fingerprint)
     host = getattr(args, "host", None) or "127.0.0.1"
     receivers = open_receivers(store, backends, host, getattr(args, "transfer_port", None) or 0)
-    table = ReservationTable(runtime.worker, receivers)
+    table = ReservationTable(runtime.engine, receivers)
     table.start_reaper()
     servicer = DecodeServicer(runtime, table, metrics or WorkerMetrics())
     server.add(worker_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, DECODE_SERVICE)

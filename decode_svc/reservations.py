@@ -18,16 +18,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from kv_transfer import NETWORK_BACKENDS, bind_address, get_backend
 from kv_transfer.blocks import BlockStore
 from kv_transfer.interface import KVReceiver
 from kv_transfer.receiver_core import ReceiveHandle, ReceiverCore
 from kv_transfer.state import TransferRequest, TransferState
 from kvmesh.engine import disagg
+from kvmesh.engine.async_engine import AsyncLLMEngine, abort_request
 from kvmesh.engine.sequence import Request
-from kvmesh.service.engine_worker import EngineWorker
+from kvmesh.service.server import close_within
 from kvmesh.v1 import worker_pb2
 
 LOG = logging.getLogger("kvmesh.decode")
@@ -65,12 +64,6 @@ class Reservation:
         )
 
 
-def block_store(worker: EngineWorker, model_id: str) -> BlockStore:
-    cache = worker.engine.runner.kv_cache
-    scales: torch.Tensor | None = getattr(cache, "scales", None)
-    return BlockStore(cache.data, scales, model_id=model_id)
-
-
 def open_receivers(
     store: BlockStore, backends: list[str], host: str = "127.0.0.1", port: int = 0
 ) -> dict[str, KVReceiver]:
@@ -97,8 +90,8 @@ def open_receivers(
 class ReservationTable:
     """Reservations of one decode worker; methods run on the asyncio loop."""
 
-    def __init__(self, worker: EngineWorker, receivers: dict[str, KVReceiver]) -> None:
-        self.worker = worker
+    def __init__(self, engine: AsyncLLMEngine, receivers: dict[str, KVReceiver]) -> None:
+        self.engine = engine
         self.receivers = receivers
         self._core = next(iter(receivers.values())).core if receivers else None
         self._by_request: dict[str, Reservation] = {}
@@ -117,7 +110,11 @@ class ReservationTable:
         """Blocks for the prompt plus a receive slot; None when the pool is short now."""
         assert self._core is not None
         rid, num_prompt = request.request_id, len(request.seqs[0].prompt_ids)
-        blocks = await self.worker.call(lambda e: disagg.reserve_blocks(e, rid, num_prompt))
+        try:
+            blocks = await self.engine.call(disagg.reserve_blocks, rid, num_prompt)
+        except (asyncio.CancelledError, TimeoutError):
+            self.engine.submit(disagg.free_reservation, rid)  # runs after reserve_blocks
+            raise
         if blocks is None:
             return None
         deadline = time.monotonic() + lease_seconds
@@ -125,7 +122,7 @@ class ReservationTable:
         try:
             handle = self._core.expect(TransferRequest(transfer_id, generation), blocks, deadline)
         except BaseException:
-            self.worker.submit(lambda e: disagg.free_reservation(e, rid))
+            self.engine.submit(disagg.free_reservation, rid)
             raise
         res = Reservation(request, generation, transfer_id, blocks, handle, deadline)
         self._by_request[rid] = res
@@ -140,22 +137,24 @@ class ReservationTable:
         res.handle.cancel()
         rid = res.request_id
         if res.decoding:
-            self.worker.submit(lambda e: e.abort_request(rid))
-        self.worker.submit(lambda e: disagg.free_reservation(e, rid))
+            self.engine.submit(abort_request, rid)
+        self.engine.submit(disagg.free_reservation, rid)
         return True
 
     def start_reaper(self) -> None:
         self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = 2.0) -> None:
+        """Stop the reaper, drop every reservation (cancelling its Decode call) and close the
+        receivers in parallel, all within `timeout` s."""
         if self._reaper is not None:
             self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
         for res in list(self._by_request.values()):
             if res.task is not None:
                 res.task.cancel()
             self.drop(res)
-        for receiver in self.receivers.values():
-            receiver.close()
+        await close_within([r.close for r in self.receivers.values()], timeout, "kv receiver")
 
     async def _reap_forever(self) -> None:
         while True:

@@ -72,7 +72,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             engine_request, message.generation, self._lease(message, context)
         )
         if res is None:
-            load = self.runtime.worker.load()
+            load = self.runtime.engine.load()
             raise ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"blocks: the prompt needs more KV blocks than the {load.free_blocks} free now",
@@ -105,21 +105,24 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             except Exception as exc:
                 await abort_with(context, exc)
                 return
+            first_lp = request.first_tokens[0]
+            logprobs = logprobs_from_proto(first_lp.logprobs) if first_lp.HasField(
+                "logprobs") else None  # fmt: skip
             finished = False
-            worker, rid = self.runtime.worker, res.request_id
-            sink = worker.subscribe(rid)
             try:
-                first_lp = request.first_tokens[0]
-                logprobs = logprobs_from_proto(first_lp.logprobs) if first_lp.HasField(
-                    "logprobs") else None  # fmt: skip
-                first = await worker.call(
-                    lambda e: disagg.join_prefilled(e, res.request, first_token, logprobs)
+                stream = await self.runtime.engine.open_stream(
+                    res.request_id,
+                    lambda e: disagg.join_prefilled(e, res.request, first_token, logprobs),
                 )
-                async for response in responses(sink, started, first):
-                    yield response
-                finished = True
+                try:
+                    async for response in responses(stream, started):
+                        yield response
+                    finished = stream.finished
+                finally:
+                    stream.close()
+            except Exception as exc:
+                await abort_with(context, exc)
             finally:
-                worker.unsubscribe(rid)
                 self.table.drop(res)  # aborts the request unless it finished; idempotent
                 if finished:
                     self.metrics.requests.labels("ok").inc()
@@ -151,7 +154,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "first_tokens: expected one, with index 0"
             )
         token = message.first_tokens[0].token_id
-        if not 0 <= token < self.runtime.engine.runner.vocab_size:
+        if not 0 <= token < self.runtime.core.runner.vocab_size:
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"first_tokens.token_id: {token} out of range"
             )
@@ -165,8 +168,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         """Wait for the KV (bounded by the lease and the call deadline) unless not needed."""
         token = message.first_tokens[0].token_id
         try:
-            needs_kv = not await self.runtime.worker.call(
-                lambda e: disagg.first_token_finishes(e, res.request, token)
+            needs_kv = not await self.runtime.engine.call(
+                disagg.first_token_finishes, res.request, token
             )
             if not needs_kv:
                 res.handle.cancel()

@@ -1,16 +1,23 @@
-"""`kvmesh serve prefill ...`: a prefill worker (PrefillService + KV senders)."""
+"""`kvmesh serve prefill ...`: a prefill worker (PrefillService + KV senders).
+
+Importing this module is light (no torch): `run` parses the options before the engine loads.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from kvmesh.service.runtime import WorkerRuntime
-from kvmesh.service.server import WorkerServer
-from kvmesh.telemetry.metrics import WorkerMetrics
-from kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from prefill_svc.senders import SenderPool, available_backends, block_store
-from prefill_svc.service import PrefillServicer
+from kvmesh.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from kvmesh.service.runtime import WorkerRuntime
+    from kvmesh.service.server import WorkerServer
+    from kvmesh.telemetry.metrics import WorkerMetrics
+    from prefill_svc.senders import SenderPool
+    from prefill_svc.service import PrefillServicer
 
 PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 DEFAULT_BACKENDS = ["shm", "grpc", "gloo"]
@@ -30,11 +37,17 @@ class PrefillRole:
     async def release(self, request_id: str, reason: str) -> bool:
         return self.servicer.release(request_id)
 
-    async def close(self) -> None:
-        for active in list(self.servicer.active.values()):
-            if active.task is not None:
-                active.task.cancel()
-        self.senders.close()
+    async def close(self, timeout: float = 2.0) -> None:
+        """Cancel prefills in progress (each releases its blocks) and close the senders, all
+        within `timeout` s."""
+        from kvmesh.service.server import close_within
+
+        tasks = [a.task for a in self.servicer.active.values() if a.task is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        await close_within([self.senders.close], timeout, "kv sender")
 
 
 async def install(
@@ -44,8 +57,15 @@ async def install(
     metrics: WorkerMetrics | None,
 ) -> PrefillRole:
     """Create the sender pool and add PrefillService to `server`."""
+    from kv_transfer.blocks import BlockStore
+    from kvmesh.telemetry.metrics import WorkerMetrics
+    from kvmesh.v1 import worker_pb2_grpc
+    from prefill_svc.senders import SenderPool, available_backends
+    from prefill_svc.service import PrefillServicer
+
     backends = available_backends(list(getattr(args, "transfer_backend", None) or DEFAULT_BACKENDS))
-    senders = SenderPool(block_store(runtime.worker, runtime.layout.model_fingerprint), backends)
+    store = BlockStore(*runtime.kv_cache_tensors(), model_id=runtime.layout.model_fingerprint)
+    senders = SenderPool(store, backends)
     servicer = PrefillServicer(runtime, senders, metrics or WorkerMetrics())
     server.add(worker_pb2_grpc.add_PrefillServiceServicer_to_server, servicer, PREFILL_SERVICE)
     return PrefillRole(servicer, senders)

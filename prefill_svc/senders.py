@@ -5,20 +5,11 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-import torch
-
 from kv_transfer import get_backend
 from kv_transfer.blocks import BlockStore
 from kv_transfer.interface import KVSender
-from kvmesh.service.engine_worker import EngineWorker
 
 MAX_IDLE_PER_PEER = 4
-
-
-def block_store(worker: EngineWorker, model_id: str) -> BlockStore:
-    cache = worker.engine.runner.kv_cache
-    scales: torch.Tensor | None = getattr(cache, "scales", None)
-    return BlockStore(cache.data, scales, model_id=model_id)
 
 
 def available_backends(names: list[str]) -> list[str]:

@@ -7,8 +7,8 @@ failure. The whole call is bounded by its deadline and `transfer_timeout`.
 
 Overlap of transfer with compute: the blocks of a finished prefill chunk are final once the
 scheduler committed them, so a per-chunk sender would start them after each engine step
-(`EngineWorker` step hook → `KVSender.start` on the chunk's full blocks, with the tail block
-sent last). Today the whole block set is sent after the last chunk.
+(a step hook in `AsyncLLMEngine` → `KVSender.start` on the chunk's full blocks, with the tail
+block sent last). Today the whole block set is sent after the last chunk.
 """
 
 from __future__ import annotations
@@ -129,29 +129,29 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         context: grpc.aio.ServicerContext,
         timings: Timings,
     ) -> worker_pb2.PrefillResponse:
-        rid, worker = request.request_id, self.runtime.worker
+        rid, engine = request.request_id, self.runtime.engine
         remaining = context.time_remaining()
         deadline = time.monotonic() + (self.transfer_timeout if remaining is None else remaining)
         active = ActivePrefill(target.generation, deadline, asyncio.current_task())
         self.active[rid] = active
-        sink = worker.subscribe(rid)
-        released = False
         try:
-            await worker.call(lambda e: disagg.add_request(e, request))
-            timings.added = time.monotonic()
-            first = await sink.get()
-            timings.first = time.monotonic()
-            result = None
-            if not first.finished:  # a first token that ends the request left no KV to ship
-                result = await self._ship(request, target, active, timings)
-                released = await worker.call(lambda e: disagg.release_prefilled(e, rid))
+            stream = await engine.open_stream(
+                rid, lambda e: disagg.add_request(e, request), cleanup=disagg.release_prefilled
+            )
+            try:
+                timings.added = time.monotonic()
+                first = await anext(stream)
+                timings.first = time.monotonic()
+                result = None
+                if not first.finished:  # a first token that ends the request left no KV to ship
+                    result = await self._ship(request, target, active, timings)
+                    await stream.aclose()  # release_prefilled, before the caller hears back
+            finally:
+                stream.close()  # releases the blocks on any failure; no-op after aclose
             self.metrics.requests.labels("ok").inc()
             return self._response(first, timings, result)
         finally:
-            worker.unsubscribe(rid)
             self.active.pop(rid, None)
-            if not released:
-                worker.submit(lambda e: disagg.release_prefilled(e, rid))
 
     async def _ship(
         self,
@@ -161,7 +161,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         timings: Timings,
     ) -> TransferResult:
         rid = request.request_id
-        blocks = await self.runtime.worker.call(lambda e: disagg.prefilled_block_ids(e, rid))
+        blocks = await self.runtime.engine.call(disagg.prefilled_block_ids, rid)
         active.state, active.num_blocks = worker_pb2.BLOCK_SET_STATE_SENDING, len(blocks)
         deadline = min(active.deadline, time.monotonic() + self.transfer_timeout)
         backend, endpoint = target.backend, target.endpoint

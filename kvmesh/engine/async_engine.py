@@ -1,58 +1,163 @@
-"""AsyncLLMEngine: the asyncio face of LLMEngine for the services.
+"""AsyncLLMEngine: the one asyncio interface to an LLMEngine (the services use it too).
 
-A worker thread runs the step loop (torch releases the GIL, so the event loop stays
-responsive); every engine call, steps included, happens under one lock. Outputs reach each
-request's asyncio.Queue through `call_soon_threadsafe`. Every wait is bounded:
+```
+asyncio callers ──call(fn) / open_stream / abort──▶ command queue ──▶ engine thread: commands
+        ▲                                                             at a step boundary, then
+        └── call_soon_threadsafe ◀── RequestStream (asyncio.Queue) ◀── engine.step() while work
+```
+Only the engine thread touches the LLMEngine (scheduler, block manager, runner); torch
+releases the GIL, so the event loop stays responsive. Commands run in the order they were
+queued, each exactly once: a caller that stops waiting (timeout, cancel) loses only the result,
+so a cleanup queued after a command always runs after it. `load()` is a snapshot refreshed
+after every command and step, before the command's caller resumes; any thread may read it.
 
-    generate()         each next output within `output_timeout` s, else abort + TimeoutError
-    add/abort/call()   run in a thread via asyncio.to_thread, lock waits one step at most
-    shutdown()         joins the worker within `timeout` s
+Every wait is bounded:
 
-Leaving a `generate` stream early (break, cancel, disconnect) aborts the request and frees its
-blocks.
+    call() / abort() / open_stream()   the result within `call_timeout` s, else TimeoutError
+    RequestStream                      each next output within `output_timeout` s, else the
+                                       request is cleaned up and TimeoutError raised
+    stop() / shutdown()                joins the engine thread within `timeout` s
+
+Leaving a stream early (break, cancel, disconnect, `close()`) runs its cleanup (abort by
+default) on the engine thread, which frees the request's blocks. The engine never imports
+grpc; importing this module does not import torch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvmesh.engine.config import EngineConfig
-from kvmesh.engine.engine import LLMEngine, PromptInput
 from kvmesh.engine.errors import InvalidParameterError
-from kvmesh.engine.outputs import RequestOutput
-from kvmesh.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.engine import LLMEngine, PromptInput
+    from kvmesh.engine.outputs import RequestOutput
+    from kvmesh.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
-_IDLE_WAIT_S = 0.05
+LOG = logging.getLogger("kvmesh.engine")
+IDLE_WAIT_SECONDS = 0.05  # how long an idle engine thread sleeps between command checks
+Cleanup = Callable[["LLMEngine", str], object]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadSnapshot:
+    total_blocks: int = 0
+    free_blocks: int = 0  # free now (uncached) plus evictable cached blocks
+    cached_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    steps: int = 0
 
 
 class EngineDeadError(RuntimeError):
-    """The step loop failed; every open stream receives this."""
+    """The engine thread stopped (shutdown or a failed step); nothing more runs on it."""
+
+
+def abort_request(engine: LLMEngine, request_id: str) -> object:
+    """The default cleanup of a stream left early."""
+    return engine.abort_request(request_id)
+
+
+class RequestStream:
+    """Outputs of one request, in order, until one is finished (an async iterator)."""
+
+    def __init__(
+        self, owner: AsyncLLMEngine, request_id: str, sink: asyncio.Queue[Any], cleanup: Cleanup
+    ) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._owner = owner
+        self._sink = sink
+        self._cleanup = cleanup
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        timeout = self._owner.output_timeout
+        try:
+            item = await asyncio.wait_for(self._sink.get(), timeout)
+        except TimeoutError:
+            self.close()
+            raise TimeoutError(f"request {self.request_id!r}: no output in {timeout} s") from None
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Stop listening; an unfinished request is cleaned up on the engine thread. Returns at
+        once (safe in `finally` of a cancelled task); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        cleanup = None if self.finished else self._cleanup
+        self._owner.submit(self._owner._drop_stream, self.request_id, self._sink, cleanup)
+
+    async def aclose(self) -> object:
+        """`close()`, waiting (bounded) for the cleanup's result."""
+        if self._closed:
+            return None
+        self._closed = True
+        cleanup = None if self.finished else self._cleanup
+        return await self._owner.call(
+            self._owner._drop_stream, self.request_id, self._sink, cleanup
+        )
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
 
 
 class AsyncLLMEngine:
-    """Start with `AsyncLLMEngine(config)`; stop with `await shutdown()`."""
+    """Start with `AsyncLLMEngine(config)` or `AsyncLLMEngine(engine=...)`; stop with
+    `await shutdown()` (or `stop()` outside a loop)."""
 
     def __init__(
         self,
         config: EngineConfig | None = None,
         engine: LLMEngine | None = None,
+        *,
         output_timeout: float = 300.0,
+        call_timeout: float = 60.0,
+        name: str = "kvmesh-engine",
     ) -> None:
-        self.engine = engine or LLMEngine(config)
+        if engine is None:
+            from kvmesh.engine.engine import LLMEngine
+
+            engine = LLMEngine(config)
+        self.engine = engine
         self.output_timeout = output_timeout
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        self.call_timeout = call_timeout
+        self.error: BaseException | None = None
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="kvmesh-engine", daemon=True)
+        self._streams_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._steps = 0
+        self._load = LoadSnapshot()
+        self._refresh_load()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    # -- public API ------------------------------------------------------------------------
+    # -- requests --------------------------------------------------------------------------
     async def generate(
         self,
         request_id: str,
@@ -62,18 +167,12 @@ class AsyncLLMEngine:
         prefill_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and stream its outputs (each carries new_token_ids / new_text)."""
-        queue = await self.add_request(request_id, prompt, params, prefill_only=prefill_only)
-        finished = False
+        stream = await self.add_request(request_id, prompt, params, prefill_only=prefill_only)
         try:
-            while not finished:
-                item = await asyncio.wait_for(queue.get(), self.output_timeout)
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+            async for output in stream:
+                yield output
         finally:
-            if not finished:
-                await self.abort(request_id)
+            stream.close()
 
     async def add_request(
         self,
@@ -82,85 +181,252 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         *,
         prefill_only: bool = False,
-    ) -> asyncio.Queue[Any]:
-        """Queue a request; returns its output queue. InvalidParameterError on bad input."""
-        self._check_alive()
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+    ) -> RequestStream:
+        """Queue a request; its output stream. InvalidParameterError on bad input."""
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(request_id, prompt, params, prefill_only=prefill_only)
+
+        return await self.open_stream(request_id, add)
+
+    async def open_stream(
+        self,
+        request_id: str,
+        start: Callable[[LLMEngine], RequestOutput | None],
+        cleanup: Cleanup = abort_request,
+    ) -> RequestStream:
+        """Subscribe to `request_id` and run `start(engine)` in the same command (it adds the
+        request; an output it returns is the stream's first). `cleanup(engine, request_id)`
+        runs when the stream is left before its request finished."""
         loop = asyncio.get_running_loop()
+        sink: asyncio.Queue[Any] = asyncio.Queue()
 
-        def add() -> None:
-            if request_id in self._streams:
-                raise InvalidParameterError("request_id", f"{request_id!r} already exists")
-            self.engine.add_request(request_id, prompt, params, prefill_only=prefill_only)
-            self._streams[request_id] = (loop, queue)
+        def open_(engine: LLMEngine) -> None:
+            with self._streams_lock:
+                if request_id in self._streams:
+                    raise InvalidParameterError("request_id", f"{request_id!r} already exists")
+                self._streams[request_id] = (loop, sink)
+            try:
+                first = start(engine)
+            except BaseException:
+                self._drop_stream(engine, request_id, sink, None)
+                raise
+            if first is not None:
+                self._push(first)
 
-        await self.call(add)
-        self._wake.set()
-        return queue
+        try:
+            await self.call(open_)
+        except (asyncio.CancelledError, TimeoutError):
+            self.submit(self._drop_stream, request_id, sink, cleanup)  # runs after open_
+            raise
+        return RequestStream(self, request_id, sink, cleanup)
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a request (idempotent); True if it was still running."""
+        """Abort a request (idempotent); its stream ends with the aborted output. True if it
+        was still running."""
 
-        def abort() -> bool:
-            output = self.engine.abort_request(request_id)
-            stream = self._streams.pop(request_id, None)
-            if output is not None and stream is not None:
-                stream[0].call_soon_threadsafe(stream[1].put_nowait, output)
+        def abort(engine: LLMEngine) -> bool:
+            output = engine.abort_request(request_id)
+            if output is not None:
+                self._push(output)
             return output is not None
 
         return await self.call(abort)
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` in a thread while holding the engine lock (between steps)."""
+    # -- commands --------------------------------------------------------------------------
+    async def call(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
+        """Run `fn(engine, *args)` on the engine thread at the next step boundary; its result
+        or exception comes back here (TimeoutError after `timeout`, default `call_timeout`)."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        future.add_done_callback(_retrieve)  # a caller that gave up must not leave it unread
+        self._queue(_Command(fn, args, loop, future))
+        limit = self.call_timeout if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), limit)
+        except TimeoutError:
+            raise TimeoutError(f"engine call {_name(fn)} took over {limit} s") from None
 
-        def locked() -> T:
-            with self._lock:
-                return fn(*args)
+    def submit(self, fn: Callable[..., object], *args: Any) -> None:
+        """Queue `fn(engine, *args)` without waiting (cleanup that must happen even when the
+        caller is cancelled); its errors are logged. Dropped once the engine stopped."""
+        if not self._stopping.is_set():
+            self._queue(_Command(fn, args, None, None))
 
-        return await asyncio.to_thread(locked)
-
-    async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the step loop; open streams end with EngineDeadError."""
-        self._stop.set()
-        self._wake.set()
-        await asyncio.to_thread(self._thread.join, timeout)
-        self._fail_streams(EngineDeadError("engine shut down"))
+    def load(self) -> LoadSnapshot:
+        return self._load
 
     @property
     def num_unfinished(self) -> int:
+        """Open streams (requests someone is still listening to)."""
         return len(self._streams)
 
-    # -- worker thread ---------------------------------------------------------------------
-    def _loop(self) -> None:
+    # -- lifecycle -------------------------------------------------------------------------
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (joined within `timeout` s); open streams and waiting
+        callers get EngineDeadError. Idempotent."""
+        self._stopping.set()
+        self._commands.put(_Command(None, (), None, None))  # wake an idle thread
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                LOG.warning("engine thread still in a step after %.1f s at shutdown", timeout)
+        self._fail_pending(EngineDeadError("engine shut down"))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """`stop()` without blocking the event loop."""
+        self._stopping.set()
+        self._commands.put(_Command(None, (), None, None))
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        self.stop(0.0)
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
         try:
-            while not self._stop.is_set():
-                with self._lock:
-                    busy = self.engine.has_unfinished()
-                    outputs = self.engine.step() if busy else []
-                    self._deliver(outputs)
-                if not busy:
-                    self._wake.wait(_IDLE_WAIT_S)
-                    self._wake.clear()
-        except BaseException as error:  # the loop must report, not vanish
-            self._error = error
-            self._fail_streams(EngineDeadError(f"engine step failed: {error!r}"))
+            while not self._stopping.is_set():
+                self._run_commands(block=not self.engine.scheduler.has_unfinished())
+                if self._stopping.is_set():
+                    break
+                if self.engine.scheduler.has_unfinished():
+                    outputs = self.engine.step()
+                    self._steps += 1
+                    self._refresh_load()
+                    for output in outputs:
+                        self._push(output)
+        except BaseException as exc:  # the loop must report, not vanish
+            self.error = exc
+            LOG.exception("engine thread failed")
+        finally:
+            self._stopping.set()
+            self._stopped.set()
+            self._fail_pending(EngineDeadError(f"engine is not running ({self.error!r})"))
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            if output.finished:
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=IDLE_WAIT_SECONDS) if block else None
+        except queue.Empty:
+            return
+        while True:
+            if command is not None:
+                command.run(self)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _push(self, output: RequestOutput) -> None:
+        """Hand an output to its request's stream (engine thread; dropped when none)."""
+        with self._streams_lock:
+            target = self._streams.get(output.request_id)
+            if target is not None and output.finished:
                 del self._streams[output.request_id]
-            stream[0].call_soon_threadsafe(stream[1].put_nowait, output)
+        if target is not None:
+            _post(target[0], target[1].put_nowait, output)
 
-    def _fail_streams(self, error: BaseException) -> None:
-        with self._lock:
+    def _drop_stream(
+        self, engine: LLMEngine, request_id: str, sink: asyncio.Queue[Any], cleanup: Cleanup | None
+    ) -> object:
+        with self._streams_lock:
+            target = self._streams.get(request_id)
+            if target is not None and target[1] is sink:
+                del self._streams[request_id]
+        return None if cleanup is None else cleanup(engine, request_id)
+
+    def _refresh_load(self) -> None:
+        scheduler = self.engine.scheduler
+        metrics = scheduler.block_manager.metrics()
+        self._load = LoadSnapshot(
+            total_blocks=metrics.total_blocks,
+            free_blocks=metrics.free_blocks + metrics.evictable_blocks,
+            cached_blocks=metrics.cached_blocks,
+            running=scheduler.num_running,
+            waiting=scheduler.num_waiting,
+            steps=self._steps,
+        )
+
+    # -- either thread ---------------------------------------------------------------------
+    def _queue(self, command: _Command) -> None:
+        self._commands.put(command)
+        if self._stopped.is_set():  # the thread may have drained the queue before this put
+            self._fail_pending(EngineDeadError("engine shut down"))
+
+    def _fail_pending(self, error: BaseException) -> None:
+        """After the thread stopped: fail queued commands and open streams."""
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            return
+        while True:
+            try:
+                self._commands.get_nowait().fail(error)
+            except queue.Empty:
+                break
+        with self._streams_lock:
             streams, self._streams = self._streams, {}
-        for loop, queue in streams.values():
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(queue.put_nowait, error)
+        for loop, sink in streams.values():
+            _post(loop, sink.put_nowait, error)
 
     def _check_alive(self) -> None:
-        if self._error is not None or self._stop.is_set():
-            raise EngineDeadError(f"engine is not running ({self._error!r})")
+        if self._stopping.is_set():
+            raise EngineDeadError(f"engine is not running ({self.error!r})")
+
+
+class _Command:
+    """One function for the engine thread and, when someone waits, where its result goes."""
+
+    __slots__ = ("args", "fn", "future", "loop")
+
+    def __init__(
+        self,
+        fn: Callable[..., Any] | None,
+        args: tuple[Any, ...],
+        loop: asyncio.AbstractEventLoop | None,
+        future: asyncio.Future[Any] | None,
+    ) -> None:
+        self.fn, self.args, self.loop, self.future = fn, args, loop, future
+
+    def run(self, owner: AsyncLLMEngine) -> None:
+        if self.fn is None:
+            return
+        try:
+            result = self.fn(owner.engine, *self.args)
+        except Exception as exc:
+            owner._refresh_load()
+            if self.future is None:
+                LOG.warning("engine command %s failed: %r", _name(self.fn), exc)
+            self._settle(False, exc)
+        else:
+            owner._refresh_load()
+            self._settle(True, result)
+
+    def fail(self, error: BaseException) -> None:
+        self._settle(False, error)
+
+    def _settle(self, ok: bool, value: Any) -> None:
+        if self.loop is not None and self.future is not None:
+            _post(self.loop, _resolve, self.future, ok, value)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _resolve(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if future.done():
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """Schedule `fn(*args)` on `loop`; a loop that already closed has no one to tell."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", repr(fn))

@@ -51,16 +51,6 @@ class ControlAgent:
         if self._channel is not None:
             await self._channel.close(None)
 
-    def _load(self) -> worker_pb2.WorkerLoad:
-        load = self.runtime.worker.load()
-        return worker_pb2.WorkerLoad(
-            total_blocks=load.total_blocks,
-            free_blocks=load.free_blocks,
-            cached_blocks=load.cached_blocks,
-            running=load.running,
-            waiting=load.waiting,
-        )
-
     async def _run(self) -> None:
         assert self._channel is not None
         stub = worker_pb2_grpc.ControlServiceStub(self._channel)
@@ -79,7 +69,7 @@ class ControlAgent:
 
     async def _register(self, stub: worker_pb2_grpc.ControlServiceStub) -> None:
         request = worker_pb2.RegisterRequest(
-            worker=self.info, held=self.services.held(), load=self._load()
+            worker=self.info, held=self.services.held(), load=self.runtime.load_proto()
         )
         response = await stub.Register(request, timeout=RPC_TIMEOUT_SECONDS)
         if response.heartbeat_interval_seconds > 0:
@@ -92,7 +82,7 @@ class ControlAgent:
         request = worker_pb2.HeartbeatRequest(
             worker_id=self.info.worker_id,
             epoch=self.info.epoch,
-            load=self._load(),
+            load=self.runtime.load_proto(),
             held=self.services.held(),
         )
         response = await stub.Heartbeat(request, timeout=RPC_TIMEOUT_SECONDS)

@@ -1,23 +1,21 @@
-"""Command-line options every worker role shares, and building its runtime from them."""
+"""Command-line options every worker role shares, and building its runtime from them.
+
+Building the parser imports neither torch nor the engine: `kvmesh serve ROLE --help` and the
+deploy checks stay fast. The engine is imported when a runtime is built.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvmesh.engine.config import EngineConfig
-from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.loader import resolve_model_path
-from kvmesh.service.engine_worker import EngineWorker
-from kvmesh.service.runtime import (
-    WorkerRuntime,
-    layout_of,
-    model_fingerprint,
-    model_info,
-    new_epoch,
-)
 from kvmesh.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from kvmesh.service.runtime import WorkerRuntime
 
 ROLES = {
     "prefill": worker_pb2.WORKER_ROLE_PREFILL,
@@ -72,6 +70,8 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from kvmesh.engine.loader import resolve_model_path
+
     return EngineConfig(
         model=str(resolve_model_path(args.model)),
         device=args.device,
@@ -88,12 +88,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def build_runtime(config: EngineConfig, role: str, worker_id: str | None = None) -> WorkerRuntime:
     """Load the model, start the engine thread and describe the worker."""
+    from kvmesh.engine.async_engine import AsyncLLMEngine
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.service.runtime import (
+        WorkerRuntime,
+        layout_of,
+        model_fingerprint,
+        model_info,
+        new_epoch,
+    )
+
     engine = LLMEngine(config)
-    worker = EngineWorker(engine, name=f"kvmesh-{role}-engine")
-    worker.start()
     fingerprint = model_fingerprint(engine.parts.loaded.path)
     return WorkerRuntime(
-        worker=worker,
+        engine=AsyncLLMEngine(engine=engine, name=f"kvmesh-{role}-engine"),
         worker_id=worker_id or default_worker_id(role),
         epoch=new_epoch(),
         layout=layout_of(engine, fingerprint),

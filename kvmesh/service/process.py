@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -48,8 +49,14 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
 
     async def main(stop: asyncio.Event) -> None:
         runtime = build_runtime(engine_config(args), role, args.worker_id)
+        try:
+            await serve(runtime, stop)
+        finally:
+            await runtime.engine.shutdown()
+
+    async def serve(runtime: WorkerRuntime, stop: asyncio.Event) -> None:
         metrics = WorkerMetrics()
-        bind_load_gauges(metrics, runtime.worker.load)
+        bind_load_gauges(metrics, runtime.engine.load)
         server = WorkerServer(args.host, args.port, reflection=args.reflection)
         services = await install(runtime, server, args, metrics)
         await server.start()
@@ -73,11 +80,12 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
         )
         await stop.wait()
         LOG.info("%s %s draining", role, runtime.worker_id)
+        started = time.monotonic()
         await server.drain(args.drain_seconds)
         if agent is not None:
             await agent.stop()
         await services.close()
-        runtime.worker.stop()
+        LOG.info("%s %s drained in %.2f s", role, runtime.worker_id, time.monotonic() - started)
 
     return run_until_signal(main)
 
@@ -95,21 +103,10 @@ def worker_info(
         address=address,
         epoch=runtime.epoch,
         layout=runtime.layout,
-        num_blocks=runtime.worker.load().total_blocks,
+        num_blocks=runtime.engine.load().total_blocks,
         transfer_endpoints=services.transfer_endpoints,
         model=runtime.model,
         metrics_address=metrics_address,
-    )
-
-
-def load_proto(runtime: WorkerRuntime) -> worker_pb2.WorkerLoad:
-    load = runtime.worker.load()
-    return worker_pb2.WorkerLoad(
-        total_blocks=load.total_blocks,
-        free_blocks=load.free_blocks,
-        cached_blocks=load.cached_blocks,
-        running=load.running,
-        waiting=load.waiting,
     )
 
 

@@ -7,7 +7,9 @@ import hashlib
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
+from kvmesh.engine.async_engine import AsyncLLMEngine
 from kvmesh.engine.disagg import build_request
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.errors import InvalidParameterError
@@ -18,7 +20,6 @@ from kvmesh.engine.sampling_params import (
 )
 from kvmesh.engine.sequence import Request
 from kvmesh.service.convert import sampling_from_proto
-from kvmesh.service.engine_worker import EngineWorker
 from kvmesh.v1 import generation_pb2, worker_pb2
 
 LAYOUT_NAME = "block-major-v1"
@@ -86,17 +87,35 @@ def model_info(engine: LLMEngine, mode: str) -> generation_pb2.ModelInfo:
 
 @dataclasses.dataclass
 class WorkerRuntime:
-    """One worker process's engine thread and identity."""
+    """One worker process's engine (its thread, via AsyncLLMEngine) and identity."""
 
-    worker: EngineWorker
+    engine: AsyncLLMEngine
     worker_id: str
     epoch: int
     layout: worker_pb2.KVCacheLayout
     model: generation_pb2.ModelInfo
 
     @property
-    def engine(self) -> LLMEngine:
-        return self.worker.engine
+    def core(self) -> LLMEngine:
+        """The LLMEngine itself: read only what never changes (tokenizer, vocabulary, cache
+        tensors) from other threads; everything else goes through `engine.call`."""
+        return self.engine.engine
+
+    def kv_cache_tensors(self) -> tuple[Any, Any]:
+        """The paged KV cache (`[num_blocks, ...]`) and its scales (None unless quantized), the
+        tensors a KV transfer BlockStore reads and writes."""
+        cache = self.core.runner.kv_cache
+        return cache.data, getattr(cache, "scales", None)
+
+    def load_proto(self) -> worker_pb2.WorkerLoad:
+        load = self.engine.load()
+        return worker_pb2.WorkerLoad(
+            total_blocks=load.total_blocks,
+            free_blocks=load.free_blocks,
+            cached_blocks=load.cached_blocks,
+            running=load.running,
+            waiting=load.waiting,
+        )
 
     def prepare(self, message: generation_pb2.GenerateRequest) -> worker_pb2.EngineRequest:
         """Validate and tokenize a client request (InvalidParameterError names the field)."""
@@ -105,11 +124,11 @@ class WorkerRuntime:
         params = sampling_from_proto(message.sampling)
         which = message.WhichOneof("prompt")
         if which == "text":
-            if self.engine.tokenizer is None:
+            if self.core.tokenizer is None:
                 raise InvalidParameterError("prompt.text", "this model has no tokenizer")
             if not message.text:
                 raise InvalidParameterError("prompt", "must contain at least one token")
-            ids = list(self.engine.tokenizer.encode(message.text))
+            ids = list(self.core.tokenizer.encode(message.text))
         elif which == "token_ids":
             ids = list(message.token_ids.ids)
         else:
@@ -134,7 +153,7 @@ class WorkerRuntime:
     def build(self, request_id, ids, params, salt: bytes, prefill_only: bool = False) -> Request:
         try:
             return build_request(
-                self.engine, request_id, ids, params, extra_key=salt, prefill_only=prefill_only
+                self.core, request_id, ids, params, extra_key=salt, prefill_only=prefill_only
             )
         except InvalidParameterError as exc:
             if exc.field == "prompt_token_ids":

@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -23,6 +26,7 @@ from opentelemetry import propagate, trace
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 SERVING = health_pb2.HealthCheckResponse.SERVING
 READY_PREFIX = "KVMESH_READY "
+LOG = logging.getLogger("kvmesh.service")
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -82,6 +86,32 @@ class WorkerServer:
         """NOT_SERVING everywhere, then stop, giving in-flight calls `grace` seconds."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+
+
+async def close_within(
+    closers: Sequence[Callable[[], object]], timeout: float, what: str = "resource"
+) -> None:
+    """Run blocking `close` functions in parallel, each on its own daemon thread, and wait at
+    most `timeout` s for all of them (a stuck one is logged and left behind)."""
+    threads = [
+        threading.Thread(target=_quietly, args=(close, what), name=f"close-{what}", daemon=True)
+        for close in closers
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    stuck = sum(t.is_alive() for t in threads)
+    if stuck:
+        LOG.warning("%d %s close call(s) still running after %.1f s", stuck, what, timeout)
+
+
+def _quietly(close: Callable[[], object], what: str) -> None:
+    try:
+        close()
+    except Exception:
+        LOG.exception("closing a %s failed", what)
 
 
 def print_ready(role: str, address: str, worker_id: str, **extra: Any) -> None:

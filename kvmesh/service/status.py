@@ -5,7 +5,8 @@
 | InvalidParameterError (field named)         | INVALID_ARGUMENT    |
 | CapacityError, ServiceError(RESOURCE_...)   | RESOURCE_EXHAUSTED  |
 | kv_transfer errors (matched by `.code`)      | see TRANSFER_CODES  |
-| EngineStoppedError                          | UNAVAILABLE         |
+| EngineDeadError (the engine thread stopped) | UNAVAILABLE         |
+| TimeoutError (an engine wait ran out)       | DEADLINE_EXCEEDED   |
 | anything else                               | INTERNAL            |
 """
 
@@ -13,9 +14,9 @@ from __future__ import annotations
 
 import grpc
 
+from kvmesh.engine.async_engine import EngineDeadError
 from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.memory.errors import CapacityError
-from kvmesh.service.engine_worker import EngineStoppedError
 
 # kv_transfer.errors.TransferError.code -> status (matched by name: kvmesh never imports it)
 TRANSFER_CODES = {
@@ -50,13 +51,15 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
     if isinstance(error, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, EngineStoppedError):
+    if isinstance(error, EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE, str(error)
     transfer_code = getattr(error, "code", None)
     if isinstance(transfer_code, str) and transfer_code in TRANSFER_CODES:
         return TRANSFER_CODES[transfer_code], f"kv transfer: {error}"
     if isinstance(transfer_code, str) and transfer_code == "transfer_error":
         return grpc.StatusCode.ABORTED, f"kv transfer: {error}"
+    if isinstance(error, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
 
 

@@ -1,42 +1,37 @@
-"""Relay a request's RequestOutputs from the engine thread as DecodeResponses."""
+"""Relay a request's RequestOutputs from its engine stream as DecodeResponses."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.service.convert import decode_responses
 from kvmesh.v1 import worker_pb2
 
 
-async def outputs_until_finished(
-    sink: asyncio.Queue[RequestOutput], first: RequestOutput | None = None
-) -> AsyncIterator[RequestOutput]:
-    """Yield outputs until one is finished (the call's deadline or cancellation bounds it)."""
-    if first is not None:
-        yield first
-        if first.finished:
-            return
-    while True:
-        output = await sink.get()
-        yield output
-        if output.finished:
-            return
-
-
 async def responses(
-    sink: asyncio.Queue[RequestOutput],
+    stream: RequestStream,
     started: float,
     first: RequestOutput | None = None,
     *,
     queue_seconds: float = 0.0,
     prefill_seconds: float = 0.0,
 ) -> AsyncIterator[worker_pb2.DecodeResponse]:
-    """Responses until the request finished; the first carries the timings."""
+    """Responses for `first` (already taken from the stream), then the rest of the stream
+    until the request finished; the first response carries the timings."""
     timed = False
-    async for output in outputs_until_finished(sink, first):
+
+    async def outputs() -> AsyncIterator[RequestOutput]:
+        if first is not None:
+            yield first
+            if first.finished:
+                return
+        async for output in stream:
+            yield output
+
+    async for output in outputs():
         for response in decode_responses(output):
             if not timed:
                 response.first_decode_seconds = time.monotonic() - started
@@ -44,5 +39,3 @@ async def responses(
                 response.prefill_seconds = prefill_seconds
                 timed = True
             yield response
-        if output.finished:
-            return

@@ -57,7 +57,10 @@ def test_streams_match_offline_and_abort_frees_blocks(checkpoint: Path) -> None:
             with pytest.raises(InvalidParameterError):
                 await engine.add_request("bad", [1, 99999], PARAMS)
             bm = engine.engine.scheduler.block_manager
-            assert await engine.call(lambda: bm.num_free_blocks) == bm.num_blocks
+            assert (
+                await engine.call(lambda e: e.scheduler.block_manager.num_free_blocks)
+                == bm.num_blocks
+            )
             assert engine.num_unfinished == 0
         finally:
             await engine.shutdown()

@@ -51,13 +51,13 @@ class RunningWorker:
         return self.server.address
 
     def free_blocks(self) -> int:
-        return self.runtime.worker.load().free_blocks
+        return self.runtime.engine.load().free_blocks
 
     def stop(self) -> None:
         self.channel.close()
         self.loop.run(self.server.drain(0.5))
         self.loop.run(self.role.close())
-        self.runtime.worker.stop()
+        self.runtime.engine.stop()
 
 
 def engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
