@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include <omp.h>
@@ -112,36 +113,147 @@ KVM_INLINE const float* load_row(const char* base, int64_t elem, const float* lu
   return buf;
 }
 
-KVM_INLINE float dot1(const float* a, const float* k, int64_t n) {
-  // Four chains over the four quarters of the row (head dims are multiples of 16).
-  const int64_t q = n / 4;
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-  for (int64_t d = 0; d < q; ++d) {
-    s0 += a[d] * k[d];
-    s1 += a[d + q] * k[d + q];
-    s2 += a[d + 2 * q] * k[d + 2 * q];
-    s3 += a[d + 3 * q] * k[d + 3 * q];
-  }
-  return (s0 + s1) + (s2 + s3);
+#pragma GCC diagnostic ignored "-Wpsabi"  // f8 only crosses always-inline calls
+
+// 8-float vectors (GCC vector extensions): one AVX2 register in the x86-64-v3 clone, two SSE
+// registers in the baseline clone; a * b + c contracts to FMA where the ISA has it.
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8v __attribute__((vector_size(32)));
+
+KVM_INLINE f8 ld8(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+KVM_INLINE void st8(float* p, f8 v) { std::memcpy(p, &v, sizeof(v)); }
+KVM_INLINE f8 vmax(f8 a, f8 b) { return a > b ? a : b; }
+KVM_INLINE float hsum(f8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+KVM_INLINE float hmax(f8 v) {
+  float m = v[0];
+  for (int j = 1; j < 8; ++j) m = std::max(m, v[j]);
+  return m;
 }
 
-KVM_INLINE void dot4(const float* q, int64_t n, const float* k, float* s, int64_t stride) {
-  // Four query rows (q, q + n, ...) against one key row: K read once, four chains.
-  const float *a0 = q, *a1 = q + n, *a2 = q + 2 * n, *a3 = q + 3 * n;
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-  for (int64_t d = 0; d < n; ++d) {
-    const float kd = k[d];
-    s0 += a0[d] * kd;
-    s1 += a1[d] * kd;
-    s2 += a2[d] * kd;
-    s3 += a3[d] * kd;
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define KVM_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define KVM_SHUF(a, b, ...) __builtin_shuffle(a, b, i8v{__VA_ARGS__})
+#endif
+
+// Broadcast. Written as a shuffle: GCC builds f8{x, x, ...} lane by lane inside target clones.
+KVM_INLINE f8 splat(float x) {
+  const f8 v = f8{x};
+  return KVM_SHUF(v, v, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+
+// Pairwise horizontal add of a and b per 128-bit lane (vhaddps).
+KVM_INLINE f8 hadd(f8 a, f8 b) {
+  return KVM_SHUF(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + KVM_SHUF(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+// Eight horizontal sums at once: result[j] = sum of the lanes of a[j].
+KVM_INLINE f8 reduce8(const f8* a) {
+  const f8 u0 = hadd(hadd(a[0], a[1]), hadd(a[2], a[3]));  // lanes: 0123 | 0123 halves
+  const f8 u1 = hadd(hadd(a[4], a[5]), hadd(a[6], a[7]));
+  return KVM_SHUF(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) + KVM_SHUF(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// exp(x) for x <= 0 (scores minus the running max), -inf -> 0. Cephes expf: Cody-Waite range
+// reduction and a degree-6 polynomial, about 1 ulp; below ln(FLT_MIN) the result is 0.
+KVM_INLINE f8 exp8(f8 x) {
+  const f8 lo = splat(-87.33654475f);
+  const f8 xc = vmax(x, lo);
+  const f8 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const f8 n = (xc * splat(1.44269504088896341f) + magic) - magic;
+  f8 r = xc - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  f8 y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * (r * r) + r + splat(1.f);
+  const i8v e = (__builtin_convertvector(n, i8v) + 127) << 23;  // 2^n, n in [-126, 0]
+  f8 pow2;
+  std::memcpy(&pow2, &e, sizeof(pow2));
+  y *= pow2;
+  i8v bits;
+  std::memcpy(&bits, &y, sizeof(bits));
+  bits &= x >= lo;  // all-ones lanes where x >= lo
+  std::memcpy(&y, &bits, sizeof(y));
+  return y;
+}
+
+// Scores of R query rows (stride D) against KB key rows: R x KB accumulators over head_dim in
+// registers, one reduction per tile. s[r * sp + j].
+template <int R, int KB>
+KVM_INLINE void qk_tile(const float* q, int64_t D, const float* const* kp, float* s, int64_t sp) {
+  f8 acc[R * KB];
+  for (int j = 0; j < R * KB; ++j) acc[j] = f8{};
+  for (int64_t d = 0; d < D; d += 8) {
+    f8 kv[KB];
+    for (int j = 0; j < KB; ++j) kv[j] = ld8(kp[j] + d);
+    for (int r = 0; r < R; ++r) {
+      const f8 qv = ld8(q + r * D + d);
+      for (int j = 0; j < KB; ++j) acc[r * KB + j] += qv * kv[j];
+    }
   }
-  s[0] = s0;
-  s[stride] = s1;
-  s[2 * stride] = s2;
-  s[3 * stride] = s3;
+  if constexpr (R * KB == 8) {
+    const f8 t = reduce8(acc);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < KB; ++j) s[r * sp + j] = t[r * KB + j];
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < KB; ++j) s[r * sp + j] = hsum(acc[r * KB + j]);
+  }
+}
+
+// s[r * sp + i] = q_r . k_i for rows < nrows, keys < round_up(n, 8) (kp padded to that).
+KVM_INLINE void scores(const float* q, int64_t nrows, const float* const* kp, int64_t n,
+                       int64_t D, float* s, int64_t sp) {
+  int64_t r = 0;
+  for (; r + 4 <= nrows; r += 4)
+    for (int64_t i = 0; i < n; i += 2) qk_tile<4, 2>(q + r * D, D, kp + i, s + r * sp + i, sp);
+  for (; r + 2 <= nrows; r += 2)
+    for (int64_t i = 0; i < n; i += 4) qk_tile<2, 4>(q + r * D, D, kp + i, s + r * sp + i, sp);
+  for (; r < nrows; ++r)
+    for (int64_t i = 0; i < n; i += 8) qk_tile<1, 8>(q + r * D, D, kp + i, s + r * sp + i, sp);
+}
+
+// acc[r][d0 .. d0 + 8 DV) += sum_i p[r * sp + i] * v_i[d0 ..]: R x DV accumulators in registers
+// for the whole block, so acc is loaded and stored once per block.
+template <int R, int DV>
+KVM_INLINE void pv_tile(float* acc, int64_t D, const float* p, int64_t sp,
+                        const float* const* vp, int64_t n, int64_t d0) {
+  f8 a[R * DV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < DV; ++j) a[r * DV + j] = ld8(acc + r * D + d0 + 8 * j);
+  for (int64_t i = 0; i < n; ++i) {
+    f8 vv[DV];
+    for (int j = 0; j < DV; ++j) vv[j] = ld8(vp[i] + d0 + 8 * j);
+    for (int r = 0; r < R; ++r) {
+      const f8 w = splat(p[r * sp + i]);
+      for (int j = 0; j < DV; ++j) a[r * DV + j] += w * vv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < DV; ++j) st8(acc + r * D + d0 + 8 * j, a[r * DV + j]);
+}
+
+KVM_INLINE void pv(float* acc, int64_t nrows, const float* p, int64_t sp, const float* const* vp,
+                   int64_t n, int64_t D) {
+  int64_t r = 0;
+  for (; r + 4 <= nrows; r += 4)
+    for (int64_t d0 = 0; d0 < D; d0 += 16) pv_tile<4, 2>(acc + r * D, D, p + r * sp, sp, vp, n, d0);
+  for (; r + 2 <= nrows; r += 2)
+    for (int64_t d0 = 0; d0 < D; d0 += 16) pv_tile<2, 2>(acc + r * D, D, p + r * sp, sp, vp, n, d0);
+  for (; r < nrows; ++r) {
+    int64_t d0 = 0;
+    for (; d0 + 32 <= D; d0 += 32) pv_tile<1, 4>(acc + r * D, D, p + r * sp, sp, vp, n, d0);
+    for (; d0 < D; d0 += 16) pv_tile<1, 2>(acc + r * D, D, p + r * sp, sp, vp, n, d0);
+  }
 }
 
 KVM_INLINE void axpy(float* acc, float w, const float* v, int64_t n) {
@@ -149,10 +261,18 @@ KVM_INLINE void axpy(float* acc, float w, const float* v, int64_t n) {
   for (int64_t d = 0; d < n; ++d) acc[d] += w * v[d];
 }
 
+// Uninitialized per-thread buffer (every element is written before it is read).
+template <typename T>
+struct Buf {
+  std::unique_ptr<T[]> ptr;
+  void resize(int64_t n) { ptr.reset(new T[static_cast<size_t>(std::max<int64_t>(n, 1))]); }
+  T* data() { return ptr.get(); }
+};
+
 struct Scratch {
-  std::vector<float> q, acc, s, kbuf, vbuf, m, l;
-  std::vector<int64_t> pos;
-  std::vector<const float*> vrows;
+  Buf<float> q, acc, s, kbuf, vbuf, m, l;
+  Buf<int64_t> pos;
+  Buf<const float*> kp, vp;
 };
 
 // Rows are ordered [head][token][g]: row = (h - h0) * ntok * G + (t - t0) * G + g.
@@ -160,6 +280,7 @@ template <int DT>
 KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t rmax,
                          float* part_acc, float* part_ml) {
   const int64_t D = p.head_dim, bs = p.block_size, hq = p.num_q_heads;
+  const int64_t sp = (bs + 7) / 8 * 8;  // score row stride: whole vectors
   const int64_t G = hq / p.num_kv_heads;
   const int64_t ntok = it.t1 - it.t0, nheads = it.h1 - it.h0;
   const int64_t rph = ntok * G;  // rows per kv head
@@ -182,6 +303,8 @@ KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t r
   float* m = sc.m.data();
   float* l = sc.l.data();
   int64_t* pos = sc.pos.data();
+  const float** kp = sc.kp.data();
+  const float** vp = sc.vp.data();
   const int64_t pos_min = seq_len - q_len + it.t0, pos_max = seq_len - q_len + it.t1 - 1;
   for (int64_t hh = 0; hh < nheads; ++hh) {
     for (int64_t t = 0; t < ntok; ++t) {
@@ -206,85 +329,77 @@ KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t r
     const int64_t vbase = kbase + p.s_kv;
     const int64_t sbase = phys * p.ss_block + off0 * p.ss_tok;
 
-    // Scores s[r * bs + i], token-major over the block so K is read in address order.
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t hh = 0; hh < nheads; ++hh) {
-        const int64_t h = it.h0 + hh;
-        const float* k = load_row<DT>(data, kbase + i * p.s_tok + h * p.s_head, lut,
-                                      sc.kbuf.data(), D);
-        const float* qh = q + hh * rph * D;
-        float* sh = s + hh * rph * bs + i;
-        int64_t r = 0;
-        for (; r + 4 <= rph; r += 4) dot4(qh + r * D, D, k, sh + r * bs, bs);
-        for (; r < rph; ++r) sh[r * bs] = dot1(qh + r * D, k, D);
-        if (quant) {
+    // Scores s[r * sp + i]: per kv head, register tiles of query rows x keys.
+    for (int64_t hh = 0; hh < nheads; ++hh) {
+      const int64_t h = it.h0 + hh;
+      for (int64_t i = 0; i < n; ++i) {
+        kp[i] = load_row<DT>(data, kbase + i * p.s_tok + h * p.s_head, lut,
+                             sc.kbuf.data() + i * D, D);
+      }
+      for (int64_t i = n; i < sp; ++i) kp[i] = kp[0];  // padding keys, scores discarded
+      float* sh = s + hh * rph * sp;
+      scores(q + hh * rph * D, rph, kp, n, D, sh, sp);
+      if (quant) {
+        for (int64_t i = 0; i < n; ++i) {
           const float ks = scales[sbase + i * p.ss_tok + h * p.ss_head];
-          for (r = 0; r < rph; ++r) sh[r * bs] *= ks;
+          for (int64_t r = 0; r < rph; ++r) sh[r * sp + i] *= ks;
         }
       }
     }
     const bool full = k_hi - 1 <= pos_min && (p.window <= 0 || k_lo > pos_max - p.window);
-    if (!full) {
-      for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s + r * sp;
+      if (!full) {
         for (int64_t i = 0; i < n; ++i) {
           const int64_t t = k_lo + i;
-          if (t > pos[r] || (p.window > 0 && t <= pos[r] - p.window)) s[r * bs + i] = kNegInf;
+          if (t > pos[r] || (p.window > 0 && t <= pos[r] - p.window)) sr[i] = kNegInf;
         }
       }
+      for (int64_t i = n; i < sp; ++i) sr[i] = kNegInf;
     }
-    // Online softmax: s becomes probabilities relative to the running max.
+    // Online softmax, rescaling once per block: s becomes probabilities relative to the
+    // running max.
     for (int64_t r = 0; r < rows; ++r) {
-      float* sr = s + r * bs;
-      float mx = kNegInf;
-      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
+      float* sr = s + r * sp;
+      f8 mx8 = ld8(sr);
+      for (int64_t c = 8; c < sp; c += 8) mx8 = vmax(mx8, ld8(sr + c));
+      const float mx = hmax(mx8);
       if (mx == kNegInf) {
-        std::fill(sr, sr + n, 0.f);
+        std::fill(sr, sr + sp, 0.f);
         continue;
       }
       const float m_new = std::max(m[r], mx);
       const float corr = std::exp(m[r] - m_new);
-      float sum = 0.f;
-      for (int64_t i = 0; i < n; ++i) {
-        sr[i] = std::exp(sr[i] - m_new);
-        sum += sr[i];
+      const f8 mv = splat(m_new);
+      f8 sum8 = f8{};
+      for (int64_t c = 0; c < sp; c += 8) {
+        const f8 e = exp8(ld8(sr + c) - mv);
+        st8(sr + c, e);
+        sum8 += e;
       }
       if (corr != 1.f) {
         float* ar = acc + r * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
       }
-      l[r] = l[r] * corr + sum;
+      l[r] = l[r] * corr + hsum(sum8);
       m[r] = m_new;
     }
-    // acc += p * V per head: each output element accumulates over the block's n keys in a
-    // register (V rows stay in L1), so acc is loaded and stored once per block.
+    // acc += p x V per kv head: rank-n update with accumulators in registers.
     for (int64_t hh = 0; hh < nheads; ++hh) {
       const int64_t h = it.h0 + hh;
       for (int64_t i = 0; i < n; ++i) {
-        sc.vrows[i] = load_row<DT>(data, vbase + i * p.s_tok + h * p.s_head, lut,
-                                   sc.vbuf.data() + i * D, D);
+        vp[i] = load_row<DT>(data, vbase + i * p.s_tok + h * p.s_head, lut,
+                             sc.vbuf.data() + i * D, D);
       }
+      float* sh = s + hh * rph * sp;
       if (quant) {
         for (int64_t i = 0; i < n; ++i) {
           const float vs = scales[sbase + p.ss_kv + i * p.ss_tok + h * p.ss_head];
-          for (int64_t r = hh * rph; r < (hh + 1) * rph; ++r) s[r * bs + i] *= vs;
+          for (int64_t r = 0; r < rph; ++r) sh[r * sp + i] *= vs;
         }
       }
-      const float* const* vr = sc.vrows.data();
-      for (int64_t r = hh * rph; r < (hh + 1) * rph; ++r) {
-        const float* w = s + r * bs;
-        float* ar = acc + r * D;
-        for (int64_t d0 = 0; d0 < D; d0 += 16) {  // head dims are multiples of 16
-          float a[16];
-          for (int j = 0; j < 16; ++j) a[j] = ar[d0 + j];
-          for (int64_t i = 0; i < n; ++i) {
-            const float wi = w[i];
-            const float* v = vr[i] + d0;
-            for (int j = 0; j < 16; ++j) a[j] += wi * v[j];
-          }
-          for (int j = 0; j < 16; ++j) ar[d0 + j] = a[j];
-        }
-      }
+      pv(acc + hh * rph * D, rph, sh, sp, vp, n, D);
     }
     k_lo = k_hi;
   }
@@ -330,10 +445,12 @@ void run_items(const Params& p, const std::vector<Item>& items, int64_t rmax, fl
     Scratch sc;
     sc.q.resize(rmax * D);
     sc.acc.resize(rmax * D);
-    sc.s.resize(rmax * bs);
-    sc.kbuf.resize(D);
+    const int64_t sp = (bs + 7) / 8 * 8;
+    sc.s.resize(rmax * sp);
+    sc.kbuf.resize(bs * D);
     sc.vbuf.resize(bs * D);
-    sc.vrows.resize(bs);
+    sc.kp.resize(sp);
+    sc.vp.resize(sp);
     sc.m.resize(rmax);
     sc.l.resize(rmax);
     sc.pos.resize(rmax);
