@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
+import contextlib
 import logging
+import os
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from kvmesh.service.options import ROLES, build_runtime, engine_config, parse
 from kvmesh.service.runtime import WorkerRuntime
@@ -40,7 +44,8 @@ Install = Callable[
 
 
 def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
-    """Parse options, start everything, print the ready line, run until SIGTERM/SIGINT."""
+    """Parse options, start everything, print the ready line, run until SIGTERM/SIGINT, drain,
+    and end the process with the exit code."""
     args = parse(role, argv, transfer=role != "colocated")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from kvmesh.telemetry.tracing import setup_tracing
@@ -87,7 +92,20 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
         await services.close()
         LOG.info("%s %s drained in %.2f s", role, runtime.worker_id, time.monotonic() - started)
 
-    return run_until_signal(main)
+    return exit_process(run_until_signal(main))
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the worker process once it has stopped everything it started: atexit hooks run
+    (trace export, transfer pools), then the process exits without interpreter teardown, which
+    would only destroy torch and grpc globals (1-2 s) and can abort in the C++ destructor of a
+    thread some library still holds."""
+    logging.shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def worker_info(

@@ -9,6 +9,7 @@ import pytest
 
 from kvmesh.engine.async_engine import AsyncLLMEngine
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.llm import LLM
 from kvmesh.engine.sampling_params import SamplingParams
@@ -66,3 +67,77 @@ def test_streams_match_offline_and_abort_frees_blocks(checkpoint: Path) -> None:
             await engine.shutdown()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+
+
+def test_calls_streams_load_and_shutdown(checkpoint: Path) -> None:
+    """The interface the services use: calls at step boundaries in order, custom streams with
+    their cleanup, a load snapshot fresh when a call returns, bounded waits, clean shutdown."""
+    from kvmesh.engine import disagg
+    from kvmesh.engine.async_engine import EngineDeadError
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(EngineConfig(model=str(checkpoint), num_kv_blocks=64))
+        total = engine.load().total_blocks
+        try:
+            blocks = await engine.call(disagg.reserve_blocks, "held", 40)
+            assert blocks is not None and len(blocks) == 3
+            assert engine.load().free_blocks == total - 3  # refreshed before the call returned
+            with pytest.raises(InvalidParameterError):  # the command's exception comes back
+                await engine.call(disagg.reserve_blocks, "held", 40)
+            assert await engine.call(disagg.free_reservation, "held") is True
+
+            with pytest.raises(TimeoutError):
+                await engine.call(lambda e: __import__("time").sleep(0.3), timeout=0.05)
+            assert await engine.call(lambda e: "after") == "after"  # commands keep their order
+
+            cleaned: list[str] = []
+
+            def cleanup(e: object, request_id: str) -> None:
+                cleaned.append(request_id)
+                engine.engine.abort_request(request_id)
+
+            long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+
+            def start(e: LLMEngine) -> None:
+                e.add_request("custom", list(PROMPTS[0]), long)
+
+            stream = await engine.open_stream("custom", start, cleanup)
+            assert not (await anext(stream)).finished
+            await stream.aclose()
+            assert cleaned == ["custom"] and engine.num_unfinished == 0
+            assert engine.load().free_blocks == total
+
+            open_stream = await engine.add_request("open", list(PROMPTS[1]), long)
+            await anext(open_stream)
+        finally:
+            await engine.shutdown(timeout=10)
+        assert not engine._thread.is_alive()
+        with pytest.raises(EngineDeadError):
+            async for _ in open_stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await engine.call(lambda e: None)
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+
+
+def test_a_failed_step_ends_every_stream(checkpoint: Path) -> None:
+    from kvmesh.engine.async_engine import EngineDeadError
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(EngineConfig(model=str(checkpoint), num_kv_blocks=64))
+        try:
+
+            def broken() -> list[object]:
+                raise RuntimeError("kernel failed")
+
+            await engine.call(lambda e: setattr(e, "step", broken))
+            stream = await engine.add_request("doomed", list(PROMPTS[0]), PARAMS)
+            with pytest.raises(EngineDeadError):
+                await anext(stream)
+            with pytest.raises(EngineDeadError):
+                await engine.call(lambda e: None)
+        finally:
+            await engine.shutdown(timeout=5)
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -20,6 +21,7 @@ from kvmesh.service.server import WorkerServer
 
 T = TypeVar("T")
 NUM_BLOCKS = 48
+TRANSFER_THREADS = ("kv-", "kvmesh-")  # thread names of kv_transfer and of engine threads
 BLOCK_SIZE = 16
 
 
@@ -35,8 +37,12 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def close(self) -> None:
+        """Stop the loop and its executor threads, then close it (all bounded)."""
+        self.run(self.loop.shutdown_default_executor(), timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 class RunningWorker:
@@ -102,8 +108,25 @@ def svc_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("svc-llama"), "llama", "test", seed=0)
 
 
+def close_transfer_links(timeout: float = 5.0) -> list[str]:
+    """Shut the gloo sender links kv_transfer pools for reuse (otherwise kept until exit) and
+    wait for the receivers' link threads to end: a thread still inside gloo when the
+    interpreter exits aborts the process. Returns the names of threads still alive."""
+    gloo = sys.modules.get("kv_transfer.backends.gloo")
+    if gloo is not None:
+        gloo._POOL.close_all()
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [t.name for t in threading.enumerate() if t.name.startswith(TRANSFER_THREADS)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.01)
+
+
 @pytest.fixture(scope="session")
 def svc_loop() -> Any:
     loop = LoopThread()
     yield loop
     loop.close()
+    left = close_transfer_links()
+    assert not left, f"transfer threads still running after every worker stopped: {left}"
