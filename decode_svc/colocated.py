@@ -73,11 +73,7 @@ class ColocatedPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrepareResponse:
         with span(TRACER, "colocated.prepare", context):
-            try:
-                return worker_pb2.PrepareResponse(request=self.runtime.prepare(request.request))
-            except Exception as exc:
-                await abort_with(context, exc)
-                raise
+            return await self.runtime.serve_prepare(request, context)
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext

@@ -9,6 +9,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from kvmesh.engine.async_engine import AsyncLLMEngine
 from kvmesh.engine.disagg import build_request
 from kvmesh.engine.engine import LLMEngine
@@ -20,6 +22,7 @@ from kvmesh.engine.sampling_params import (
 )
 from kvmesh.engine.sequence import Request
 from kvmesh.service.convert import sampling_from_proto
+from kvmesh.service.status import abort_with
 from kvmesh.v1 import generation_pb2, worker_pb2
 
 LAYOUT_NAME = "block-major-v1"
@@ -116,6 +119,17 @@ class WorkerRuntime:
             running=load.running,
             waiting=load.waiting,
         )
+
+    async def serve_prepare(
+        self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrepareResponse:
+        """PrefillService.Prepare of every role: the prepared request, or INVALID_ARGUMENT
+        naming the field."""
+        try:
+            return worker_pb2.PrepareResponse(request=self.prepare(request.request))
+        except Exception as exc:
+            await abort_with(context, exc)
+            raise
 
     def prepare(self, message: generation_pb2.GenerateRequest) -> worker_pb2.EngineRequest:
         """Validate and tokenize a client request (InvalidParameterError names the field)."""
