@@ -5,7 +5,8 @@ same data in the same run: `scaled_dot_product_attention` on the K/V stored cont
 `[B, Hkv, T, D]` (GQA folded into the query axis, its fastest form here), the torch reference
 (`paged_decode_attention` with backend "reference": gather the blocks, then sdpa) and the fused
 C++ kernel (backend "torch" on CPU: blocks read in place). Timings are medians of interleaved
-repeats; compare the ratios, not the absolute times.
+repeats; each ratio is taken within one repeat (paged and contiguous run back to back) and
+reported as the median with its min-max range: compare the ratios, not the absolute times.
 """
 
 from __future__ import annotations
@@ -32,17 +33,27 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _median_ms(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Interleave the functions (one warm-up each), return each one's median in ms."""
+def _timings_ms(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Interleave the functions (one warm-up each), return each one's times in ms per repeat."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()
-    for _ in range(repeats):
+    for _ in range(max(1, repeats)):
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
             times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def _median_ms(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    return {name: statistics.median(t) for name, t in _timings_ms(fns, repeats).items()}
+
+
+def _ratios(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of the per-repeat ratios num / den."""
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def bench_decode(args: argparse.Namespace, context: int) -> dict[str, Any]:
@@ -81,19 +92,24 @@ def bench_decode(args: argparse.Namespace, context: int) -> dict[str, Any]:
     fused_ok = available()
     if fused_ok:
         fns["fused"] = lambda: paged("torch")
-    ms = _median_ms(fns, args.repeats)
+    times = _timings_ms(fns, args.repeats)
+    ms = {name: statistics.median(t) for name, t in times.items()}
     dense = F.scaled_dot_product_attention(q4, k, v, scale=scale).reshape(b, hq, d)
     for name in fns:
         if name != "contiguous":
             out = fns[name]()
             assert torch.allclose(out, dense, atol=1e-4), f"{name} and contiguous outputs disagree"
+    ref_ratio = _ratios(times["reference"], times["contiguous"])
+    fused_ratio = _ratios(times["fused"], times["contiguous"]) if fused_ok else None
     row = {
         "context": context,
         "contiguous_ms": ms["contiguous"],
         "reference_ms": ms["reference"],
-        "reference_ratio": ms["reference"] / ms["contiguous"],
+        "reference_ratio": ref_ratio[0],
+        "reference_ratio_range": list(ref_ratio[1:]),
         "fused_ms": ms.get("fused"),
-        "fused_ratio": ms["fused"] / ms["contiguous"] if fused_ok else None,
+        "fused_ratio": fused_ratio[0] if fused_ratio else None,
+        "fused_ratio_range": list(fused_ratio[1:]) if fused_ratio else None,
     }
     return row
 
@@ -144,11 +160,14 @@ def _print_tables(result: dict[str, Any]) -> None:
     shape = ", ".join(f"{k}={v}" for k, v in result["shape"].items())
     table = Table(title=f"paged decode vs contiguous SDPA ({shape})")
     cols = ("context", "contiguous ms", "reference ms", "fused ms", "reference / contig")
-    for col in (*cols, "fused / contig"):
+    for col in (*cols, "fused / contig", "fused / contig range"):
         table.add_column(col, justify="right")
 
     def fmt(value: float | None, digits: int) -> str:
         return "n/a" if value is None else f"{value:.{digits}f}"
+
+    def fmt_range(value: list[float] | None) -> str:
+        return "n/a" if value is None else f"{value[0]:.2f}-{value[1]:.2f}"
 
     for row in result["decode"]:
         table.add_row(
@@ -158,6 +177,7 @@ def _print_tables(result: dict[str, Any]) -> None:
             fmt(row["fused_ms"], 1),
             fmt(row["reference_ratio"], 2),
             fmt(row["fused_ratio"], 2),
+            fmt_range(row["fused_ratio_range"]),
         )
     writes = Table(title="write_kv (random slots)")
     for col in ("kv dtype", "tokens", "ms", "tokens/s"):
