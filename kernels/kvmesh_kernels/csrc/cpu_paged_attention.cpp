@@ -16,11 +16,15 @@
 // (no window or t > p - window). Rows that see no key give zeros. With more than one split,
 // items write partial (m, l, acc) and a second pass combines them.
 //
-// Plain C ABI (called through ctypes) and OpenMP; no torch headers, so it builds in seconds.
+// Scores and P x V are register tiles of 8-float vectors (GCC vector extensions) compiled for
+// AVX2 + FMA and chosen at run time; CPUs without them run a portable path written for
+// auto-vectorization at the baseline ISA. Plain C ABI (called through ctypes) and OpenMP; no
+// torch headers, so it builds in seconds.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -28,11 +32,6 @@
 
 #include <omp.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define KVM_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define KVM_CLONES
-#endif
 #define KVM_INLINE inline __attribute__((always_inline))
 
 namespace {
@@ -256,6 +255,38 @@ KVM_INLINE void pv(float* acc, int64_t nrows, const float* p, int64_t sp, const 
   }
 }
 
+KVM_INLINE float dot1(const float* a, const float* k, int64_t n) {
+  // Four chains over the four quarters of the row (head dims are multiples of 16).
+  const int64_t q = n / 4;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t d = 0; d < q; ++d) {
+    s0 += a[d] * k[d];
+    s1 += a[d + q] * k[d + q];
+    s2 += a[d + 2 * q] * k[d + 2 * q];
+    s3 += a[d + 3 * q] * k[d + 3 * q];
+  }
+  return (s0 + s1) + (s2 + s3);
+}
+
+KVM_INLINE void dot4(const float* q, int64_t n, const float* k, float* s, int64_t stride) {
+  // Four query rows (q, q + n, ...) against one key row: K read once, four chains.
+  const float *a0 = q, *a1 = q + n, *a2 = q + 2 * n, *a3 = q + 3 * n;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t d = 0; d < n; ++d) {
+    const float kd = k[d];
+    s0 += a0[d] * kd;
+    s1 += a1[d] * kd;
+    s2 += a2[d] * kd;
+    s3 += a3[d] * kd;
+  }
+  s[0] = s0;
+  s[stride] = s1;
+  s[2 * stride] = s2;
+  s[3 * stride] = s3;
+}
+
 KVM_INLINE void axpy(float* acc, float w, const float* v, int64_t n) {
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) acc[d] += w * v[d];
@@ -427,12 +458,208 @@ KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t r
   }
 }
 
-// One item, compiled for AVX2+FMA and for the baseline ISA (picked at load time).
+// Portable item: four query rows per K row with horizontal sums, scalar exp, written for
+// auto-vectorization at the baseline ISA (where the 8-float tiles would be split and spilled).
+// Same row order and results as run_item.
 template <int DT>
-KVM_CLONES __attribute__((noinline)) void run_item_isa(const Params& p, const Item& it,
-                                                      Scratch& sc, int64_t rmax,
-                                                      float* part_acc, float* part_ml) {
+KVM_INLINE void run_item_portable(const Params& p, const Item& it, Scratch& sc, int64_t rmax,
+                         float* part_acc, float* part_ml) {
+  const int64_t D = p.head_dim, bs = p.block_size, hq = p.num_q_heads;
+  const int64_t G = hq / p.num_kv_heads;
+  const int64_t ntok = it.t1 - it.t0, nheads = it.h1 - it.h0;
+  const int64_t rph = ntok * G;  // rows per kv head
+  const int64_t rows = nheads * rph;
+  const int32_t* qsl = reinterpret_cast<const int32_t*>(p.query_start_loc);
+  const int32_t* seq_lens = reinterpret_cast<const int32_t*>(p.seq_lens);
+  const int32_t* table = reinterpret_cast<const int32_t*>(p.block_tables) + it.b * p.max_blocks;
+  const float* qsrc = reinterpret_cast<const float*>(p.q);
+  const char* data = reinterpret_cast<const char*>(p.data);
+  const float* scales = reinterpret_cast<const float*>(p.scales);
+  const float* lut = reinterpret_cast<const float*>(p.fp8_lut);
+  const float scale = static_cast<float>(p.scale);
+  const int64_t seq_len = seq_lens[it.b];
+  const int64_t q_len = qsl[it.b + 1] - qsl[it.b];
+  const bool quant = DT == kI8 || DT == kFP8;
+
+  float* q = sc.q.data();
+  float* acc = sc.acc.data();
+  float* s = sc.s.data();
+  float* m = sc.m.data();
+  float* l = sc.l.data();
+  int64_t* pos = sc.pos.data();
+  const int64_t pos_min = seq_len - q_len + it.t0, pos_max = seq_len - q_len + it.t1 - 1;
+  for (int64_t hh = 0; hh < nheads; ++hh) {
+    for (int64_t t = 0; t < ntok; ++t) {
+      const float* src = qsrc + (qsl[it.b] + it.t0 + t) * hq * D + (it.h0 + hh) * G * D;
+      float* dst = q + (hh * rph + t * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) dst[i] = src[i] * scale;
+      for (int64_t g = 0; g < G; ++g) pos[hh * rph + t * G + g] = pos_min + t;
+    }
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.f);
+
+  for (int64_t k_lo = it.k0; k_lo < it.k1;) {
+    const int64_t blk = k_lo / bs;
+    const int64_t k_hi = std::min(it.k1, (blk + 1) * bs);
+    const int64_t n = k_hi - k_lo;
+    int64_t phys = table[blk];
+    phys = std::min<int64_t>(std::max<int64_t>(phys, 0), p.num_blocks - 1);
+    const int64_t off0 = k_lo - blk * bs;
+    const int64_t kbase = phys * p.s_block + off0 * p.s_tok;  // int64 element offsets
+    const int64_t vbase = kbase + p.s_kv;
+    const int64_t sbase = phys * p.ss_block + off0 * p.ss_tok;
+
+    // Scores s[r * bs + i], token-major over the block so K is read in address order.
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t hh = 0; hh < nheads; ++hh) {
+        const int64_t h = it.h0 + hh;
+        const float* k = load_row<DT>(data, kbase + i * p.s_tok + h * p.s_head, lut,
+                                      sc.kbuf.data(), D);
+        const float* qh = q + hh * rph * D;
+        float* sh = s + hh * rph * bs + i;
+        int64_t r = 0;
+        for (; r + 4 <= rph; r += 4) dot4(qh + r * D, D, k, sh + r * bs, bs);
+        for (; r < rph; ++r) sh[r * bs] = dot1(qh + r * D, k, D);
+        if (quant) {
+          const float ks = scales[sbase + i * p.ss_tok + h * p.ss_head];
+          for (r = 0; r < rph; ++r) sh[r * bs] *= ks;
+        }
+      }
+    }
+    const bool full = k_hi - 1 <= pos_min && (p.window <= 0 || k_lo > pos_max - p.window);
+    if (!full) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t t = k_lo + i;
+          if (t > pos[r] || (p.window > 0 && t <= pos[r] - p.window)) s[r * bs + i] = kNegInf;
+        }
+      }
+    }
+    // Online softmax: s becomes probabilities relative to the running max.
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s + r * bs;
+      float mx = kNegInf;
+      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
+      if (mx == kNegInf) {
+        std::fill(sr, sr + n, 0.f);
+        continue;
+      }
+      const float m_new = std::max(m[r], mx);
+      const float corr = std::exp(m[r] - m_new);
+      float sum = 0.f;
+      for (int64_t i = 0; i < n; ++i) {
+        sr[i] = std::exp(sr[i] - m_new);
+        sum += sr[i];
+      }
+      if (corr != 1.f) {
+        float* ar = acc + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+      }
+      l[r] = l[r] * corr + sum;
+      m[r] = m_new;
+    }
+    // acc += p * V per head: each output element accumulates over the block's n keys in a
+    // register (V rows stay in L1), so acc is loaded and stored once per block.
+    for (int64_t hh = 0; hh < nheads; ++hh) {
+      const int64_t h = it.h0 + hh;
+      for (int64_t i = 0; i < n; ++i) {
+        sc.vp.data()[i] = load_row<DT>(data, vbase + i * p.s_tok + h * p.s_head, lut,
+                                   sc.vbuf.data() + i * D, D);
+      }
+      if (quant) {
+        for (int64_t i = 0; i < n; ++i) {
+          const float vs = scales[sbase + p.ss_kv + i * p.ss_tok + h * p.ss_head];
+          for (int64_t r = hh * rph; r < (hh + 1) * rph; ++r) s[r * bs + i] *= vs;
+        }
+      }
+      const float* const* vr = sc.vp.data();
+      for (int64_t r = hh * rph; r < (hh + 1) * rph; ++r) {
+        const float* w = s + r * bs;
+        float* ar = acc + r * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {  // head dims are multiples of 16
+          float a[16];
+          for (int j = 0; j < 16; ++j) a[j] = ar[d0 + j];
+          for (int64_t i = 0; i < n; ++i) {
+            const float wi = w[i];
+            const float* v = vr[i] + d0;
+            for (int j = 0; j < 16; ++j) a[j] += wi * v[j];
+          }
+          for (int j = 0; j < 16; ++j) ar[d0 + j] = a[j];
+        }
+      }
+    }
+    k_lo = k_hi;
+  }
+
+  if (it.slot >= 0) {
+    std::memcpy(part_acc + it.slot * rmax * D, acc, sizeof(float) * rows * D);
+    for (int64_t r = 0; r < rows; ++r) {
+      part_ml[(it.slot * rmax + r) * 2] = m[r];
+      part_ml[(it.slot * rmax + r) * 2 + 1] = l[r];
+    }
+    return;
+  }
+  float* out = reinterpret_cast<float*>(p.out);
+  for (int64_t hh = 0; hh < nheads; ++hh) {
+    for (int64_t t = 0; t < ntok; ++t) {
+      float* dst = out + (qsl[it.b] + it.t0 + t) * hq * D + (it.h0 + hh) * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = hh * rph + t * G + g;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        const float* ar = acc + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[g * D + d] = ar[d] * inv;
+      }
+    }
+  }
+}
+
+// One item: the register-tiled path compiled for AVX2 + FMA when the CPU has them (checked
+// once at run time), else the portable path at the baseline ISA.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVM_X86_DISPATCH 1
+template <int DT>
+__attribute__((target("avx2,fma"), noinline)) void run_item_avx2(const Params& p, const Item& it,
+                                                                  Scratch& sc, int64_t rmax,
+                                                                  float* part_acc,
+                                                                  float* part_ml) {
   run_item<DT>(p, it, sc, rmax, part_acc, part_ml);
+}
+#endif
+
+template <int DT>
+__attribute__((noinline)) void run_item_base(const Params& p, const Item& it, Scratch& sc,
+                                             int64_t rmax, float* part_acc, float* part_ml) {
+  run_item_portable<DT>(p, it, sc, rmax, part_acc, part_ml);
+}
+
+bool use_avx2() {
+#ifdef KVM_X86_DISPATCH
+  // KVMESH_CPU_KERNEL_ISA=baseline forces the portable path (tests).
+  static const bool yes = [] {
+    const char* isa = std::getenv("KVMESH_CPU_KERNEL_ISA");
+    if (isa != nullptr && std::strcmp(isa, "baseline") == 0) return false;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+
+template <int DT>
+void run_item_isa(const Params& p, const Item& it, Scratch& sc, int64_t rmax, float* part_acc,
+                  float* part_ml) {
+#ifdef KVM_X86_DISPATCH
+  if (use_avx2()) {
+    run_item_avx2<DT>(p, it, sc, rmax, part_acc, part_ml);
+    return;
+  }
+#endif
+  run_item_base<DT>(p, it, sc, rmax, part_acc, part_ml);
 }
 
 template <int DT>
