@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 KV_DTYPES = ("auto", "int8", "fp8")
-HEAD_DIMS = (64, 80, 96, 128, 256)
+HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 FP8_DTYPE = torch.float8_e4m3fn
 
 

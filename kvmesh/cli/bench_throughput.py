@@ -3,7 +3,13 @@
 W1: 64 requests, all at time 0 (`random.Random(0)`; per request in order: prompt length
 randint(32, 512), output length randint(16, 256), prompt ids randrange(10, vocab - 10)), greedy,
 EOS ignored. `--baseline static|contiguous` runs that scheduler baseline in the same run;
-`--compare-hf` adds transformers' static `generate` (left-padded batches) side by side.
+`--compare-hf` adds transformers' static `generate` (left-padded batches) and `--compare-vllm
+PYTHON` runs `bench/vllm_w1.py` with that interpreter (vLLM's CPU build in its own virtual
+environment) as a subprocess, side by side in the same run; `--repeats R` runs every system R
+times back to back (interleaved) and reports each ratio's median and range. Every system gets one
+short warm-up request first (prompt ids that W1 never draws first, so no prefix-cache hits) and
+the same thread count; `OMP_WAIT_POLICY` defaults to PASSIVE for every system (see
+docs/BENCHMARKS.md: spinning OpenMP workers cost up to 5x on shared cores).
 W3: a 500-token system prompt (drawn first) + per request a suffix of randint(16, 128) ids, 32
 output tokens; request i+1 arrives when request i has its first token. Prefix caching on and
 off side by side. W3-unique: every prompt is fully random (no sharing).
@@ -14,13 +20,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 WORKLOADS = ("W1", "W3", "W3-unique")
 BASELINE_OPTIONS = {"static": {"policy": "static"}, "contiguous": {"allocation": "contiguous"}}
+VLLM_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "vllm_w1.py"
+WARMUP_PROMPT = ([11] * 64, 8)  # never a W1 / W3 prefix (their ids are random)
 
 
 def register(subparsers: Any) -> None:
@@ -32,6 +44,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--baseline", choices=("static", "contiguous"), default=None)
     parser.add_argument("--compare-hf", action="store_true", help="W1: also transformers generate")
     parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument(
+        "--compare-vllm",
+        metavar="PYTHON",
+        default=None,
+        help="W1: also vLLM, run as bench/vllm_w1.py under this interpreter (its own venv)",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="run every system N times")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
@@ -119,11 +140,19 @@ def _account(output: Any, tokens: int, ttfts: list) -> tuple[int, list]:
 
 def run_hf_static(model_dir: str, requests: list, batch_size: int) -> dict[str, Any]:
     """transformers `generate`, left-padded batches in request order, each to its longest."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    _hf_generate(model, [WARMUP_PROMPT], 1)
     start = time.monotonic()
+    _hf_generate(model, requests, batch_size)
+    tokens = sum(n for _, n in requests)  # useful tokens; padding rows do not count
+    return summarize("transformers-static", tokens, time.monotonic() - start, [])
+
+
+def _hf_generate(model: Any, requests: list, batch_size: int) -> None:
+    import torch
+
     for first in range(0, len(requests), batch_size):
         batch = requests[first : first + batch_size]
         width = max(len(p) for p, _ in batch)
@@ -139,15 +168,45 @@ def run_hf_static(model_dir: str, requests: list, batch_size: int) -> dict[str, 
                 do_sample=False,
                 pad_token_id=0,
             )
-    tokens = sum(n for _, n in requests)  # useful tokens; padding rows do not count
-    return summarize("transformers-static", tokens, time.monotonic() - start, [])
+
+
+def run_vllm(python: str, model_dir: str, num_requests: int, threads: int) -> dict[str, Any]:
+    """bench/vllm_w1.py under another interpreter; its last stdout line is the JSON result."""
+    command = [python, str(VLLM_SCRIPT), "--model", model_dir]
+    command += ["--num-requests", str(num_requests), "--threads", str(threads)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout)[-2000:]
+        raise RuntimeError(f"vLLM run failed (exit {done.returncode}):\n{tail}")
+    result = json.loads(lines[-1])
+    return summarize("vllm", int(result["tokens"]), float(result["seconds"]), [])
+
+
+def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: Any) -> dict:
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.engine import LLMEngine
+
+    for knob in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, knob) is not None:
+            options = {knob: getattr(args, knob), **options}
+    engine = LLMEngine(EngineConfig(model=model_dir, num_threads=args.threads, **options))
+    vocab = engine.runner.vocab_size
+    run_all_at_once(engine, [WARMUP_PROMPT])
+    if workload == "W1":
+        tokens, seconds, ttfts = run_all_at_once(engine, w1_requests(vocab, args.num_requests))
+    else:
+        reqs = w3_requests(vocab, workload == "W3", args.num_requests)
+        tokens, seconds, ttfts = run_one_by_one(engine, reqs)
+    return summarize(name, tokens, seconds, ttfts)
 
 
 def run_bench_throughput(args: argparse.Namespace) -> int:
+    if "torch" in sys.modules:
+        print("warning: torch already imported; OMP_WAIT_POLICY not applied", file=sys.stderr)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP
     import torch
 
-    from kvmesh.engine.config import EngineConfig
-    from kvmesh.engine.engine import LLMEngine
     from kvmesh.engine.loader import resolve_model_path
 
     torch.set_num_threads(args.threads)
@@ -159,33 +218,49 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
             runs.append((f"kvmesh-{args.baseline}", BASELINE_OPTIONS[args.baseline]))
     else:
         runs += [("prefix-cache-on", {}), ("prefix-cache-off", {"enable_prefix_caching": False})]
-    results = []
-    for name, options in runs:
-        engine = LLMEngine(EngineConfig(model=model_dir, **options))
-        vocab = engine.runner.vocab_size
-        if args.workload == "W1":
-            tokens, seconds, ttfts = run_all_at_once(engine, w1_requests(vocab, args.num_requests))
-        else:
-            shared = args.workload == "W3"
-            reqs = w3_requests(vocab, shared, args.num_requests)
-            tokens, seconds, ttfts = run_one_by_one(engine, reqs)
-        results.append(summarize(name, tokens, seconds, ttfts))
-        del engine
-    if args.workload == "W1" and args.compare_hf:
-        reqs = w1_requests(_vocab(model_dir), args.num_requests)
-        results.append(run_hf_static(model_dir, reqs, args.hf_batch_size))
-    report = {"workload": args.workload, **results[0], "runs": results}
-    report["ratios"] = {
-        f"tok_per_s {results[0]['name']} / {r['name']}": round(
-            results[0]["tok_per_s"] / r["tok_per_s"], 3
-        )
-        for r in results[1:]
-    }
-    if args.workload != "W1":
-        on, off = results[0]["ttft_mean"], results[1]["ttft_mean"]
-        report["ratios"]["ttft_mean on / off"] = round(on / off, 3)
+    repeats: list[list[dict[str, Any]]] = []
+    for _ in range(args.repeats):
+        results = [run_kvmesh(model_dir, args.workload, n, o, args) for n, o in runs]
+        if args.workload == "W1" and args.compare_hf:
+            reqs = w1_requests(_vocab(model_dir), args.num_requests)
+            results.append(run_hf_static(model_dir, reqs, args.hf_batch_size))
+        if args.workload == "W1" and args.compare_vllm:
+            results.append(run_vllm(args.compare_vllm, model_dir, args.num_requests, args.threads))
+        repeats.append(results)
+    report = _report(args.workload, repeats)
     _print(report, args.json)
     return 0
+
+
+def _ratios(workload: str, results: list[dict[str, Any]]) -> dict[str, float]:
+    first = results[0]
+    ratios = {
+        f"tok_per_s {first['name']} / {r['name']}": round(first["tok_per_s"] / r["tok_per_s"], 3)
+        for r in results[1:]
+    }
+    if workload != "W1":
+        ratios["ttft_mean on / off"] = round(first["ttft_mean"] / results[1]["ttft_mean"], 3)
+    return ratios
+
+
+def _report(workload: str, repeats: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The first repeat's runs and ratios; with several repeats, every ratio's median and range."""
+    report: dict[str, Any] = {"workload": workload, **repeats[0][0], "runs": repeats[0]}
+    report["ratios"] = _ratios(workload, repeats[0])
+    if len(repeats) > 1:
+        per_repeat = [_ratios(workload, results) for results in repeats]
+        report["repeats"] = [
+            {r["name"]: r["tok_per_s"] for r in results} | {"ratios": ratios}
+            for results, ratios in zip(repeats, per_repeat, strict=True)
+        ]
+        report["ratios"] = {
+            key: statistics.median(r[key] for r in per_repeat) for key in per_repeat[0]
+        }
+        report["ratio_range"] = {
+            key: [min(r[key] for r in per_repeat), max(r[key] for r in per_repeat)]
+            for key in per_repeat[0]
+        }
+    return report
 
 
 def _vocab(model_dir: str) -> int:
@@ -205,5 +280,9 @@ def _print(report: dict[str, Any], as_json: bool) -> None:
             f"{run['tok_per_s']:>9.2f} tok/s  TTFT mean {run['ttft_mean']} p50 {run['ttft_p50']} "
             f"p99 {run['ttft_p99']}"
         )
+    for repeat in report.get("repeats", []):
+        print(f"  repeat: {repeat}")
+    spread = report.get("ratio_range", {})
     for name, ratio in report["ratios"].items():
-        print(f"  {name}: {ratio}")
+        extra = f" (range {spread[name][0]}-{spread[name][1]})" if name in spread else ""
+        print(f"  {name}: {ratio}{extra}")

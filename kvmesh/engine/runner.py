@@ -107,13 +107,14 @@ class ModelRunner:
         return self.model.lm_head(sampled).float()  # [S, vocab]
 
     def prepare(self, chunks: Sequence[ChunkPlan]) -> FlatBatch:
-        """Flatten chunks (single-token chunks first, as the scheduler orders them)."""
+        """Flatten chunks into one varlen batch (single-token chunks first, as scheduled)."""
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
         sample_rows: list[int] = []
+        width = 0
         for chunk in chunks:
             count = len(chunk.token_ids)
             assert count > 0, "empty chunk"
@@ -122,31 +123,26 @@ class ModelRunner:
             slots.extend(chunk.slot_mapping)
             query_start_loc.append(query_start_loc[-1] + count)
             seq_lens.append(chunk.start_pos + count)
+            width = max(width, len(chunk.block_table))
             if chunk.sample_seq_ids:
                 sample_rows.append(query_start_loc[-1] - 1)
-        num_decodes = 0
-        while num_decodes < len(chunks) and len(chunks[num_decodes].token_ids) == 1:
-            num_decodes += 1
+        tables = [(*c.block_table, *(0,) * (width - len(c.block_table))) for c in chunks]
         context = ForwardContext(
             kv_cache=self.kv_cache,
-            slot_mapping=self._tensor(slots),
-            block_tables=self._block_tables(chunks),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            num_decodes=num_decodes,
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._tensor(tables, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            query_start_loc=self._tensor(query_start_loc, torch.int32),
         )
         return FlatBatch(
-            self._tensor(token_ids), self._tensor(positions), self._tensor(sample_rows), context
+            self._tensor(token_ids, torch.int64),
+            self._tensor(positions, torch.int64),
+            self._tensor(sample_rows, torch.int64),
+            context,
         )
 
-    def _block_tables(self, chunks: Sequence[ChunkPlan]) -> torch.Tensor:
-        """[num_seqs, max_blocks] int64, rows padded with block 0 (masked by seq_lens)."""
-        width = max(len(chunk.block_table) for chunk in chunks)
-        rows = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
-        return self._tensor(rows)
-
-    def _tensor(self, values: Any) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+    def _tensor(self, values: Any, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
 
 
 def kv_cache_spec(

@@ -79,7 +79,7 @@ def test_decode_matches_dense(group: int, block_size: int, window: int | None) -
     torch.testing.assert_close(out, same, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_head_dims_and_dtypes(head_dim: int, dtype: torch.dtype) -> None:
     hkv, group, block_size = 2, 4, 16

@@ -37,7 +37,7 @@ def test_decode_matches_dense(group: int, block_size: int, window: int | None) -
         assert rel_error(out[b : b + 1], ref) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_prefill_head_dims_and_dtypes(head_dim: int, dtype: torch.dtype) -> None:
     hkv, group, block_size = 2, 4, 16
