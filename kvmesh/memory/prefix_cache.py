@@ -67,27 +67,6 @@ class PrefixCache:
             return None
         return entry.ref
 
-    def publish(
-        self,
-        block: int,
-        block_hash: int,
-        parent_hash: int | None,
-        parent_ref: BlockRef | None,
-        tokens: tuple[int, ...],
-        extra_key: bytes | None,
-    ) -> BlockRef | None:
-        """Index `block`; returns its ref, or None (nothing changed) if the hash is taken."""
-        assert block not in self._entries, f"block {block} is already published"
-        if block_hash in self._index:
-            return None
-        self._publications += 1
-        ref = (block, self._publications)
-        self._index[block_hash] = block
-        self._entries[block] = _new_entry(
-            CachedBlock, (block_hash, parent_hash, parent_ref, tokens, extra_key, ref)
-        )
-        return ref
-
     def commit_block(
         self,
         block: int,
@@ -97,21 +76,25 @@ class PrefixCache:
         tokens: tuple[int, ...],
         extra_key: bytes | None,
     ) -> tuple[BlockRef | None, bool]:
-        """(ref of the entry now holding this content, newly published?); ref None on a
-        true hash collision. An identical block cached under another id is reused (its twin).
+        """Publish `block` unless its hash is taken: (ref of the entry now holding this
+        content, newly published?). An identical block cached under another id is reused (its
+        twin); on a true hash collision the ref is None and nothing changed.
         """
         entry = self._entries.get(block)
         if entry is not None:
             if (entry.block_hash, entry.tokens, entry.extra_key) != (block_hash, tokens, extra_key):
                 raise ValueError(f"token_ids disagree with the tokens committed to block {block}")
             return entry.ref, False
-        if block_hash not in self._index:  # the common case: new content, publish it
-            return self.publish(block, block_hash, parent_hash, parent_ref, tokens, extra_key), True
-        twin = self.match(block_hash, parent_ref, tokens, extra_key, count_collision=False)
-        return twin, False
-
-    def entry(self, block: int) -> CachedBlock | None:
-        return self._entries.get(block)
+        if block_hash in self._index:
+            twin = self.match(block_hash, parent_ref, tokens, extra_key, count_collision=False)
+            return twin, False
+        self._publications += 1
+        ref = (block, self._publications)
+        self._index[block_hash] = block
+        self._entries[block] = _new_entry(
+            CachedBlock, (block_hash, parent_hash, parent_ref, tokens, extra_key, ref)
+        )
+        return ref, True
 
     def forget(self, block: int) -> None:
         """Drop an evicted block from the index."""
