@@ -12,6 +12,19 @@ from collections.abc import Sequence
 from control_plane.config import ControlConfig
 from control_plane.server import ControlServer
 
+# flag -> (ControlConfig field, help); type and default come from the field's default.
+TUNABLES: dict[str, tuple[str, str]] = {
+    "--max-inflight": ("max_inflight", "requests in flight before RESOURCE_EXHAUSTED"),
+    "--lease-seconds": ("lease_seconds", "worker is dead after this long without heartbeat"),
+    "--heartbeat-interval": ("heartbeat_interval_seconds", "heartbeat interval told to workers"),
+    "--reservation-lease": (
+        "reservation_lease_seconds",
+        "seconds a decode reservation waits for Decode",
+    ),
+    "--max-request-seconds": ("max_request_seconds", "upper bound of any request's deadline"),
+    "--drain-seconds": ("drain_seconds", "bounded wait for in-flight requests at shutdown"),
+}
+
 
 def build_parser(prog: str = "kvmesh serve control") -> argparse.ArgumentParser:
     defaults = ControlConfig()
@@ -20,18 +33,11 @@ def build_parser(prog: str = "kvmesh serve control") -> argparse.ArgumentParser:
     add("--host", default=defaults.host, help="address to bind (default %(default)s)")
     add("--port", type=int, default=defaults.port, help="front-door port (default %(default)s)")
     add("--reflection", action="store_true", help="serve gRPC server reflection")
-    add("--max-inflight", type=int, default=defaults.max_inflight,
-        help="requests in flight before RESOURCE_EXHAUSTED (default %(default)s)")  # fmt: skip
-    add("--lease-seconds", type=float, default=defaults.lease_seconds,
-        help="worker is dead after this long without heartbeat (default %(default)s)")  # fmt: skip
-    add("--heartbeat-interval", type=float, default=defaults.heartbeat_interval_seconds,
-        help="heartbeat interval told to workers (default %(default)s)")  # fmt: skip
-    add("--reservation-lease", type=float, default=defaults.reservation_lease_seconds,
-        help="seconds a decode reservation waits for Decode (default %(default)s)")  # fmt: skip
-    add("--max-request-seconds", type=float, default=defaults.max_request_seconds,
-        help="upper bound of any request's deadline (default %(default)s)")  # fmt: skip
-    add("--drain-seconds", type=float, default=defaults.drain_seconds,
-        help="bounded wait for in-flight requests at shutdown (default %(default)s)")  # fmt: skip
+    for flag, (name, text) in TUNABLES.items():
+        default = getattr(defaults, name)
+        add(flag, type=type(default), default=default, dest=name,
+            metavar=flag[2:].upper().replace("-", "_"),
+            help=f"{text} (default %(default)s)")  # fmt: skip
     add("--transfer-backends", default=",".join(defaults.transfer_backends),
         help="KV transfer backends in order of preference (default %(default)s)")  # fmt: skip
     add("--metrics-port", type=int, default=0, help="Prometheus endpoint port (0: off)")
@@ -40,19 +46,15 @@ def build_parser(prog: str = "kvmesh serve control") -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ControlConfig:
+    """The ControlConfig the parsed flags name (ValueError names an out-of-range field)."""
     return ControlConfig(
         host=args.host,
         port=args.port,
         reflection=args.reflection,
-        max_inflight=args.max_inflight,
-        lease_seconds=args.lease_seconds,
-        heartbeat_interval_seconds=args.heartbeat_interval,
         reap_interval_seconds=min(0.5, args.lease_seconds),
-        reservation_lease_seconds=args.reservation_lease,
-        max_request_seconds=args.max_request_seconds,
-        drain_seconds=args.drain_seconds,
         transfer_backends=tuple(b for b in args.transfer_backends.split(",") if b),
         metrics_port=args.metrics_port,
+        **{name: getattr(args, name) for name, _ in TUNABLES.values()},
     )
 
 

@@ -11,6 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from control_plane.main import TUNABLES, build_parser, config_from_args
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -40,3 +42,28 @@ def test_serve_control_answers_health_and_exits_cleanly_on_sigterm() -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_every_flag_sets_its_config_field() -> None:
+    argv = ["--host", "0.0.0.0", "--port", "7000", "--reflection", "--metrics-port", "9100",
+            "--transfer-backends", "shm,,grpc", "--max-inflight", "3", "--lease-seconds", "2",
+            "--heartbeat-interval", "0.25", "--reservation-lease", "7",
+            "--max-request-seconds", "60", "--drain-seconds", "4"]  # fmt: skip
+    config = config_from_args(build_parser().parse_args(argv))
+    assert (config.host, config.port, config.reflection, config.metrics_port) == (
+        "0.0.0.0", 7000, True, 9100
+    )  # fmt: skip
+    assert config.transfer_backends == ("shm", "grpc")
+    tunables = {name: getattr(config, name) for name, _ in TUNABLES.values()}
+    assert tunables == {
+        "max_inflight": 3, "lease_seconds": 2.0, "heartbeat_interval_seconds": 0.25,
+        "reservation_lease_seconds": 7.0, "max_request_seconds": 60.0, "drain_seconds": 4.0,
+    }  # fmt: skip
+    assert config.reap_interval_seconds == 0.5
+
+
+def test_out_of_range_flag_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
+    from control_plane.main import run
+
+    assert run(["--heartbeat-interval", "5"]) == 2
+    assert "heartbeat_interval_seconds is out of range" in capsys.readouterr().err
