@@ -215,10 +215,8 @@ class FrontDoor(generation_pb2_grpc.GenerationServiceServicer):
         t, metrics = run.timings, self._cluster.metrics
         assert t.ttft is not None
         metrics.ttft.observe(t.ttft)
-        phases = {"queue": t.queue, "prefill": t.prefill, "transfer": t.transfer}
-        phases["first_decode"] = t.first_decode
-        for phase, seconds in phases.items():
-            metrics.ttft_phase.labels(phase).observe(seconds)
+        for phase in ("queue", "prefill", "transfer", "first_decode"):  # Timings field = label
+            metrics.ttft_phase.labels(phase).observe(getattr(t, phase))
 
     async def _release(self, releases: list[Release]) -> None:
         await asyncio.gather(*(self._release_one(r) for r in releases))
@@ -281,12 +279,12 @@ class FrontDoor(generation_pb2_grpc.GenerationServiceServicer):
     async def GetModelInfo(
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ModelInfo:
-        registry = self._cluster.registry
-        workers = registry.alive("decode") + registry.alive("prefill") + registry.alive("colocated")
+        alive = self._cluster.registry.alive
+        decodes, prefills, colocated = alive("decode"), alive("prefill"), alive("colocated")
+        workers = decodes + prefills + colocated
         if not workers:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no live worker is registered")
         info = generation_pb2.ModelInfo()
         info.CopyFrom(workers[0].info.model)
-        paired = registry.alive("prefill") and registry.alive("decode")
-        info.mode = "disaggregated" if paired else "colocated"
+        info.mode = "disaggregated" if prefills and decodes else "colocated"
         return info

@@ -213,12 +213,11 @@ class Ledger:
     def decoding(self, request_id: str, generation: int, worker: WorkerRef | None = None) -> None:
         """Decode started (or, from ROUTED, a colocated worker took the whole request)."""
         entry = self._checked(request_id, generation)
-        colocated = entry.state is EntryState.ROUTED
-        if colocated and worker is None:
-            raise IllegalTransition("colocated DECODING from ROUTED needs the worker")
-        entry = self._advance(request_id, generation, EntryState.DECODING)
-        if colocated and worker is not None:
+        if entry.state is EntryState.ROUTED:
+            if worker is None:
+                raise IllegalTransition("colocated DECODING from ROUTED needs the worker")
             entry.holdings[worker] = Holding(HoldState.RUNNING, 0, entry.deadline)
+        entry = self._advance(request_id, generation, EntryState.DECODING)
         for holding in entry.holdings.values():
             holding.state = HoldState.RUNNING
             holding.lease_deadline = entry.deadline
@@ -232,10 +231,8 @@ class Ledger:
         if entry is None:
             self._remember(request_id, outcome)
             return []
-        if generation is not None and generation != entry.generation:
-            raise StaleGeneration(
-                f"generation {generation} is stale for {request_id!r} (now {entry.generation})"
-            )
+        if generation is not None:
+            _check_generation(entry, generation)
         del self._entries[request_id]
         entry.state = EntryState.CLOSED
         releases = [Release(w, request_id, entry.generation) for w in sorted(entry.holdings)]
@@ -292,10 +289,7 @@ class Ledger:
 
     def _checked(self, request_id: str, generation: int) -> LedgerEntry:
         entry = self.get(request_id)
-        if generation != entry.generation:
-            raise StaleGeneration(
-                f"generation {generation} is stale for {request_id!r} (now {entry.generation})"
-            )
+        _check_generation(entry, generation)
         return entry
 
     def _advance(self, request_id: str, generation: int, to: EntryState) -> LedgerEntry:
@@ -313,3 +307,10 @@ class Ledger:
         self._closed.move_to_end(request_id)
         while len(self._closed) > self._history_size:
             self._closed.popitem(last=False)
+
+
+def _check_generation(entry: LedgerEntry, generation: int) -> None:
+    if generation != entry.generation:
+        raise StaleGeneration(
+            f"generation {generation} is stale for {entry.request_id!r} (now {entry.generation})"
+        )

@@ -57,6 +57,18 @@ async def test_disaggregated_request_streams_tokens_usage_and_releases_everythin
         assert (
             await cp.generation.Abort(generation_pb2.AbortRequest(request_id="req-1"))
         ).aborted is False
+        registry = cp.server.cluster.metrics.registry
+        phase_sums = {
+            phase: registry.get_sample_value(
+                "kvmesh_control_ttft_phase_seconds_sum", {"phase": phase}
+            )
+            for phase in ("prefill", "transfer", "first_decode")
+        }
+        assert phase_sums == pytest.approx(
+            {"prefill": 0.002, "transfer": 0.003, "first_decode": 0.01}
+        )
+        info = await cp.generation.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=5)
+        assert info.mode == "disaggregated"
 
 
 @run_async
