@@ -20,7 +20,7 @@ def _histogram(name: str, doc: str, registry: CollectorRegistry, **kw: object) -
 
 @dataclass
 class WorkerMetrics:
-    """The metric families of one worker process (prefill, decode, colocated or control)."""
+    """The metric families of one worker process (prefill, decode or colocated)."""
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
