@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -162,3 +163,16 @@ def test_resolve_model_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(InvalidParameterError) as info:
         resolve_model_path(tmp_path / "missing")
     assert info.value.field == "model"
+
+
+def test_default_model_wait_for_another_build_is_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
+    models = tmp_path / "models"
+    models.mkdir()
+    with open(models / f".{DEFAULT_MODEL_NAME}.lock", "w") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # another process is building
+        with pytest.raises(TimeoutError, match="lock"):
+            default_model_path(lock_timeout=0.2)
+    assert not (models / DEFAULT_MODEL_NAME).exists()
