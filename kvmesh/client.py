@@ -15,6 +15,7 @@ Importing this module never imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.v1 import generation_pb2, generation_pb2_grpc
 
 GENERATION_SERVICE = "kvmesh.v1.GenerationService"
+SERVING_CHECK = health_pb2.HealthCheckRequest(service=GENERATION_SERVICE)
 FINISH_REASONS = {
     generation_pb2.FINISH_REASON_STOP: "stop",
     generation_pb2.FINISH_REASON_LENGTH: "length",
@@ -99,6 +101,15 @@ def error_from_rpc(error: grpc.RpcError) -> KvmeshError:
             retry = int(value)
     message = error.details() or ""  # type: ignore[attr-defined]
     return _ERRORS.get(code, KvmeshError)(code, message, retry)
+
+
+@contextlib.contextmanager
+def typed_errors() -> Iterator[None]:
+    """Re-raise a failed call's grpc.RpcError as its KvmeshError subclass."""
+    try:
+        yield
+    except grpc.RpcError as error:
+        raise error_from_rpc(error) from None
 
 
 # -- results ---------------------------------------------------------------------------------
@@ -249,11 +260,9 @@ class Stream:
         self._call = call
 
     def __iter__(self) -> Iterator[Chunk]:
-        try:
+        with typed_errors():
             for response in self._call:
                 yield Chunk.from_proto(response)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -294,24 +303,19 @@ class Client:
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         """Abort a request; False when it had already finished (NotFound when unknown)."""
         request = generation_pb2.AbortRequest(request_id=request_id)
-        try:
+        with typed_errors():
             return bool(self._stub.Abort(request, timeout=timeout or self.timeout).aborted)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
 
     def model_info(self, *, timeout: float | None = None) -> generation_pb2.ModelInfo:
-        try:
-            request = generation_pb2.GetModelInfoRequest()
+        request = generation_pb2.GetModelInfoRequest()
+        with typed_errors():
             return self._stub.GetModelInfo(request, timeout=timeout or self.timeout)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
 
     def serving(self, *, timeout: float = 1.0) -> bool:
         """Whether the front door reports GenerationService SERVING (workers registered)."""
         stub = health_pb2_grpc.HealthStub(self._channel)
-        request = health_pb2.HealthCheckRequest(service=GENERATION_SERVICE)
         try:
-            response = stub.Check(request, timeout=timeout)
+            response = stub.Check(SERVING_CHECK, timeout=timeout)
         except grpc.RpcError:
             return False
         return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
@@ -343,10 +347,9 @@ class AsyncClient:
         request = build_request(prompt, request_id, cache_salt, **sampling)
         call = self._stub.Generate(request, timeout=timeout or self.timeout)
         try:
-            async for response in call:
-                yield Chunk.from_proto(response)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            with typed_errors():
+                async for response in call:
+                    yield Chunk.from_proto(response)
         finally:
             call.cancel()
 
@@ -357,15 +360,20 @@ class AsyncClient:
 
     async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         request = generation_pb2.AbortRequest(request_id=request_id)
-        try:
+        with typed_errors():
             response = await self._stub.Abort(request, timeout=timeout or self.timeout)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
         return bool(response.aborted)
 
     async def model_info(self, *, timeout: float | None = None) -> generation_pb2.ModelInfo:
-        try:
-            request = generation_pb2.GetModelInfoRequest()
+        request = generation_pb2.GetModelInfoRequest()
+        with typed_errors():
             return await self._stub.GetModelInfo(request, timeout=timeout or self.timeout)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+
+    async def serving(self, *, timeout: float = 1.0) -> bool:
+        """Whether the front door reports GenerationService SERVING (workers registered)."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            response = await stub.Check(SERVING_CHECK, timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return bool(response.status == health_pb2.HealthCheckResponse.SERVING)

@@ -11,6 +11,7 @@ from cp_workers import FakeWorker
 from grpc_health.v1 import health_pb2
 
 from control_plane.server import GENERATION_SERVICE
+from kvmesh.client import AsyncClient
 from kvmesh.v1 import worker_pb2
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -99,3 +100,11 @@ async def test_health_follows_the_usable_worker_set_and_drain() -> None:
         watch.cancel()
         for worker in (prefill, decode, colocated):
             await worker.kill()
+
+
+@run_async
+async def test_async_client_serving_follows_the_usable_worker_set() -> None:
+    async with control_plane() as cp, AsyncClient(cp.server.address, timeout=5) as client:
+        assert not await client.serving()
+        await cp.add("c0", "colocated")
+        assert await client.serving()
