@@ -15,7 +15,6 @@ import json
 import re
 import signal
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -95,8 +94,7 @@ class LocalSystem:
         for role in self.config.roles():
             self.start_worker(role)  # all load their model in parallel
         for worker in self.workers:
-            ready = self.supervisor.wait_for(worker.child, WORKER_READY, deadline)
-            worker.ready = json.loads(ready.group(1))
+            self._wait_ready(worker, deadline)
         wait_serving(self.endpoint, deadline)
         return self.endpoint
 
@@ -127,9 +125,12 @@ class LocalSystem:
         worker = Worker(role, self.supervisor.start(name, argv, env))
         self.workers.append(worker)
         if deadline is not None:
-            ready = self.supervisor.wait_for(worker.child, WORKER_READY, deadline)
-            worker.ready = json.loads(ready.group(1))
+            self._wait_ready(worker, deadline)
         return worker
+
+    def _wait_ready(self, worker: Worker, deadline: float) -> None:
+        ready = self.supervisor.wait_for(worker.child, WORKER_READY, deadline)
+        worker.ready = json.loads(ready.group(1))
 
     def stop(self) -> None:
         """Drain the control plane, then stop the workers; bounded, idempotent."""
@@ -248,10 +249,10 @@ def print_banner(system: LocalSystem, endpoint: str) -> None:
 
 
 def serve_until_stopped(system: LocalSystem) -> int:
-    """Wait for Ctrl-C/SIGTERM; exit 1 early if the control plane dies."""
-    stop = threading.Event()
+    """Wait for Ctrl-C/SIGTERM (KeyboardInterrupt); exit 1 early if the control plane dies."""
     reported: set[str] = set()
-    while not stop.wait(0.5):
+    while True:
+        time.sleep(0.5)
         for child in system.dead_children():
             if child.name not in reported:
                 reported.add(child.name)
@@ -259,7 +260,6 @@ def serve_until_stopped(system: LocalSystem) -> int:
                       f"{child.output_tail()}", file=sys.stderr, flush=True)  # fmt: skip
                 if child is system.control:
                     return 1
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
