@@ -190,8 +190,12 @@ class FrontDoor(generation_pb2_grpc.GenerationServiceServicer):
         attempt = run.attempt
         if attempt is not None and not attempt.done():
             attempt.cancel()
-            with contextlib.suppress(BaseException):
+            try:
                 await asyncio.wait_for(attempt, ABORT_WAIT_SECONDS)
+            except (asyncio.CancelledError, TimeoutError):
+                pass  # stopped, or still stopping past the bound: the releases follow anyway
+            except Exception as error:  # the run's status is already decided
+                LOG.debug("request %s: stopped attempt ended with %r", run.request_id, error)
         elif attempt is not None and not attempt.cancelled():
             attempt.exception()  # retrieved (already reported through the status)
         status = run.status or (
