@@ -7,6 +7,7 @@ stay aligned), each part in block order.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kv_transfer.errors import FrameError
@@ -25,6 +26,10 @@ class BlockStore:
         self.scales = scales
         self.layout = KVLayout.of(cache, scales, model_id=model_id)
         self.num_blocks = int(cache.shape[0])
+        # Host caches as uint8 rows [num_blocks, bytes] for numpy's row scatter, which copies
+        # whole rows (torch's index_copy_ goes element by element at about half memcpy speed).
+        self._kv_rows = _host_rows(cache)
+        self._scale_rows = _host_rows(scales) if scales is not None else None
 
     def check_ids(self, ids: torch.Tensor, field: str) -> None:
         """Raise `FrameError(field)` unless every id is a valid block id."""
@@ -55,12 +60,29 @@ class BlockStore:
 
     def scatter_from(self, ids: torch.Tensor, buf: torch.Tensor) -> None:
         """Write n blocks from the front of uint8 `buf` into cache rows `ids` (int64 [n])."""
-        scales_view, kv_view = self._views(buf, int(ids.numel()))
+        n = int(ids.numel())
+        if self._kv_rows is not None and buf.device.type == "cpu":
+            sb, kb = n * self.layout.scales_bytes_per_block, n * self.layout.kv_bytes_per_block
+            if buf.numel() < sb + kb:
+                raise FrameError("payload_len", f"need {sb + kb} bytes for {n} blocks")
+            raw, rows = buf.numpy(), ids.cpu().numpy()
+            self._kv_rows[rows] = raw[sb : sb + kb].reshape(n, -1)
+            if self._scale_rows is not None:
+                self._scale_rows[rows] = raw[:sb].reshape(n, -1)
+            return
+        scales_view, kv_view = self._views(buf, n)
         ids = ids.to(self.cache.device, non_blocking=True)
         self.cache.index_copy_(0, ids, kv_view)
         if scales_view is not None:
             assert self.scales is not None
             self.scales.index_copy_(0, ids, scales_view)
+
+
+def _host_rows(tensor: torch.Tensor) -> np.ndarray | None:
+    """A CPU tensor's bytes as a writable uint8 array [num_blocks, bytes per block]."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return None
+    return tensor.detach().view(int(tensor.shape[0]), -1).view(torch.uint8).numpy()
 
 
 def as_ids(block_ids: object, field: str) -> torch.Tensor:
