@@ -13,7 +13,7 @@ import grpc
 from control_plane.config import ControlConfig
 from control_plane.ledger import Ledger, WorkerRef
 from control_plane.metrics import ControlMetrics
-from control_plane.registry import ROLE_NAMES, Registry, WorkerRecord
+from control_plane.registry import Registry, WorkerRecord
 
 WorkerLostListener = Callable[[WorkerRef], None]
 ServingListener = Callable[[bool], Awaitable[None]]
@@ -100,8 +100,8 @@ class Cluster:
 
     async def refresh(self) -> None:
         """Update gauges and tell listeners when the usable worker set appeared or vanished."""
-        for role in ROLE_NAMES.values():
-            self.metrics.workers.labels(role).set(len(self.registry.alive(role)))
+        for role, workers in self.registry.alive_by_role().items():
+            self.metrics.workers.labels(role).set(len(workers))
         self.metrics.ledger_entries.set(len(self.ledger))
         serving = self.registry.has_serving_set()
         if serving != self._serving:

@@ -7,7 +7,7 @@ run's queue; failures raise RpcFailure (final) or WorkerLost (the caller may ret
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -53,9 +53,8 @@ class Driver:
         self._cluster = cluster
 
     async def attempt(self, run: Run) -> None:
-        registry = self._cluster.registry
-        prefills, decodes = registry.alive("prefill"), registry.alive("decode")
-        colocated = registry.alive("colocated")
+        live = self._cluster.registry.alive_by_role()
+        prefills, decodes, colocated = live["prefill"], live["decode"], live["colocated"]
         try:
             if prefills and decodes:
                 await self._disaggregated(run, prefills, decodes)
@@ -243,7 +242,7 @@ class Driver:
         with TRACER.start_as_current_span(what, context=run.trace_context()):
             call = method(request, timeout=run.timeout(), metadata=run.metadata())
             try:
-                async for response in _responses(call):
+                async for response in call:
                     if colocated and run.timings.ttft is None:
                         run.timings.queue += response.queue_seconds
                         run.timings.prefill = response.prefill_seconds
@@ -260,8 +259,3 @@ class Driver:
                 f"{worker.role} worker {worker.worker_id!r} ended the stream before completion "
                 f"{min(missing)} finished",
             )
-
-
-async def _responses(call: Any) -> AsyncIterator[worker_pb2.DecodeResponse]:
-    async for response in call:
-        yield response

@@ -283,9 +283,9 @@ class FrontDoor(generation_pb2_grpc.GenerationServiceServicer):
     async def GetModelInfo(
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ModelInfo:
-        alive = self._cluster.registry.alive
-        decodes, prefills, colocated = alive("decode"), alive("prefill"), alive("colocated")
-        workers = decodes + prefills + colocated
+        live = self._cluster.registry.alive_by_role()
+        prefills, decodes = live["prefill"], live["decode"]
+        workers = decodes + prefills + live["colocated"]
         if not workers:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no live worker is registered")
         info = generation_pb2.ModelInfo()

@@ -136,6 +136,13 @@ class Registry:
             if now - r.last_heartbeat <= self.lease_seconds and (role is None or r.role == role)
         ]
 
+    def alive_by_role(self) -> dict[str, list[WorkerRecord]]:
+        """Live workers of every role (roles without any map to []), each list in id order."""
+        groups: dict[str, list[WorkerRecord]] = {role: [] for role in ROLE_NAMES.values()}
+        for record in self.alive():
+            groups[record.role].append(record)
+        return groups
+
     def reap(self) -> list[WorkerRecord]:
         """Remove and return workers whose lease lapsed."""
         now = self._clock()
@@ -149,10 +156,10 @@ class Registry:
 
     def has_serving_set(self) -> bool:
         """A colocated worker, or a prefill and a decode worker with equal layouts."""
-        if self.alive("colocated"):
+        live = self.alive_by_role()
+        if live["colocated"]:
             return True
-        decodes = self.alive("decode")
-        return any(p.layout == d.layout for p in self.alive("prefill") for d in decodes)
+        return any(p.layout == d.layout for p in live["prefill"] for d in live["decode"])
 
 
 def _copy(info: worker_pb2.WorkerInfo) -> worker_pb2.WorkerInfo:

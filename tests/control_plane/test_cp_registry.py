@@ -78,3 +78,17 @@ def test_registry_stores_a_copy_of_the_info() -> None:
     registry.register(info)
     info.address = "elsewhere:1"
     assert registry.get("p0").address == "127.0.0.1:1"  # type: ignore[union-attr]
+
+
+def test_alive_by_role_groups_live_workers_in_id_order() -> None:
+    clock = FakeClock()
+    registry = Registry(lease_seconds=3.0, clock=clock)
+    for worker_id, role in (("d1", "decode"), ("p0", "prefill"), ("d0", "decode")):
+        registry.register(worker_info(worker_id, role))
+    assert [r.worker_id for r in registry.alive_by_role()["decode"]] == ["d0", "d1"]
+    clock.now += 2.0
+    registry.register(worker_info("p1", "prefill"))
+    clock.now += 1.5  # p0, d0 and d1 lapsed; p1 still holds its lease
+    assert {role: [r.worker_id for r in rs] for role, rs in registry.alive_by_role().items()} == {
+        "prefill": ["p1"], "decode": [], "colocated": [],
+    }  # fmt: skip
