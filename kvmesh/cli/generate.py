@@ -1,7 +1,7 @@
 """`kvmesh generate [--model DIR] "prompt"`: generate offline and stream the text.
 
-The request is built from the arguments once (`request_from_args`), then handed to a backend:
-today the in-process engine; a remote backend (`--target HOST:PORT`) can plug in beside it.
+The request is built from the arguments once (`request_from_args`) and run on an in-process
+engine; with `--target HOST:PORT` it goes to a running system instead (`generate_remote`).
 """
 
 from __future__ import annotations
