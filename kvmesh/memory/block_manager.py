@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from kvmesh.memory.block_pool import BlockPool
 from kvmesh.memory.errors import CapacityError, SequenceExistsError, UnknownSequenceError
-from kvmesh.memory.hashing import BlockHasher, HashFn
+from kvmesh.memory.hashing import BlockHasher, HashFn, chain_hashes
 from kvmesh.memory.metrics import MemoryMetrics
 from kvmesh.memory.prefix_cache import BlockRef, PrefixCache
 
@@ -120,13 +120,9 @@ class BlockManager:
         return [blocks[pos // bs] * bs + pos % bs for pos in range(start, end)]
 
     def block_hashes(self, token_ids: Sequence[int], extra_key: bytes | None = None) -> list[int]:
-        """Chain hashes of the full blocks of `token_ids` (for prefix-affinity routing)."""
-        hashes: list[int] = []
-        parent: int | None = None
-        for start in range(0, len(token_ids) - self._bs + 1, self._bs):
-            parent = self._hash(parent, token_ids[start : start + self._bs], extra_key)
-            hashes.append(parent)
-        return hashes
+        """Chain hashes of the full blocks of `token_ids`: the cache keys, which another
+        process computes alike only under the same `hash_seed`."""
+        return chain_hashes(self._hash, token_ids, self._bs, extra_key)
 
     # -- sequence lifecycle ------------------------------------------------------------------
     def lookup_prefix(

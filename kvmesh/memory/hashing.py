@@ -29,6 +29,26 @@ def _packer(count: int) -> struct.Struct:
     return struct.Struct(f"<{count}q")
 
 
+def chain_hashes(
+    hash_fn: HashFn,
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_key: bytes | None = None,
+    *,
+    max_blocks: int | None = None,
+) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids` (at most `max_blocks` of them)."""
+    count = len(token_ids) // block_size
+    if max_blocks is not None:
+        count = min(count, max_blocks)
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, count * block_size, block_size):
+        parent = hash_fn(parent, token_ids[start : start + block_size], extra_key)
+        hashes.append(parent)
+    return hashes
+
+
 def _seed_int(seed: bytes) -> int:
     return xxhash.xxh3_64_intdigest(seed)
 
@@ -68,13 +88,6 @@ class BlockHasher:
         max_blocks: int | None = None,
     ) -> list[int]:
         """Hashes of the full blocks of `token_ids` (at most `max_blocks` of them)."""
-        count = len(token_ids) // block_size
-        if max_blocks is not None:
-            count = min(count, max_blocks)
-        hashes: list[int] = []
-        parent: int | None = None
-        for index in range(count):
-            start = index * block_size
-            parent = self.hash_block(parent, token_ids[start : start + block_size], extra_key)
-            hashes.append(parent)
-        return hashes
+        return chain_hashes(
+            self.hash_block, token_ids, block_size, extra_key, max_blocks=max_blocks
+        )
