@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import grpc
 
@@ -11,6 +12,8 @@ from control_plane.cluster import Cluster
 from control_plane.ledger import HeldReport, WorkerRef
 from control_plane.registry import RegistrationError
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 def held_reports(held: list[worker_pb2.HeldBlockSet]) -> list[HeldReport]:
@@ -74,4 +77,7 @@ class Reaper:
         interval = self._cluster.config.reap_interval_seconds
         while True:
             await asyncio.sleep(interval)
-            await self._cluster.reap()
+            try:
+                await self._cluster.reap()
+            except Exception:  # one failed pass must not end liveness checking for good
+                log.exception("reaping dead workers failed; retrying next interval")

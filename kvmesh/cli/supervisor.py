@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 TAIL_LINES = 60
+KILL_WAIT_SECONDS = 5.0  # after SIGKILL, how long to wait for the exit status
 
 
 class ChildFailed(RuntimeError):
@@ -120,7 +121,8 @@ class Supervisor:
             child.process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             _signal_group(child.pid, signal.SIGKILL)
-            child.process.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.process.wait(timeout=KILL_WAIT_SECONDS)  # a D-state child cannot hang us
         _signal_group(child.pid, signal.SIGKILL)  # leftovers of the group, if any
         os.write(self._watch_fd, f"-{child.pid}\n".encode())
         return child.process.returncode
