@@ -1,4 +1,13 @@
-"""Cross-host fallback: `KVTransferService.PushBlocks`, a client stream of ~2 MiB frames.
+"""Cross-host fallback: `KVTransferService/PushFrames`, a client stream of ~2 MiB frames.
+
+`PushFrames` is a raw-bytes method (registered beside the generated service, not declared in
+the proto): each stream message is one kv_transfer frame, the fixed 80-byte header
+(`kv_transfer.header`) followed by `payload_len` raw bytes, with no protobuf encoding around it.
+The sender gathers blocks into one reused staging buffer behind the header slot and hands gRPC
+one `bytes` per frame; the receiver validates the header and fencing, then scatters straight
+from the received message into the reserved blocks. BEGIN carries the destination ids (u32),
+FRAME the blocks, END and CANCEL nothing; the call returns a protobuf `PushResult`.
+`PushBlocksUnary` (the whole block set as ONE protobuf message) remains as the baseline.
 
 The receiver runs a `grpc.aio` server (uvloop when installed) on its own thread; the sender
 uses a synchronous channel. The call's deadline is the transfer deadline; cancelling the call
@@ -21,13 +30,14 @@ import torch
 from kv_transfer.blocks import BlockStore
 from kv_transfer.errors import (
     DeadlineExpiredError,
+    FrameError,
     LayoutMismatchError,
     PeerError,
     TransferCancelledError,
     TransferError,
     error_from_wire,
 )
-from kv_transfer.header import FrameHeader, MsgType
+from kv_transfer.header import HEADER_SIZE, FrameHeader, MsgType, decode_header, frame_header
 from kv_transfer.interface import DEFAULT_FRAME_BYTES, KVReceiver, KVSender, SendPlan, Waiter
 from kv_transfer.interface import fill_frame as _fill
 from kv_transfer.layout import KVLayout
@@ -38,6 +48,8 @@ from kvmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
 # Frame payloads are read-only `bytes`; the receiver only reads them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 HANDSHAKE_SECONDS = 10.0
+SERVICE = "kvmesh.v1.KVTransferService"
+PUSH_FRAMES = f"/{SERVICE}/PushFrames"
 
 
 def _options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -74,12 +86,14 @@ class _Servicer(pb_grpc.KVTransferServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.HandshakeReply(layout=self.r.layout.to_bytes())
 
-    async def PushBlocks(self, request_iterator, context: grpc.aio.ServicerContext):
+    async def PushFrames(self, request_iterator, context: grpc.aio.ServicerContext):
+        """Raw frames (header + payload bytes) until END; see the module docstring."""
         begun: FrameHeader | None = None
         try:
-            async for frame in request_iterator:
-                begun = begun or _header(frame)
-                result = self.r.apply(frame)
+            async for message in request_iterator:
+                header = _raw_header(message)
+                begun = begun or header
+                result = self.r.apply_raw(header, message)
                 if result is not None:
                     return result
             raise PeerError("stream ended before END")
@@ -101,6 +115,16 @@ class _Servicer(pb_grpc.KVTransferServiceServicer):
             )
         except TransferError as exc:
             return pb.PushResult(state="FAILED", error_code=exc.code, message=str(exc))
+
+
+def _raw_header(message: bytes) -> FrameHeader:
+    """Decode a raw frame's header; the message must be exactly header + payload_len bytes."""
+    if len(message) < HEADER_SIZE:
+        raise FrameError("header", f"need {HEADER_SIZE} bytes, got {len(message)}")
+    header = decode_header(memoryview(message)[:HEADER_SIZE])
+    if len(message) - HEADER_SIZE != header.payload_len:
+        raise FrameError("payload_len", f"{header.payload_len} != {len(message) - HEADER_SIZE}")
+    return header
 
 
 def _ids_bytes(ids: object) -> bytes:
@@ -126,7 +150,14 @@ class Receiver(KVReceiver):
     def _run(self, bind: str, max_bytes: int, ready: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
         self._server = grpc.aio.server(options=_options(max_bytes))
-        pb_grpc.add_KVTransferServiceServicer_to_server(_Servicer(self), self._server)
+        servicer = _Servicer(self)
+        pb_grpc.add_KVTransferServiceServicer_to_server(servicer, self._server)
+        raw = grpc.stream_unary_rpc_method_handler(  # bytes in (no deserializer), PushResult out
+            servicer.PushFrames, response_serializer=pb.PushResult.SerializeToString
+        )
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {"PushFrames": raw}),)
+        )
         self._port = self._server.add_insecure_port(bind)
         self._loop.run_until_complete(self._server.start())
         ready.set()
@@ -149,6 +180,35 @@ class Receiver(KVReceiver):
         elif header.msg_type is MsgType.CANCEL:
             self.core.on_cancel(header)
             return pb.PushResult(state="CANCELLED", error_code="cancelled")
+        return None
+
+    def apply_raw(self, header: FrameHeader, message: bytes) -> pb.PushResult | None:
+        """Apply one raw frame (validated header + payload after it); a PushResult at the end.
+
+        The receiver core checks fencing (transfer id, epoch, state) and the frame's fields
+        before any payload byte is verified or written into the reserved blocks."""
+        kind = header.msg_type
+        if kind is MsgType.FRAME:
+            payload = (
+                torch.frombuffer(message, dtype=torch.uint8, offset=HEADER_SIZE)
+                if header.payload_len
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            self.core.on_frame(header, payload)
+            return None
+        body = memoryview(message)[HEADER_SIZE:]
+        if header.payload_len:
+            header.verify_payload(body)
+        if kind is MsgType.BEGIN:
+            self.core.on_begin(header, body)
+        elif kind is MsgType.END:
+            result = self.core.on_end(header)
+            return pb.PushResult(state=result.state.name, num_bytes=result.num_bytes)
+        elif kind is MsgType.CANCEL:
+            self.core.on_cancel(header)
+            return pb.PushResult(state="CANCELLED", error_code="cancelled")
+        else:
+            raise FrameError("msg_type", f"unexpected {kind.name}")
         return None
 
     def close(self) -> None:
@@ -183,9 +243,11 @@ class Sender(KVSender):
         self.checksum = checksum
         self._channel = grpc.insecure_channel(address, options=_options(max_message_bytes))
         self._stub = pb_grpc.KVTransferServiceStub(self._channel)
-        self._staging = torch.empty(
-            max(frame_bytes, self.layout.bytes_per_block), dtype=torch.uint8
+        self._push = self._channel.stream_unary(  # raw bytes out (no serializer)
+            PUSH_FRAMES, request_serializer=None, response_deserializer=pb.PushResult.FromString
         )
+        per = max(1, frame_bytes // self.layout.bytes_per_block)
+        self._staging = torch.empty(per * self.layout.bytes_per_block, dtype=torch.uint8)
         request = pb.HandshakeRequest(layout=self.layout.to_bytes())
         try:
             reply = self._stub.Handshake(request, timeout=HANDSHAKE_SECONDS)
@@ -196,21 +258,23 @@ class Sender(KVSender):
     def close(self) -> None:
         self._channel.close()
 
-    def _frames(self, plan: SendPlan, cancel: threading.Event) -> Iterator[pb.KVFrame]:
+    def _frames(self, plan: SendPlan, cancel: threading.Event) -> Iterator[bytes]:
+        """Raw messages: header + payload, one `bytes` each (the only copy after the gather)."""
         tid, epoch = plan.request.transfer_id, plan.request.epoch
-        dst = plan.dst.tolist()
-        yield pb.KVFrame(msg_type=MsgType.BEGIN, transfer_id=tid, epoch=epoch, dst_block_ids=dst)
+        begin = plan.begin_payload()
+        yield frame_header(MsgType.BEGIN, tid, epoch, begin).encode() + begin
+        staging = self._staging.numpy()
         for index in range(len(plan.frames)):
             if cancel.is_set():
-                yield pb.KVFrame(msg_type=MsgType.CANCEL, transfer_id=tid, epoch=epoch)
+                yield frame_header(MsgType.CANCEL, tid, epoch).encode()
                 return
             header, payload = _fill(self.store, plan, index, self._staging, self.checksum)
-            yield _to_proto(header, payload.numpy().tobytes())
-        yield pb.KVFrame(msg_type=MsgType.END, transfer_id=tid, epoch=epoch)
+            yield b"".join((header.encode(), staging[: payload.numel()].data))
+        yield frame_header(MsgType.END, tid, epoch).encode()
 
     def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
         left = waiter.check()
-        call = self._stub.PushBlocks.future(self._frames(plan, waiter.cancel), timeout=left)
+        call = self._push.future(self._frames(plan, waiter.cancel), timeout=left)
         done = threading.Event()
         call.add_done_callback(lambda _: done.set())
         while not done.wait(0.05):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvmesh/v1/kv_transfer.proto\x12\tkvmesh.v1\"\"\n\x10HandshakeRequest\x12\x0e\n\x06layout\x18\x01 \x01(\x0c\" \n\x0eHandshakeReply\x12\x0e\n\x06layout\x18\x01 \x01(\x0c\"\xf1\x01\n\x07KVFrame\x12\x10\n\x08msg_type\x18\x01 \x01(\r\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x0c\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x13\n\x0b\x66rame_index\x18\x04 \x01(\r\x12\x13\n\x0b\x66rame_count\x18\x05 \x01(\r\x12\x14\n\x0c\x62lock_offset\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x13\n\x0bpayload_len\x18\x08 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\t \x01(\x04\x12\r\n\x05\x66lags\x18\n \x01(\r\x12\x15\n\rdst_block_ids\x18\x0b \x03(\r\x12\x0f\n\x07payload\x18\x0c \x01(\x0c\"S\n\nPushResult\x12\r\n\x05state\x18\x01 \x01(\t\x12\x12\n\nerror_code\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x32\xd1\x01\n\x11KVTransferService\x12\x43\n\tHandshake\x12\x1b.kvmesh.v1.HandshakeRequest\x1a\x19.kvmesh.v1.HandshakeReply\x12\x39\n\nPushBlocks\x12\x12.kvmesh.v1.KVFrame\x1a\x15.kvmesh.v1.PushResult(\x01\x12<\n\x0fPushBlocksUnary\x12\x12.kvmesh.v1.KVFrame\x1a\x15.kvmesh.v1.PushResultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvmesh/v1/kv_transfer.proto\x12\tkvmesh.v1\"\"\n\x10HandshakeRequest\x12\x0e\n\x06layout\x18\x01 \x01(\x0c\" \n\x0eHandshakeReply\x12\x0e\n\x06layout\x18\x01 \x01(\x0c\"\xf1\x01\n\x07KVFrame\x12\x10\n\x08msg_type\x18\x01 \x01(\r\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x0c\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x13\n\x0b\x66rame_index\x18\x04 \x01(\r\x12\x13\n\x0b\x66rame_count\x18\x05 \x01(\r\x12\x14\n\x0c\x62lock_offset\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x13\n\x0bpayload_len\x18\x08 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\t \x01(\x04\x12\r\n\x05\x66lags\x18\n \x01(\r\x12\x15\n\rdst_block_ids\x18\x0b \x03(\r\x12\x0f\n\x07payload\x18\x0c \x01(\x0c\"S\n\nPushResult\x12\r\n\x05state\x18\x01 \x01(\t\x12\x12\n\nerror_code\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x32\x96\x01\n\x11KVTransferService\x12\x43\n\tHandshake\x12\x1b.kvmesh.v1.HandshakeRequest\x1a\x19.kvmesh.v1.HandshakeReply\x12<\n\x0fPushBlocksUnary\x12\x12.kvmesh.v1.KVFrame\x1a\x15.kvmesh.v1.PushResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,5 +40,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHRESULT']._serialized_start=356
   _globals['_PUSHRESULT']._serialized_end=439
   _globals['_KVTRANSFERSERVICE']._serialized_start=442
-  _globals['_KVTRANSFERSERVICE']._serialized_end=651
+  _globals['_KVTRANSFERSERVICE']._serialized_end=592
 # @@protoc_insertion_point(module_scope)

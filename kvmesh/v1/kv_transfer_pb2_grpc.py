@@ -42,11 +42,6 @@ class KVTransferServiceStub:
                 request_serializer=kvmesh_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_kv__transfer__pb2.HandshakeReply.FromString,
                 _registered_method=True)
-        self.PushBlocks = channel.stream_unary(
-                '/kvmesh.v1.KVTransferService/PushBlocks',
-                request_serializer=kvmesh_dot_v1_dot_kv__transfer__pb2.KVFrame.SerializeToString,
-                response_deserializer=kvmesh_dot_v1_dot_kv__transfer__pb2.PushResult.FromString,
-                _registered_method=True)
         self.PushBlocksUnary = channel.unary_unary(
                 '/kvmesh.v1.KVTransferService/PushBlocksUnary',
                 request_serializer=kvmesh_dot_v1_dot_kv__transfer__pb2.KVFrame.SerializeToString,
@@ -67,17 +62,15 @@ class KVTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def PushBlocks(self, request_iterator, context):
-        """One transfer as a stream: BEGIN (with dst_block_ids), FRAMEs of about 1-2 MiB, END.
-        The call's deadline and cancellation are the transfer's.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def PushBlocksUnary(self, request, context):
         """A whole block set as ONE message (BEGIN + FRAME + END in one; frame_count = 1). For small
         transfers and as the baseline the stream is measured against.
+        Transfers themselves use the raw-bytes method "/kvmesh.v1.KVTransferService/PushFrames",
+        served beside this service but not declared here because its requests are not protobuf:
+        a client stream in which each message is one kv_transfer frame, the fixed 80-byte header
+        of kv_transfer/header.py followed by payload_len raw bytes (BEGIN: destination block ids
+        as u32; FRAME: [num_blocks scales][num_blocks KV], about 1-2 MiB; END; CANCEL). It returns
+        a PushResult. The call's deadline and cancellation are the transfer's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,11 +83,6 @@ def add_KVTransferServiceServicer_to_server(servicer, server):
                     servicer.Handshake,
                     request_deserializer=kvmesh_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_kv__transfer__pb2.HandshakeReply.SerializeToString,
-            ),
-            'PushBlocks': grpc.stream_unary_rpc_method_handler(
-                    servicer.PushBlocks,
-                    request_deserializer=kvmesh_dot_v1_dot_kv__transfer__pb2.KVFrame.FromString,
-                    response_serializer=kvmesh_dot_v1_dot_kv__transfer__pb2.PushResult.SerializeToString,
             ),
             'PushBlocksUnary': grpc.unary_unary_rpc_method_handler(
                     servicer.PushBlocksUnary,
@@ -132,33 +120,6 @@ class KVTransferService:
             '/kvmesh.v1.KVTransferService/Handshake',
             kvmesh_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
             kvmesh_dot_v1_dot_kv__transfer__pb2.HandshakeReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PushBlocks(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/kvmesh.v1.KVTransferService/PushBlocks',
-            kvmesh_dot_v1_dot_kv__transfer__pb2.KVFrame.SerializeToString,
-            kvmesh_dot_v1_dot_kv__transfer__pb2.PushResult.FromString,
             options,
             channel_credentials,
             insecure,
