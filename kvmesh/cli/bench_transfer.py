@@ -3,6 +3,9 @@
 The same block set (`--mib` of bfloat16 blocks) moves from a sender process to a receiver
 process (`kv_transfer.peer`) over each backend; the baseline is one torch copy of the same bytes
 in this process. The gRPC stream is also compared with sending the bytes as ONE message.
+Every peer pair is connected and warmed up first; then each of `--repeat` rounds times one
+memcpy and one transfer per backend back to back, so a round's ratios share the machine's load.
+The report keeps each row's best run and the range of its per-round ratios.
 """
 
 from __future__ import annotations
@@ -26,9 +29,15 @@ BLOCK_BYTES = 8 * 2 * 16 * 4 * 128 * 2
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("transfer", help="KV transfer bandwidth per backend vs memcpy")
     parser.add_argument("--mib", type=int, default=256, help="block set size in MiB")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per backend (best is kept)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed rounds (best is kept)")
     parser.add_argument("--backends", default="shm,gloo,grpc", help="comma-separated backends")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--no-checksum",
+        dest="checksum",
+        action="store_false",
+        help="senders skip payload checksums (headers stay checked)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -64,14 +73,8 @@ class _Peer:
         self.proc.wait(30)
 
 
-def _memcpy_gbps(nbytes: int, repeat: int) -> float:
-    import torch
-
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeat))
-    return nbytes / best / 1e9
+def _memcpy_seconds(src: Any, dst: Any) -> float:
+    return _timed(lambda: dst.copy_(src))
 
 
 def _timed(fn: Any) -> float:
@@ -80,30 +83,38 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
-def _backend_gbps(backend: str, blocks: int, repeat: int, op: str = "send") -> float:
-    store = {**BLOCK, "num_blocks": blocks, "dtype": "bfloat16"}
-    options: dict[str, Any] = {}
-    receiver_options: dict[str, Any] = {}
-    if op == "unary":
-        limit = blocks * BLOCK_BYTES + (1 << 20)
-        options = receiver_options = {"max_message_bytes": limit}
-    receiver = _Peer(backend, {**store, "seed": 1}, receiver_options=receiver_options)
-    sender = _Peer(backend, {**store, "seed": 2})
-    try:
-        assert sender.call("connect", address=receiver.address, options=options) == {"ok": True}
-        ids = list(range(blocks))
-        best = float("inf")
-        for _ in range(repeat + 1):  # the first run warms up connections and pages
-            tid = os.urandom(16).hex()
-            receiver.call("expect", tid=tid, epoch=1, dst=ids, seconds=600)
-            result = sender.call(op, tid=tid, epoch=1, src=ids, dst=ids, seconds=600)
-            if result.get("state") != "COMPLETED":
-                raise RuntimeError(f"{backend} {op}: {result}")
-            best = min(best, result["seconds"])
-        return blocks * BLOCK_BYTES / best / 1e9
-    finally:
-        sender.close()
-        receiver.close()
+class _Pair:
+    """A connected receiver/sender pair for one backend; `op` is "send" or "unary" (gRPC)."""
+
+    def __init__(self, backend: str, blocks: int, op: str, checksum: bool) -> None:
+        store = {**BLOCK, "num_blocks": blocks, "dtype": "bfloat16"}
+        options: dict[str, Any] = {} if checksum else {"checksum": False}
+        receiver_options: dict[str, Any] = {}
+        if op == "unary":
+            limit = blocks * BLOCK_BYTES + (1 << 20)
+            options = {**options, "max_message_bytes": limit}
+            receiver_options = {"max_message_bytes": limit}
+        self.name, self.op, self.ids = backend, op, list(range(blocks))
+        self.receiver = _Peer(backend, {**store, "seed": 1}, receiver_options=receiver_options)
+        self.sender = _Peer(backend, {**store, "seed": 2})
+        if self.sender.call("connect", address=self.receiver.address, options=options) != {
+            "ok": True
+        }:
+            raise RuntimeError(f"{backend}: connect failed")
+
+    def seconds(self) -> float:
+        tid = os.urandom(16).hex()
+        self.receiver.call("expect", tid=tid, epoch=1, dst=self.ids, seconds=600)
+        result = self.sender.call(
+            self.op, tid=tid, epoch=1, src=self.ids, dst=self.ids, seconds=600
+        )
+        if result.get("state") != "COMPLETED":
+            raise RuntimeError(f"{self.name} {self.op}: {result}")
+        return float(result["seconds"])
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,25 +123,59 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)  # every process single-threaded: same footing as the peers
     blocks = max(1, (args.mib << 20) // BLOCK_BYTES)
     nbytes = blocks * BLOCK_BYTES
-    rows: dict[str, float] = {"memcpy": _memcpy_gbps(nbytes, args.repeat)}
-    for backend in [b for b in args.backends.split(",") if b]:
-        rows[backend] = _backend_gbps(backend, blocks, args.repeat)
-        if backend == "grpc":
-            rows["grpc_unary"] = _backend_gbps("grpc", blocks, args.repeat, op="unary")
-    report = {
-        "bytes": nbytes,
-        "gbps": {k: round(v, 3) for k, v in rows.items()},
-        "vs_memcpy": {k: round(v / rows["memcpy"], 3) for k, v in rows.items() if k != "memcpy"},
-    }
-    if "grpc" in rows and "grpc_unary" in rows:
-        report["grpc_stream_vs_unary"] = round(rows["grpc"] / rows["grpc_unary"], 2)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    _memcpy_seconds(src, dst)
+    pairs: dict[str, _Pair] = {}
+    try:
+        for backend in [b for b in args.backends.split(",") if b]:
+            pairs[backend] = _Pair(backend, blocks, "send", args.checksum)
+            if backend == "grpc":
+                pairs["grpc_unary"] = _Pair("grpc", blocks, "unary", args.checksum)
+        for pair in pairs.values():  # warm-up: connections, pages, buffers
+            pair.seconds()
+        times: dict[str, list[float]] = {"memcpy": [], **{name: [] for name in pairs}}
+        for _ in range(args.repeat):
+            times["memcpy"].append(_memcpy_seconds(src, dst))
+            for name, pair in pairs.items():
+                times[name].append(pair.seconds())
+    finally:
+        for pair in pairs.values():
+            pair.close()
+    report = _report(nbytes, times, args.checksum)
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"KV transfer of {nbytes / 2**20:.0f} MiB ({blocks} blocks of {BLOCK_BYTES >> 10} KiB)")
-    for name, gbps in rows.items():
-        ratio = report["vs_memcpy"].get(name, 1.0)  # type: ignore[attr-defined]
-        print(f"  {name:<12} {gbps:7.2f} GB/s   {ratio:5.2f}x memcpy")
+    print(
+        f"KV transfer of {nbytes / 2**20:.0f} MiB ({blocks} blocks of {BLOCK_BYTES >> 10} KiB), "
+        f"best of {args.repeat} rounds, payload checksums {'on' if args.checksum else 'off'}"
+    )
+    for name, gbps in report["gbps"].items():
+        if name == "memcpy":
+            print(f"  {name:<12} {gbps:7.2f} GB/s")
+            continue
+        lo, hi = report["vs_memcpy_range"][name]
+        ratio = report["vs_memcpy"][name]
+        print(f"  {name:<12} {gbps:7.2f} GB/s   {ratio:5.2f}x memcpy (rounds {lo:.2f}-{hi:.2f}x)")
     if "grpc_stream_vs_unary" in report:
         print(f"  gRPC stream vs one message: {report['grpc_stream_vs_unary']:.2f}x")
     return 0
+
+
+def _report(nbytes: int, times: dict[str, list[float]], checksum: bool) -> dict[str, Any]:
+    best = {name: nbytes / min(ts) / 1e9 for name, ts in times.items()}
+    rounds = {
+        name: [m / t for m, t in zip(times["memcpy"], ts, strict=True)]
+        for name, ts in times.items()
+        if name != "memcpy"
+    }
+    report: dict[str, Any] = {
+        "bytes": nbytes,
+        "checksum": checksum,
+        "gbps": {k: round(v, 3) for k, v in best.items()},
+        "vs_memcpy": {k: round(v / best["memcpy"], 3) for k, v in best.items() if k != "memcpy"},
+        "vs_memcpy_range": {k: [round(min(r), 3), round(max(r), 3)] for k, r in rounds.items()},
+    }
+    if "grpc" in best and "grpc_unary" in best:
+        report["grpc_stream_vs_unary"] = round(best["grpc"] / best["grpc_unary"], 2)
+    return report
