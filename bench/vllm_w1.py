@@ -8,7 +8,8 @@ and transformers, so it never shares kvmesh's environment):
 Builds WORKLOADS.md's W1 requests with the same generator as kvmesh's bench (copied here so this
 file imports nothing from kvmesh), submits them all at once to `LLM.generate` as token-id prompts
 (`skip_tokenizer_init=True`, otherwise default engine settings), greedy, EOS ignored, exactly
-each request's output length. Prints one JSON line: tokens, seconds, tok_per_s.
+each request's output length. Prints one JSON line: name, tokens, seconds, tok_per_s, dtype
+(vLLM's resolved model dtype: `auto` runs a float32 checkpoint in bfloat16 on CPU).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
+    parser.add_argument("--dtype", default="auto", help="vLLM's dtype (auto: its default)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -48,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     vocab = int(AutoConfig.from_pretrained(args.model).vocab_size)
     requests = w1_requests(vocab, args.num_requests)
-    llm = LLM(model=args.model, skip_tokenizer_init=True)
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype)
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]
     params = [
         SamplingParams(
@@ -56,7 +58,10 @@ def main() -> None:
         )
         for _, n in requests
     ]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    warmup = SamplingParams(
+        temperature=0.0, max_tokens=8, min_tokens=8, ignore_eos=True, detokenize=False
+    )
+    llm.generate([TokensPrompt(prompt_token_ids=[11] * 64)], warmup, use_tqdm=False)
     start = time.monotonic()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.monotonic() - start
@@ -70,6 +75,7 @@ def main() -> None:
                 "tokens": tokens,
                 "seconds": round(seconds, 3),
                 "tok_per_s": round(tokens / seconds, 2),
+                "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
             }
         )
     )

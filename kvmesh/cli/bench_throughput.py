@@ -51,6 +51,13 @@ def register(subparsers: Any) -> None:
         help="W1: also vLLM, run as bench/vllm_w1.py under this interpreter (its own venv)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="run every system N times")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="model dtype for every system (auto: each system's default; vLLM's CPU build "
+        "then runs a float32 checkpoint in bfloat16)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--num-requests", type=int, default=64)
@@ -138,16 +145,19 @@ def _account(output: Any, tokens: int, ttfts: list) -> tuple[int, list]:
     return tokens, ttfts
 
 
-def run_hf_static(model_dir: str, requests: list, batch_size: int) -> dict[str, Any]:
+def run_hf_static(model_dir: str, requests: list, batch_size: int, dtype: str) -> dict[str, Any]:
     """transformers `generate`, left-padded batches in request order, each to its longest."""
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation="sdpa", dtype=dtype
+    )
     _hf_generate(model, [WARMUP_PROMPT], 1)
     start = time.monotonic()
     _hf_generate(model, requests, batch_size)
     tokens = sum(n for _, n in requests)  # useful tokens; padding rows do not count
-    return summarize("transformers-static", tokens, time.monotonic() - start, [])
+    result = summarize("transformers-static", tokens, time.monotonic() - start, [])
+    return {**result, "dtype": str(model.dtype).removeprefix("torch.")}
 
 
 def _hf_generate(model: Any, requests: list, batch_size: int) -> None:
@@ -170,17 +180,19 @@ def _hf_generate(model: Any, requests: list, batch_size: int) -> None:
             )
 
 
-def run_vllm(python: str, model_dir: str, num_requests: int, threads: int) -> dict[str, Any]:
-    """bench/vllm_w1.py under another interpreter; its last stdout line is the JSON result."""
-    command = [python, str(VLLM_SCRIPT), "--model", model_dir]
-    command += ["--num-requests", str(num_requests), "--threads", str(threads)]
+def run_vllm(python: str, model_dir: str, args: Any) -> dict[str, Any]:
+    """bench/vllm_w1.py under another interpreter; the result is its `{"name": "vllm", ...}`
+    stdout line (vLLM logs to stdout too)."""
+    command = [python, str(VLLM_SCRIPT), "--model", model_dir, "--dtype", args.dtype]
+    command += ["--num-requests", str(args.num_requests), "--threads", str(args.threads)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
-    lines = done.stdout.strip().splitlines()
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"name": "vllm"')]
     if done.returncode != 0 or not lines:
         tail = (done.stderr or done.stdout)[-2000:]
         raise RuntimeError(f"vLLM run failed (exit {done.returncode}):\n{tail}")
     result = json.loads(lines[-1])
-    return summarize("vllm", int(result["tokens"]), float(result["seconds"]), [])
+    summary = summarize("vllm", int(result["tokens"]), float(result["seconds"]), [])
+    return {**summary, "dtype": result["dtype"]}
 
 
 def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: Any) -> dict:
@@ -190,7 +202,8 @@ def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: An
     for knob in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, knob) is not None:
             options = {knob: getattr(args, knob), **options}
-    engine = LLMEngine(EngineConfig(model=model_dir, num_threads=args.threads, **options))
+    config = EngineConfig(model=model_dir, num_threads=args.threads, dtype=args.dtype, **options)
+    engine = LLMEngine(config)
     vocab = engine.runner.vocab_size
     run_all_at_once(engine, [WARMUP_PROMPT])
     if workload == "W1":
@@ -198,7 +211,8 @@ def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: An
     else:
         reqs = w3_requests(vocab, workload == "W3", args.num_requests)
         tokens, seconds, ttfts = run_one_by_one(engine, reqs)
-    return summarize(name, tokens, seconds, ttfts)
+    dtype = str(engine.runner.loaded.dtype).removeprefix("torch.")
+    return {**summarize(name, tokens, seconds, ttfts), "dtype": dtype}
 
 
 def run_bench_throughput(args: argparse.Namespace) -> int:
@@ -223,10 +237,11 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         results = [run_kvmesh(model_dir, args.workload, n, o, args) for n, o in runs]
         if args.workload == "W1" and args.compare_hf:
             reqs = w1_requests(_vocab(model_dir), args.num_requests)
-            results.append(run_hf_static(model_dir, reqs, args.hf_batch_size))
+            results.append(run_hf_static(model_dir, reqs, args.hf_batch_size, args.dtype))
         if args.workload == "W1" and args.compare_vllm:
-            results.append(run_vllm(args.compare_vllm, model_dir, args.num_requests, args.threads))
+            results.append(run_vllm(args.compare_vllm, model_dir, args))
         repeats.append(results)
+        print(json.dumps({"repeat": len(repeats), "runs": results}), file=sys.stderr)
     report = _report(args.workload, repeats)
     _print(report, args.json)
     return 0
@@ -277,8 +292,8 @@ def _print(report: dict[str, Any], as_json: bool) -> None:
     for run in report["runs"]:
         print(
             f"  {run['name']:<22} {run['tokens']:>7} tok {run['seconds']:>8.2f} s "
-            f"{run['tok_per_s']:>9.2f} tok/s  TTFT mean {run['ttft_mean']} p50 {run['ttft_p50']} "
-            f"p99 {run['ttft_p99']}"
+            f"{run['tok_per_s']:>9.2f} tok/s {run.get('dtype', '')} TTFT mean {run['ttft_mean']} "
+            f"p50 {run['ttft_p50']} p99 {run['ttft_p99']}"
         )
     for repeat in report.get("repeats", []):
         print(f"  repeat: {repeat}")

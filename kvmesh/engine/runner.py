@@ -127,12 +127,19 @@ class ModelRunner:
             if chunk.sample_seq_ids:
                 sample_rows.append(query_start_loc[-1] - 1)
         tables = [(*c.block_table, *(0,) * (width - len(c.block_table))) for c in chunks]
+        num_paged = len(chunks)
+        if self.device.type == "cpu":
+            while num_paged and chunks[num_paged - 1].start_pos == 0:
+                num_paged -= 1
         context = ForwardContext(
             kv_cache=self.kv_cache,
             slot_mapping=self._tensor(slots, torch.int64),
             block_tables=self._tensor(tables, torch.int32),
             seq_lens=self._tensor(seq_lens, torch.int32),
             query_start_loc=self._tensor(query_start_loc, torch.int32),
+            num_paged_seqs=num_paged,
+            num_paged_tokens=query_start_loc[num_paged],
+            fresh_bounds=tuple(query_start_loc[num_paged:]) if num_paged < len(chunks) else (),
         )
         return FlatBatch(
             self._tensor(token_ids, torch.int64),
