@@ -1,8 +1,12 @@
 """The transfer interface every backend implements.
 
 Sender: `send(request, src_block_ids, dst_block_ids, *, deadline) -> TransferResult`, or
-`start(...)` for a cancellable `SendHandle`. Receiver: `expect(request, dst_block_ids, deadline)`
-reserves destination blocks and returns a `ReceiveHandle`; `address` is what senders connect to.
+`start(...)` for a cancellable `SendHandle`, or `start_stream(request, dst_block_ids, deadline=...)`
+for a `StreamSendHandle` whose source blocks are added in parts as they become final (`add`,
+then `finish`): the transfer begins at once and each part's frames go out as soon as they are
+added, so a producer (the prefill engine) overlaps its compute with the send. Receiver:
+`expect(request, dst_block_ids, deadline)` reserves destination blocks and returns a
+`ReceiveHandle`; `address` is what senders connect to.
 Deadlines are absolute `time.monotonic()` values of the calling process.
 """
 
@@ -12,6 +16,7 @@ import abc
 import dataclasses
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -34,9 +39,88 @@ class SendPlan:
     src: torch.Tensor  # int64 [n] source block ids
     dst: torch.Tensor  # int64 [n] destination block ids (reserved by the receiver)
     frames: list[tuple[int, int]]  # (block_offset, num_blocks) per frame
+    parts: PartFeed | None = None  # streamed: frames appear as parts are added
 
     def begin_payload(self) -> bytes:
         return self.dst.to(torch.int32).numpy().tobytes()
+
+    @property
+    def frame_count(self) -> int:
+        """Frames in the transfer; for a streamed one an upper bound (one per block)."""
+        return len(self.frames) if self.parts is None else int(self.dst.numel())
+
+    def iter_frames(self, waiter: Waiter) -> Iterator[int]:
+        """Frame indices in sending order. A streamed plan waits (bounded by the transfer's
+        deadline and cancellation) for parts; it stops early on cancel or expiry, and callers
+        check the waiter before END."""
+        if self.parts is None:
+            yield from range(len(self.frames))
+        else:
+            yield from self.parts.indices(waiter)
+
+
+class PartFeed:
+    """Source blocks of a streamed transfer, added in parts from any thread (never blocks).
+
+    Bounded by construction: every destination block is added at most once, so the frame list
+    never grows past the block count."""
+
+    def __init__(self, plan_src: torch.Tensor, frames: list[tuple[int, int]], per: int) -> None:
+        self._src = plan_src
+        self._frames = frames
+        self._per = per
+        self._added = torch.zeros(int(plan_src.numel()), dtype=torch.bool)
+        self._num_added = 0
+        self._finished = False
+        self._cond = threading.Condition()
+
+    @property
+    def num_added(self) -> int:
+        return self._num_added
+
+    def add(self, block_offset: int, src_ids: torch.Tensor) -> None:
+        n = int(src_ids.numel())
+        total = int(self._src.numel())
+        with self._cond:
+            if self._finished:
+                raise TransferError("part added after finish()")
+            if n == 0:
+                return
+            if block_offset < 0 or block_offset + n > total:
+                raise TransferError(f"part {block_offset}+{n} outside the {total} blocks")
+            if bool(self._added[block_offset : block_offset + n].any()):
+                raise TransferError(f"part {block_offset}+{n} overlaps blocks already added")
+            self._src[block_offset : block_offset + n] = src_ids
+            self._added[block_offset : block_offset + n] = True
+            self._num_added += n
+            for off in range(0, n, self._per):
+                self._frames.append((block_offset + off, min(self._per, n - off)))
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        with self._cond:
+            if self._num_added != int(self._src.numel()):
+                raise TransferError(
+                    f"finish() with {self._num_added} of {int(self._src.numel())} blocks added"
+                )
+            self._finished = True
+            self._cond.notify_all()
+
+    def indices(self, waiter: Waiter) -> Iterator[int]:
+        sent = 0
+        while True:
+            with self._cond:
+                while sent == len(self._frames) and not self._finished:
+                    if waiter.cancel.is_set() or time.monotonic() >= waiter.deadline:
+                        return
+                    self._cond.wait(0.05)
+                available = len(self._frames)
+                done = self._finished and sent == available
+            if done:
+                return
+            while sent < available:
+                yield sent
+                sent += 1
 
 
 class SendHandle:
@@ -52,6 +136,22 @@ class SendHandle:
 
     def wait(self, timeout: float | None = None) -> TransferResult:
         return self.record.wait(timeout)
+
+
+class StreamSendHandle(SendHandle):
+    """A streamed transfer: `add(block_offset, src_block_ids)` parts as they become final (any
+    order, each block once, never blocks), then `finish()`; the receiver acknowledges once,
+    after the last block."""
+
+    def __init__(self, record: TransferRecord, cancel: threading.Event, feed: PartFeed) -> None:
+        super().__init__(record, cancel)
+        self.feed = feed
+
+    def add(self, block_offset: int, src_block_ids: object) -> None:
+        self.feed.add(block_offset, as_ids(src_block_ids, "src_block_ids"))
+
+    def finish(self) -> None:
+        self.feed.finish()
 
 
 class KVSender(abc.ABC):
@@ -83,6 +183,24 @@ class KVSender(abc.ABC):
         plan = self.plan(request, src_block_ids, dst_block_ids)
         record = TransferRecord(request, int(plan.src.numel()), deadline)
         handle = SendHandle(record, threading.Event())
+        handle.thread = threading.Thread(
+            target=self._drive, args=(plan, record, handle._cancel), daemon=True
+        )
+        handle.thread.start()
+        return handle
+
+    def start_stream(
+        self, request: TransferRequest, dst_block_ids: object, *, deadline: float
+    ) -> StreamSendHandle:
+        """Begin a transfer into `dst_block_ids` whose source blocks come later, in parts."""
+        dst = as_ids(dst_block_ids, "dst_block_ids")
+        src = torch.full_like(dst, -1)
+        frames: list[tuple[int, int]] = []
+        per = max(1, self.frame_bytes // self.layout.bytes_per_block)
+        feed = _CheckedFeed(self.store, src, frames, per)
+        plan = SendPlan(request, src, dst, frames, feed)
+        record = TransferRecord(request, int(dst.numel()), deadline)
+        handle = StreamSendHandle(record, threading.Event(), feed)
         handle.thread = threading.Thread(
             target=self._drive, args=(plan, record, handle._cancel), daemon=True
         )
@@ -154,6 +272,18 @@ class KVReceiver(abc.ABC):
         """Stop accepting and release resources."""
 
 
+class _CheckedFeed(PartFeed):
+    def __init__(
+        self, store: BlockStore, src: torch.Tensor, frames: list[tuple[int, int]], per: int
+    ) -> None:
+        super().__init__(src, frames, per)
+        self._store = store
+
+    def add(self, block_offset: int, src_ids: torch.Tensor) -> None:
+        self._store.check_ids(src_ids, "src_block_ids")
+        super().add(block_offset, src_ids)
+
+
 class Waiter:
     """Deadline and cancellation checks for one transfer's waits."""
 
@@ -192,7 +322,7 @@ def fill_frame(
         plan.request.epoch,
         payload.numpy() if checksum else b"",
         frame_index=index,
-        frame_count=len(plan.frames),
+        frame_count=plan.frame_count,
         block_offset=offset,
         num_blocks=n,
     )

@@ -3,6 +3,11 @@
 A transfer may write only into blocks reserved for it by `expect(request, dst_ids, deadline)`;
 frames whose transfer id is unknown or whose epoch differs are refused without touching any
 reservation (a stale or restarted peer never writes into blocks it no longer owns).
+
+A transfer's blocks may arrive in any number of frames, in any order (a streamed transfer sends
+each prefill chunk's blocks as the chunk completes): every frame names its block offset, frame
+indices are unique, and the transfer completes at END only when every reserved block has been
+written exactly once. A frame that overlaps blocks already written is refused.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class _Reservation:
     frames_seen: set[int] = dataclasses.field(default_factory=set)
     frame_count: int | None = None
     blocks_written: int = 0
+    written: torch.Tensor | None = None  # bool [n]: destination blocks already written
 
 
 class ReceiveHandle:
@@ -139,6 +145,8 @@ class ReceiverCore:
             self.store.scatter_from(res.dst[lo : lo + n], payload)
             res.frames_seen.add(header.frame_index)
             res.frame_count = header.frame_count
+            assert res.written is not None  # set by _check_frame
+            res.written[lo : lo + n] = True
             res.blocks_written += n
             res.record.num_bytes += header.payload_len
 
@@ -150,6 +158,13 @@ class ReceiverCore:
         total = int(res.dst.numel())
         if header.num_blocks == 0 or header.block_offset + header.num_blocks > total:
             raise FrameError("block_offset", f"blocks outside the reserved set of {total}")
+        if res.written is None:
+            res.written = torch.zeros(total, dtype=torch.bool)
+        lo, hi = header.block_offset, header.block_offset + header.num_blocks
+        if bool(res.written[lo:hi].any()):
+            raise FrameError(
+                "block_offset", f"blocks {lo}..{hi - 1} overlap blocks already written"
+            )
         want = header.num_blocks * self.store.layout.bytes_per_block
         if header.payload_len != want:
             raise FrameError("payload_len", f"{header.payload_len} != {want} for the blocks")
@@ -162,14 +177,13 @@ class ReceiverCore:
             header.verify_payload(payload.cpu().numpy())
 
     def on_end(self, header: FrameHeader) -> TransferResult:
-        """Sender finished: COMPLETED when every reserved block was written exactly once."""
+        """Sender finished: COMPLETED when every reserved block was written exactly once (in
+        however many frames; `frame_count` is an upper bound for a streamed transfer)."""
         res = self._find(header)
         with res.record.lock:
             if res.record.state is not TransferState.IN_FLIGHT:
                 raise TransferStateError(f"END in state {res.record.state.name}")
-            if res.blocks_written != int(res.dst.numel()) or len(res.frames_seen) != (
-                res.frame_count or 0
-            ):
+            if res.blocks_written != int(res.dst.numel()):
                 raise self._fail(res, FrameError("frame_count", "END before every frame"))
             res.record.move(TransferState.COMPLETED)
         self.forget(res)

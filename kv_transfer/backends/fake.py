@@ -61,10 +61,11 @@ class Sender(KVSender):
         begin = plan.begin_payload()
         core.on_begin(frame_header(MsgType.BEGIN, tid, epoch, begin), begin)
         try:
-            for index in range(len(plan.frames)):
+            for index in plan.iter_frames(waiter):
                 waiter.check()
                 header, payload = fill_frame(self.store, plan, index, self._staging)
                 core.on_frame(header, payload)
+            waiter.check()
         except TransferCancelledError:
             core.on_cancel(frame_header(MsgType.CANCEL, tid, epoch))
             raise

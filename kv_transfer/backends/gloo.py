@@ -459,7 +459,7 @@ class Sender(KVSender):
         body = torch.frombuffer(bytearray(begin), dtype=torch.uint8).to(self.device)
         self._exchange(link, frame_header(MsgType.BEGIN, tid, epoch, begin), body, waiter)
         pending: list[Any] | None = None
-        for index in range(len(plan.frames)):
+        for index in plan.iter_frames(waiter):
             buf = self._staging[index % 2]  # gathered while the previous frame travels
             header, payload = fill_frame(self.store, plan, index, buf, self.checksum)
             if pending is not None:

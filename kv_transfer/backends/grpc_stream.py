@@ -258,28 +258,37 @@ class Sender(KVSender):
     def close(self) -> None:
         self._channel.close()
 
-    def _frames(self, plan: SendPlan, cancel: threading.Event) -> Iterator[bytes]:
+    def _frames(self, plan: SendPlan, waiter: Waiter) -> Iterator[bytes]:
         """Raw messages: header + payload, one `bytes` each (the only copy after the gather)."""
         tid, epoch = plan.request.transfer_id, plan.request.epoch
         begin = plan.begin_payload()
         yield frame_header(MsgType.BEGIN, tid, epoch, begin).encode() + begin
         staging = self._staging.numpy()
-        for index in range(len(plan.frames)):
+        cancel = waiter.cancel
+        for index in plan.iter_frames(waiter):
             if cancel.is_set():
                 yield frame_header(MsgType.CANCEL, tid, epoch).encode()
                 return
             header, payload = _fill(self.store, plan, index, self._staging, self.checksum)
             yield b"".join((header.encode(), staging[: payload.numel()].data))
+        if cancel.is_set() or time.monotonic() >= waiter.deadline:  # a streamed plan stopped
+            yield frame_header(MsgType.CANCEL, tid, epoch).encode()
+            return
         yield frame_header(MsgType.END, tid, epoch).encode()
 
     def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
         left = waiter.check()
-        call = self._push.future(self._frames(plan, waiter.cancel), timeout=left)
+        call = self._push.future(self._frames(plan, waiter), timeout=left)
         done = threading.Event()
         call.add_done_callback(lambda _: done.set())
+        cancel_at: float | None = None
         while not done.wait(0.05):
             if waiter.cancel.is_set():
-                call.cancel()
+                # a streamed plan's iterator wakes and sends CANCEL in-band; give it a moment
+                grace = 1.0 if plan.parts is not None else 0.0
+                cancel_at = cancel_at or time.monotonic() + grace
+                if time.monotonic() >= cancel_at:
+                    call.cancel()
         try:
             result = call.result()
         except grpc.FutureCancelledError:

@@ -249,7 +249,7 @@ class Sender(KVSender):
         send_msg(conn, frame_header(MsgType.BEGIN, tid, epoch, begin), begin)
         self._expect(MsgType.ACCEPT, waiter)
         free = list(range(self._slots))
-        for index in range(len(plan.frames)):
+        for index in plan.iter_frames(waiter):
             waiter.check()
             while not free:
                 free.append(self._expect(MsgType.FRAME_ACK, waiter).aux)
@@ -260,6 +260,7 @@ class Sender(KVSender):
             send_msg(conn, dataclasses.replace(header, aux=slot, flags=header.flags | FLAG_IN_SLOT))
         for _ in range(self._slots - len(free)):
             self._expect(MsgType.FRAME_ACK, waiter)
+        waiter.check()  # a streamed plan stops early on cancel or expiry
         send_msg(conn, frame_header(MsgType.END, tid, epoch))
         self._expect(MsgType.DONE, waiter)
 
