@@ -66,7 +66,12 @@ async def install(
     backends = available_backends(list(getattr(args, "transfer_backend", None) or DEFAULT_BACKENDS))
     store = BlockStore(*runtime.kv_cache_tensors(), model_id=runtime.layout.model_fingerprint)
     senders = SenderPool(store, backends)
-    servicer = PrefillServicer(runtime, senders, metrics or WorkerMetrics())
+    servicer = PrefillServicer(
+        runtime,
+        senders,
+        metrics or WorkerMetrics(),
+        transfer_overlap=bool(getattr(args, "transfer_overlap", True)),
+    )
     server.add(worker_pb2_grpc.add_PrefillServiceServicer_to_server, servicer, PREFILL_SERVICE)
     return PrefillRole(servicer, senders)
 

@@ -5,25 +5,32 @@ PREFILLED its blocks are shipped to the reservation named by `target` and releas
 pool, full blocks staying in the prefix cache) only after the receiver acknowledged, or on any
 failure. The whole call is bounded by its deadline and `transfer_timeout`.
 
-Overlap of transfer with compute: the blocks of a finished prefill chunk are final once the
-scheduler committed them, so a per-chunk sender would start them after each engine step
-(a step hook in `AsyncLLMEngine` → `KVSender.start` on the chunk's full blocks, with the tail
-block sent last). Today the whole block set is sent after the last chunk.
+Overlap of transfer with compute (`--transfer-overlap`, the default): the transfer starts with
+the prefill as a streamed send (`KVSender.start_stream`). A step hook on the engine thread
+(`AsyncLLMEngine.open_stream(on_step=...)`) hands the sender thread the blocks that each finished
+chunk filled (they are final: a prefill-only request's blocks change only if it is preempted,
+which cancels the transfer), never waiting itself; the sender gathers and ships them while the
+next chunk computes. When the request is PREFILLED (first token sampled) the hook adds the rest
+(the last, partial block) and finishes the send; the receiver acknowledges once, after the last
+block, and only then are the blocks released. `--no-transfer-overlap` sends the whole block set
+after the first token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from kv_transfer.interface import KVSender, StreamSendHandle
 from kv_transfer.state import TransferRequest, TransferResult
 from kvmesh.engine import disagg
 from kvmesh.engine.outputs import RequestOutput
-from kvmesh.engine.sequence import Request
+from kvmesh.engine.sequence import Request, SequenceStatus
 from kvmesh.service.convert import first_tokens
 from kvmesh.service.runtime import WorkerRuntime, check_layout
 from kvmesh.service.server import span
@@ -32,6 +39,9 @@ from kvmesh.telemetry.metrics import WorkerMetrics
 from kvmesh.telemetry.tracing import tracer
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from prefill_svc.senders import SenderPool
+
+if TYPE_CHECKING:
+    from kvmesh.engine.engine import LLMEngine
 
 TRACER = tracer("kvmesh.prefill")
 DEFAULT_TRANSFER_TIMEOUT = 30.0
@@ -63,11 +73,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         senders: SenderPool,
         metrics: WorkerMetrics,
         transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
+        *,
+        transfer_overlap: bool = True,
     ) -> None:
         self.runtime = runtime
         self.senders = senders
         self.metrics = metrics
         self.transfer_timeout = transfer_timeout
+        self.transfer_overlap = transfer_overlap
         self.active: dict[str, ActivePrefill] = {}
 
     async def Prepare(
@@ -84,6 +97,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             try:
                 engine_request = self.runtime.request_from(request.request, prefill_only=True)
                 self._check_target(request.target, engine_request)
+                if self.transfer_overlap:
+                    return await self._prefill_streamed(
+                        engine_request, request.target, context, timings
+                    )
                 return await self._prefill(engine_request, request.target, context, timings)
             except Exception as exc:
                 self.metrics.requests.labels(status_of(exc)[0].name.lower()).inc()
@@ -182,6 +199,99 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.metrics.transfer_bytes.labels(backend).inc(result.num_bytes)
         return result
 
+    async def _prefill_streamed(
+        self,
+        request: Request,
+        target: worker_pb2.KVTarget,
+        context: grpc.aio.ServicerContext,
+        timings: Timings,
+    ) -> worker_pb2.PrefillResponse:
+        """Prefill with the transfer overlapping it: each finished chunk's blocks go out while
+        the next chunk computes (see the module docstring)."""
+        rid, engine = request.request_id, self.runtime.engine
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + (self.transfer_timeout if remaining is None else remaining)
+        active = ActivePrefill(target.generation, deadline, asyncio.current_task())
+        active.num_blocks = len(target.block_ids)
+        self.active[rid] = active
+        backend, endpoint = target.backend, target.endpoint
+        sender: KVSender | None = None
+        handle: StreamSendHandle | None = None
+        try:
+            sender = await asyncio.to_thread(self.senders.acquire, backend, endpoint)
+            transfer = TransferRequest(bytes.fromhex(target.transfer_id), target.generation)
+            handle = sender.start_stream(transfer, list(target.block_ids), deadline=deadline)
+            feeder = ChunkFeeder(handle, self.runtime.layout.block_size, len(target.block_ids))
+            stream = await engine.open_stream(
+                rid,
+                lambda e: disagg.add_request(e, request),
+                cleanup=disagg.release_prefilled,
+                on_step=feeder,
+            )
+            try:
+                timings.added = time.monotonic()
+                first = await anext(stream)
+                timings.first = time.monotonic()
+                result = None
+                if first.finished:  # a first token that ends the request left no KV to ship
+                    handle.cancel()
+                else:
+                    active.state = worker_pb2.BLOCK_SET_STATE_SENDING
+                    result = await self._await_streamed(handle, target, timings)
+                    await stream.aclose()  # release_prefilled, before the caller hears back
+            finally:
+                stream.close()  # releases the blocks on any failure; no-op after aclose
+            self.metrics.requests.labels("ok").inc()
+            return self._response(first, timings, result)
+        finally:
+            self.active.pop(rid, None)
+            if sender is not None:
+                self._give_back(backend, endpoint, sender, handle)
+
+    async def _await_streamed(
+        self, handle: StreamSendHandle, target: worker_pb2.KVTarget, timings: Timings
+    ) -> TransferResult:
+        """The receiver's acknowledgement (bounded by `transfer_timeout` from the first token)."""
+        backend = target.backend
+        try:
+            result = await asyncio.to_thread(handle.wait, self.transfer_timeout)
+        except BaseException:
+            handle.cancel()
+            raise
+        if not result.state.is_terminal:
+            handle.cancel()
+            result = await asyncio.to_thread(handle.wait, 2.0)
+        timings.transfer = time.monotonic() - timings.first  # the part not hidden by compute
+        outcome = "ok" if result.ok else result.state.name.lower()
+        self.metrics.transfer_seconds.labels(backend, outcome).observe(timings.transfer)
+        if not result.ok:
+            error = result.error or ServiceError(grpc.StatusCode.ABORTED, result.state.name)
+            code, message = status_of(error)
+            raise ServiceError(code, f"target: KV transfer to {target.worker_id!r}: {message}")
+        self.metrics.transfer_bytes.labels(backend).inc(result.num_bytes)
+        return result
+
+    def _give_back(
+        self, backend: str, endpoint: str, sender: KVSender, handle: StreamSendHandle | None
+    ) -> None:
+        """Return the sender to the pool once its transfer thread ended (a sender carries one
+        transfer at a time); never waits here."""
+        if handle is not None:
+            handle.cancel()  # no-op once terminal
+        thread = None if handle is None else handle.thread
+        if thread is None or not thread.is_alive():
+            self.senders.release(backend, endpoint, sender)
+            return
+
+        def later() -> None:
+            thread.join(10.0)
+            if thread.is_alive():
+                sender.close()
+            else:
+                self.senders.release(backend, endpoint, sender)
+
+        threading.Thread(target=later, name="kv-sender-return", daemon=True).start()
+
     @staticmethod
     def _response(
         first: RequestOutput, timings: Timings, result: TransferResult | None
@@ -223,3 +333,55 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             )
             for rid, a in self.active.items()
         ]
+
+
+class ChunkFeeder:
+    """Step hook (engine thread): hands the sender each finished chunk's full blocks, then the
+    rest once the request is PREFILLED. Quick and non-blocking: `StreamSendHandle.add` only
+    records the part for the sender thread. A preemption (the request's blocks were freed and
+    will be recomputed) or an early finish cancels the transfer instead."""
+
+    def __init__(self, handle: StreamSendHandle, block_size: int, num_blocks: int) -> None:
+        self.handle = handle
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.sent = 0  # blocks handed to the sender
+        self.preemptions: int | None = None
+        self.done = False
+
+    def __call__(self, engine: LLMEngine, request_id: str) -> None:
+        if self.done:
+            return
+        if self.handle.record.state.is_terminal:
+            self.done = True
+            return
+        request = engine.scheduler.get_request(request_id)
+        if request is None:
+            return
+        seq = request.seqs[0]
+        if self.preemptions is None:
+            self.preemptions = seq.num_preemptions
+        status = seq.status
+        if seq.num_preemptions != self.preemptions or status.is_finished:
+            self._stop()
+            return
+        if status is SequenceStatus.PREFILLED:
+            ready = self.num_blocks
+        elif status is SequenceStatus.RUNNING:
+            ready = min(seq.num_computed_tokens // self.block_size, self.num_blocks)
+        else:
+            return
+        if ready > self.sent:
+            table = engine.scheduler.block_manager.block_table(seq.seq_id)
+            if len(table) < ready:
+                self._stop()
+                return
+            self.handle.add(self.sent, table[self.sent : ready])
+            self.sent = ready
+        if status is SequenceStatus.PREFILLED:
+            self.handle.finish()
+            self.done = True
+
+    def _stop(self) -> None:
+        self.done = True
+        self.handle.cancel()

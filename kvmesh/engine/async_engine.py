@@ -18,6 +18,12 @@ Every wait is bounded:
                                        request is cleaned up and TimeoutError raised
     stop() / shutdown()                joins the engine thread within `timeout` s
 
+A stream may carry a step hook (`open_stream(..., on_step=fn)`): `fn(engine, request_id)` runs on
+the engine thread after every step while the stream is open, before that step's outputs are
+handed out (one hook per stream, so bounded; it must be quick and must never wait on I/O; the
+prefill worker uses it to hand each finished chunk's blocks to a sender thread). A hook that
+raises is logged and removed.
+
 Leaving a stream early (break, cancel, disconnect, `close()`) runs its cleanup (abort by
 default) on the engine thread, which frees the request's blocks. The engine never imports
 grpc; importing this module does not import torch.
@@ -47,6 +53,7 @@ T = TypeVar("T")
 LOG = logging.getLogger("kvmesh.engine")
 IDLE_WAIT_SECONDS = 0.05  # how long an idle engine thread sleeps between command checks
 Cleanup = Callable[["LLMEngine", str], object]
+StepHook = Callable[["LLMEngine", str], object]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +156,7 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._streams_lock = threading.Lock()
+        self._hooks: dict[str, StepHook] = {}  # engine thread only
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._steps = 0
@@ -194,10 +202,13 @@ class AsyncLLMEngine:
         request_id: str,
         start: Callable[[LLMEngine], RequestOutput | None],
         cleanup: Cleanup = abort_request,
+        *,
+        on_step: StepHook | None = None,
     ) -> RequestStream:
         """Subscribe to `request_id` and run `start(engine)` in the same command (it adds the
         request; an output it returns is the stream's first). `cleanup(engine, request_id)`
-        runs when the stream is left before its request finished."""
+        runs when the stream is left before its request finished. `on_step(engine,
+        request_id)` runs on the engine thread after each step while the stream is open."""
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -206,6 +217,8 @@ class AsyncLLMEngine:
                 if request_id in self._streams:
                     raise InvalidParameterError("request_id", f"{request_id!r} already exists")
                 self._streams[request_id] = (loop, sink)
+            if on_step is not None:
+                self._hooks[request_id] = on_step
             try:
                 first = start(engine)
             except BaseException:
@@ -294,6 +307,8 @@ class AsyncLLMEngine:
                     outputs = self.engine.step()
                     self._steps += 1
                     self._refresh_load()
+                    if self._hooks:
+                        self._run_hooks()
                     for output in outputs:
                         self._push(output)
         except BaseException as exc:  # the loop must report, not vanish
@@ -317,12 +332,21 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
 
+    def _run_hooks(self) -> None:
+        for request_id, hook in list(self._hooks.items()):
+            try:
+                hook(self.engine, request_id)
+            except Exception:
+                LOG.exception("step hook of %r failed; removed", request_id)
+                self._hooks.pop(request_id, None)
+
     def _push(self, output: RequestOutput) -> None:
         """Hand an output to its request's stream (engine thread; dropped when none)."""
         with self._streams_lock:
             target = self._streams.get(output.request_id)
             if target is not None and output.finished:
                 del self._streams[output.request_id]
+                self._hooks.pop(output.request_id, None)
         if target is not None:
             _post(target[0], target[1].put_nowait, output)
 
@@ -333,6 +357,7 @@ class AsyncLLMEngine:
             target = self._streams.get(request_id)
             if target is not None and target[1] is sink:
                 del self._streams[request_id]
+                self._hooks.pop(request_id, None)
         return None if cleanup is None else cleanup(engine, request_id)
 
     def _refresh_load(self) -> None:

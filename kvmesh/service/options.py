@@ -63,6 +63,14 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
             help="first port of the network KV receivers (grpc, gloo: one port each, in order, "
             "on --host); 0 picks free ports",
         )
+    if role == "prefill":
+        p.add_argument(
+            "--transfer-overlap",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="send each prefill chunk's full KV blocks while the next chunk computes "
+            "(--no-transfer-overlap: send the whole block set after the first token)",
+        )
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = pick)")
     p.add_argument("--reflection", action="store_true", help="serve gRPC server reflection")
     p.add_argument("--drain-seconds", type=float, default=10.0)

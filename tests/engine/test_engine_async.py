@@ -141,3 +141,57 @@ def test_a_failed_step_ends_every_stream(checkpoint: Path) -> None:
             await engine.shutdown(timeout=5)
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+
+def _add(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    engine.add_request(request_id, prompt, params)
+
+
+def test_step_hook_sees_each_chunk_on_the_engine_thread(checkpoint: Path) -> None:
+    """A per-stream hook runs after every step (before that step's outputs are handed out) and
+    is dropped with the stream; one that raises is removed without harming the engine."""
+    import threading
+
+    prompt = list(range(10, 50))  # 40 tokens in chunks of 16
+
+    async def scenario() -> None:
+        config = EngineConfig(model=str(checkpoint), num_kv_blocks=64, max_num_batched_tokens=16)
+        engine = AsyncLLMEngine(config)
+        try:
+            seen: list[tuple[int, bool]] = []
+            threads: set[str] = set()
+
+            def hook(e: LLMEngine, request_id: str) -> None:
+                threads.add(threading.current_thread().name)
+                request = e.scheduler.get_request(request_id)
+                if request is not None:
+                    seq = request.seqs[0]
+                    seen.append((seq.num_computed_tokens, bool(seq.output_ids)))
+
+            params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+            stream = await engine.open_stream(
+                "h", lambda e: _add(e, "h", prompt, params), on_step=hook
+            )
+            first = await anext(stream)
+            assert first.outputs[0].token_ids  # the token came after the hook saw the last chunk
+            assert [n for n, _ in seen[:3]] == [16, 32, 40]
+            assert seen[2][1]  # the final chunk's step sampled the first token
+            async for _ in stream:
+                pass
+            count = len(seen)
+            assert threads == {"kvmesh-engine"}
+            assert not engine._hooks  # dropped with the finished stream
+
+            def bad(e: LLMEngine, request_id: str) -> None:
+                raise RuntimeError("boom")
+
+            stream = await engine.open_stream(
+                "b", lambda e: _add(e, "b", prompt, params), on_step=bad
+            )
+            outs = [o async for o in stream]
+            assert outs[-1].finished and not engine._hooks
+            assert len(seen) == count
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())

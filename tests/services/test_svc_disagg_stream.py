@@ -1,0 +1,150 @@
+"""Per-chunk transfer overlap: a prompt spanning several prefill chunks is shipped in parts."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from svc_harness import NUM_BLOCKS, engine_config, start_worker, svc_loop, svc_model_dir, wait_until
+from test_svc_disagg import ControlDriver, backends_here
+
+from decode_svc.main import install as install_decode
+from kv_transfer.interface import StreamSendHandle
+from kvmesh import LLM, SamplingParams
+from kvmesh.v1 import generation_pb2, worker_pb2
+from prefill_svc import service as prefill_service
+from prefill_svc.main import install as install_prefill
+
+__all__ = ["svc_loop", "svc_model_dir"]
+PROMPT = [(i * 37 + 11) % 500 + 3 for i in range(150)]  # 10 blocks, 5 chunks of 32 tokens
+COMBOS = [(b, m) for b in backends_here() for m in ("overlap", "whole")]
+PROMPTS = [[k + 1, *PROMPT[1:]] for k in range(len(COMBOS))]  # distinct: no prefix-cache hits
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def workers(svc_loop: Any, svc_model_dir: Path) -> Any:
+    backends = backends_here()
+    config = engine_config(svc_model_dir, max_num_batched_tokens=32)
+    overlap = start_worker(
+        svc_loop,
+        config,
+        "prefill",
+        install_prefill,
+        argparse.Namespace(transfer_backend=backends, transfer_overlap=True),
+    )
+    whole = start_worker(
+        svc_loop,
+        config,
+        "prefill",
+        install_prefill,
+        argparse.Namespace(transfer_backend=backends, transfer_overlap=False),
+    )
+    decode = start_worker(
+        svc_loop,
+        engine_config(svc_model_dir),
+        "decode",
+        install_decode,
+        argparse.Namespace(transfer_backend=backends),
+    )
+    yield {"overlap": overlap, "whole": whole}, decode
+    for worker in (overlap, whole, decode):
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(svc_model_dir: Path) -> list[list[int]]:
+    llm = LLM(str(svc_model_dir), num_kv_blocks=NUM_BLOCKS, max_model_len=256, num_threads=1)
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    return [o.outputs[0].token_ids for o in out]
+
+
+@pytest.fixture
+def parts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(block_offset, num_blocks) of every part the prefill side handed its senders."""
+    seen: list[tuple[int, int]] = []
+    add = StreamSendHandle.add
+
+    def spy(self: StreamSendHandle, block_offset: int, src_block_ids: Any) -> None:
+        seen.append((block_offset, len(src_block_ids)))
+        add(self, block_offset, src_block_ids)
+
+    monkeypatch.setattr(StreamSendHandle, "add", spy)
+    return seen
+
+
+@pytest.mark.parametrize(("backend", "mode"), COMBOS)
+def test_multi_chunk_prompt_matches_offline(
+    workers: Any, offline: list[list[int]], parts: list[tuple[int, int]], backend: str, mode: str
+) -> None:
+    """Exact greedy equality with the offline engine, the KV shipped per chunk or whole."""
+    k = COMBOS.index((backend, mode))
+    prefills, decode = workers
+    prefill = prefills[mode]
+    driver = ControlDriver(prefill, decode, backend)
+    rid = f"stream-{backend}-{mode}"
+    response, stream = driver.generate(rid, PROMPTS[k], temperature=0.0, max_tokens=MAX_TOKENS)
+    assert [t for r in stream for t in r.token_ids] == offline[k]
+    assert response.transfer_bytes > 0
+    if mode == "overlap":  # 2 blocks per 32-token chunk; the last chunk's with the first token
+        assert parts == [(0, 2), (2, 2), (4, 2), (6, 2), (8, 2)]
+    else:
+        assert parts == []
+    wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 1.0, "decode blocks freed")
+    wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 1.0, "prefill blocks freed")
+
+
+def test_release_between_parts_frees_both_sides(
+    workers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill cancelled and released after its first part left: the transfer ends on both
+    sides, every block comes back, and a Decode for it is refused."""
+    prefills, decode = workers
+    prefill = prefills["overlap"]
+    driver = ControlDriver(prefill, decode, backends_here()[0])
+    first_part = threading.Event()
+    feed = prefill_service.ChunkFeeder.__call__
+
+    def slow(self: Any, engine: Any, request_id: str) -> None:
+        feed(self, engine, request_id)
+        if self.sent:
+            first_part.set()
+        time.sleep(0.1)  # engine thread: leaves time to cancel between chunks
+
+    monkeypatch.setattr(prefill_service.ChunkFeeder, "__call__", slow)
+    request = driver.prepare("between", [900, *PROMPT[1:]], max_tokens=MAX_TOKENS)
+    reservation = driver.reserve(request, generation=2)
+    message = worker_pb2.PrefillRequest(request=request, target=driver.target(reservation, 2))
+    call = driver.p.Prefill.future(message, timeout=30)
+    assert first_part.wait(10)
+    assert not call.done()
+    call.cancel()  # as the control plane does: cancel its call, then Release every holder
+    release = worker_pb2.ReleaseRequest(request_id="between", generation=2)
+    driver.p.Release(release, timeout=5)
+    wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 2.0, "prefill blocks freed")
+    wait_until(
+        lambda: decode.role.table.get("between").handle.state.is_terminal, 2.0, "receive ended"
+    )
+    decode_call = driver.decode_call("between", reservation, 2, [])
+    with pytest.raises(grpc.RpcError):
+        list(decode_call)
+    driver.d.Release(release, timeout=5)
+    wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 1.0, "decode blocks freed")
+    assert not decode.role.held()
+
+
+def test_first_token_that_ends_the_request_cancels_the_stream(workers: Any) -> None:
+    prefills, decode = workers
+    prefill = prefills["overlap"]
+    driver = ControlDriver(prefill, decode, backends_here()[0])
+    response, stream = driver.generate("one", [901, *PROMPT[1:]], temperature=0.0, max_tokens=1)
+    assert response.transfer_bytes == 0
+    assert [t for r in stream for t in r.token_ids] == [response.first_tokens[0].token_id]
+    assert stream[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 1.0, "decode blocks freed")
+    wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 1.0, "prefill blocks freed")
