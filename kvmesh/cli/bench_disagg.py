@@ -3,8 +3,12 @@
 Both start the system with `kvmesh.cli.up.LocalSystem` (one process per role) and measure from
 the client side with `kvmesh.client.AsyncClient`.
 
-- ttft: N sequential requests; the usage's TtftBreakdown (queue, prefill, transfer, first decode)
-  averaged, beside the front door's TTFT and the client-observed one.
+- ttft: N sequential requests (after one warm-up) on a system with one prefill and one decode
+  worker; the usage's TtftBreakdown (queue, prefill, transfer, first decode) averaged, beside the
+  front door's TTFT and the client-observed one. `--overlap both` (default) runs the system twice,
+  with the prefill worker's `--transfer-overlap` (each chunk's blocks sent while the next chunk
+  computes) and `--no-transfer-overlap`, and prints them side by side; `--prefill-chunk` is the
+  prefill worker's `--max-num-batched-tokens`.
 - w4 (WORKLOADS.md): 16 steady decoders (prompt 128, output 512) while 2048-token prompts arrive
   every 2 s (output 16), for colocated without chunked prefill, colocated with chunked prefill at
   each `--chunks` size, and disaggregated; every worker uses `--threads` torch threads (1).
@@ -35,6 +39,10 @@ def register(subparsers: Any) -> None:
     ttft.add_argument("--max-tokens", type=int, default=8)
     ttft.add_argument("--transfer-backend", default="shm", choices=("shm", "grpc", "gloo"))
     ttft.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    ttft.add_argument("--overlap", default="both", choices=("both", "on", "off"),
+                      help="prefill --transfer-overlap (both: one system each)")  # fmt: skip
+    ttft.add_argument("--prefill-chunk", type=int, default=None,
+                      help="prefill worker's --max-num-batched-tokens (chunk size)")  # fmt: skip
     ttft.add_argument("--json", action="store_true")
     ttft.set_defaults(func=run_ttft)
     w4 = subparsers.add_parser("w4", help="W4 prefill interference: colocated vs disaggregated")
@@ -54,20 +62,30 @@ def register(subparsers: Any) -> None:
 def run_ttft(args: argparse.Namespace) -> int:
     from kvmesh.cli.up import LocalSystem, UpConfig
 
-    config = UpConfig(model=args.model, port=0, transfer_backend=args.transfer_backend,
-                      threads=args.threads)  # fmt: skip
-    with LocalSystem(config) as system:
-        rows = asyncio.run(_ttft_requests(system.endpoint, args))
+    modes = {"both": ["overlap", "whole"], "on": ["overlap"], "off": ["whole"]}[args.overlap]
     keys = ["client_ttft", "ttft", "queue", "prefill", "transfer", "first_decode"]
-    mean = {k: statistics.fmean(r[k] for r in rows) for k in keys}
+    means: dict[str, dict[str, float]] = {}
+    for mode in modes:
+        prefill_args = ["--transfer-overlap" if mode == "overlap" else "--no-transfer-overlap"]
+        if args.prefill_chunk:
+            prefill_args += ["--max-num-batched-tokens", str(args.prefill_chunk)]
+        config = UpConfig(model=args.model, port=0, transfer_backend=args.transfer_backend,
+                          threads=args.threads,
+                          role_args={"prefill": tuple(prefill_args)})  # fmt: skip
+        with LocalSystem(config) as system:
+            rows = asyncio.run(_ttft_requests(system.endpoint, args))[1:]  # first: warm-up
+        means[mode] = {k: statistics.fmean(r[k] for r in rows) for k in keys}
     if args.json:
         print(json.dumps({"requests": args.requests, "prompt_len": args.prompt_len,
-                          "backend": args.transfer_backend, "mean_seconds": mean}))  # fmt: skip
+                          "backend": args.transfer_backend, "prefill_chunk": args.prefill_chunk,
+                          "mean_seconds": means}))  # fmt: skip
         return 0
     print(f"TTFT over {args.requests} requests, prompt {args.prompt_len} tokens, "
-          f"transfer {args.transfer_backend} (mean, ms)")  # fmt: skip
+          f"transfer {args.transfer_backend}, prefill chunk {args.prefill_chunk or 'default'} "
+          "(mean, ms; transfer = after the first token)")  # fmt: skip
+    print(f"  {'':<13}" + "".join(f"{m:>10}" for m in modes))
     for key in keys:
-        print(f"  {key:<13}{mean[key] * 1000:9.2f}")
+        print(f"  {key:<13}" + "".join(f"{means[m][key] * 1000:10.2f}" for m in modes))
     return 0
 
 
@@ -78,7 +96,7 @@ async def _ttft_requests(endpoint: str, args: argparse.Namespace) -> list[dict[s
     rows = []
     async with AsyncClient(endpoint, timeout=300) as client:
         info = await client.model_info()
-        for _ in range(args.requests):
+        for _ in range(args.requests + 1):
             prompt = [rng.randrange(1, info.vocab_size) for _ in range(args.prompt_len)]
             start, first = time.perf_counter(), None
             usage = None
