@@ -82,6 +82,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.transfer_timeout = transfer_timeout
         self.transfer_overlap = transfer_overlap
         self.active: dict[str, ActivePrefill] = {}
+        self.released: set[str] = set()  # cancelled by Release, not by their caller
 
     async def Prepare(
         self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
@@ -93,6 +94,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
         with span(TRACER, "prefill.prefill", context):
+            rid = request.request.request_id
             timings = Timings(time.monotonic())
             try:
                 engine_request = self.runtime.request_from(request.request, prefill_only=True)
@@ -102,10 +104,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                         engine_request, request.target, context, timings
                     )
                 return await self._prefill(engine_request, request.target, context, timings)
+            except asyncio.CancelledError:
+                if rid not in self.released:  # the caller cancelled: nobody awaits a status
+                    raise
+                self.metrics.requests.labels("aborted").inc()
+                await context.abort(grpc.StatusCode.ABORTED, "request_id: released by Release")
+                raise
             except Exception as exc:
                 self.metrics.requests.labels(status_of(exc)[0].name.lower()).inc()
                 await abort_with(context, exc)
                 raise
+            finally:
+                self.released.discard(rid)
 
     def _check_target(self, target: worker_pb2.KVTarget, request: Request) -> None:
         mismatch = check_layout(self.runtime.layout, target.layout, "target.layout")
@@ -318,6 +328,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         active = self.active.get(request_id)
         if active is None or generation not in (0, active.generation) or active.task is None:
             return False
+        self.released.add(request_id)
         active.task.cancel()
         return True
 

@@ -148,3 +148,37 @@ def test_first_token_that_ends_the_request_cancels_the_stream(workers: Any) -> N
     assert stream[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
     wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 1.0, "decode blocks freed")
     wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 1.0, "prefill blocks freed")
+
+
+def test_release_without_cancel_answers_aborted(
+    workers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Release of a prefill whose caller is still waiting ends that call with ABORTED at once
+    (it never waits out its deadline) and frees every block on both sides."""
+    prefills, decode = workers
+    prefill = prefills["overlap"]
+    driver = ControlDriver(prefill, decode, backends_here()[0])
+    first_part = threading.Event()
+    feed = prefill_service.ChunkFeeder.__call__
+
+    def slow(self: Any, engine: Any, request_id: str) -> None:
+        feed(self, engine, request_id)
+        if self.sent:
+            first_part.set()
+        time.sleep(0.1)  # engine thread: leaves time to release between chunks
+
+    monkeypatch.setattr(prefill_service.ChunkFeeder, "__call__", slow)
+    request = driver.prepare("released", [901, *PROMPT[1:]], max_tokens=MAX_TOKENS)
+    reservation = driver.reserve(request, generation=3)
+    message = worker_pb2.PrefillRequest(request=request, target=driver.target(reservation, 3))
+    call = driver.p.Prefill.future(message, timeout=30)
+    assert first_part.wait(10)
+    release = worker_pb2.ReleaseRequest(request_id="released", generation=3)
+    assert driver.p.Release(release, timeout=5).released
+    with pytest.raises(grpc.RpcError) as failure:
+        call.result(timeout=5)
+    assert failure.value.code() == grpc.StatusCode.ABORTED
+    assert "request_id" in failure.value.details()
+    wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 2.0, "prefill blocks freed")
+    driver.d.Release(release, timeout=5)
+    wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 2.0, "decode blocks freed")
