@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -35,7 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Idle OpenMP threads spin by default; with several kvmesh processes (or a benchmark peer) on
+# the same cores that spinning costs several times the work itself (measured about 5x on W1,
+# see docs/BENCHMARKS.md). Set before torch loads; an explicit user value wins.
+OMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    for name, value in OMP_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     parser = build_parser()
     args = parser.parse_args(argv)
     result = args.func(args)
