@@ -13,7 +13,10 @@ the client side with `kvmesh.client.AsyncClient`.
   every 2 s (output 16), for colocated without chunked prefill, colocated with chunked prefill at
   each `--chunks` size, and disaggregated; every worker uses `--threads` torch threads (1).
   Reports inter-token latency p50/p99 of the steady decoders (gaps between streamed chunks) and
-  the long prompts' TTFT. `--scale` multiplies every length (prompts and outputs) to shrink it.
+  the long prompts' TTFT. `--scale` multiplies every length (prompts and outputs) to shrink it;
+  `--interval` changes the arrival period and `--max-long` caps the number of long prompts (both
+  deviations from W4, for machines where the long prompts arrive faster than one thread
+  prefills them).
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ def register(subparsers: Any) -> None:
     w4.add_argument("--modes", default="colocated,chunked,disaggregated")
     w4.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     w4.add_argument("--transfer-backend", default="shm", choices=("shm", "grpc", "gloo"))
+    w4.add_argument("--interval", type=float, default=W4["interval"],
+                    help="seconds between long prompts (W4: 2)")  # fmt: skip
+    w4.add_argument("--max-long", type=int, default=0,
+                    help="at most this many long prompts (0: until decoders end)")  # fmt: skip
     w4.add_argument("--json", action="store_true")
     w4.set_defaults(func=run_w4)
 
@@ -172,6 +179,14 @@ def run_w4(args: argparse.Namespace) -> int:
     sizes = {k: (max(1, round(v * args.scale)) if k in
                  ("steady_prompt", "steady_output", "long_prompt") else v)
              for k, v in W4.items()}  # fmt: skip
+    sizes["interval"] = args.interval
+    sizes["max_long"] = args.max_long
+    if not args.json:
+        print(f"W4: {sizes['steady']} decoders (prompt {sizes['steady_prompt']}, output "
+              f"{sizes['steady_output']}), long prompts of {sizes['long_prompt']} tokens (output "
+              f"{sizes['long_output']}) every {args.interval:g} s"
+              + (f", at most {args.max_long}" if args.max_long else "")
+              + f"; {args.threads} thread(s) per worker", flush=True)  # fmt: skip
     results = []
     for label, config in w4_configs(args, int(sizes["long_prompt"])):
         with LocalSystem(config) as system:
@@ -195,6 +210,10 @@ async def w4_once(endpoint: str, sizes: dict[str, Any], label: str) -> W4Result:
     rng = random.Random(4)
     async with AsyncClient(endpoint, timeout=1800) as client:
         vocab = (await client.model_info()).vocab_size
+        # Warm-up (not measured): one short request through the whole path.
+        async for _ in client.generate([rng.randrange(1, vocab) for _ in range(16)],
+                                       max_tokens=4, temperature=0.0, ignore_eos=True):  # fmt: skip
+            pass
 
         def prompt(n: int) -> list[int]:
             return [rng.randrange(1, vocab) for _ in range(n)]
@@ -219,8 +238,10 @@ async def w4_once(endpoint: str, sizes: dict[str, Any], label: str) -> W4Result:
             times = await stream(prompt(sizes["long_prompt"]), sizes["long_output"])
             long_ttfts.append(times[0] - sent)
 
+        max_long = int(sizes.get("max_long") or 0)
         while not all(t.done() for t in steady):
-            pending.append(asyncio.create_task(long_one()))
+            if not max_long or len(pending) < max_long:
+                pending.append(asyncio.create_task(long_one()))
             await asyncio.wait(steady, timeout=sizes["interval"])
         await asyncio.gather(*pending)
         gaps = [b - a for t in steady for a, b in zip(t.result(), t.result()[1:], strict=False)]
