@@ -99,11 +99,11 @@ def test_multi_chunk_prompt_matches_offline(
     wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 1.0, "prefill blocks freed")
 
 
-def test_release_between_parts_frees_both_sides(
-    workers: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Prefill cancelled and released after its first part left: the transfer ends on both
-    sides, every block comes back, and a Decode for it is refused."""
+def start_slow_prefill(
+    workers: Any, monkeypatch: pytest.MonkeyPatch, rid: str, first_id: int, generation: int
+) -> tuple[Any, Any, Any, Any, Any]:
+    """Start a streamed Prefill whose engine thread pauses 0.1 s after every step, and return
+    once its first part has gone out: (driver, prefill, decode, call future, reservation)."""
     prefills, decode = workers
     prefill = prefills["overlap"]
     driver = ControlDriver(prefill, decode, backends_here()[0])
@@ -114,14 +114,27 @@ def test_release_between_parts_frees_both_sides(
         feed(self, engine, request_id)
         if self.sent:
             first_part.set()
-        time.sleep(0.1)  # engine thread: leaves time to cancel between chunks
+        time.sleep(0.1)  # engine thread: leaves time to act between chunks
 
     monkeypatch.setattr(prefill_service.ChunkFeeder, "__call__", slow)
-    request = driver.prepare("between", [900, *PROMPT[1:]], max_tokens=MAX_TOKENS)
-    reservation = driver.reserve(request, generation=2)
-    message = worker_pb2.PrefillRequest(request=request, target=driver.target(reservation, 2))
-    call = driver.p.Prefill.future(message, timeout=30)
+    request = driver.prepare(rid, [first_id, *PROMPT[1:]], max_tokens=MAX_TOKENS)
+    reservation = driver.reserve(request, generation=generation)
+    target = driver.target(reservation, generation)
+    call = driver.p.Prefill.future(
+        worker_pb2.PrefillRequest(request=request, target=target), timeout=30
+    )
     assert first_part.wait(10)
+    return driver, prefill, decode, call, reservation
+
+
+def test_release_between_parts_frees_both_sides(
+    workers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill cancelled and released after its first part left: the transfer ends on both
+    sides, every block comes back, and a Decode for it is refused."""
+    driver, prefill, decode, call, reservation = start_slow_prefill(
+        workers, monkeypatch, "between", 900, generation=2
+    )
     assert not call.done()
     call.cancel()  # as the control plane does: cancel its call, then Release every holder
     release = worker_pb2.ReleaseRequest(request_id="between", generation=2)
@@ -155,24 +168,9 @@ def test_release_without_cancel_answers_aborted(
 ) -> None:
     """Release of a prefill whose caller is still waiting ends that call with ABORTED at once
     (it never waits out its deadline) and frees every block on both sides."""
-    prefills, decode = workers
-    prefill = prefills["overlap"]
-    driver = ControlDriver(prefill, decode, backends_here()[0])
-    first_part = threading.Event()
-    feed = prefill_service.ChunkFeeder.__call__
-
-    def slow(self: Any, engine: Any, request_id: str) -> None:
-        feed(self, engine, request_id)
-        if self.sent:
-            first_part.set()
-        time.sleep(0.1)  # engine thread: leaves time to release between chunks
-
-    monkeypatch.setattr(prefill_service.ChunkFeeder, "__call__", slow)
-    request = driver.prepare("released", [901, *PROMPT[1:]], max_tokens=MAX_TOKENS)
-    reservation = driver.reserve(request, generation=3)
-    message = worker_pb2.PrefillRequest(request=request, target=driver.target(reservation, 3))
-    call = driver.p.Prefill.future(message, timeout=30)
-    assert first_part.wait(10)
+    driver, prefill, decode, call, _ = start_slow_prefill(
+        workers, monkeypatch, "released", 902, generation=3
+    )
     release = worker_pb2.ReleaseRequest(request_id="released", generation=3)
     assert driver.p.Release(release, timeout=5).released
     with pytest.raises(grpc.RpcError) as failure:
