@@ -88,13 +88,18 @@ def _triton(op: str) -> Callable[..., Any]:
     return func  # type: ignore[no-any-return]
 
 
-def _fused_cpu(query: torch.Tensor, layer: LayerKV) -> Callable[..., torch.Tensor] | None:
-    """The fused CPU attention kernel when the torch backend can use it here, else None."""
+def _fused_cpu(
+    query: torch.Tensor, layer: LayerKV, *, decode: bool = False
+) -> Callable[..., torch.Tensor] | None:
+    """The fused CPU attention kernel (its decode entry when `decode`) when the torch backend
+    can use it here, else None."""
     if query.device.type != "cpu" or get_backend(query.device) != "torch":
         return None
     from kvmesh_kernels import cpu_attention
 
-    return cpu_attention.cpu_paged_attention if cpu_attention.supports(query, layer) else None
+    if not cpu_attention.supports(query, layer):
+        return None
+    return cpu_attention.cpu_paged_decode_attention if decode else cpu_attention.cpu_paged_attention
 
 
 def _check(ok: bool, message: str) -> None:
@@ -239,19 +244,7 @@ def paged_decode_attention(
         func = _triton("decode")
     else:
         _check_lengths(block_tables, seq_lens, layer.block_size, None)
-        fused = _fused_cpu(query, layer)
-        if fused is not None:
-            starts = torch.arange(query.shape[0] + 1, dtype=torch.int32)  # [batch + 1]
-            return fused(
-                query,
-                layer,
-                block_tables,
-                seq_lens,
-                starts,
-                scale=scale,
-                sliding_window=sliding_window,
-                num_splits=num_splits,
-            )
+        func = _fused_cpu(query, layer, decode=True) or func
     return func(
         query,
         layer,
