@@ -27,9 +27,7 @@ from kv_transfer.errors import (
     AuthenticationError,
     BackendUnavailableError,
     FrameError,
-    PeerError,
     error_to_wire,
-    parse_wire_error,
 )
 from kv_transfer.header import MsgType, frame_header
 from kv_transfer.interface import DEFAULT_FRAME_BYTES
@@ -173,25 +171,9 @@ class Sender(shm.Sender):
         device = self.store.cache.device
         ring = torch.empty(self._slots * self._slot_bytes, dtype=torch.uint8, device=device)
         handle = encode_handle(ring.untyped_storage()._share_cuda_())
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            conn.settimeout(max(0.01, deadline - time.monotonic()))
-            conn.connect(self._path)
-            extras = {"slot_bytes": self._slot_bytes, "handle": handle}
-            hello = hello_payload(self.layout, self._token, extras)
-            send_msg(conn, frame_header(MsgType.HELLO, bytes(16), 0, hello), hello)
-            header, payload = recv_msg(conn, deadline)
-            if header.msg_type is MsgType.ERROR:
-                raise parse_wire_error(bytes(payload))
-            if header.msg_type is not MsgType.HELLO_ACK:
-                raise PeerError(f"expected HELLO_ACK, got {header.msg_type.name}")
-            self.layout.check_compatible(KVLayout.from_bytes(bytes(payload)))
-        except OSError as exc:
-            conn.close()
-            raise PeerError(f"cannot connect to {self._path}: {exc}") from None
-        except BaseException:
-            conn.close()
-            raise
+        extras = {"slot_bytes": self._slot_bytes, "handle": handle}
+        hello = hello_payload(self.layout, self._token, extras)
+        conn = self._handshake(hello, deadline, peer_refusal=True)
         self._conn, self._ring = conn, ring
 
     def _publish(self, slot: torch.Tensor) -> None:

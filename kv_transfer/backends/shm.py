@@ -187,17 +187,20 @@ class Sender(KVSender):
         self._ring: torch.Tensor | None = None
         self._connect(time.monotonic() + HANDSHAKE_SECONDS)
 
-    def _connect(self, deadline: float) -> None:
-        name = f"{SEGMENT_PREFIX}{os.urandom(8).hex()}"
-        segment = shared_memory.SharedMemory(name, create=True, size=self._slots * self._slot_bytes)
+    def _handshake(
+        self, hello: bytes, deadline: float, *, peer_refusal: bool = False
+    ) -> socket.socket:
+        """Connect to the receiver, send `hello` and wait for a HELLO_ACK whose layout is
+        compatible with ours; the connection is closed on any failure. With `peer_refusal`, an
+        ERROR reply raises the receiver's own error."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.settimeout(max(0.01, deadline - time.monotonic()))
             conn.connect(self._path)
-            extras = json.dumps({"segment": name, "slot_bytes": self._slot_bytes}).encode()
-            hello = self.layout.to_bytes() + b"\0" + extras
             send_msg(conn, frame_header(MsgType.HELLO, bytes(16), 0, hello), hello)
             header, payload = recv_msg(conn, deadline)
+            if peer_refusal and header.msg_type is MsgType.ERROR:
+                raise parse_wire_error(bytes(payload))
             if header.msg_type is not MsgType.HELLO_ACK:
                 raise PeerError(f"expected HELLO_ACK, got {header.msg_type.name}")
             self.layout.check_compatible(KVLayout.from_bytes(bytes(payload)))
@@ -207,6 +210,15 @@ class Sender(KVSender):
         except BaseException:
             conn.close()
             raise
+        return conn
+
+    def _connect(self, deadline: float) -> None:
+        name = f"{SEGMENT_PREFIX}{os.urandom(8).hex()}"
+        segment = shared_memory.SharedMemory(name, create=True, size=self._slots * self._slot_bytes)
+        try:
+            extras = json.dumps({"segment": name, "slot_bytes": self._slot_bytes}).encode()
+            hello = self.layout.to_bytes() + b"\0" + extras
+            conn = self._handshake(hello, deadline)
         finally:
             segment.unlink()  # attached by the peer (or refused): the name is no longer needed
         self._conn, self._segment = conn, segment
