@@ -163,6 +163,16 @@ class KVSender(abc.ABC):
         self.frame_bytes = frame_bytes
         self._active: dict[bytes, threading.Event] = {}
 
+    @property
+    def blocks_per_frame(self) -> int:
+        """Whole blocks in one frame of at most frame_bytes (a larger block travels alone)."""
+        return max(1, self.frame_bytes // self.layout.bytes_per_block)
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """Bytes of the largest frame this sender sends (the size of a staging buffer)."""
+        return self.blocks_per_frame * self.layout.bytes_per_block
+
     def plan(self, request: TransferRequest, src_ids: object, dst_ids: object) -> SendPlan:
         src, dst = as_ids(src_ids, "src_block_ids"), as_ids(dst_ids, "dst_block_ids")
         self.store.check_ids(src, "src_block_ids")
@@ -196,8 +206,7 @@ class KVSender(abc.ABC):
         dst = as_ids(dst_block_ids, "dst_block_ids")
         src = torch.full_like(dst, -1)
         frames: list[tuple[int, int]] = []
-        per = max(1, self.frame_bytes // self.layout.bytes_per_block)
-        feed = _CheckedFeed(self.store, src, frames, per)
+        feed = _CheckedFeed(self.store, src, frames, self.blocks_per_frame)
         plan = SendPlan(request, src, dst, frames, feed)
         record = TransferRecord(request, int(dst.numel()), deadline)
         handle = StreamSendHandle(record, threading.Event(), feed)

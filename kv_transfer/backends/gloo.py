@@ -426,8 +426,7 @@ class Sender(KVSender):
         self.address = address
         self.device = store.cache.device
         self.checksum = self.device.type == "cpu" if checksum is None else checksum
-        per = max(1, frame_bytes // self.layout.bytes_per_block)
-        self._max_frame = per * self.layout.bytes_per_block
+        self._max_frame = self.max_frame_bytes
         self._staging = [
             torch.empty(self._max_frame, dtype=torch.uint8, device=self.device) for _ in range(2)
         ]

@@ -246,8 +246,7 @@ class Sender(KVSender):
         self._push = self._channel.stream_unary(  # raw bytes out (no serializer)
             PUSH_FRAMES, request_serializer=None, response_deserializer=pb.PushResult.FromString
         )
-        per = max(1, frame_bytes // self.layout.bytes_per_block)
-        self._staging = torch.empty(per * self.layout.bytes_per_block, dtype=torch.uint8)
+        self._staging = torch.empty(self.max_frame_bytes, dtype=torch.uint8)
         request = pb.HandshakeRequest(layout=self.layout.to_bytes())
         try:
             reply = self._stub.Handshake(request, timeout=HANDSHAKE_SECONDS)

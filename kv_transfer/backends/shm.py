@@ -180,8 +180,7 @@ class Sender(KVSender):
         self._path = unix_path(address)
         self._slots = slots
         self.checksum = checksum
-        per = max(1, frame_bytes // self.layout.bytes_per_block)
-        self._slot_bytes = per * self.layout.bytes_per_block
+        self._slot_bytes = self.max_frame_bytes
         self._conn: socket.socket | None = None
         self._segment: shared_memory.SharedMemory | None = None
         self._ring: torch.Tensor | None = None
