@@ -92,6 +92,10 @@ def _command(
         reply({"ok": True})
     elif op == "wait":
         reply(result_json(handles[cmd["tid"]].wait()))
+    elif op == "state":  # without waiting: a receive handle has .state, a send handle .record
+        handle = handles[cmd["tid"]]
+        state = handle.record.state if hasattr(handle, "record") else handle.state
+        reply({"state": state.name})
     elif op == "cancel":
         handles[cmd["tid"]].cancel()
         reply({"ok": True})

@@ -99,7 +99,7 @@ def start_slow(receiver: Peer, sender: Peer, seconds: float = 30) -> str:
 def test_cancel_reaches_an_in_flight_transfer(backend: str, side: str) -> None:
     receiver, sender = peers(backend, SLOW)
     t = start_slow(receiver, sender)
-    time.sleep(0.05)
+    wait_in_flight(receiver, t)  # the cancel must meet a running transfer, not a pending one
     (sender if side == "sender" else receiver).call("cancel", tid=t)
     assert sender.call("wait", tid=t)["state"] == "CANCELLED"
     assert receiver.call("wait", tid=t)["state"] == "CANCELLED"
@@ -129,6 +129,15 @@ def test_peer_killed_mid_transfer_ends_without_hang(backend: str, victim: str) -
     assert result["state"] in ("FAILED", "EXPIRED")
     assert time.monotonic() - began < 9
     assert_no_segments(survivor)
+
+
+def wait_in_flight(peer: Peer, t: str, timeout: float = 10.0) -> None:
+    """Poll the peer until transfer `t` has started there (bounded)."""
+    limit = time.monotonic() + timeout
+    while (state := peer.call("state", tid=t)["state"]) == "PENDING":
+        assert time.monotonic() < limit, f"transfer {t} still PENDING after {timeout} s"
+        time.sleep(0.01)
+    assert state == "IN_FLIGHT", state
 
 
 def assert_no_segments(*peers: Peer) -> None:
