@@ -75,6 +75,14 @@ def _header(frame: pb.KVFrame) -> FrameHeader:
     )
 
 
+def readonly_bytes_tensor(message: bytes, offset: int) -> torch.Tensor:
+    """A uint8 view of `message[offset:]` without a copy. The view is only ever read (it is the
+    scatter source), so torch's warning about the immutable buffer does not apply."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(message, dtype=torch.uint8, offset=offset)
+
+
 class _Servicer(pb_grpc.KVTransferServiceServicer):
     def __init__(self, receiver: Receiver) -> None:
         self.r = receiver
@@ -190,7 +198,7 @@ class Receiver(KVReceiver):
         kind = header.msg_type
         if kind is MsgType.FRAME:
             payload = (
-                torch.frombuffer(message, dtype=torch.uint8, offset=HEADER_SIZE)
+                readonly_bytes_tensor(message, HEADER_SIZE)
                 if header.payload_len
                 else torch.empty(0, dtype=torch.uint8)
             )
