@@ -17,7 +17,8 @@ builds no attention mask for this implementation (its name is not in the mask re
 
 The fresh path exists because the step's K/V are already in hand for those chunks, and
 `scaled_dot_product_attention` (flash attention on CPU, AMX in bfloat16) measured 2-5x faster
-than reading them back through the block table for long or bfloat16 chunks (BENCHMARKS.md).
+than reading them back through the block table for long or bfloat16 chunks
+(`bench/micro_choices.py`, BENCHMARKS.md "Implementation choices").
 """
 
 from __future__ import annotations
