@@ -200,14 +200,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         finally:
             self.senders.release(backend, endpoint, sender)
         timings.transfer = time.monotonic() - started
-        outcome = "ok" if result.ok else result.state.name.lower()
-        self.metrics.transfer_seconds.labels(backend, outcome).observe(timings.transfer)
-        if not result.ok:
-            error = result.error or ServiceError(grpc.StatusCode.ABORTED, result.state.name)
-            code, message = status_of(error)
-            raise ServiceError(code, f"target: KV transfer to {target.worker_id!r}: {message}")
-        self.metrics.transfer_bytes.labels(backend).inc(result.num_bytes)
-        return result
+        return self._settle(result, target, timings.transfer)
 
     async def _prefill_streamed(
         self,
@@ -262,7 +255,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self, handle: StreamSendHandle, target: worker_pb2.KVTarget, timings: Timings
     ) -> TransferResult:
         """The receiver's acknowledgement (bounded by `transfer_timeout` from the first token)."""
-        backend = target.backend
         try:
             result = await asyncio.to_thread(handle.wait, self.transfer_timeout)
         except BaseException:
@@ -272,8 +264,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             handle.cancel()
             result = await asyncio.to_thread(handle.wait, 2.0)
         timings.transfer = time.monotonic() - timings.first  # the part not hidden by compute
+        return self._settle(result, target, timings.transfer)
+
+    def _settle(
+        self, result: TransferResult, target: worker_pb2.KVTarget, seconds: float
+    ) -> TransferResult:
+        """Record a finished transfer's metrics; raise a ServiceError naming `target` unless the
+        receiver acknowledged it."""
+        backend = target.backend
         outcome = "ok" if result.ok else result.state.name.lower()
-        self.metrics.transfer_seconds.labels(backend, outcome).observe(timings.transfer)
+        self.metrics.transfer_seconds.labels(backend, outcome).observe(seconds)
         if not result.ok:
             error = result.error or ServiceError(grpc.StatusCode.ABORTED, result.state.name)
             code, message = status_of(error)
