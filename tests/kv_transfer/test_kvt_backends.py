@@ -108,9 +108,16 @@ def test_cancel_reaches_an_in_flight_transfer(backend: str, side: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_deadline_expiry_ends_expired_without_leaks(backend: str) -> None:
+    """A receiver that stops answering (SIGSTOP) mid-transfer: the sender's deadline ends it
+    EXPIRED however fast the backend is, and after SIGCONT the receiver ends too."""
     receiver, sender = peers(backend, SLOW)
-    t = start_slow(receiver, sender, seconds=0.2)
-    assert sender.call("wait", tid=t)["state"] == "EXPIRED"
+    t = start_slow(receiver, sender, seconds=1.0)
+    wait_in_flight(receiver, t)
+    os.kill(receiver.proc.pid, signal.SIGSTOP)
+    try:
+        assert sender.call("wait", tid=t)["state"] == "EXPIRED"
+    finally:
+        os.kill(receiver.proc.pid, signal.SIGCONT)
     assert receiver.call("wait", tid=t)["state"] in ("EXPIRED", "CANCELLED")
     assert_no_segments(receiver, sender)
 
