@@ -1,9 +1,13 @@
-"""Side-by-side measurements behind three implementation choices stated in the docs.
+"""Side-by-side measurements behind four implementation choices stated in the docs.
 
 1. ScheduledChunk is a NamedTuple: construction cost vs an equivalent frozen dataclass.
 2. Host block scatter uses numpy row copies: vs torch `index_copy_` and a plain memcpy.
 3. A first prefill chunk (no cached context) attends with causal sdpa on its own K/V: vs
    `kvmesh_kernels.paged_attention` over the same K/V written to the paged cache.
+4. bfloat16/float16 linear layers on CPU run on oneDNN-prepacked weights
+   (`kvmesh.engine.cpu_linear.PackedLinear`): vs `F.linear` on the plain weight, and float32
+   stays on `F.linear` (MKL): vs oneDNN's packed float32 path. Shapes are the bench model's
+   (hidden 512, MLP 1376, vocab 32000) at decode and prefill row counts.
 
 Run: `.venv/bin/python bench/micro_choices.py` (prints one line per comparison, with ratios).
 """
@@ -122,8 +126,43 @@ def fresh_chunk(dtype: torch.dtype, num_tokens: int) -> None:
     )
 
 
+LINEAR_SHAPES = ((1, 512, 1376), (16, 512, 512), (64, 512, 1376), (64, 1376, 512))
+LINEAR_SHAPES += ((64, 512, 32000), (2048, 512, 1376))
+
+
+def linear_pair(rows: int, k: int, n: int, dtype: torch.dtype) -> tuple[float, float]:
+    """Seconds per call: F.linear on the plain weight, then oneDNN on the packed weight."""
+    weight = torch.randn(n, k, dtype=dtype)  # [out, in]
+    x = torch.randn(rows, k, dtype=dtype)  # [rows, in]
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def plain_calls() -> None:
+        for _ in range(20):
+            F.linear(x, weight)
+
+    def packed_calls() -> None:
+        for _ in range(20):
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    return best_seconds(plain_calls, 7) / 20, best_seconds(packed_calls, 7) / 20
+
+
+def packed_linear(dtype: torch.dtype) -> None:
+    if not torch.backends.mkldnn.is_available():
+        print("packed linear: oneDNN unavailable")
+        return
+    for rows, k, n in LINEAR_SHAPES:
+        p, q = linear_pair(rows, k, n, dtype)
+        print(
+            f"linear {rows}x{k}x{n} {str(dtype).removeprefix('torch.')}: F.linear "
+            f"{p * 1e6:.0f} us, oneDNN packed {q * 1e6:.0f} us -> plain / packed {p / q:.2f}x"
+        )
+
+
 def main() -> None:
     torch.set_num_threads(2)
+    for dtype in (torch.bfloat16, torch.float32):
+        packed_linear(dtype)
     chunk_construction()
     host_scatter()
     for dtype in (torch.float32, torch.bfloat16):

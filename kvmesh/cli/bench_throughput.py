@@ -8,8 +8,8 @@ PYTHON` runs `bench/vllm_w1.py` with that interpreter (vLLM's CPU build in its o
 environment) as a subprocess, side by side in the same run; `--repeats R` runs every system R
 times back to back (interleaved) and reports each ratio's median and range. Every system gets one
 short warm-up request first (prompt ids that W1 never draws first, so no prefix-cache hits) and
-the same thread count; `OMP_WAIT_POLICY` defaults to PASSIVE for every system (see
-docs/BENCHMARKS.md: spinning OpenMP workers cost up to 5x on shared cores).
+the same thread count and the same OpenMP wait setting (`kvmesh.cli.main.apply_omp_defaults`:
+a bounded spin unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set).
 W3: a 500-token system prompt (drawn first) + per request a suffix of randint(16, 128) ids, 32
 output tokens; request i+1 arrives when request i has its first token. Prefix caching on and
 off side by side. W3-unique: every prompt is fully random (no sharing).
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -28,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from kvmesh.cli.main import apply_omp_defaults
 
 WORKLOADS = ("W1", "W3", "W3-unique")
 BASELINE_OPTIONS = {"static": {"policy": "static"}, "contiguous": {"allocation": "contiguous"}}
@@ -217,8 +218,8 @@ def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: An
 
 def run_bench_throughput(args: argparse.Namespace) -> int:
     if "torch" in sys.modules:
-        print("warning: torch already imported; OMP_WAIT_POLICY not applied", file=sys.stderr)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP
+        print("warning: torch already imported; OpenMP wait defaults not applied", file=sys.stderr)
+    apply_omp_defaults()  # read when torch loads OpenMP; the vLLM subprocess inherits it
     import torch
 
     from kvmesh.engine.loader import resolve_model_path

@@ -36,15 +36,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Idle OpenMP threads spin by default; with several kvmesh processes (or a benchmark peer) on
-# the same cores that spinning costs several times the work itself (measured about 5x on W1,
-# see docs/BENCHMARKS.md). Set before torch loads; an explicit user value wins.
-OMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# OpenMP workers wait for the next parallel region by spinning, then sleeping. Unbounded
+# spinning (OMP_WAIT_POLICY=ACTIVE) steals the cores from other processes on a shared host;
+# sleeping at once (PASSIVE) pays a futex wake-up on every matmul and attention call, which
+# cost W1 about 30% on a quiet machine (docs/BENCHMARKS.md "OpenMP wait policy"). The default
+# spins a bounded number of iterations (about a millisecond) and then sleeps. Applied before
+# torch loads OpenMP; an explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+OMP_SPIN_DEFAULT = "20000"
+
+
+def apply_omp_defaults() -> None:
+    """Set the bounded-spin default unless the user chose a wait policy or spin count."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    os.environ["GOMP_SPINCOUNT"] = OMP_SPIN_DEFAULT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    for name, value in OMP_DEFAULTS.items():
-        os.environ.setdefault(name, value)
+    apply_omp_defaults()
     parser = build_parser()
     args = parser.parse_args(argv)
     result = args.func(args)

@@ -15,6 +15,7 @@ import torch
 
 from kvmesh.engine.attention import register_attention
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.cpu_linear import pack_linear_layers, packing_applies
 from kvmesh.engine.errors import InvalidParameterError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -98,6 +99,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         local_files_only=True,
     )
     model = model.to(device).eval().requires_grad_(False)
+    if packing_applies(dtype, device):
+        pack_linear_layers(model)
     return LoadedModel(path, model, hf_config, load_tokenizer(path), dtype, device)
 
 

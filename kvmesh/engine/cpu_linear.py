@@ -1,0 +1,71 @@
+"""Linear layers with oneDNN-prepacked weights, for bfloat16/float16 models on CPU.
+
+`F.linear` on a bfloat16 CPU weight hands oneDNN a plain [out, in] matrix, which it re-lays out
+into its blocked AMX/AVX-512 format on every call. A decode step's matmuls are small (one row
+per running sequence), so that re-layout is a large share of each call: packing the weight once
+at load runs the same matmuls 1.1-2.2x faster, bit-identical (`bench/micro_choices.py`,
+docs/BENCHMARKS.md "Implementation choices"). float32 keeps MKL's sgemm, which measured faster
+than oneDNN's packed float32 path for small row counts.
+
+Only the module class changes: transformers' model code still calls `self.q_proj(x)` and so
+on. The plain weight is dropped after packing (a tied `lm_head` keeps the embedding's copy).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+PACKED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` with its weight in oneDNN's packed layout: x [..., in] -> [..., out]."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach()  # [out, in]
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)  # opaque
+        bias = linear.bias
+        self.bias = None if bias is None else bias.detach().contiguous()  # [out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(  # type: ignore[no-any-return]
+            x, self.packed_weight, self.bias, "none", [], ""
+        )
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+
+
+def packing_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """True on CPU for bfloat16/float16 when oneDNN runs that dtype natively on this CPU."""
+    if (
+        device.type != "cpu"
+        or dtype not in PACKED_DTYPES
+        or not torch.backends.mkldnn.is_available()
+    ):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def pack_linear_layers(model: nn.Module) -> int:
+    """Replace every `nn.Linear` under `model` by a PackedLinear; returns how many."""
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child))
+    logger.info("packed %d linear layers for oneDNN", len(targets))
+    return len(targets)
