@@ -185,7 +185,7 @@ class LLMEngine:
         params = seq.params
         stops = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop)
         tracked.texts[seq.seq_id] = SequenceText(
-            self.tokenizer,
+            self.tokenizer if params.detokenize else None,
             seq.prompt_ids,
             stops,
             params.include_stop_str_in_output,

@@ -20,6 +20,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63
+BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize")
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,8 @@ class SamplingParams:
     temperature 0 is greedy; top_k 0 or -1 and top_p 1.0 and min_p 0.0 are off; max_tokens None
     generates until the model's maximum length; logprobs N returns the top-N raw-model logprobs
     of every generated position (0: only the sampled token's); seed makes the request's draws
-    reproducible regardless of what else is batched with it.
+    reproducible regardless of what else is batched with it. detokenize False returns token ids
+    only (no text; stop strings then need it True), as vLLM's option of the same name.
     """
 
     n: int = 1
@@ -49,19 +51,22 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p"):
             self._set(name, _float(name, getattr(self, name)))
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
             self._set(name, _float(name, getattr(self, name)))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(name, f"expected a bool, got {getattr(self, name)!r}")
         self._check_counts()
         self._check_sampling()
         self._check_penalties()
         self._set("stop", _stop_strings(self.stop))
+        if self.stop and not self.detokenize:
+            raise InvalidParameterError("detokenize", "stop strings need detokenize=True")
         self._set("stop_token_ids", _stop_token_ids(self.stop_token_ids))
 
     def _set(self, name: str, value: Any) -> None:

@@ -84,6 +84,7 @@ INVALID = [
     ("stop_token_ids", 5),
     ("ignore_eos", 1),
     ("skip_special_tokens", "yes"),
+    ("detokenize", 0),
 ]
 
 
@@ -99,6 +100,13 @@ def test_min_tokens_above_max_tokens_names_min_tokens() -> None:
     with pytest.raises(InvalidParameterError) as info:
         SamplingParams(max_tokens=4, min_tokens=5)
     assert info.value.field == "min_tokens"
+
+
+def test_stop_strings_need_detokenize() -> None:
+    with pytest.raises(InvalidParameterError) as info:
+        SamplingParams(stop=["end"], detokenize=False)
+    assert info.value.field == "detokenize"
+    assert SamplingParams(stop_token_ids=[7], detokenize=False).stop_token_ids == (7,)
 
 
 def test_validate_for_model_checks_stop_token_ids() -> None:
