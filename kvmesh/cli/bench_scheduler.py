@@ -35,11 +35,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     parser.add_argument("--no-prefix-caching", action="store_true", help="skip lookup/commit")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the prompts")
+    parser.add_argument(
+        "--scheduling-policy", choices=("decode-first", "prefill-first"), default="decode-first"
+    )
     parser.add_argument("--json", action="store_true", help="print results as JSON")
 
 
 def measure(
-    num_seqs: int, steps: int, block_size: int = 16, prefix_caching: bool = True, seed: int = 0
+    num_seqs: int,
+    steps: int,
+    block_size: int = 16,
+    prefix_caching: bool = True,
+    seed: int = 0,
+    scheduling_policy: str = "decode-first",
 ) -> dict[str, float]:
     """Per-step microseconds (mean, p50, p99) of schedule + update with `num_seqs` decoding."""
     from kvmesh.engine.sampling_params import SamplingParams
@@ -51,10 +59,16 @@ def measure(
     max_len = 512 + steps + 1024  # room for tokens generated while others prefill
     blocks_per_seq = -(-max_len // block_size) + 1
     bm = BlockManager(num_seqs * blocks_per_seq, block_size, hash_seed=b"bench")
+    # the policy is passed only when it is not the default, so that `bench/scheduler_step.py
+    # --against` still runs this measurement on trees older than the option
+    policy: dict[str, Any] = {}
+    if scheduling_policy != "decode-first":
+        policy["scheduling_policy"] = scheduling_policy
     config = SchedulerConfig(
         max_model_len=max_len,
         max_num_seqs=max(256, num_seqs),
         enable_prefix_caching=prefix_caching,
+        **policy,
     )
     sched = Scheduler(config, bm)
     params = SamplingParams(max_tokens=max_len - 512, ignore_eos=True)
@@ -122,7 +136,14 @@ def _timed_steps(sched: Any, steps: int, num_seqs: int) -> tuple[list[float], li
 def run_bench_scheduler(args: argparse.Namespace) -> int:
     """Print a table (or JSON) of per-step cost for each batch size."""
     results = [
-        measure(batch, args.steps, args.block_size, not args.no_prefix_caching, args.seed)
+        measure(
+            batch,
+            args.steps,
+            args.block_size,
+            not args.no_prefix_caching,
+            args.seed,
+            args.scheduling_policy,
+        )
         for batch in args.batch
     ]
     if args.json:
@@ -132,7 +153,8 @@ def run_bench_scheduler(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     caching = "off" if args.no_prefix_caching else "on"
-    table = Table(title=f"scheduler step cost (block {args.block_size}, prefix caching {caching})")
+    title = f"block {args.block_size}, prefix caching {caching}, {args.scheduling_policy}"
+    table = Table(title=f"scheduler step cost ({title})")
     keys = ("mean_us", "p50_us", "p99_us", "cpu_mean_us", "cpu_p50_us", "cpu_p99_us")
     labels = ("mean us", "p50 us", "p99 us", "cpu mean us", "cpu p50 us", "cpu p99 us")
     for label in ("running", *labels, f"goal {GOAL_US:.0f} us"):

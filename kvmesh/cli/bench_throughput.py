@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.cli.main import apply_omp_defaults
+from kvmesh.engine.config import SCHEDULING_POLICIES
 
 WORKLOADS = ("W1", "W3", "W3-unique")
 BASELINE_OPTIONS = {"static": {"policy": "static"}, "contiguous": {"allocation": "contiguous"}}
@@ -61,6 +62,12 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=None,
+        help="kvmesh's step order (default: the engine's, decode-first)",
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
@@ -200,8 +207,8 @@ def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: An
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
 
-    for knob in ("max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, knob) is not None:
+    for knob in ("max_num_seqs", "max_num_batched_tokens", "scheduling_policy"):
+        if getattr(args, knob, None) is not None:
             options = {knob: getattr(args, knob), **options}
     config = EngineConfig(model=model_dir, num_threads=args.threads, dtype=args.dtype, **options)
     engine = LLMEngine(config)
@@ -213,7 +220,8 @@ def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: An
         reqs = w3_requests(vocab, workload == "W3", args.num_requests)
         tokens, seconds, ttfts = run_one_by_one(engine, reqs)
     dtype = str(engine.runner.loaded.dtype).removeprefix("torch.")
-    return {**summarize(name, tokens, seconds, ttfts), "dtype": dtype}
+    policy = config.scheduling_policy
+    return {**summarize(name, tokens, seconds, ttfts), "dtype": dtype, "scheduling_policy": policy}
 
 
 def run_bench_throughput(args: argparse.Namespace) -> int:

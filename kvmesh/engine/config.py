@@ -15,6 +15,7 @@ KV_DTYPES = ("auto", "int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("continuous", "static")
 ALLOCATIONS = ("paged", "contiguous")
+SCHEDULING_POLICIES = ("decode-first", "prefill-first")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,10 @@ class EngineConfig:
     kv_cache_memory: KV pool budget in bytes; None = `memory_utilization` of the device
     (CUDA) or `DEFAULT_CPU_KV_BYTES` on CPU. num_kv_blocks overrides both (tests use it to
     force preemption). max_model_len defaults to the model's max_position_embeddings.
+    scheduling_policy: "decode-first" (default; running decodes join every step) or
+    "prefill-first" (a step that can do prompt work holds only prompt chunks, for at most
+    `max_decode_stall_tokens` prompt tokens (None: `max_num_batched_tokens`) while decodes
+    wait); see `kvmesh.engine.scheduler`.
     """
 
     model: str | None = None
@@ -42,6 +47,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     policy: str = "continuous"
     allocation: str = "paged"
+    scheduling_policy: str = "decode-first"
+    max_decode_stall_tokens: int | None = None
     num_threads: int | None = None
     show_progress: bool = False
 
@@ -51,9 +58,11 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("policy", self.policy, POLICIES)
         _choice("allocation", self.allocation, ALLOCATIONS)
+        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _positive(name, getattr(self, name))
-        for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads"):
+        optional = ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads")
+        for name in (*optional, "max_decode_stall_tokens"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if not 0.0 < self.memory_utilization <= 1.0:

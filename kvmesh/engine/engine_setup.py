@@ -62,6 +62,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         enable_prefix_caching=config.enable_prefix_caching,
         policy=config.policy,
         allocation=config.allocation,
+        scheduling_policy=config.scheduling_policy,
+        max_decode_stall_tokens=config.max_decode_stall_tokens,
         eos_token_id=eos,
     )
     block_manager = BlockManager(

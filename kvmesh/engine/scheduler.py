@@ -1,11 +1,25 @@
 """Continuous batching with chunked prefill, prefix caching, preemption by recompute.
 
-Each `schedule()` plans one step within `max_num_batched_tokens` and `max_num_seqs`:
+Each `schedule()` plans one step within `max_num_batched_tokens` and `max_num_seqs`. A
+decode-first step (`scheduling_policy="decode-first"`, the default, vLLM's order):
 
     1. running decodes, oldest first (one token each)
     2. running sequences still prefilling, oldest first (a chunk each, as budget allows)
     3. waiting sequences, first come first served (prefix lookup, then a first chunk)
        until the budget, the sequence limit or the blocks run out
+
+`scheduling_policy="prefill-first"` (SGLang's order): a step that can start or continue prompt
+work (2 and 3 plan a chunk) holds only those prompt chunks, so a new request's first token does
+not wait for one decode row of every running request; a step with no prompt work is the
+decode-first step above. Starvation bound: prompt-only steps count the prompt tokens they
+compute while some running sequence gets no chunk; once that count reaches
+`max_decode_stall_tokens` (default `max_num_batched_tokens`), the next step is decode-first
+and the count restarts. The bound is in tokens rather than steps because the decodes' wait is
+the prompt work ahead of them: many short prompts (prefix-cache hits) may go ahead in a row, a
+long chunked prompt alternates with the decodes. Trade-off: a running request's inter-token
+gap grows from one step to up to about `max_decode_stall_tokens + max_num_batched_tokens`
+prompt tokens of work (plus every skipped step's fixed cost); in exchange an arriving
+request's TTFT no longer includes the running decodes (docs/BENCHMARKS.md, W3).
 
 Parts: admission (`scheduler_admission`), preemption (`scheduler_preemption`), the
 disaggregation hooks (`scheduler_disagg`), shared state (`scheduler_state`), stop rules
@@ -108,9 +122,52 @@ class Scheduler(DisaggregationMixin, AdmissionMixin, PreemptionMixin):
         config = self.config
         if config.policy == "static" and not self._running:
             self._enroll_static_batch()
-        prefilling: list[Sequence] = []
-        budget = self._plan_decodes(config.max_num_batched_tokens, prefilling)
+        budget = config.max_num_batched_tokens
         prefills: list[ScheduledChunk] = []
+        if self._prefill_first:
+            budget = self._plan_prefill_first(budget, prefills)
+        if not prefills:  # a decode-first step (also prefill-first's when it planned nothing)
+            prefilling: list[Sequence] = []
+            budget = self._plan_decodes(budget, prefilling)
+            budget = self._plan_prompts(budget, prefilling, prefills)
+            self._stalled_tokens = 0
+            self._maybe_prefilling = bool(prefilling or prefills) or not budget
+        return SchedulerOutput(
+            chunks=(*self._decodes, *prefills),
+            copy_pairs=tuple(self._copy_pairs),
+            num_batched_tokens=config.max_num_batched_tokens - budget,
+            preempted_seq_ids=tuple(self._preempted),
+        )
+
+    def _plan_prefill_first(self, budget: int, prefills: list[ScheduledChunk]) -> int:
+        """Prefill-first: plan a prompt-only step into `prefills`; the budget left.
+
+        Tried only while the decodes have waited less than `_stall_limit` prompt tokens and
+        prompt work may exist (a waiting sequence, or a running one that may be prefilling).
+        Plans nothing when admission takes nobody and no running sequence is prefilling; the
+        caller then plans a decode-first step. The step's tokens count towards the decodes'
+        wait when a running sequence got no chunk in it.
+        """
+        if self._stalled_tokens >= self._stall_limit:
+            return budget
+        if not (self._waiting or self._maybe_prefilling):
+            return budget
+        running = self._running
+        prefilling = [
+            seq for seq in running if len(seq.all_token_ids) - seq.num_computed_tokens != 1
+        ]
+        left = self._plan_prompts(budget, prefilling, prefills)
+        if prefills:
+            self._maybe_prefilling = True
+            if len(running) > len(self._planned):
+                self._stalled_tokens += budget - left
+        return left
+
+    def _plan_prompts(
+        self, budget: int, prefilling: list[Sequence], prefills: list[ScheduledChunk]
+    ) -> int:
+        """Prompt work into `prefills`: a chunk for each running sequence still prefilling,
+        oldest first, then (continuous batching) FCFS admission; the budget left."""
         for seq in prefilling:
             if budget == 0:
                 break
@@ -119,14 +176,9 @@ class Scheduler(DisaggregationMixin, AdmissionMixin, PreemptionMixin):
             if chunk is not None:
                 prefills.append(chunk)
                 budget -= size
-        if config.policy == "continuous":
+        if self.config.policy == "continuous":
             budget = self._admit_waiting(budget, prefills)
-        return SchedulerOutput(
-            chunks=(*self._decodes, *prefills),
-            copy_pairs=tuple(self._copy_pairs),
-            num_batched_tokens=config.max_num_batched_tokens - budget,
-            preempted_seq_ids=tuple(self._preempted),
-        )
+        return budget
 
     def _plan_decodes(self, budget: int, prefilling: list[Sequence]) -> int:
         """One token per running decode, oldest first, into `_decodes`; collects the

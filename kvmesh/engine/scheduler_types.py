@@ -9,6 +9,7 @@ from kvmesh.engine.errors import InvalidParameterError
 
 POLICIES = ("continuous", "static")
 ALLOCATIONS = ("paged", "contiguous")
+SCHEDULING_POLICIES = ("decode-first", "prefill-first")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,6 +20,11 @@ class SchedulerConfig:
     admitted when nothing runs and runs until its longest member finishes.
     allocation "paged": blocks on demand. "contiguous" (baseline): blocks for prompt +
     max_tokens (or max_model_len) reserved at admission, as contiguous preallocation would.
+    scheduling_policy "decode-first" (vLLM's order): every step runs one token of each running
+    decode, then prompt chunks. "prefill-first" (SGLang's order): a step that can start or
+    continue prompt work holds only prompt chunks, until the prompt tokens computed while
+    running decodes wait reach `max_decode_stall_tokens` (None: `max_num_batched_tokens`);
+    the next step is then decode-first. See `kvmesh.engine.scheduler`.
     """
 
     max_model_len: int
@@ -29,6 +35,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     policy: str = "continuous"
     allocation: str = "paged"
+    scheduling_policy: str = "decode-first"
+    max_decode_stall_tokens: int | None = None  # prefill-first only; None = the token budget
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
@@ -36,16 +44,20 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InvalidParameterError(name, f"must be a positive int, got {value!r}")
-        threshold = self.long_prefill_token_threshold
-        if threshold is not None and (not isinstance(threshold, int) or threshold <= 0):
-            raise InvalidParameterError(
-                "long_prefill_token_threshold", f"must be a positive int or None, got {threshold!r}"
-            )
+        for name in ("long_prefill_token_threshold", "max_decode_stall_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise InvalidParameterError(name, f"must be a positive int or None, got {value!r}")
         if self.policy not in POLICIES:
             raise InvalidParameterError("policy", f"must be one of {POLICIES}, got {self.policy!r}")
         if self.allocation not in ALLOCATIONS:
             raise InvalidParameterError(
                 "allocation", f"must be one of {ALLOCATIONS}, got {self.allocation!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidParameterError(
+                "scheduling_policy",
+                f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
             )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise InvalidParameterError(

@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.config import SCHEDULING_POLICIES, EngineConfig
 from kvmesh.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -47,6 +47,13 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="decode-first",
+        help="decode-first: running decodes join every step; prefill-first: a step that can do "
+        "prompt work runs only prompt chunks (bounded decode stall)",
+    )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     if transfer:
@@ -90,6 +97,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        scheduling_policy=args.scheduling_policy,
         num_threads=args.num_threads,
     )
 

@@ -55,6 +55,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "preemption": {"num_kv_blocks": 8, "max_num_batched_tokens": 32},
     "static": {"policy": "static"},
     "contiguous": {"allocation": "contiguous"},
+    "prefill-first": {"scheduling_policy": "prefill-first", "max_num_batched_tokens": 24},
 }
 
 

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scheduler_harness import fake_tokens, make_scheduler, request, step
 
+from kvmesh.engine.scheduler_types import SCHEDULING_POLICIES
 from kvmesh.engine.sequence import SequenceStatus
 
 
@@ -52,9 +53,14 @@ OPS = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=OPS, chunked=st.booleans(), caching=st.booleans())
+@given(
+    ops=OPS,
+    chunked=st.booleans(),
+    caching=st.booleans(),
+    policy=st.sampled_from(SCHEDULING_POLICIES),
+)
 def test_random_operations_keep_block_accounting(
-    ops: list[tuple], chunked: bool, caching: bool
+    ops: list[tuple], chunked: bool, caching: bool, policy: str
 ) -> None:
     sched, bm = make_scheduler(
         num_blocks=12,
@@ -63,6 +69,7 @@ def test_random_operations_keep_block_accounting(
         max_model_len=48,
         enable_chunked_prefill=chunked,
         enable_prefix_caching=caching,
+        scheduling_policy=policy,
     )
     ids: list[str] = []
     for op in ops:
@@ -90,11 +97,16 @@ def test_random_operations_keep_block_accounting(
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 10)), min_size=1, max_size=8))
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 10)), min_size=1, max_size=8),
+    policy=st.sampled_from(SCHEDULING_POLICIES),
+)
 def test_every_request_finishes_with_exact_length_under_pressure(
-    lengths: list[tuple[int, int]],
+    lengths: list[tuple[int, int]], policy: str
 ) -> None:
-    sched, bm = make_scheduler(num_blocks=10, max_num_batched_tokens=16, max_model_len=40)
+    sched, bm = make_scheduler(
+        num_blocks=10, max_num_batched_tokens=16, max_model_len=40, scheduling_policy=policy
+    )
     for index, (prompt_len, max_tokens) in enumerate(lengths):
         sched.add_request(request(f"r{index}", prompt_len, max_tokens=max_tokens))
     finished = {}
