@@ -32,6 +32,7 @@ _EXPORTS = {
     "set_backend": "dispatch",
     "get_backend": "dispatch",
     "BackendUnavailableError": "dispatch",
+    "AttentionPlan": "plan",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -47,18 +47,117 @@ def _fp8_lut() -> torch.Tensor:
     return _LUT["fp8"]
 
 
-def supports(query: torch.Tensor, layer: LayerKV) -> bool:
-    """Whether the fused kernel can run these tensors (CPU, known dtypes, unit head stride)."""
+def supports_layer(layer: LayerKV) -> bool:
+    """Whether the fused kernel can read this cache layer (CPU, known dtype, unit head stride,
+    head_dim a multiple of 16, library built)."""
     data = layer.data
     return (
-        query.device.type == "cpu"
-        and data.device.type == "cpu"
+        data.device.type == "cpu"
         and data.dtype in _DTYPE_CODES
         and data.stride(-1) == 1
         and (layer.scales is not None) == (data.dtype in (torch.int8, FP8_DTYPE))
         and layer.head_dim % 16 == 0
         and library() is not None
     )
+
+
+def supports(query: torch.Tensor, layer: LayerKV) -> bool:
+    """Whether the fused kernel can run these tensors (CPU query and a supported layer)."""
+    return query.device.type == "cpu" and supports_layer(layer)
+
+
+class FusedCall:
+    """One step's metadata prepared for the kernel: a ctypes `Params` whose metadata fields are
+    filled once, so a per-layer call sets only the query, output and cache pointers.
+
+    `layer` fixes the cache format (dtype, shape, strides: the same for every layer view of
+    one cache). block_tables [batch, max_blocks], seq_lens [batch], query_start_loc
+    [batch + 1] are converted to int32 once and kept alive here. Arguments must have been
+    validated (dispatch or AttentionPlan).
+    """
+
+    def __init__(
+        self,
+        layer: LayerKV,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        *,
+        num_splits: int | None = None,
+    ) -> None:
+        lib = library()
+        assert lib is not None, "fused CPU kernel unavailable (check supports() first)"
+        self._entry = getattr(lib, ENTRY)
+        self.tables = block_tables.to(torch.int32).contiguous()  # [batch, max_blocks]
+        self.lens = seq_lens.to(torch.int32).contiguous()  # [batch]
+        self.starts = query_start_loc.to(torch.int32).contiguous()  # [batch + 1]
+        self.batch = int(self.lens.shape[0])
+        data = layer.data  # [num_blocks, 2, block_size, Hkv, D]
+        scales = layer.scales  # [num_blocks, 2, block_size, Hkv] or None
+        sstr = (0, 0, 0, 0) if scales is None else scales.stride()
+        lut = _fp8_lut() if data.dtype == FP8_DTYPE else None
+        self.num_kv_heads = layer.num_kv_heads
+        self.params = _Params(
+            fp8_lut=0 if lut is None else lut.data_ptr(),
+            block_tables=self.tables.data_ptr(),
+            seq_lens=self.lens.data_ptr(),
+            query_start_loc=self.starts.data_ptr(),
+            dtype=_DTYPE_CODES[data.dtype],
+            num_blocks=data.shape[0],
+            block_size=layer.block_size,
+            num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim,
+            s_block=data.stride(0),
+            s_kv=data.stride(1),
+            s_tok=data.stride(2),
+            s_head=data.stride(3),
+            ss_block=sstr[0],
+            ss_kv=sstr[1],
+            ss_tok=sstr[2],
+            ss_head=sstr[3],
+            batch=self.batch,
+            max_blocks=self.tables.shape[1],
+            num_splits=num_splits or 0,
+        )
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        data_ptr: int,
+        scales_ptr: int,
+        *,
+        scale: float,
+        sliding_window: int | None,
+        batch: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query [num_tokens, Hq, D] of the first `batch` sequences (default all) against the
+        cache layer at data_ptr (scales at scales_ptr, 0 when not quantized) -> [num_tokens,
+        Hq, D] in query.dtype. `out`, when given, is a contiguous float32 buffer of that shape
+        the kernel fills (every row is written, zeros where a row sees no key)."""
+        num_tokens, num_q_heads, _ = query.shape
+        q = query.to(torch.float32).contiguous()  # [num_tokens, Hq, D]
+        if out is None:
+            out = torch.empty_like(q)
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == q.shape
+        p = self.params
+        p.q, p.out, p.data, p.scales = q.data_ptr(), out.data_ptr(), data_ptr, scales_ptr
+        p.num_q_heads = num_q_heads
+        p.q_tile = max(1, MAX_ROWS // (num_q_heads // self.num_kv_heads))
+        p.batch = self.batch if batch is None else batch
+        p.window = sliding_window or 0
+        p.num_threads = torch.get_num_threads()
+        p.scale = float(scale)
+        if num_tokens and p.batch:
+            rc = self._entry(ctypes.byref(p))
+            if rc != 0:
+                raise RuntimeError(f"fused CPU attention kernel rejected its arguments (code {rc})")
+        return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def layer_pointers(layer: LayerKV) -> tuple[int, int]:
+    """(data, scales) addresses of a layer view; scales 0 when not quantized."""
+    return layer.data.data_ptr(), 0 if layer.scales is None else layer.scales.data_ptr()
 
 
 def cpu_paged_attention(
@@ -78,56 +177,9 @@ def cpu_paged_attention(
     `out`, when given, is a contiguous float32 [num_tokens, Hq, D] buffer the kernel fills
     (every row is written, zeros where a row sees no key).
     """
-    lib = library()
-    assert lib is not None, "fused CPU kernel unavailable (check supports() first)"
-    num_tokens, num_q_heads, head_dim = query.shape
-    q = query.to(torch.float32).contiguous()  # [num_tokens, Hq, D]
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == q.shape
-    tables = block_tables.to(torch.int32).contiguous()  # [batch, max_blocks]
-    lens = seq_lens.to(torch.int32).contiguous()  # [batch]
-    starts = query_start_loc.to(torch.int32).contiguous()  # [batch + 1]
-    data = layer.data  # [num_blocks, 2, block_size, Hkv, D]
-    scales = layer.scales  # [num_blocks, 2, block_size, Hkv] or None
-    lut = _fp8_lut() if data.dtype == FP8_DTYPE else None
-    group = num_q_heads // layer.num_kv_heads
-    p = _Params(
-        q=q.data_ptr(),
-        out=out.data_ptr(),
-        data=data.data_ptr(),
-        scales=0 if scales is None else scales.data_ptr(),
-        fp8_lut=0 if lut is None else lut.data_ptr(),
-        block_tables=tables.data_ptr(),
-        seq_lens=lens.data_ptr(),
-        query_start_loc=starts.data_ptr(),
-        dtype=_DTYPE_CODES[data.dtype],
-        num_blocks=data.shape[0],
-        block_size=layer.block_size,
-        num_kv_heads=layer.num_kv_heads,
-        num_q_heads=num_q_heads,
-        head_dim=head_dim,
-        s_block=data.stride(0),
-        s_kv=data.stride(1),
-        s_tok=data.stride(2),
-        s_head=data.stride(3),
-        ss_block=0 if scales is None else scales.stride(0),
-        ss_kv=0 if scales is None else scales.stride(1),
-        ss_tok=0 if scales is None else scales.stride(2),
-        ss_head=0 if scales is None else scales.stride(3),
-        batch=lens.shape[0],
-        max_blocks=tables.shape[1],
-        window=sliding_window or 0,
-        q_tile=max(1, MAX_ROWS // group),
-        num_splits=num_splits or 0,
-        num_threads=torch.get_num_threads(),
-        scale=float(scale),
-    )
-    if num_tokens and lens.shape[0]:
-        rc = getattr(lib, ENTRY)(ctypes.byref(p))
-        if rc != 0:
-            raise RuntimeError(f"fused CPU attention kernel rejected its arguments (code {rc})")
-    return out if query.dtype == torch.float32 else out.to(query.dtype)
+    call = FusedCall(layer, block_tables, seq_lens, query_start_loc, num_splits=num_splits)
+    data_ptr, scales_ptr = layer_pointers(layer)
+    return call(query, data_ptr, scales_ptr, scale=scale, sliding_window=sliding_window, out=out)
 
 
 def cpu_paged_decode_attention(

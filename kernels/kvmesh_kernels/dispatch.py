@@ -115,21 +115,27 @@ def _check_attention(
     scale: float,
     sliding_window: int | None,
 ) -> None:
+    _check_query(query, layer.num_kv_heads, layer.head_dim)
+    _check_tables(block_tables, seq_lens)
+    _check_scale(scale, sliding_window)
+
+
+def _check_query(query: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    """query [tokens, Hq, D] floating point, D == the cache's head_dim, Hq a multiple of Hkv."""
     _check(
         query.dim() == 3, f"query must be [tokens, num_q_heads, head_dim], got {tuple(query.shape)}"
     )
     _check(query.is_floating_point(), f"query must be floating point, got {query.dtype}")
+    _check(query.shape[2] == head_dim, f"query head_dim {query.shape[2]} != cache {head_dim}")
+    _check(head_dim in HEAD_DIMS, f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
     _check(
-        query.shape[2] == layer.head_dim,
-        f"query head_dim {query.shape[2]} != cache {layer.head_dim}",
+        query.shape[1] % num_kv_heads == 0,
+        f"query num_q_heads {query.shape[1]} not divisible by num_kv_heads {num_kv_heads}",
     )
-    _check(
-        layer.head_dim in HEAD_DIMS, f"head_dim must be one of {HEAD_DIMS}, got {layer.head_dim}"
-    )
-    _check(
-        query.shape[1] % layer.num_kv_heads == 0,
-        f"query num_q_heads {query.shape[1]} not divisible by num_kv_heads {layer.num_kv_heads}",
-    )
+
+
+def _check_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """block_tables [batch, max_blocks] int32/int64 and seq_lens [batch]."""
     _check(
         block_tables.dim() == 2 and block_tables.dtype in (torch.int32, torch.int64),
         "block_tables must be [batch, max_blocks] int32",
@@ -138,6 +144,9 @@ def _check_attention(
         seq_lens.dim() == 1 and seq_lens.shape[0] == block_tables.shape[0],
         "seq_lens must be [batch] matching block_tables",
     )
+
+
+def _check_scale(scale: float, sliding_window: int | None) -> None:
     _check(scale > 0, f"scale must be positive, got {scale}")
     _check(
         sliding_window is None or sliding_window > 0,
@@ -149,8 +158,11 @@ def _check_lengths(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, q_lens: list[int] | None
 ) -> None:
     """Host-side checks (they synchronize, so only the torch path runs them)."""
-    lens = seq_lens.tolist()
-    capacity = block_tables.shape[1] * block_size
+    _check_host_lengths(seq_lens.tolist(), block_tables.shape[1] * block_size, q_lens)
+
+
+def _check_host_lengths(lens: list[int], capacity: int, q_lens: list[int] | None) -> None:
+    """Every context fits its table row (capacity tokens); every chunk fits its context."""
     _check(
         all(0 <= n <= capacity for n in lens),
         f"seq_lens must lie in [0, max_blocks * block_size = {capacity}]",
@@ -165,18 +177,52 @@ def _check_lengths(
 def _q_lens(
     query: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
 ) -> list[int]:
+    return _host_q_lens(query.shape[0], seq_lens.shape[0], query_start_loc)
+
+
+def _host_q_lens(num_tokens: int | None, batch: int, query_start_loc: torch.Tensor) -> list[int]:
+    """Chunk lengths from query_start_loc [batch + 1], which must run 0..num_tokens upward
+    (num_tokens None: to its own last entry)."""
     _check(
-        query_start_loc.dim() == 1 and query_start_loc.shape[0] == seq_lens.shape[0] + 1,
+        query_start_loc.dim() == 1 and query_start_loc.shape[0] == batch + 1,
         "query_start_loc must be [batch + 1]",
     )
     starts = query_start_loc.tolist()
+    if num_tokens is None:
+        num_tokens = starts[-1]
     _check(
-        starts[0] == 0 and starts[-1] == query.shape[0],
-        f"query_start_loc must run from 0 to num_tokens={query.shape[0]}",
+        starts[0] == 0 and starts[-1] == num_tokens,
+        f"query_start_loc must run from 0 to num_tokens={num_tokens}",
     )
     q_lens = [hi - lo for lo, hi in itertools.pairwise(starts)]
     _check(all(q >= 0 for q in q_lens), "query_start_loc must be non-decreasing")
     return q_lens
+
+
+def _check_kv(key: torch.Tensor, value: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    """key and value [num_tokens, Hkv, D], the same shape."""
+    shape = (num_kv_heads, head_dim)
+    _check(
+        key.dim() == 3 and tuple(key.shape[1:]) == shape,
+        f"key must be [num_tokens, {shape[0]}, {shape[1]}], got {tuple(key.shape)}",
+    )
+    _check(value.shape == key.shape, f"value shape {tuple(value.shape)} != key {tuple(key.shape)}")
+
+
+def _check_slots(slot_mapping: torch.Tensor, num_tokens: int) -> None:
+    """slot_mapping [num_tokens], an integer tensor."""
+    _check(
+        slot_mapping.dim() == 1 and slot_mapping.shape[0] == num_tokens,
+        f"slot_mapping must be [num_tokens={num_tokens}], got {tuple(slot_mapping.shape)}",
+    )
+    _check(not slot_mapping.is_floating_point(), "slot_mapping must be an integer tensor")
+
+
+def _check_slot_range(slot_mapping: torch.Tensor, total: int) -> None:
+    """Every slot in [-1, total) (host-side: synchronizes)."""
+    if slot_mapping.numel():
+        low, high = torch.aminmax(slot_mapping)
+        _check(int(high) < total and int(low) >= -1, f"slot_mapping must lie in [-1, {total})")
 
 
 def write_kv(
@@ -184,26 +230,12 @@ def write_kv(
 ) -> None:
     """Store key/value [num_tokens, num_kv_heads, head_dim] at slot_mapping [num_tokens] int64
     (slot = block_id * block_size + offset; -1 skips the token). Quantizes when the layer is."""
-    shape = (layer.num_kv_heads, layer.head_dim)
-    _check(
-        key.dim() == 3 and tuple(key.shape[1:]) == shape,
-        f"key must be [num_tokens, {shape[0]}, {shape[1]}], got {tuple(key.shape)}",
-    )
-    _check(value.shape == key.shape, f"value shape {tuple(value.shape)} != key {tuple(key.shape)}")
-    _check(
-        slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0],
-        f"slot_mapping must be [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}",
-    )
-    _check(not slot_mapping.is_floating_point(), "slot_mapping must be an integer tensor")
+    _check_kv(key, value, layer.num_kv_heads, layer.head_dim)
+    _check_slots(slot_mapping, key.shape[0])
     if get_backend(key.device) == "triton":
         _triton("write_kv")(layer, key, value, slot_mapping)
         return
-    total = layer.data.shape[0] * layer.block_size
-    if slot_mapping.numel():
-        _check(
-            int(slot_mapping.max()) < total and int(slot_mapping.min()) >= -1,
-            f"slot_mapping must lie in [-1, {total})",
-        )
+    _check_slot_range(slot_mapping, layer.data.shape[0] * layer.block_size)
     torch_write_kv(layer, key, value, slot_mapping)
 
 

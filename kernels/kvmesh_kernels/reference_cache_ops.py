@@ -2,25 +2,43 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kvmesh_kernels.cache import LayerKV, PagedKVCache, raw_view
 from kvmesh_kernels.quant import quantize
 
 
-def torch_write_kv(
-    layer: LayerKV, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+class SlotIndex(NamedTuple):
+    """Where a token batch lands in the cache: rows [n] of the tokens kept (None when every
+    slot is >= 0), their block ids [n] and offsets in the block [n] (int64)."""
+
+    rows: torch.Tensor | None
+    block: torch.Tensor
+    offset: torch.Tensor
+
+
+def slot_index(slot_mapping: torch.Tensor, block_size: int) -> SlotIndex:
+    """Split slots [num_tokens] (-1 = skip) into kept rows, block ids and offsets."""
+    slots = slot_mapping.long()  # [num_tokens]
+    rows = None
+    if slots.numel() and bool((slots < 0).any()):
+        rows = (slots >= 0).nonzero().view(-1)  # [n]
+        slots = slots.index_select(0, rows)
+    return SlotIndex(rows, slots // block_size, slots % block_size)
+
+
+def torch_write_kv_at(
+    layer: LayerKV, key: torch.Tensor, value: torch.Tensor, index: SlotIndex
 ) -> None:
-    """Store key/value [num_tokens, H, D] at slots [num_tokens] (slot -1 = skip)."""
-    block_size = layer.block_size
-    keep = slot_mapping >= 0  # [num_tokens]
-    slots = slot_mapping[keep].long()  # [n]
-    if slots.numel() == 0:
+    """Store key/value [num_tokens, H, D] at a precomputed `slot_index` (quantizing when the
+    layer is int8/fp8)."""
+    if index.block.numel() == 0:
         return
-    block = slots // block_size  # [n]
-    offset = slots % block_size  # [n]
-    k = key[keep]  # [n, H, D]
-    v = value[keep]  # [n, H, D]
+    block, offset = index.block, index.offset
+    k = key if index.rows is None else key.index_select(0, index.rows)  # [n, H, D]
+    v = value if index.rows is None else value.index_select(0, index.rows)  # [n, H, D]
     if layer.scales is None:
         layer.data[block, 0, offset] = k.to(layer.data.dtype)
         layer.data[block, 1, offset] = v.to(layer.data.dtype)
@@ -31,6 +49,13 @@ def torch_write_kv(
     layer.data[block, 1, offset] = vq
     layer.scales[block, 0, offset] = ks
     layer.scales[block, 1, offset] = vs
+
+
+def torch_write_kv(
+    layer: LayerKV, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store key/value [num_tokens, H, D] at slots [num_tokens] (slot -1 = skip)."""
+    torch_write_kv_at(layer, key, value, slot_index(slot_mapping, layer.block_size))
 
 
 def torch_copy_blocks(cache: PagedKVCache, pairs: torch.Tensor) -> None:

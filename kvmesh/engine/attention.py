@@ -2,11 +2,12 @@
 
 Each attention layer of a transformers model loaded with `attn_implementation=ATTENTION_NAME`
 calls `paged_attention_forward` with its rotary-embedded q/k/v. The function is a thin adapter
-onto `kvmesh_kernels`: `write_kv` stores this step's K/V at `slot_mapping`, then
-`paged_attention` attends every query token to its sequence's context through the block table
-(flat varlen batch; the kernels pick the backend: Triton on CUDA, the fused C++ kernel on CPU).
-Per-step metadata travels as the `kvmesh_ctx` keyword argument of the model's forward (no
-global state), so several engines can share a process and a thread.
+onto the step's `kvmesh_kernels.AttentionPlan` (metadata validated and kernel arguments
+prepared once per step, not once per layer): `plan.write_kv` stores this step's K/V at
+`slot_mapping`, then `plan.attention` attends every query token to its sequence's context
+through the block table (flat varlen batch; the plan picks dispatch's backend: Triton on CUDA,
+the fused C++ kernel on CPU). Per-step metadata travels as the `kvmesh_ctx` keyword argument of
+the model's forward (no global state), so several engines can share a process and a thread.
 
 Token batches are flat: the model sees batch size 1 and `num_tokens` positions. transformers
 builds no attention mask for this implementation (its name is not in the mask registry).
@@ -29,15 +30,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from kvmesh_kernels import paged_attention, write_kv
-from kvmesh_kernels.cache import LayerKV, PagedKVCache
+from kvmesh_kernels.cache import PagedKVCache
+from kvmesh_kernels.plan import AttentionPlan
 
 ATTENTION_NAME = "kvmesh_paged"
 
 
 @dataclass(frozen=True)
 class ForwardContext:
-    """Attention metadata of one step, shared by every layer (tensors on the cache's device)."""
+    """Attention metadata of one step, shared by every layer (tensors on the cache's device).
+
+    `plan` is built from the other fields when not given (validating them: ValueError on bad
+    metadata); the runner builds it and passes the plan's device tensors as the fields.
+    """
 
     kv_cache: PagedKVCache
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -47,6 +52,24 @@ class ForwardContext:
     num_paged_seqs: int  # leading sequences attended through the cache
     num_paged_tokens: int  # their tokens (query_start_loc[num_paged_seqs])
     fresh_bounds: tuple[int, ...] = ()  # token bounds of the trailing fresh chunks
+    plan: AttentionPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.plan is None:
+            plan = AttentionPlan(
+                self.kv_cache,
+                self.block_tables,
+                self.seq_lens,
+                self.query_start_loc,
+                self.slot_mapping,
+            )
+            object.__setattr__(self, "plan", plan)
+
+    @property
+    def attention_plan(self) -> AttentionPlan:
+        """The step's plan (always set after construction)."""
+        assert self.plan is not None
+        return self.plan
 
     @property
     def num_seqs(self) -> int:
@@ -72,17 +95,23 @@ def paged_attention_forward(
     if kvmesh_ctx is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs the kvmesh_ctx forward argument")
     ctx = kvmesh_ctx
-    layer = ctx.kv_cache.layer(int(module.layer_idx))  # type: ignore[arg-type]
+    plan = ctx.attention_plan
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
     q = query[0].transpose(0, 1)  # [T, Hq, D]
-    write_kv(layer, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping)
+    plan.write_kv(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    if not _fresh_path_applies(ctx, layer.scales is None, sliding_window):
-        return _paged(q, layer, ctx, ctx.num_seqs, scale, sliding_window).unsqueeze(0), None
+    if not _fresh_path_applies(ctx, ctx.kv_cache.scales is None, sliding_window):
+        out = plan.attention(q, layer, scale=scale, sliding_window=sliding_window)
+        return out.unsqueeze(0), None
     out = torch.empty_like(q)  # [T, Hq, D]
     paged_tokens = ctx.num_paged_tokens
     if ctx.num_paged_seqs:
-        out[:paged_tokens] = _paged(
-            q[:paged_tokens], layer, ctx, ctx.num_paged_seqs, scale, sliding_window
+        out[:paged_tokens] = plan.attention(
+            q[:paged_tokens],
+            layer,
+            scale=scale,
+            sliding_window=sliding_window,
+            num_seqs=ctx.num_paged_seqs,
         )
     for lo, hi in itertools.pairwise(ctx.fresh_bounds):
         out[lo:hi] = F.scaled_dot_product_attention(
@@ -103,26 +132,6 @@ def _fresh_path_applies(ctx: ForwardContext, plain_cache: bool, window: int | No
     if window is None:
         return True
     return max(hi - lo for lo, hi in itertools.pairwise(ctx.fresh_bounds)) <= window
-
-
-def _paged(
-    q: torch.Tensor,
-    layer: LayerKV,
-    ctx: ForwardContext,
-    num_seqs: int,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """The first `num_seqs` sequences through the paged cache: q [tokens, Hq, D]."""
-    return paged_attention(
-        q,
-        layer,
-        ctx.block_tables[:num_seqs],
-        ctx.seq_lens[:num_seqs],
-        ctx.query_start_loc[: num_seqs + 1],
-        scale=scale,
-        sliding_window=sliding_window,
-    )
 
 
 def register_attention() -> str:

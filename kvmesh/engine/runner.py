@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 from kvmesh_kernels.cache import KVCacheSpec, PagedKVCache, allocate_kv_cache
+from kvmesh_kernels.plan import AttentionPlan
 
 from kvmesh.engine.attention import ForwardContext
 from kvmesh.engine.loader import LoadedModel
@@ -107,7 +108,8 @@ class ModelRunner:
         return self.model.lm_head(sampled).float()  # [S, vocab]
 
     def prepare(self, chunks: Sequence[ChunkPlan]) -> FlatBatch:
-        """Flatten chunks into one varlen batch (single-token chunks first, as scheduled)."""
+        """Flatten chunks into one varlen batch (single-token chunks first, as scheduled) and
+        build the step's AttentionPlan (ValueError on inconsistent chunks, before any write)."""
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -131,15 +133,23 @@ class ModelRunner:
         if self.device.type == "cpu":
             while num_paged and chunks[num_paged - 1].start_pos == 0:
                 num_paged -= 1
+        plan = AttentionPlan(
+            self.kv_cache,
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        )  # host tensors, validated once, moved to the cache's device by the plan
         context = ForwardContext(
             kv_cache=self.kv_cache,
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor(tables, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            query_start_loc=self._tensor(query_start_loc, torch.int32),
+            slot_mapping=plan.slot_mapping,
+            block_tables=plan.block_tables,
+            seq_lens=plan.seq_lens,
+            query_start_loc=plan.query_start_loc,
             num_paged_seqs=num_paged,
             num_paged_tokens=query_start_loc[num_paged],
             fresh_bounds=tuple(query_start_loc[num_paged:]) if num_paged < len(chunks) else (),
+            plan=plan,
         )
         return FlatBatch(
             self._tensor(token_ids, torch.int64),
