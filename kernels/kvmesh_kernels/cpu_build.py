@@ -1,13 +1,13 @@
-"""Build and load the fused CPU attention library on first use.
+"""Build and load the fused CPU kernel library on first use.
 
-The C++ source (`csrc/cpu_paged_attention.cpp`, plain C ABI + OpenMP, no torch headers) is
-compiled with `torch.utils.cpp_extension.load` into
-`$KVMESH_CACHE_DIR/torch_extensions/<key>` (default `~/.cache/kvmesh/torch_extensions`), where
-the key hashes the source, the compiler flags, the torch and Python versions and the machine
-architecture. Concurrent processes serialize on an `fcntl` lock beside that folder (released
-by the OS if a builder dies, unlike torch's own lock file, which is removed here when stale).
-Any failure logs one warning and leaves the library unavailable; callers fall back to the
-torch reference. `KVMESH_CPU_KERNEL=0` disables the library.
+The C++ sources (`csrc/cpu_paged_attention.cpp`: paged attention; `csrc/cpu_cache_ops.cpp`: KV
+write; plain C ABI + OpenMP, no torch headers) are compiled into one library with
+`torch.utils.cpp_extension.load` into `$KVMESH_CACHE_DIR/torch_extensions/<key>` (default
+`~/.cache/kvmesh/torch_extensions`), where the key hashes the sources, the compiler flags, the
+torch and Python versions and the machine architecture. Concurrent processes serialize on an
+`fcntl` lock beside that folder (released by the OS if a builder dies, unlike torch's own lock
+file, which is removed here when stale). Any failure logs one warning and leaves the library
+unavailable; callers fall back to the torch reference. `KVMESH_CPU_KERNEL=0` disables it.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ logger = logging.getLogger(__name__)
 ENV_DISABLE = "KVMESH_CPU_KERNEL"
 CACHE_DIR_ENV = "KVMESH_CACHE_DIR"
 SOURCE = Path(__file__).with_name("csrc") / "cpu_paged_attention.cpp"
+SOURCES = (SOURCE, SOURCE.with_name("cpu_cache_ops.cpp"))
 CFLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
 ENTRY = "kvmesh_cpu_paged_attention"
+WRITE_ENTRY = "kvmesh_cpu_write_kv"
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -50,7 +52,13 @@ def cache_root() -> Path:
     return Path(base) / "torch_extensions"
 
 
+def sources_bytes() -> bytes:
+    """Every source's name and contents, in order (what the build key hashes)."""
+    return b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES)
+
+
 def build_key(source: bytes) -> str:
+    """Cache key of a build of `source` (all sources, see sources_bytes) with these flags."""
     import torch
 
     parts = [
@@ -76,7 +84,7 @@ def _file_lock(path: Path) -> Iterator[None]:
 def _build() -> ctypes.CDLL:
     from torch.utils import cpp_extension
 
-    key = build_key(SOURCE.read_bytes())
+    key = build_key(sources_bytes())
     root = cache_root()
     build_dir = root / key
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -85,7 +93,7 @@ def _build() -> ctypes.CDLL:
         (build_dir / "lock").unlink(missing_ok=True)
         path = cpp_extension.load(
             name=f"kvmesh_cpu_attn_{key}",
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(build_dir),
@@ -93,9 +101,10 @@ def _build() -> ctypes.CDLL:
             verbose=False,
         )
     lib = ctypes.CDLL(str(path))
-    func = getattr(lib, ENTRY)
-    func.argtypes = [ctypes.c_void_p]
-    func.restype = ctypes.c_int
+    for entry in (ENTRY, WRITE_ENTRY):
+        func = getattr(lib, entry)
+        func.argtypes = [ctypes.c_void_p]
+        func.restype = ctypes.c_int
     return lib
 
 

@@ -4,8 +4,9 @@ Backend choice, first match wins: `set_backend(...)`, the environment variable
 KVMESH_KERNEL_BACKEND (read once, on first use), else "triton" for CUDA tensors when triton
 imports and "torch" otherwise. Triton modules are imported only when that backend runs.
 On CPU the "torch" backend runs attention through the fused C++ kernel (`cpu_attention`,
-built on first use) when it is available, else the torch reference; "reference" always runs
-the torch reference. KVMESH_CPU_KERNEL=0 turns the fused kernel off.
+built on first use) when it is available, and KV writes into unquantized caches through the
+C copy (`cpu_cache_ops`), else the torch reference; "reference" always runs the torch
+reference. KVMESH_CPU_KERNEL=0 turns the C library off.
 """
 
 from __future__ import annotations
@@ -232,9 +233,16 @@ def write_kv(
     (slot = block_id * block_size + offset; -1 skips the token). Quantizes when the layer is."""
     _check_kv(key, value, layer.num_kv_heads, layer.head_dim)
     _check_slots(slot_mapping, key.shape[0])
-    if get_backend(key.device) == "triton":
+    backend = get_backend(key.device)
+    if backend == "triton":
         _triton("write_kv")(layer, key, value, slot_mapping)
         return
+    if backend == "torch" and key.device.type == "cpu":
+        from kvmesh_kernels import cpu_cache_ops
+
+        if cpu_cache_ops.supports_write(layer, key, value):
+            cpu_cache_ops.cpu_write_kv(layer, key, value, slot_mapping)  # checks the range
+            return
     _check_slot_range(slot_mapping, layer.data.shape[0] * layer.block_size)
     torch_write_kv(layer, key, value, slot_mapping)
 

@@ -23,11 +23,11 @@ import itertools
 
 import torch
 
-from kvmesh_kernels import cpu_attention, dispatch
+from kvmesh_kernels import cpu_attention, cpu_cache_ops, dispatch
 from kvmesh_kernels.cache import LayerKV, PagedKVCache
 from kvmesh_kernels.dispatch import _check
 from kvmesh_kernels.reference_attention import torch_paged_attention
-from kvmesh_kernels.reference_cache_ops import slot_index, torch_write_kv_at
+from kvmesh_kernels.reference_cache_ops import SlotIndex, slot_index, torch_write_kv_at
 
 
 class AttentionPlan:
@@ -75,9 +75,10 @@ class AttentionPlan:
             self._fused = cpu_attention.FusedCall(
                 self._layer0, self.block_tables, self.seq_lens, self.query_start_loc
             )
-        self._slot_index = None
-        if self.backend != "triton":
-            self._slot_index = slot_index(self.slot_mapping, spec.block_size)
+        self._write: cpu_cache_ops.WriteCall | None = None
+        if self.backend == "torch" and cpu_cache_ops.supports_layer(self._layer0):
+            self._write = cpu_cache_ops.WriteCall(self._layer0, self.slot_mapping)
+        self._slot_index: SlotIndex | None = None  # torch write path, built on first use
 
     def layer(self, index: int) -> LayerKV:
         """The cache's layer view `index` (IndexError when out of range)."""
@@ -92,9 +93,14 @@ class AttentionPlan:
             key.shape[0] == self.num_tokens,
             f"key must have num_tokens={self.num_tokens} rows, got {key.shape[0]}",
         )
-        if self._slot_index is None:
+        if self.backend == "triton":
             dispatch._triton("write_kv")(kv, key, value, self.slot_mapping)
             return
+        if self._write is not None and cpu_cache_ops.supports_write(kv, key, value):
+            self._write(key, value, kv.data.data_ptr())
+            return
+        if self._slot_index is None:
+            self._slot_index = slot_index(self.slot_mapping, self.cache.spec.block_size)
         torch_write_kv_at(kv, key, value, self._slot_index)
 
     def attention(

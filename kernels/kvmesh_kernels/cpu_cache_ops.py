@@ -1,0 +1,109 @@
+"""KV write on CPU through the C library (`csrc/cpu_cache_ops.cpp`): K and V in one call.
+
+For unquantized caches (float32, bfloat16, float16) whose key/value come in the cache's own
+dtype the write is a bitwise copy of each token's `[Hkv, D]` rows to its slot, equal to the
+torch reference (`torch_write_kv`) bit for bit. Quantized caches and mismatched dtypes stay on
+the torch path (`supports_write` says which). Arguments are validated by the caller (dispatch
+or AttentionPlan); the C side re-checks the slot range before writing anything.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvmesh_kernels.cache import LayerKV
+from kvmesh_kernels.cpu_build import WRITE_ENTRY, library
+
+_COPY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Mirror of `WriteParams` in the C++ source, in order (every field 8 bytes).
+_FIELDS = (
+    *("key", "value", "slots", "data"),
+    *("elem_bytes", "num_tokens", "num_kv_heads", "head_dim"),
+    *("s_ktok", "s_khead", "s_vtok", "s_vhead"),
+    *("num_blocks", "block_size", "s_block", "s_kv", "s_tok", "s_head", "num_threads"),
+)
+
+
+class _WriteParams(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in _FIELDS]
+
+
+def supports_layer(layer: LayerKV) -> bool:
+    """Whether the C write can store into this layer (CPU, unquantized, unit head stride)."""
+    data = layer.data
+    return (
+        data.device.type == "cpu"
+        and layer.scales is None
+        and data.dtype in _COPY_DTYPES
+        and data.stride(-1) == 1
+        and library() is not None
+    )
+
+
+def supports_write(layer: LayerKV, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether key/value can be copied as they are: the cache's dtype, CPU, unit last stride."""
+    dtype = layer.data.dtype
+    return (
+        key.dtype == dtype
+        and value.dtype == dtype
+        and key.device.type == "cpu"
+        and value.device.type == "cpu"
+        and key.stride(-1) == 1
+        and value.stride(-1) == 1
+        and supports_layer(layer)
+    )
+
+
+class WriteCall:
+    """One step's slots prepared for the C write: a ctypes `WriteParams` whose slot and cache
+    fields are filled once; a per-layer call sets the key, value and layer pointers.
+
+    `layer` fixes the cache format (any layer view of the cache: they share shape and strides);
+    slot_mapping [num_tokens] integer is converted to int64 once and kept alive here.
+    """
+
+    def __init__(self, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
+        lib = library()
+        assert lib is not None, "CPU kernel library unavailable (check supports_layer() first)"
+        self._entry = getattr(lib, WRITE_ENTRY)
+        self.slots = slot_mapping.to(torch.int64).contiguous()  # [num_tokens]
+        data = layer.data  # [num_blocks, 2, block_size, Hkv, D]
+        self.params = _WriteParams(
+            slots=self.slots.data_ptr(),
+            elem_bytes=data.element_size(),
+            num_tokens=self.slots.shape[0],
+            num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim,
+            num_blocks=data.shape[0],
+            block_size=layer.block_size,
+            s_block=data.stride(0),
+            s_kv=data.stride(1),
+            s_tok=data.stride(2),
+            s_head=data.stride(3),
+        )
+
+    def __call__(self, key: torch.Tensor, value: torch.Tensor, data_ptr: int) -> None:
+        """Copy key/value [num_tokens, Hkv, D] (the cache's dtype, unit last stride) into the
+        layer whose data starts at data_ptr. A slot outside [-1, num_blocks * block_size)
+        raises ValueError (dispatch's message) before anything is written."""
+        p = self.params
+        p.key, p.value, p.data = key.data_ptr(), value.data_ptr(), data_ptr
+        p.s_ktok, p.s_khead = key.stride(0), key.stride(1)
+        p.s_vtok, p.s_vhead = value.stride(0), value.stride(1)
+        p.num_threads = torch.get_num_threads()
+        if p.num_tokens:
+            rc = self._entry(ctypes.byref(p))
+            if rc == 2:
+                raise ValueError(f"slot_mapping must lie in [-1, {p.num_blocks * p.block_size})")
+            if rc != 0:
+                raise RuntimeError(f"CPU write_kv kernel rejected its arguments (code {rc})")
+
+
+def cpu_write_kv(
+    layer: LayerKV, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store key/value [num_tokens, Hkv, D] at slot_mapping [num_tokens] (-1 skips a token);
+    requires `supports_write(layer, key, value)`."""
+    WriteCall(layer, slot_mapping)(key, value, layer.data.data_ptr())
