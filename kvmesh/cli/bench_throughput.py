@@ -109,25 +109,30 @@ def summarize(name: str, tokens: int, seconds: float, ttfts: list[float]) -> dic
     }
 
 
-def run_all_at_once(engine: Any, requests: list[tuple[list[int], int]]) -> tuple[int, float, list]:
-    """Submit everything at time 0, step to the end; (tokens, seconds, ttfts)."""
+def bench_params(out_len: int) -> Any:
+    """Greedy, EOS ignored, exactly `out_len` tokens, ids only: vLLM runs with
+    `skip_tokenizer_init=True` and transformers' `generate` returns ids, so no system
+    detokenizes."""
     from kvmesh.engine.sampling_params import SamplingParams
 
+    return SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, detokenize=False)
+
+
+def run_all_at_once(engine: Any, requests: list[tuple[list[int], int]]) -> tuple[int, float, list]:
+    """Submit everything at time 0, step to the end; (tokens, seconds, ttfts)."""
     start = time.monotonic()
     for i, (prompt, out_len) in enumerate(requests):
-        params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+        params = bench_params(out_len)
         engine.add_request(f"w-{i}", prompt, params, arrival_time=start)
     return _drain(engine, start)
 
 
 def run_one_by_one(engine: Any, requests: list[tuple[list[int], int]]) -> tuple[int, float, list]:
     """Request i + 1 arrives when request i has its first token."""
-    from kvmesh.engine.sampling_params import SamplingParams
-
     start = time.monotonic()
     tokens, ttfts = 0, list[float]()
     for i, (prompt, out_len) in enumerate(requests):
-        params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+        params = bench_params(out_len)
         engine.add_request(f"w-{i}", prompt, params)
         has_first = False
         while not has_first:
