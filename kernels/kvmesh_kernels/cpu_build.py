@@ -29,7 +29,11 @@ logger = logging.getLogger(__name__)
 ENV_DISABLE = "KVMESH_CPU_KERNEL"
 CACHE_DIR_ENV = "KVMESH_CACHE_DIR"
 SOURCE = Path(__file__).with_name("csrc") / "cpu_paged_attention.cpp"
-SOURCES = (SOURCE, SOURCE.with_name("cpu_cache_ops.cpp"))
+SOURCES = (
+    SOURCE,
+    SOURCE.with_name("cpu_cache_ops.cpp"),
+    SOURCE.with_name("cpu_rms_norm.cpp"),
+)  # compiled into one library
 CFLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
 ENTRY = "kvmesh_cpu_paged_attention"

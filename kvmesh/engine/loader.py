@@ -16,6 +16,7 @@ import torch
 from kvmesh.engine.attention import register_attention
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.cpu_linear import pack_linear_layers, packing_applies
+from kvmesh.engine.cpu_norm import fuse_rms_norms, fused_norm_applies
 from kvmesh.engine.errors import InvalidParameterError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -101,6 +102,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = model.to(device).eval().requires_grad_(False)
     if packing_applies(dtype, device):
         pack_linear_layers(model)
+    if fused_norm_applies(dtype, device):
+        fuse_rms_norms(model)
     return LoadedModel(path, model, hf_config, load_tokenizer(path), dtype, device)
 
 
