@@ -28,10 +28,12 @@ NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"
 class FusedRMSNorm(nn.Module):
     """The Llama-family RMSNorm with a fused bfloat16 CPU path: x [..., D] -> [..., D]."""
 
+    weight: nn.Parameter  # [D], shared with the original module
+
     def __init__(self, norm: nn.Module):
         super().__init__()
-        self.weight = norm.weight  # [D], shared with the original module
-        self.variance_epsilon = float(norm.variance_epsilon)
+        self.weight = norm.get_parameter("weight")
+        self.variance_epsilon = float(getattr(norm, "variance_epsilon"))  # noqa: B009
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if rms_norm_supported(hidden_states, self.weight):
@@ -40,7 +42,7 @@ class FusedRMSNorm(nn.Module):
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)  # type: ignore[no-any-return]
+        return self.weight * hidden_states.to(input_dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, fused=cpu-bf16"
@@ -76,7 +78,7 @@ def fuse_rms_norms(model: nn.Module) -> int:
 
 def _matches(original: nn.Module, fused: FusedRMSNorm) -> bool:
     generator = torch.Generator().manual_seed(0)
-    width = fused.weight.shape[0]
+    width = int(fused.weight.shape[0])
     probe = torch.randn(33, width, generator=generator).to(fused.weight.dtype)  # [33, D]
     with torch.inference_mode():
         expected = original(probe).float()  # [33, D]
