@@ -28,8 +28,7 @@ class EngineConfig:
     force preemption). max_model_len defaults to the model's max_position_embeddings.
     scheduling_policy: "decode-first" (default; running decodes join every step) or
     "prefill-first" (a step that can do prompt work holds only prompt chunks, for at most
-    `max_decode_stall_tokens` prompt tokens (None: `max_num_batched_tokens`) while decodes
-    wait); see `kvmesh.engine.scheduler`.
+    `max_decode_stall_tokens` prompt tokens while decodes wait); see `kvmesh.engine.scheduler`.
     """
 
     model: str | None = None
@@ -48,7 +47,7 @@ class EngineConfig:
     policy: str = "continuous"
     allocation: str = "paged"
     scheduling_policy: str = "decode-first"
-    max_decode_stall_tokens: int | None = None
+    max_decode_stall_tokens: int = 512
     num_threads: int | None = None
     show_progress: bool = False
 
@@ -59,10 +58,14 @@ class EngineConfig:
         _choice("policy", self.policy, POLICIES)
         _choice("allocation", self.allocation, ALLOCATIONS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_decode_stall_tokens",
+        ):
             _positive(name, getattr(self, name))
-        optional = ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads")
-        for name in (*optional, "max_decode_stall_tokens"):
+        for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if not 0.0 < self.memory_utilization <= 1.0:

@@ -13,13 +13,15 @@ work (2 and 3 plan a chunk) holds only those prompt chunks, so a new request's f
 not wait for one decode row of every running request; a step with no prompt work is the
 decode-first step above. Starvation bound: prompt-only steps count the prompt tokens they
 compute while some running sequence gets no chunk; once that count reaches
-`max_decode_stall_tokens` (default `max_num_batched_tokens`), the next step is decode-first
-and the count restarts. The bound is in tokens rather than steps because the decodes' wait is
-the prompt work ahead of them: many short prompts (prefix-cache hits) may go ahead in a row, a
-long chunked prompt alternates with the decodes. Trade-off: a running request's inter-token
-gap grows from one step to up to about `max_decode_stall_tokens + max_num_batched_tokens`
-prompt tokens of work (plus every skipped step's fixed cost); in exchange an arriving
-request's TTFT no longer includes the running decodes (docs/BENCHMARKS.md, W3).
+`max_decode_stall_tokens` (default 512), the next step is decode-first and the count
+restarts. The bound is in tokens rather than steps because the decodes' wait is the prompt
+work ahead of them: several short prompts (prefix-cache hits) may go ahead in a row, a long
+chunked prompt alternates with the decodes. Default 512: on W3, bounds from 512 to 2048 gave
+the same TTFT while the running requests' longest gap grew with the bound. Trade-off: a
+running request's inter-token gap, one step under decode-first, becomes up to a run of
+prompt-only steps totalling fewer than `max_decode_stall_tokens + max_num_batched_tokens`
+prompt tokens (each paying its fixed cost) followed by the decode-first step; in exchange an
+arriving request's TTFT no longer includes the running decodes (docs/BENCHMARKS.md, W3).
 
 Parts: admission (`scheduler_admission`), preemption (`scheduler_preemption`), the
 disaggregation hooks (`scheduler_disagg`), shared state (`scheduler_state`), stop rules

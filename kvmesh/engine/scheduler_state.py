@@ -53,7 +53,7 @@ class SchedulerState:
         # steps since the decodes last ran, its limit, and whether a running sequence may
         # still be prefilling (cleared once a step planned no prompt work and found none)
         self._prefill_first = config.scheduling_policy == "prefill-first"
-        self._stall_limit = config.max_decode_stall_tokens or config.max_num_batched_tokens
+        self._stall_limit = config.max_decode_stall_tokens
         self._stalled_tokens = 0
         self._maybe_prefilling = False
 

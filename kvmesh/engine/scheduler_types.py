@@ -23,7 +23,7 @@ class SchedulerConfig:
     scheduling_policy "decode-first" (vLLM's order): every step runs one token of each running
     decode, then prompt chunks. "prefill-first" (SGLang's order): a step that can start or
     continue prompt work holds only prompt chunks, until the prompt tokens computed while
-    running decodes wait reach `max_decode_stall_tokens` (None: `max_num_batched_tokens`);
+    running decodes wait reach `max_decode_stall_tokens`;
     the next step is then decode-first. See `kvmesh.engine.scheduler`.
     """
 
@@ -36,18 +36,20 @@ class SchedulerConfig:
     policy: str = "continuous"
     allocation: str = "paged"
     scheduling_policy: str = "decode-first"
-    max_decode_stall_tokens: int | None = None  # prefill-first only; None = the token budget
+    max_decode_stall_tokens: int = 512  # prefill-first only
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens")
+        for name in (*positive, "max_decode_stall_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InvalidParameterError(name, f"must be a positive int, got {value!r}")
-        for name in ("long_prefill_token_threshold", "max_decode_stall_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise InvalidParameterError(name, f"must be a positive int or None, got {value!r}")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (not isinstance(threshold, int) or threshold <= 0):
+            raise InvalidParameterError(
+                "long_prefill_token_threshold", f"must be a positive int or None, got {threshold!r}"
+            )
         if self.policy not in POLICIES:
             raise InvalidParameterError("policy", f"must be one of {POLICIES}, got {self.policy!r}")
         if self.allocation not in ALLOCATIONS:

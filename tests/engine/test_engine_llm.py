@@ -55,7 +55,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "preemption": {"num_kv_blocks": 8, "max_num_batched_tokens": 32},
     "static": {"policy": "static"},
     "contiguous": {"allocation": "contiguous"},
-    "prefill-first": {"scheduling_policy": "prefill-first", "max_num_batched_tokens": 24},
+    "prefill-first": {
+        "scheduling_policy": "prefill-first",
+        "max_num_batched_tokens": 24,
+        "max_decode_stall_tokens": 24,
+    },
 }
 
 

@@ -32,8 +32,8 @@ def test_admission_step_holds_decodes_only_under_decode_first() -> None:
 
 
 def test_chunked_prompt_alternates_with_decodes_at_the_stall_bound() -> None:
-    """Budget 8, bound 8 (the default): a prompt-only chunk, then a decode-first step."""
-    sched, _ = make_scheduler(max_num_batched_tokens=8, **PREFILL_FIRST)
+    """Budget 8, bound 8: a prompt-only chunk, then a decode-first step."""
+    sched, _ = make_scheduler(max_num_batched_tokens=8, max_decode_stall_tokens=8, **PREFILL_FIRST)
     sched.add_request(request("a", 4, max_tokens=20))
     step(sched)
     sched.add_request(request("b", 20))
@@ -114,7 +114,9 @@ def test_preempted_sequence_recomputes_in_a_prompt_only_step() -> None:
 
 
 def test_disaggregation_hooks_under_prefill_first() -> None:
-    sched, bm = make_scheduler(num_blocks=16, max_num_batched_tokens=4, **PREFILL_FIRST)
+    sched, bm = make_scheduler(
+        num_blocks=16, max_num_batched_tokens=4, max_decode_stall_tokens=4, **PREFILL_FIRST
+    )
     assert bm.allocate("remote", 6) is not None
     assert sched.add_prefilled_request(request("remote", 6, max_tokens=4), 6, first_token=55) == []
     sched.add_request(request("p", 6, prefill_only=True))
@@ -135,7 +137,7 @@ def test_invalid_policy_and_bound_name_their_field() -> None:
     with pytest.raises(InvalidParameterError) as info:
         EngineConfig(scheduling_policy="prefill_first")
     assert info.value.field == "scheduling_policy" and "scheduling_policy" in str(info.value)
-    for bad in (0, -3, 1.5):
+    for bad in (0, -3, 1.5, None):
         with pytest.raises(InvalidParameterError) as info:
             SchedulerConfig(max_model_len=64, max_decode_stall_tokens=bad)  # type: ignore[arg-type]
         assert info.value.field == "max_decode_stall_tokens"
