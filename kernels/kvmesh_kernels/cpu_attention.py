@@ -1,9 +1,11 @@
 """Fused CPU paged attention: reads K/V blocks in place through the block table.
 
 One kernel serves decode and prefill/extend (flat varlen queries); see
-`csrc/cpu_paged_attention.cpp` for the algorithm. Queries are computed in float32 (converted
-on entry), the cache is read in its storage dtype (float32, bfloat16, float16, int8 or fp8 with
-per-(token, kv head) scales) and converted per row. Arguments are validated by `dispatch`.
+`csrc/cpu_paged_attention.cpp` for the algorithm. Queries are read in their own dtype and
+layout (float32, bfloat16, float16; unit last stride) and computed in float32; the output is
+written in the query's dtype; the cache is read in its storage dtype (float32, bfloat16,
+float16, int8 or fp8 with per-(token, kv head) scales). Arguments are validated by `dispatch`
+or `AttentionPlan`.
 """
 
 from __future__ import annotations
@@ -29,12 +31,22 @@ _FIELDS = (
     *("s_block", "s_kv", "s_tok", "s_head", "ss_block", "ss_kv", "ss_tok", "ss_head"),
     *("batch", "max_blocks", "window", "q_tile", "num_splits", "num_threads"),
 )
+# Appended after `scale` (a library built from an older source reads only the prefix).
+_TAIL = ("q_dtype", "s_qtok", "s_qhead", "out_dtype", "s_otok", "s_ohead", "isa")
+# Query/output element types the kernel reads and writes directly (codes as the cache's).
+IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Params.isa: 0 picks the best path the CPU runs; the others cap it (benchmarks, tests).
+ISAS = {"auto": 0, "baseline": 1, "avx2": 2, "avx512": 3}
 # Query rows per work item: q_tile tokens x G heads stay within about 64 rows.
 MAX_ROWS = 64
 
 
 class _Params(ctypes.Structure):
-    _fields_ = [*((name, ctypes.c_int64) for name in _FIELDS), ("scale", ctypes.c_double)]
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in _FIELDS),
+        ("scale", ctypes.c_double),
+        *((name, ctypes.c_int64) for name in _TAIL),
+    ]
 
 
 _LUT: dict[str, torch.Tensor] = {}
@@ -130,29 +142,46 @@ class FusedCall:
         sliding_window: int | None,
         batch: int | None = None,
         out: torch.Tensor | None = None,
+        isa: str = "auto",
     ) -> torch.Tensor:
         """query [num_tokens, Hq, D] of the first `batch` sequences (default all) against the
         cache layer at data_ptr (scales at scales_ptr, 0 when not quantized) -> [num_tokens,
-        Hq, D] in query.dtype. `out`, when given, is a contiguous float32 buffer of that shape
-        the kernel fills (every row is written, zeros where a row sees no key)."""
+        Hq, D] in query.dtype.
+
+        float32 / bfloat16 / float16 queries are read in place (any token and head strides,
+        unit last stride); the result is written in that dtype, into `out` when given (a
+        float32 / bfloat16 / float16 [num_tokens, Hq, D] tensor with unit last stride; every
+        row is written, zeros where a row sees no key; returned converted to query.dtype when
+        the dtypes differ). `isa` caps the kernel's instruction set (ISAS keys).
+        """
         num_tokens, num_q_heads, _ = query.shape
-        q = query.to(torch.float32).contiguous()  # [num_tokens, Hq, D]
+        q = _io_tensor(query)  # [num_tokens, Hq, D]
         if out is None:
-            out = torch.empty_like(q)
-        assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == q.shape
+            out = torch.empty(query.shape, dtype=q.dtype)
+        assert out.dtype in IO_DTYPES and out.stride(-1) == 1 and out.shape == query.shape
         p = self.params
         p.q, p.out, p.data, p.scales = q.data_ptr(), out.data_ptr(), data_ptr, scales_ptr
+        p.q_dtype, p.s_qtok, p.s_qhead = _DTYPE_CODES[q.dtype], q.stride(0), q.stride(1)
+        p.out_dtype, p.s_otok, p.s_ohead = _DTYPE_CODES[out.dtype], out.stride(0), out.stride(1)
         p.num_q_heads = num_q_heads
         p.q_tile = max(1, MAX_ROWS // (num_q_heads // self.num_kv_heads))
         p.batch = self.batch if batch is None else batch
         p.window = sliding_window or 0
         p.num_threads = torch.get_num_threads()
         p.scale = float(scale)
+        p.isa = ISAS[isa]
         if num_tokens and p.batch:
             rc = self._entry(ctypes.byref(p))
             if rc != 0:
                 raise RuntimeError(f"fused CPU attention kernel rejected its arguments (code {rc})")
-        return out if query.dtype == torch.float32 else out.to(query.dtype)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+def _io_tensor(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel reads it: a float32/bfloat16/float16 tensor with unit last stride."""
+    if x.dtype not in IO_DTYPES:
+        x = x.to(torch.float32)
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def layer_pointers(layer: LayerKV) -> tuple[int, int]:
@@ -171,15 +200,19 @@ def cpu_paged_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    isa: str = "auto",
 ) -> torch.Tensor:
     """query [num_tokens, Hq, D] flat varlen -> [num_tokens, Hq, D] in query.dtype.
 
-    `out`, when given, is a contiguous float32 [num_tokens, Hq, D] buffer the kernel fills
-    (every row is written, zeros where a row sees no key).
+    `out`, when given, is a float32/bfloat16/float16 [num_tokens, Hq, D] buffer with unit last
+    stride that the kernel fills (every row is written, zeros where a row sees no key). `isa`
+    caps the instruction set ("auto", "avx512", "avx2", "baseline"; tests and benchmarks).
     """
     call = FusedCall(layer, block_tables, seq_lens, query_start_loc, num_splits=num_splits)
     data_ptr, scales_ptr = layer_pointers(layer)
-    return call(query, data_ptr, scales_ptr, scale=scale, sliding_window=sliding_window, out=out)
+    return call(
+        query, data_ptr, scales_ptr, scale=scale, sliding_window=sliding_window, out=out, isa=isa
+    )
 
 
 def cpu_paged_decode_attention(
@@ -192,6 +225,7 @@ def cpu_paged_decode_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    isa: str = "auto",
 ) -> torch.Tensor:
     """query [batch, Hq, D], one token per sequence -> [batch, Hq, D]; empty context -> zeros."""
     starts = torch.arange(query.shape[0] + 1, dtype=torch.int32)  # [batch + 1]
@@ -205,4 +239,5 @@ def cpu_paged_decode_attention(
         sliding_window=sliding_window,
         num_splits=num_splits,
         out=out,
+        isa=isa,
     )

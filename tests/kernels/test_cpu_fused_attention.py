@@ -218,3 +218,95 @@ def test_dispatch_uses_fused_kernel_and_reference_backend_stays(
     assert calls == ["fused", "fused"]
     torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mixed, ref, rtol=1e-5, atol=1e-5)
+
+
+ISAS = ["avx512", "avx2", "baseline"]  # caps: a CPU without one runs the next it has
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("hkv", "group", "head_dim", "block_size"),
+    [(2, 4, 64, 16), (1, 8, 128, 8), (8, 4, 128, 16), (2, 1, 80, 32)],
+)
+def test_every_isa_matches_dense(
+    isa: str, dtype: torch.dtype, hkv: int, group: int, head_dim: int, block_size: int
+) -> None:
+    """Decode and extend rows over contexts around the 16/64-key steps of the AVX-512 path,
+    with and without a window (8 kv heads x 128 takes shorter steps and, below float32,
+    prefetches)."""
+    lens = [1, 15, 16, 17, 63, 64, 65, 130, 200]
+    q_lens = [1, 1, 16, 1, 9, 64, 1, 70, 1]
+    pc = random_paged_cache(
+        lens, num_kv_heads=hkv, head_dim=head_dim, block_size=block_size, dtype=dtype
+    )
+    starts = starts_of(q_lens)
+    query = torch.randn(sum(q_lens), hkv * group, head_dim).to(dtype)  # [tokens, Hq, D]
+    layer = pc.cache.layer(0)
+    for window in (None, 37):
+        out = cpu_attention.cpu_paged_attention(
+            query, layer, pc.block_tables, pc.seq_lens, starts, scale=0.11,
+            sliding_window=window, isa=isa,
+        )  # fmt: skip
+        for b in range(len(lens)):
+            lo, hi = int(starts[b]), int(starts[b + 1])
+            ref = dense_attention(query[lo:hi], pc.keys[b], pc.values[b], 0.11, None, window)
+            assert rel_error(out[lo:hi], ref) < TOL[dtype], (isa, window, b)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_every_isa_quantized(isa: str, kv_dtype: str) -> None:
+    lens = [90, 1, 64, 33]
+    q_lens = [90, 1, 3, 1]
+    pc = random_paged_cache(
+        lens, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16, kv_dtype=kv_dtype
+    )
+    starts = starts_of(q_lens)
+    query = torch.randn(sum(q_lens), 8, 64).bfloat16()  # [tokens, Hq, D]
+    out = cpu_attention.cpu_paged_attention(
+        query, pc.cache.layer(0), pc.block_tables, pc.seq_lens, starts, scale=0.125, isa=isa
+    )
+    refs = [
+        dense_attention(query[int(starts[b]) : int(starts[b + 1])], pc.keys[b], pc.values[b], 0.125)
+        for b in range(len(lens))
+    ]
+    assert rel_error(out, torch.cat(refs)) < QUANT_BOUNDS[kv_dtype]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("splits", [2, 5])
+def test_every_isa_splits(isa: str, splits: int) -> None:
+    lens = [333, 1, 70]
+    pc = random_paged_cache(lens, num_kv_heads=2, head_dim=64, block_size=16)
+    query = torch.randn(3, 8, 64).bfloat16()  # [batch, Hq, D]
+    layer = pc.cache.layer(0)
+    one = cpu_attention.cpu_paged_decode_attention(
+        query, layer, pc.block_tables, pc.seq_lens, scale=0.2, num_splits=1, isa=isa
+    )
+    many = cpu_attention.cpu_paged_decode_attention(
+        query, layer, pc.block_tables, pc.seq_lens, scale=0.2, num_splits=splits, isa=isa
+    )
+    torch.testing.assert_close(many.float(), one.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_query_read_in_place_and_output_rounding(dtype: torch.dtype) -> None:
+    """A strided 16-bit query (the engine's transposed view) is read as it is and the output is
+    rounded like torch's `.to(dtype)`: bitwise equal to the float32-in, float32-out call."""
+    lens = [40, 9, 77]
+    q_lens = [1, 9, 5]
+    pc = random_paged_cache(lens, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    starts = starts_of(q_lens)
+    tokens = sum(q_lens)
+    query = torch.randn(1, 8, tokens, 64).to(dtype)[0].transpose(0, 1)  # [tokens, Hq, D] view
+    assert not query.is_contiguous()
+    layer = pc.cache.layer(0)
+    args = (layer, pc.block_tables, pc.seq_lens, starts)
+    direct = cpu_attention.cpu_paged_attention(query, *args, scale=0.125)
+    assert direct.dtype == dtype and direct.shape == query.shape
+    via_f32 = cpu_attention.cpu_paged_attention(query.float().contiguous(), *args, scale=0.125)
+    assert torch.equal(direct, via_f32.to(dtype))
+    into = torch.full((tokens, 8, 64), float("nan"), dtype=dtype)
+    cpu_attention.cpu_paged_attention(query, *args, scale=0.125, out=into)
+    assert torch.equal(into, direct)

@@ -3,7 +3,7 @@
 // Cache layer view (element strides, int64):
 //   data   [num_blocks, 2, block_size, num_kv_heads, head_dim]   f32 | bf16 | f16 | int8 | fp8
 //   scales [num_blocks, 2, block_size, num_kv_heads]             f32, quantized caches only
-// Flat varlen queries: q [num_tokens, Hq, D] f32 contiguous; sequence b owns rows
+// Flat varlen queries: q [num_tokens, Hq, D] (strided); sequence b owns rows
 // qsl[b]..qsl[b+1], the last q_len tokens of its seq_lens[b]-token context.
 //
 // One work item = (sequence, kv heads, query tile, context split). It holds the G = Hq / Hkv
@@ -16,10 +16,13 @@
 // (no window or t > p - window). Rows that see no key give zeros. With more than one split,
 // items write partial (m, l, acc) and a second pass combines them.
 //
-// Scores and P x V are register tiles of 8-float vectors (GCC vector extensions) compiled for
-// AVX2 + FMA and chosen at run time; CPUs without them run a portable path written for
-// auto-vectorization at the baseline ISA. Plain C ABI (called through ctypes) and OpenMP; no
-// torch headers, so it builds in seconds.
+// Three item implementations, chosen at run time (Params.isa / KVMESH_CPU_KERNEL_ISA cap it):
+// AVX-512 (16-float intrinsics in a target-pragma section; bf16/f16 rows converted in
+// registers, several blocks per softmax step), AVX2 + FMA (register tiles of 8-float vectors,
+// GCC vector extensions, in a target clone), and a portable path written for auto-vectorization
+// at the baseline ISA. Queries are read and outputs written in float32, bfloat16 or float16
+// with their own strides. Plain C ABI (called through ctypes) and OpenMP; no torch headers, so
+// it builds in seconds.
 
 #include <algorithm>
 #include <cmath>
@@ -28,17 +31,25 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+
 #include <vector>
 
 #include <omp.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #define KVM_INLINE inline __attribute__((always_inline))
 
 namespace {
 
 enum DType : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2, kI8 = 3, kFP8 = 4 };
+enum Isa : int64_t { kIsaAuto = 0, kIsaBaseline = 1, kIsaAvx2 = 2, kIsaAvx512 = 3 };
 
-// Every field is 8 bytes so the ctypes mirror needs no padding rules.
+// Every field is 8 bytes so the ctypes mirror needs no padding rules. Fields after `scale` were
+// added later: a library built from an older source reads only the prefix (and then needs
+// float32 contiguous q and out).
 struct Params {
   int64_t q, out, data, scales, fp8_lut, block_tables, seq_lens, query_start_loc;  // pointers
   int64_t dtype, num_blocks, block_size, num_kv_heads, num_q_heads, head_dim;
@@ -46,6 +57,9 @@ struct Params {
   int64_t ss_block, ss_kv, ss_tok, ss_head;  // scales strides (elements)
   int64_t batch, max_blocks, window, q_tile, num_splits, num_threads;
   double scale;
+  int64_t q_dtype, s_qtok, s_qhead;      // query element type (kF32/kBF16/kF16), strides
+  int64_t out_dtype, s_otok, s_ohead;    // output element type and strides
+  int64_t isa;                           // Isa: kIsaAuto picks the best the CPU runs
 };
 
 struct Item {
@@ -57,12 +71,19 @@ struct Item {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-KVM_INLINE float bf16_to_f32(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
+KVM_INLINE float bits_to_f32(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
 }
+
+KVM_INLINE uint32_t f32_to_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return bits;
+}
+
+KVM_INLINE float bf16_to_f32(uint16_t x) { return bits_to_f32(static_cast<uint32_t>(x) << 16); }
 
 // IEEE half -> float, branch-free (exact for normals, subnormals, inf, nan).
 KVM_INLINE float f16_to_f32(uint16_t h) {
@@ -70,21 +91,41 @@ KVM_INLINE float f16_to_f32(uint16_t h) {
   const uint32_t sign = w & 0x80000000u;
   const uint32_t two_w = w + w;
   const uint32_t exp_offset = 0xE0u << 23;
-  uint32_t nbits = (two_w >> 4) + exp_offset;
-  float normalized;
-  std::memcpy(&normalized, &nbits, 4);
-  normalized *= 0x1.0p-112f;
-  uint32_t dbits = (two_w >> 17) | (126u << 23);
-  float denormalized;
-  std::memcpy(&denormalized, &dbits, 4);
-  denormalized -= 0.5f;
-  float mag = two_w < (1u << 27) ? denormalized : normalized;
-  uint32_t mbits;
-  std::memcpy(&mbits, &mag, 4);
-  mbits |= sign;
-  float out;
-  std::memcpy(&out, &mbits, 4);
-  return out;
+  const float normalized = bits_to_f32((two_w >> 4) + exp_offset) * 0x1.0p-112f;
+  const float denormalized = bits_to_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+  const float mag = two_w < (1u << 27) ? denormalized : normalized;
+  return bits_to_f32(f32_to_bits(mag) | sign);
+}
+
+// float -> bfloat16 bits, round to nearest even, NaN -> 0x7FC0 (torch's conversion).
+KVM_INLINE uint16_t f32_to_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  const uint32_t u = f32_to_bits(f);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// float -> IEEE half bits, round to nearest even, subnormals and overflow to inf exact (the
+// FP16 library's fp16_ieee_from_fp32_value, which torch uses).
+KVM_INLINE uint16_t f32_to_f16(float f) {
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = f32_to_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = bits_to_f32((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = f32_to_bits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+// Element i of a float32 / bfloat16 / float16 array as float.
+KVM_INLINE float load_elem(const void* base, int64_t dtype, int64_t i) {
+  if (dtype == kBF16) return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+  if (dtype == kF16) return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
+  return static_cast<const float*>(base)[i];
 }
 
 // Row of head_dim elements as float: f32 rows are used in place, others converted into buf.
@@ -110,6 +151,106 @@ KVM_INLINE const float* load_row(const char* base, int64_t elem, const float* lu
     for (int64_t d = 0; d < n; ++d) buf[d] = lut[s[d]];
   }
   return buf;
+}
+
+// Uninitialized per-thread buffer (every element is written before it is read).
+template <typename T>
+struct Buf {
+  std::unique_ptr<T[]> ptr;
+  void resize(int64_t n) { ptr.reset(new T[static_cast<size_t>(std::max<int64_t>(n, 1))]); }
+  T* data() { return ptr.get(); }
+};
+
+struct Scratch {
+  Buf<float> q, acc, s, kbuf, vbuf, m, l;
+  Buf<int64_t> pos;
+  Buf<const float*> kp, vp;
+  Buf<const void*> kraw, vraw;  // key / value rows in the cache's element type
+  Buf<int64_t> koff, soff;      // element offsets of keys (two chunks) and of their scales
+};
+
+// An item's query rows, ordered [head][token][g] (row = (h - h0) * ntok * G + (t - t0) * G + g),
+// as float32 times `scale` into q [rows, D]; pos[row] = the row's position in its sequence.
+inline void load_queries(const Params& p, const Item& it, float* q, int64_t* pos) {
+  const int64_t D = p.head_dim, G = p.num_q_heads / p.num_kv_heads;
+  const int64_t ntok = it.t1 - it.t0, rph = ntok * G;
+  const int32_t* qsl = reinterpret_cast<const int32_t*>(p.query_start_loc);
+  const int32_t* seq_lens = reinterpret_cast<const int32_t*>(p.seq_lens);
+  const int64_t q_len = qsl[it.b + 1] - qsl[it.b];
+  const int64_t pos0 = seq_lens[it.b] - q_len + it.t0;
+  const float scale = static_cast<float>(p.scale);
+  const void* src = reinterpret_cast<const void*>(p.q);
+  for (int64_t hh = 0; hh < it.h1 - it.h0; ++hh) {
+    for (int64_t t = 0; t < ntok; ++t) {
+      const int64_t tok = qsl[it.b] + it.t0 + t;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t row = hh * rph + t * G + g;
+        const int64_t head = (it.h0 + hh) * G + g;
+        const int64_t base = tok * p.s_qtok + head * p.s_qhead;
+        float* dst = q + row * D;
+        if (p.q_dtype == kF32) {
+          const float* s = static_cast<const float*>(src) + base;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) dst[d] = s[d] * scale;
+        } else if (p.q_dtype == kBF16) {
+          const uint16_t* s = static_cast<const uint16_t*>(src) + base;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) dst[d] = bf16_to_f32(s[d]) * scale;
+        } else {
+          const uint16_t* s = static_cast<const uint16_t*>(src) + base;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) dst[d] = f16_to_f32(s[d]) * scale;
+        }
+        pos[row] = pos0 + t;
+      }
+    }
+  }
+}
+
+// Stores src [D] float32 times inv as output row (token tok, query head) in p.out_dtype.
+inline void store_out_row(const Params& p, int64_t tok, int64_t head, const float* src,
+                          float inv) {
+  const int64_t D = p.head_dim;
+  const int64_t base = tok * p.s_otok + head * p.s_ohead;
+  if (p.out_dtype == kF32) {
+    float* dst = reinterpret_cast<float*>(p.out) + base;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * inv;
+  } else if (p.out_dtype == kBF16) {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(p.out) + base;
+    for (int64_t d = 0; d < D; ++d) dst[d] = f32_to_bf16(src[d] * inv);
+  } else {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(p.out) + base;
+    for (int64_t d = 0; d < D; ++d) dst[d] = f32_to_f16(src[d] * inv);
+  }
+}
+
+// Final output of an unsplit item: row r of acc [rows, D] divided by l[r] (zeros when l is 0).
+inline void store_item_output(const Params& p, const Item& it, const float* acc,
+                              const float* l) {
+  const int64_t G = p.num_q_heads / p.num_kv_heads;
+  const int64_t ntok = it.t1 - it.t0, rph = ntok * G;
+  const int32_t* qsl = reinterpret_cast<const int32_t*>(p.query_start_loc);
+  for (int64_t hh = 0; hh < it.h1 - it.h0; ++hh) {
+    for (int64_t t = 0; t < ntok; ++t) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = hh * rph + t * G + g;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        store_out_row(p, qsl[it.b] + it.t0 + t, (it.h0 + hh) * G + g, acc + r * p.head_dim, inv);
+      }
+    }
+  }
+}
+
+// Split mode: the item's (acc, m, l) rows into its partial-result slot.
+inline void store_item_partial(const Item& it, int64_t rows, int64_t rmax, int64_t D,
+                               const float* acc, const float* m, const float* l, float* part_acc,
+                               float* part_ml) {
+  std::memcpy(part_acc + it.slot * rmax * D, acc, sizeof(float) * rows * D);
+  for (int64_t r = 0; r < rows; ++r) {
+    part_ml[(it.slot * rmax + r) * 2] = m[r];
+    part_ml[(it.slot * rmax + r) * 2 + 1] = l[r];
+  }
 }
 
 #pragma GCC diagnostic ignored "-Wpsabi"  // f8 only crosses always-inline calls
@@ -292,20 +433,6 @@ KVM_INLINE void axpy(float* acc, float w, const float* v, int64_t n) {
   for (int64_t d = 0; d < n; ++d) acc[d] += w * v[d];
 }
 
-// Uninitialized per-thread buffer (every element is written before it is read).
-template <typename T>
-struct Buf {
-  std::unique_ptr<T[]> ptr;
-  void resize(int64_t n) { ptr.reset(new T[static_cast<size_t>(std::max<int64_t>(n, 1))]); }
-  T* data() { return ptr.get(); }
-};
-
-struct Scratch {
-  Buf<float> q, acc, s, kbuf, vbuf, m, l;
-  Buf<int64_t> pos;
-  Buf<const float*> kp, vp;
-};
-
 // Rows are ordered [head][token][g]: row = (h - h0) * ntok * G + (t - t0) * G + g.
 template <int DT>
 KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t rmax,
@@ -319,11 +446,9 @@ KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t r
   const int32_t* qsl = reinterpret_cast<const int32_t*>(p.query_start_loc);
   const int32_t* seq_lens = reinterpret_cast<const int32_t*>(p.seq_lens);
   const int32_t* table = reinterpret_cast<const int32_t*>(p.block_tables) + it.b * p.max_blocks;
-  const float* qsrc = reinterpret_cast<const float*>(p.q);
   const char* data = reinterpret_cast<const char*>(p.data);
   const float* scales = reinterpret_cast<const float*>(p.scales);
   const float* lut = reinterpret_cast<const float*>(p.fp8_lut);
-  const float scale = static_cast<float>(p.scale);
   const int64_t seq_len = seq_lens[it.b];
   const int64_t q_len = qsl[it.b + 1] - qsl[it.b];
   const bool quant = DT == kI8 || DT == kFP8;
@@ -337,14 +462,7 @@ KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t r
   const float** kp = sc.kp.data();
   const float** vp = sc.vp.data();
   const int64_t pos_min = seq_len - q_len + it.t0, pos_max = seq_len - q_len + it.t1 - 1;
-  for (int64_t hh = 0; hh < nheads; ++hh) {
-    for (int64_t t = 0; t < ntok; ++t) {
-      const float* src = qsrc + (qsl[it.b] + it.t0 + t) * hq * D + (it.h0 + hh) * G * D;
-      float* dst = q + (hh * rph + t * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) dst[i] = src[i] * scale;
-      for (int64_t g = 0; g < G; ++g) pos[hh * rph + t * G + g] = pos_min + t;
-    }
-  }
+  load_queries(p, it, q, pos);
   std::fill(acc, acc + rows * D, 0.f);
   std::fill(m, m + rows, kNegInf);
   std::fill(l, l + rows, 0.f);
@@ -436,26 +554,10 @@ KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t r
   }
 
   if (it.slot >= 0) {
-    std::memcpy(part_acc + it.slot * rmax * D, acc, sizeof(float) * rows * D);
-    for (int64_t r = 0; r < rows; ++r) {
-      part_ml[(it.slot * rmax + r) * 2] = m[r];
-      part_ml[(it.slot * rmax + r) * 2 + 1] = l[r];
-    }
+    store_item_partial(it, rows, rmax, D, acc, m, l, part_acc, part_ml);
     return;
   }
-  float* out = reinterpret_cast<float*>(p.out);
-  for (int64_t hh = 0; hh < nheads; ++hh) {
-    for (int64_t t = 0; t < ntok; ++t) {
-      float* dst = out + (qsl[it.b] + it.t0 + t) * hq * D + (it.h0 + hh) * G * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = hh * rph + t * G + g;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        const float* ar = acc + r * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) dst[g * D + d] = ar[d] * inv;
-      }
-    }
-  }
+  store_item_output(p, it, acc, l);
 }
 
 // Portable item: four query rows per K row with horizontal sums, scalar exp, written for
@@ -472,11 +574,9 @@ KVM_INLINE void run_item_portable(const Params& p, const Item& it, Scratch& sc, 
   const int32_t* qsl = reinterpret_cast<const int32_t*>(p.query_start_loc);
   const int32_t* seq_lens = reinterpret_cast<const int32_t*>(p.seq_lens);
   const int32_t* table = reinterpret_cast<const int32_t*>(p.block_tables) + it.b * p.max_blocks;
-  const float* qsrc = reinterpret_cast<const float*>(p.q);
   const char* data = reinterpret_cast<const char*>(p.data);
   const float* scales = reinterpret_cast<const float*>(p.scales);
   const float* lut = reinterpret_cast<const float*>(p.fp8_lut);
-  const float scale = static_cast<float>(p.scale);
   const int64_t seq_len = seq_lens[it.b];
   const int64_t q_len = qsl[it.b + 1] - qsl[it.b];
   const bool quant = DT == kI8 || DT == kFP8;
@@ -488,14 +588,7 @@ KVM_INLINE void run_item_portable(const Params& p, const Item& it, Scratch& sc, 
   float* l = sc.l.data();
   int64_t* pos = sc.pos.data();
   const int64_t pos_min = seq_len - q_len + it.t0, pos_max = seq_len - q_len + it.t1 - 1;
-  for (int64_t hh = 0; hh < nheads; ++hh) {
-    for (int64_t t = 0; t < ntok; ++t) {
-      const float* src = qsrc + (qsl[it.b] + it.t0 + t) * hq * D + (it.h0 + hh) * G * D;
-      float* dst = q + (hh * rph + t * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) dst[i] = src[i] * scale;
-      for (int64_t g = 0; g < G; ++g) pos[hh * rph + t * G + g] = pos_min + t;
-    }
-  }
+  load_queries(p, it, q, pos);
   std::fill(acc, acc + rows * D, 0.f);
   std::fill(m, m + rows, kNegInf);
   std::fill(l, l + rows, 0.f);
@@ -595,30 +688,435 @@ KVM_INLINE void run_item_portable(const Params& p, const Item& it, Scratch& sc, 
   }
 
   if (it.slot >= 0) {
-    std::memcpy(part_acc + it.slot * rmax * D, acc, sizeof(float) * rows * D);
-    for (int64_t r = 0; r < rows; ++r) {
-      part_ml[(it.slot * rmax + r) * 2] = m[r];
-      part_ml[(it.slot * rmax + r) * 2 + 1] = l[r];
-    }
+    store_item_partial(it, rows, rmax, D, acc, m, l, part_acc, part_ml);
     return;
   }
-  float* out = reinterpret_cast<float*>(p.out);
-  for (int64_t hh = 0; hh < nheads; ++hh) {
-    for (int64_t t = 0; t < ntok; ++t) {
-      float* dst = out + (qsl[it.b] + it.t0 + t) * hq * D + (it.h0 + hh) * G * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = hh * rph + t * G + g;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        const float* ar = acc + r * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) dst[g * D + d] = ar[d] * inv;
+  store_item_output(p, it, acc, l);
+}
+
+// ---------------------------------------------------------------------------------------
+// AVX-512 item: the same algorithm and row order as run_item in 16-float vectors (32
+// registers), compiled for AVX-512 F/BW/DQ/VL + FMA through a target pragma (everything in this
+// section; the shared helpers above stay at the baseline ISA) and chosen at run time.
+//   steps   up to 64 keys (several blocks: key offsets through the block table) per online-
+//           softmax step, fewer when a key's K/V are large (chunk_keys);
+//   scores  register tiles of 4 rows x 4 keys (2 x 8, 1 x 16 for remainder rows), 16
+//           accumulators over head_dim reduced by one 16-way transpose-add per tile;
+//   softmax vectorized exp (Cephes polynomial + scalef), acc rescaled only when the max moved;
+//   P x V   tiles of 4 rows x 64 dims (1 x 128 for remainder rows) in registers over a step.
+// bfloat16 / float16 K and V rows are converted in registers as they are loaded (zero-extend
+// and shift; vcvtph2ps), with no row buffer, when an item has few query rows per kv head
+// (decode: G rows). Items with more rows (prefill tiles) convert each step's rows once into
+// float32 buffers and reuse them; int8 / fp8 rows always go through the buffers.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KVM_AVX512 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12 on unpack/shuffle intrinsics
+
+// Element size in bytes of a cache element type.
+constexpr int64_t elem_bytes(int DT) { return DT == kF32 ? 4 : (DT == kI8 || DT == kFP8) ? 1 : 2; }
+
+// Sixteen elements of a float32 / bfloat16 / float16 row from element d, as float32.
+template <int LT>
+KVM_INLINE __m512 ld16(const void* row, int64_t d) {
+  if constexpr (LT == kF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(row) + d);
+  } else {
+    const __m256i h = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + d));
+    if constexpr (LT == kBF16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+  }
+}
+
+// A cache row of D elements as float32 into dst (any element type; fp8 through the table).
+template <int DT>
+KVM_INLINE void convert_row(const void* src, const float* lut, float* dst, int64_t D) {
+  if constexpr (DT == kI8) {
+    const int8_t* s = static_cast<const int8_t*>(src);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d));
+      _mm512_storeu_ps(dst + d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
+    }
+  } else if constexpr (DT == kFP8) {
+    const uint8_t* s = static_cast<const uint8_t*>(src);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d));
+      _mm512_storeu_ps(dst + d, _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), lut, 4));
+    }
+  } else {
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, ld16<DT>(src, d));
+  }
+}
+
+// result[j] = sum of the 16 lanes of a[j], for j < 16.
+KVM_INLINE __m512 reduce16(const __m512* a) {
+  __m512 u[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m512* x = a + 4 * k;
+    // Per 128-bit lane: [x0 x1 | x0 x1] partial sums, then [x0 x1 x2 x3].
+    const __m512 t01 =
+        _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    const __m512 t23 =
+        _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    u[k] = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))));
+  }
+  // u[k] lane quarter i holds the quarter-i sums of a[4k .. 4k + 3]: add the quarters.
+  const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                 _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                 _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
+}
+
+// Row r of a tile: lanes r * KB .. r * KB + KB - 1 of t to s[r * sp ..].
+template <int R, int KB>
+KVM_INLINE void store_scores(__m512 t, float* s, int64_t sp) {
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, t);
+  for (int r = 0; r < R; ++r) std::memcpy(s + r * sp, tmp + r * KB, sizeof(float) * KB);
+}
+
+// Scores of R query rows (stride D) against KB key rows: s[r * sp + j].
+template <int LT, int R, int KB>
+KVM_INLINE void qk_tile(const float* q, int64_t D, const void* const* kr, float* s, int64_t sp) {
+  static_assert(R * KB == 16, "a tile fills one 16-way reduction");
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 kv[KB];
+    for (int j = 0; j < KB; ++j) kv[j] = ld16<LT>(kr[j], d);
+    for (int r = 0; r < R; ++r) {
+      const __m512 qv = _mm512_loadu_ps(q + r * D + d);
+      for (int j = 0; j < KB; ++j) acc[r * KB + j] = _mm512_fmadd_ps(qv, kv[j], acc[r * KB + j]);
+    }
+  }
+  store_scores<R, KB>(reduce16(acc), s, sp);
+}
+
+// s[r * sp + i] = q_r . k_i for rows < nrows, keys < round_up(n, 16) (kr padded to that).
+template <int LT>
+KVM_INLINE void scores(const float* q, int64_t nrows, const void* const* kr, int64_t n,
+                       int64_t D, float* s, int64_t sp) {
+  int64_t r = 0;
+  for (; r + 4 <= nrows; r += 4)
+    for (int64_t i = 0; i < n; i += 4) qk_tile<LT, 4, 4>(q + r * D, D, kr + i, s + r * sp + i, sp);
+  for (; r + 2 <= nrows; r += 2)
+    for (int64_t i = 0; i < n; i += 8) qk_tile<LT, 2, 8>(q + r * D, D, kr + i, s + r * sp + i, sp);
+  for (; r < nrows; ++r) {
+    for (int64_t i = 0; i < n; i += 16) {
+      qk_tile<LT, 1, 16>(q + r * D, D, kr + i, s + r * sp + i, sp);
+    }
+  }
+}
+
+// acc[r][d0 .. d0 + 16 DV) += sum_i p[r * sp + i] * v_i[d0 ..], accumulators in registers.
+template <int LT, int R, int DV>
+KVM_INLINE void pv_tile(float* acc, int64_t D, const float* p, int64_t sp,
+                        const void* const* vr, int64_t n, int64_t d0) {
+  __m512 a[R * DV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < DV; ++j) a[r * DV + j] = _mm512_loadu_ps(acc + r * D + d0 + 16 * j);
+  for (int64_t i = 0; i < n; ++i) {
+    __m512 vv[DV];
+    for (int j = 0; j < DV; ++j) vv[j] = ld16<LT>(vr[i], d0 + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * sp + i]);
+      for (int j = 0; j < DV; ++j) a[r * DV + j] = _mm512_fmadd_ps(w, vv[j], a[r * DV + j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < DV; ++j) _mm512_storeu_ps(acc + r * D + d0 + 16 * j, a[r * DV + j]);
+}
+
+template <int LT, int R, int DV>
+KVM_INLINE void pv_rows(float* acc, int64_t D, const float* p, int64_t sp,
+                        const void* const* vr, int64_t n) {
+  int64_t d0 = 0;
+  for (; d0 + 16 * DV <= D; d0 += 16 * DV) pv_tile<LT, R, DV>(acc, D, p, sp, vr, n, d0);
+  for (; d0 < D; d0 += 16) pv_tile<LT, R, 1>(acc, D, p, sp, vr, n, d0);
+}
+
+template <int LT>
+KVM_INLINE void pv(float* acc, int64_t nrows, const float* p, int64_t sp, const void* const* vr,
+                   int64_t n, int64_t D) {
+  int64_t r = 0;
+  for (; r + 4 <= nrows; r += 4) pv_rows<LT, 4, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
+  for (; r + 2 <= nrows; r += 2) pv_rows<LT, 2, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
+  for (; r < nrows; ++r) pv_rows<LT, 1, 8>(acc + r * D, D, p + r * sp, sp, vr, n);
+}
+
+// exp(x) for x <= 0 (scores minus the running max), -inf -> 0. Cephes expf: Cody-Waite range
+// reduction and a degree-6 polynomial, about 1 ulp; below ln(FLT_MIN) the result is 0.
+KVM_INLINE __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.33654475f);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  const __m512 xc = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
+}
+
+// Keys per step of the AVX-512 item: several blocks at once, so the per-step costs (the
+// softmax's row reductions and rescale, P x V's accumulator loads and stores) are spread over
+// up to 64 keys whatever the block size.
+constexpr int64_t kChunk = 64;
+
+// Keys per step for an item reading key_bytes of K and V per key: 64, halved (down to 16) while
+// a step's K/V exceed 256 KiB. Measured (kvmesh_kernels.cpu_bench, one thread): the W1 decode
+// shape (512 B per key) is 10-20% faster at 64 keys than at 16; 8 kv heads x 128 float32
+// (8 KiB per key) is 30% slower at 64 than at 16-32.
+KVM_INLINE int64_t chunk_keys(int64_t key_bytes) {
+  int64_t keys = kChunk;
+  while (keys > 16 && keys * key_bytes > (int64_t{256} << 10)) keys /= 2;
+  return keys;
+}
+
+// Element offsets of keys [k_lo, k_hi) (K of kv head 0; V at + s_kv) through the block table
+// into koff, and of their scales (quantized caches) into soff.
+KVM_INLINE void key_offsets(const Params& p, const int32_t* table, int64_t k_lo, int64_t k_hi,
+                            int64_t* koff, int64_t* soff) {
+  const int64_t bs = p.block_size;
+  int64_t i = 0;
+  for (int64_t t = k_lo; t < k_hi;) {
+    const int64_t blk = t / bs;
+    int64_t phys = table[blk];
+    phys = phys < 0 ? 0 : phys >= p.num_blocks ? p.num_blocks - 1 : phys;
+    const int64_t end = k_hi < (blk + 1) * bs ? k_hi : (blk + 1) * bs;
+    for (; t < end; ++t, ++i) {
+      koff[i] = phys * p.s_block + (t - blk * bs) * p.s_tok;
+      soff[i] = phys * p.ss_block + (t - blk * bs) * p.ss_tok;
+    }
+  }
+}
+
+// Requests the K and V rows of kv heads [h0, h1) of the n keys at koff into L1: the next
+// step's rows load while this step computes. Measured (kvmesh_kernels.cpu_bench, one thread):
+// the W1 decode step over an 8-layer cache 20-30% faster in float32, bfloat16 and float16
+// (every line of a row; one line in two or four was slower than none); skipped for float32
+// keys of 8 KiB or more (8 kv heads x 128), whose long rows the hardware prefetcher streams,
+// where it cost 8%.
+template <int DT>
+KVM_INLINE void prefetch_keys(const Params& p, const char* data, const int64_t* koff, int64_t n,
+                              int64_t h0, int64_t h1) {
+  const int64_t row_bytes = p.head_dim * elem_bytes(DT);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const char* k = data + (koff[i] + h * p.s_head) * elem_bytes(DT);
+      const char* v = k + p.s_kv * elem_bytes(DT);
+      for (int64_t c = 0; c < row_bytes; c += 64) {
+        _mm_prefetch(k + c, _MM_HINT_T0);
+        _mm_prefetch(v + c, _MM_HINT_T0);
       }
     }
   }
 }
 
-// One item: the register-tiled path compiled for AVX2 + FMA when the CPU has them (checked
-// once at run time), else the portable path at the baseline ISA.
+// Load pointers of the n rows at data + (koff[i] + shift) elements, padded to sp with row 0:
+// in place (LT == DT) or converted into buf (LT == kF32 != DT).
+template <int DT, int LT>
+KVM_INLINE void row_pointers(const char* data, const int64_t* koff, int64_t shift, int64_t n,
+                             int64_t sp, int64_t D, const float* lut, float* buf,
+                             const void** rows) {
+  for (int64_t i = 0; i < n; ++i) {
+    const char* src = data + (koff[i] + shift) * elem_bytes(DT);
+    if constexpr (LT == DT) {
+      rows[i] = src;
+    } else {
+      convert_row<DT>(src, lut, buf + i * D, D);
+      rows[i] = buf + i * D;
+    }
+  }
+  for (int64_t i = n; i < sp; ++i) rows[i] = rows[0];  // padding keys, scores discarded
+}
+
+// Largest lane of a, as a float.
+KVM_INLINE float hmax16(__m512 a) {
+  __m256 h = _mm256_max_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+// Sum of the lanes of a.
+KVM_INLINE float hsum16(__m512 a) {
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// Masks keys [k_lo, k_lo + n) a row cannot see (-inf), pads to sp, and turns the scores into
+// probabilities relative to the running max, rescaling acc when the max moved.
+KVM_INLINE void chunk_softmax(const Params& p, float* s, int64_t sp, int64_t rows, int64_t n,
+                              int64_t k_lo, bool full, const int64_t* pos, float* acc,
+                              float* m, float* l) {
+  const int64_t D = p.head_dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * sp;
+    if (!full) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = k_lo + i;
+        if (t > pos[r] || (p.window > 0 && t <= pos[r] - p.window)) sr[i] = kNegInf;
+      }
+    }
+    for (int64_t i = n; i < sp; ++i) sr[i] = kNegInf;
+    __m512 mx16 = _mm512_loadu_ps(sr);
+    for (int64_t c = 16; c < sp; c += 16) mx16 = _mm512_max_ps(mx16, _mm512_loadu_ps(sr + c));
+    const float mx = hmax16(mx16);
+    if (mx == kNegInf) {
+      for (int64_t i = 0; i < sp; ++i) sr[i] = 0.f;
+      continue;
+    }
+    const float m_new = m[r] > mx ? m[r] : mx;
+    const __m512 mv = _mm512_set1_ps(m_new);
+    __m512 sum16 = _mm512_setzero_ps();
+    for (int64_t c = 0; c < sp; c += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + c), mv));
+      _mm512_storeu_ps(sr + c, e);
+      sum16 = _mm512_add_ps(sum16, e);
+    }
+    if (m_new != m[r]) {
+      const float corr = std::exp(m[r] - m_new);  // 0 on the first chunk a row sees
+      const __m512 cv = _mm512_set1_ps(corr);
+      float* ar = acc + r * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), cv));
+      }
+      l[r] *= corr;
+    }
+    l[r] += hsum16(sum16);
+    m[r] = m_new;
+  }
+}
+
+// Per-key scales (quantized caches) into the scores or probabilities of one kv head's rows.
+KVM_INLINE void scale_keys(const float* scales, const int64_t* soff,
+                           int64_t shift, int64_t n, int64_t rph, int64_t sp, float* sh) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = scales[soff[i] + shift];
+    for (int64_t r = 0; r < rph; ++r) sh[r * sp + i] *= f;
+  }
+}
+
+// The item with K/V rows loaded as LT (DT itself, or float32 from the conversion buffers).
+template <int DT, int LT>
+KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_t rmax,
+                            float* part_acc, float* part_ml) {
+  const int64_t D = p.head_dim;
+  const int64_t sp = kChunk;  // score row stride: whole vectors
+  const int64_t G = p.num_q_heads / p.num_kv_heads;
+  const int64_t ntok = it.t1 - it.t0, nheads = it.h1 - it.h0;
+  const int64_t rph = ntok * G;  // rows per kv head
+  const int64_t rows = nheads * rph;
+  const int32_t* table = reinterpret_cast<const int32_t*>(p.block_tables) + it.b * p.max_blocks;
+  const char* data = reinterpret_cast<const char*>(p.data);
+  const float* scales = reinterpret_cast<const float*>(p.scales);
+  const float* lut = reinterpret_cast<const float*>(p.fp8_lut);
+  const bool quant = DT == kI8 || DT == kFP8;
+
+  float* q = sc.q.data();
+  float* acc = sc.acc.data();
+  float* s = sc.s.data();
+  float* m = sc.m.data();
+  float* l = sc.l.data();
+  int64_t* pos = sc.pos.data();
+  int64_t* koff = sc.koff.data();  // this chunk's keys, then the next chunk's
+  int64_t* soff = sc.soff.data();
+  const void** kr = sc.kraw.data();
+  const void** vr = sc.vraw.data();
+  load_queries(p, it, q, pos);
+  const int64_t pos_min = pos[0], pos_max = pos[rph - 1];
+  for (int64_t i = 0; i < rows * D; ++i) acc[i] = 0.f;
+  for (int64_t r = 0; r < rows; ++r) m[r] = kNegInf, l[r] = 0.f;
+
+  const int64_t key_bytes = 2 * nheads * D * elem_bytes(DT);
+  const int64_t CH = chunk_keys(key_bytes);
+  const bool prefetch = DT != kF32 || key_bytes < 8192;
+  int64_t k_hi = it.k0 + CH < it.k1 ? it.k0 + CH : it.k1;
+  key_offsets(p, table, it.k0, k_hi, koff, soff);
+  for (int64_t k_lo = it.k0; k_lo < it.k1;) {
+    const int64_t n = k_hi - k_lo;
+    const int64_t k_next = k_hi + CH < it.k1 ? k_hi + CH : it.k1;
+    if (k_next > k_hi) {
+      key_offsets(p, table, k_hi, k_next, koff + kChunk, soff + kChunk);
+      if (prefetch) prefetch_keys<DT>(p, data, koff + kChunk, k_next - k_hi, it.h0, it.h1);
+    }
+    for (int64_t hh = 0; hh < nheads; ++hh) {
+      const int64_t h = it.h0 + hh;
+      row_pointers<DT, LT>(data, koff, h * p.s_head, n, sp, D, lut, sc.kbuf.data(), kr);
+      float* sh = s + hh * rph * sp;
+      scores<LT>(q + hh * rph * D, rph, kr, n, D, sh, sp);
+      if (quant) scale_keys(scales, soff, h * p.ss_head, n, rph, sp, sh);
+    }
+    const bool full = k_hi - 1 <= pos_min && (p.window <= 0 || k_lo > pos_max - p.window);
+    chunk_softmax(p, s, sp, rows, n, k_lo, full, pos, acc, m, l);
+    for (int64_t hh = 0; hh < nheads; ++hh) {
+      const int64_t h = it.h0 + hh;
+      row_pointers<DT, LT>(data, koff, p.s_kv + h * p.s_head, n, sp, D, lut, sc.vbuf.data(), vr);
+      float* sh = s + hh * rph * sp;
+      if (quant) scale_keys(scales, soff, p.ss_kv + h * p.ss_head, n, rph, sp, sh);
+      pv<LT>(acc + hh * rph * D, rph, sh, sp, vr, n, D);
+    }
+    std::memcpy(koff, koff + kChunk, sizeof(int64_t) * kChunk);
+    std::memcpy(soff, soff + kChunk, sizeof(int64_t) * kChunk);
+    k_lo = k_hi;
+    k_hi = k_next;
+  }
+
+  if (it.slot >= 0) {
+    store_item_partial(it, rows, rmax, D, acc, m, l, part_acc, part_ml);
+    return;
+  }
+  store_item_output(p, it, acc, l);
+}
+
+// Query rows per kv head up to which bf16/f16 rows are converted in registers at every load;
+// above it each block's rows are converted once into float32 buffers and reused.
+constexpr int64_t kDirectRows = 8;
+
+template <int DT>
+__attribute__((noinline)) void run_item_avx512(const Params& p, const Item& it, Scratch& sc,
+                                               int64_t rmax, float* part_acc, float* part_ml) {
+  constexpr bool convertible = DT == kBF16 || DT == kF16;
+  const int64_t rph = (it.t1 - it.t0) * (p.num_q_heads / p.num_kv_heads);
+  if constexpr (DT == kF32) {
+    run_item_as<DT, kF32>(p, it, sc, rmax, part_acc, part_ml);
+  } else if constexpr (convertible) {
+    if (rph <= kDirectRows) {
+      run_item_as<DT, DT>(p, it, sc, rmax, part_acc, part_ml);
+    } else {
+      run_item_as<DT, kF32>(p, it, sc, rmax, part_acc, part_ml);
+    }
+  } else {
+    run_item_as<DT, kF32>(p, it, sc, rmax, part_acc, part_ml);
+  }
+}
+
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif  // KVM_AVX512
+
+// One item, by ISA: the AVX-512 path when the CPU has AVX-512 F/BW/DQ/VL,
+// else the register-tiled 8-float path compiled for AVX2 + FMA when the CPU has them, else
+// the portable path at the baseline ISA. Checked at run time; Params.isa or the environment
+// variable KVMESH_CPU_KERNEL_ISA (baseline | avx2 | avx512) caps the choice (tests, benches).
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KVM_X86_DISPATCH 1
 template <int DT>
@@ -636,25 +1134,62 @@ __attribute__((noinline)) void run_item_base(const Params& p, const Item& it, Sc
   run_item_portable<DT>(p, it, sc, rmax, part_acc, part_ml);
 }
 
-bool use_avx2() {
-#ifdef KVM_X86_DISPATCH
-  // KVMESH_CPU_KERNEL_ISA=baseline forces the portable path (tests).
-  static const bool yes = [] {
-    const char* isa = std::getenv("KVMESH_CPU_KERNEL_ISA");
-    if (isa != nullptr && std::strcmp(isa, "baseline") == 0) return false;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return yes;
+#ifdef KVM_AVX512
+constexpr bool kAvx512Built = true;
 #else
-  return false;
+constexpr bool kAvx512Built = false;
+#endif
+
+// The best ISA path this CPU (and this build) runs.
+Isa best_isa() {
+#ifdef KVM_X86_DISPATCH
+  static const Isa best = [] {
+    if (kAvx512Built && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma")) {
+      return kIsaAvx512;
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kIsaAvx2;
+    return kIsaBaseline;
+  }();
+  return best;
+#else
+  return kIsaBaseline;
 #endif
 }
 
+// KVMESH_CPU_KERNEL_ISA as an Isa cap (read once); kIsaAuto when unset or unknown.
+Isa env_isa() {
+  static const Isa cap = [] {
+    const char* isa = std::getenv("KVMESH_CPU_KERNEL_ISA");
+    if (isa == nullptr) return kIsaAuto;
+    if (std::strcmp(isa, "baseline") == 0) return kIsaBaseline;
+    if (std::strcmp(isa, "avx2") == 0) return kIsaAvx2;
+    if (std::strcmp(isa, "avx512") == 0) return kIsaAvx512;
+    return kIsaAuto;
+  }();
+  return cap;
+}
+
+// The path a call runs: the best available, capped by Params.isa, else by the environment.
+Isa choose_isa(const Params& p) {
+  Isa isa = best_isa();
+  const Isa cap = p.isa != kIsaAuto ? static_cast<Isa>(p.isa) : env_isa();
+  if (cap != kIsaAuto && cap < isa) isa = cap;
+  return isa;
+}
+
 template <int DT>
-void run_item_isa(const Params& p, const Item& it, Scratch& sc, int64_t rmax, float* part_acc,
-                  float* part_ml) {
+void run_item_isa(Isa isa, const Params& p, const Item& it, Scratch& sc, int64_t rmax,
+                  float* part_acc, float* part_ml) {
+#ifdef KVM_AVX512
+  if (isa == kIsaAvx512) {
+    run_item_avx512<DT>(p, it, sc, rmax, part_acc, part_ml);
+    return;
+  }
+#endif
 #ifdef KVM_X86_DISPATCH
-  if (use_avx2()) {
+  if (isa == kIsaAvx2) {
     run_item_avx2<DT>(p, it, sc, rmax, part_acc, part_ml);
     return;
   }
@@ -667,22 +1202,29 @@ void run_items(const Params& p, const std::vector<Item>& items, int64_t rmax, fl
                float* part_ml) {
   const int64_t D = p.head_dim, bs = p.block_size;
   const int64_t count = static_cast<int64_t>(items.size());
+  const Isa isa = choose_isa(p);
 #pragma omp parallel num_threads(static_cast<int>(p.num_threads))
   {
     Scratch sc;
     sc.q.resize(rmax * D);
     sc.acc.resize(rmax * D);
-    const int64_t sp = (bs + 7) / 8 * 8;
+    const int64_t sp = std::max<int64_t>((bs + 7) / 8 * 8, 64);  // 8-float rows; AVX-512 chunks
     sc.s.resize(rmax * sp);
-    sc.kbuf.resize(bs * D);
-    sc.vbuf.resize(bs * D);
+    sc.koff.resize(2 * sp);
+    sc.soff.resize(2 * sp);
+    sc.kbuf.resize(sp * D);
+    sc.vbuf.resize(sp * D);
     sc.kp.resize(sp);
     sc.vp.resize(sp);
+    sc.kraw.resize(sp);
+    sc.vraw.resize(sp);
     sc.m.resize(rmax);
     sc.l.resize(rmax);
     sc.pos.resize(rmax);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < count; ++i) run_item_isa<DT>(p, items[i], sc, rmax, part_acc, part_ml);
+    for (int64_t i = 0; i < count; ++i) {
+      run_item_isa<DT>(isa, p, items[i], sc, rmax, part_acc, part_ml);
+    }
   }
 }
 
@@ -690,37 +1232,39 @@ void run_items(const Params& p, const std::vector<Item>& items, int64_t rmax, fl
 void combine(const Params& p, const std::vector<Item>& groups, int64_t splits, int64_t rmax,
              const float* part_acc, const float* part_ml) {
   const int64_t G = p.num_q_heads / p.num_kv_heads;
-  const int64_t D = p.head_dim, hq = p.num_q_heads;
+  const int64_t D = p.head_dim;
   const int32_t* qsl = reinterpret_cast<const int32_t*>(p.query_start_loc);
-  float* out = reinterpret_cast<float*>(p.out);
   const int64_t count = static_cast<int64_t>(groups.size());
-#pragma omp parallel for schedule(static) num_threads(static_cast<int>(p.num_threads))
-  for (int64_t j = 0; j < count; ++j) {
-    const Item& it = groups[j];
-    const int64_t ntok = it.t1 - it.t0, rph = ntok * G;
-    for (int64_t hh = 0; hh < it.h1 - it.h0; ++hh) {
-      for (int64_t t = 0; t < ntok; ++t) {
-        float* dst = out + (qsl[it.b] + it.t0 + t) * hq * D + (it.h0 + hh) * G * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = hh * rph + t * G + g;
-          float mx = kNegInf;
-          for (int64_t sp = 0; sp < splits; ++sp) {
-            mx = std::max(mx, part_ml[((j * splits + sp) * rmax + r) * 2]);
+#pragma omp parallel num_threads(static_cast<int>(p.num_threads))
+  {
+    Buf<float> row;  // one combined output row, float32
+    row.resize(D);
+    float* o = row.data();
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < count; ++j) {
+      const Item& it = groups[j];
+      const int64_t ntok = it.t1 - it.t0, rph = ntok * G;
+      for (int64_t hh = 0; hh < it.h1 - it.h0; ++hh) {
+        for (int64_t t = 0; t < ntok; ++t) {
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = hh * rph + t * G + g;
+            float mx = kNegInf;
+            for (int64_t sp = 0; sp < splits; ++sp) {
+              mx = std::max(mx, part_ml[((j * splits + sp) * rmax + r) * 2]);
+            }
+            std::fill(o, o + D, 0.f);
+            float total = 0.f;
+            for (int64_t sp = 0; sp < splits && mx != kNegInf; ++sp) {
+              const int64_t idx = (j * splits + sp) * rmax + r;
+              const float ms = part_ml[idx * 2];
+              if (ms == kNegInf) continue;
+              const float w = std::exp(ms - mx);
+              total += part_ml[idx * 2 + 1] * w;
+              axpy(o, w, part_acc + idx * D, D);
+            }
+            const float inv = total > 0.f ? 1.f / total : 0.f;
+            store_out_row(p, qsl[it.b] + it.t0 + t, (it.h0 + hh) * G + g, o, inv);
           }
-          float* o = dst + g * D;
-          std::fill(o, o + D, 0.f);
-          if (mx == kNegInf) continue;
-          float total = 0.f;
-          for (int64_t sp = 0; sp < splits; ++sp) {
-            const int64_t row = (j * splits + sp) * rmax + r;
-            const float ms = part_ml[row * 2];
-            if (ms == kNegInf) continue;
-            const float w = std::exp(ms - mx);
-            total += part_ml[row * 2 + 1] * w;
-            axpy(o, w, part_acc + row * D, D);
-          }
-          const float inv = total > 0.f ? 1.f / total : 0.f;
-          for (int64_t d = 0; d < D; ++d) o[d] *= inv;
         }
       }
     }

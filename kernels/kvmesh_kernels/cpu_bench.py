@@ -1,0 +1,246 @@
+"""Fused CPU paged attention side by side: float32 / bfloat16 / float16 caches, decode and extend.
+
+Run: `python -m kvmesh_kernels.cpu_bench [--repeats 9] [--threads N] [--isas auto avx2]
+[--baseline-source OLD.cpp] [--json]` (one thread is steadier on a shared machine).
+
+Cases (blocks in random physical order; a call is one model step: every layer in turn, as the
+engine runs them, over a block-major cache of that many layers):
+  w1-decode    the W1 serving shape: 8 layers, batch 64, contexts uniform in [300, 700]
+               (seeded), one query token each, 8 query heads, 2 kv heads, head dim 64, block
+               size 16 (131 MB of bfloat16 K/V per step)
+  big-decode   1 layer, batch 32, context 2048, 32 query heads, 8 kv heads, head dim 128
+  w1-extend    8 layers, 4 chunks of 128 tokens after 384 cached (q_len 128, context 512)
+Variants, all in this process with interleaved repeats: the kernel through `FusedCall` as the
+engine calls it (query read and output written in the model dtype), once per `--isas` entry
+("auto" = the best path this CPU runs; "avx2", "baseline" cap it), and with
+`--baseline-source` the same call into a library built from another version of
+`csrc/cpu_paged_attention.cpp` (e.g. `git show REV:kernels/kvmesh_kernels/csrc/...`), driven
+as that version's Python did: the query converted to a float32 contiguous copy, a float32
+output converted back. Each ratio is taken within one repeat against the first variant (the
+baseline when given) and reported as the median with its min-max range; GB/s counts the K/V
+bytes the call reads. Outputs are checked against the first variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvmesh_kernels import cpu_attention, cpu_build
+from kvmesh_kernels.cache import KVCacheSpec, LayerKV, allocate_kv_cache
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Case:
+    """A batch shape: per sequence (context length, query length)."""
+
+    name: str
+    lens: tuple[int, ...]
+    q_lens: tuple[int, ...]
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int = 1
+    block_size: int = 16
+
+
+def cases() -> list[Case]:
+    rng = random.Random(0)
+    w1 = tuple(rng.randint(300, 700) for _ in range(64))
+    return [
+        Case("w1-decode", w1, (1,) * 64, 8, 2, 64, layers=8),
+        Case("big-decode", (2048,) * 32, (1,) * 32, 32, 8, 128),
+        Case("w1-extend", (512,) * 4, (128,) * 4, 8, 2, 64, layers=8),
+    ]
+
+
+@dataclass
+class Batch:
+    """One case's tensors in one dtype."""
+
+    layers: list[LayerKV]
+    tables: torch.Tensor  # [batch, max_blocks] int32
+    lens: torch.Tensor  # [batch] int32
+    starts: torch.Tensor  # [batch + 1] int32
+    query: torch.Tensor  # [num_tokens, Hq, D]
+    kv_bytes: int
+
+
+def make_batch(case: Case, dtype: torch.dtype) -> Batch:
+    gen = torch.Generator().manual_seed(1)
+    bs = case.block_size
+    need = [-(-n // bs) for n in case.lens]
+    spec = KVCacheSpec(sum(need), case.layers, bs, case.kv_heads, case.head_dim, dtype)
+    cache = allocate_kv_cache(spec)
+    cache.data.copy_(torch.randn(spec.data_shape, generator=gen).to(dtype))
+    perm = torch.randperm(spec.num_blocks, generator=gen)
+    tables = torch.zeros(len(case.lens), max(need), dtype=torch.int32)
+    first = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[first : first + n].to(torch.int32)
+        first += n
+    starts = torch.tensor([0, *torch.tensor(case.q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(sum(case.q_lens), case.q_heads, case.head_dim, generator=gen).to(dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = 2 * sum(case.lens) * case.kv_heads * case.head_dim * elem * case.layers
+    lens = torch.tensor(case.lens, dtype=torch.int32)
+    layers = [cache.layer(i) for i in range(case.layers)]
+    return Batch(layers, tables, lens, starts, query, kv_bytes)
+
+
+def load_baseline(source: Path) -> ctypes.CDLL:
+    """Build (or reuse) a library from another version of the attention source."""
+    from torch.utils import cpp_extension
+
+    key = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    build_dir = cpu_build.cache_root() / f"bench-baseline-{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    path = cpp_extension.load(
+        name=f"kvmesh_cpu_attn_baseline_{key}",
+        sources=[str(source)],
+        extra_cflags=list(cpu_build.CFLAGS),
+        extra_ldflags=list(cpu_build.LDFLAGS),
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    lib = ctypes.CDLL(str(path))
+    getattr(lib, cpu_build.ENTRY).argtypes = [ctypes.c_void_p]
+    getattr(lib, cpu_build.ENTRY).restype = ctypes.c_int
+    return lib
+
+
+def variants(
+    batch: Batch, isas: list[str], baseline: ctypes.CDLL | None
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """name -> one model step over the batch: a kernel call per layer, the outputs stacked
+    (the baseline first when given)."""
+    pointers = [cpu_attention.layer_pointers(layer) for layer in batch.layers]
+    scale = batch.query.shape[-1] ** -0.5
+    meta = (batch.layers[0], batch.tables, batch.lens, batch.starts)
+    fns: dict[str, Callable[[], torch.Tensor]] = {}
+    if baseline is not None:
+        old = cpu_attention.FusedCall(*meta)
+        old._entry = getattr(baseline, cpu_build.ENTRY)
+        dtype = batch.query.dtype
+
+        def run_old() -> torch.Tensor:
+            outs = []
+            for data_ptr, scales_ptr in pointers:
+                q = batch.query.to(torch.float32).contiguous()  # what the old Python passed
+                out = torch.empty_like(q)
+                old(q, data_ptr, scales_ptr, scale=scale, sliding_window=None, out=out)
+                outs.append(out.to(dtype))
+            return torch.stack(outs)
+
+        fns["baseline"] = run_old
+    for isa in isas:
+        call = cpu_attention.FusedCall(*meta)
+
+        def run(call: cpu_attention.FusedCall = call, isa: str = isa) -> torch.Tensor:
+            return torch.stack(
+                [
+                    call(batch.query, d, s, scale=scale, sliding_window=None, isa=isa)
+                    for d, s in pointers
+                ]
+            )
+
+        fns[f"fused-{isa}"] = run
+    return fns
+
+
+def time_ms(fns: dict[str, Callable[[], Any]], repeats: int, inner: int) -> dict[str, list[float]]:
+    """Interleaved repeats (one warm-up each): per variant, ms per call in each repeat."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times[name].append((time.perf_counter() - start) * 1e3 / inner)
+    return times
+
+
+def measure(
+    case: Case, dtype_name: str, isas: list[str], baseline: ctypes.CDLL | None, repeats: int
+) -> dict[str, Any]:
+    batch = make_batch(case, DTYPES[dtype_name])
+    fns = variants(batch, isas, baseline)
+    first = next(iter(fns))
+    ref = fns[first]().float()
+    tol = 1e-4 if dtype_name == "float32" else 2e-2
+    for name, fn in fns.items():
+        err = (fn().float() - ref).abs().max().item()
+        assert err <= tol, f"{case.name} {dtype_name}: {name} differs from {first} by {err}"
+    times = time_ms(fns, repeats, inner=1)
+    row: dict[str, Any] = {"case": case.name, "dtype": dtype_name}
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        ratios = [a / b for a, b in zip(ts, times[first], strict=True)]
+        row[name] = {
+            "ms": ms,
+            "gb_per_s": batch.kv_bytes / ms / 1e6,
+            f"vs_{first}": statistics.median(ratios),
+            "range": [min(ratios), max(ratios)],
+        }
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--cases", nargs="+", default=[c.name for c in cases()])
+    parser.add_argument("--isas", nargs="+", default=["auto", "avx2"])
+    parser.add_argument("--baseline-source", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not cpu_build.available():
+        print("fused CPU kernel unavailable", file=sys.stderr)
+        return 1
+    baseline = load_baseline(args.baseline_source) if args.baseline_source else None
+    rows = [
+        measure(case, dtype, args.isas, baseline, args.repeats)
+        for case in cases()
+        if case.name in args.cases
+        for dtype in args.dtypes
+    ]
+    if args.json:
+        print(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=2))
+        return 0
+    print(f"threads={torch.get_num_threads()} repeats={args.repeats}")
+    for row in rows:
+        parts = []
+        for name, v in row.items():
+            if isinstance(v, dict):
+                ratio = next(val for key, val in v.items() if key.startswith("vs_"))
+                rng = v["range"]
+                parts.append(
+                    f"{name} {v['ms']:.2f} ms {v['gb_per_s']:.1f} GB/s "
+                    f"x{ratio:.2f} ({rng[0]:.2f}-{rng[1]:.2f})"
+                )
+        print(f"{row['case']:<11} {row['dtype']:<9} " + " | ".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
