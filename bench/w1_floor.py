@@ -1,0 +1,119 @@
+"""W1's matmul floor as the engine schedules it: the same steps' linears, and nothing else.
+
+Runs W1 once on the engine (64 requests, greedy, exact output lengths) and records every
+step's shape: tokens in the flat batch and rows sampled. Then replays only the matmuls of those
+steps on weights of the model's shapes, the way the engine runs them (oneDNN-packed in
+bfloat16, `F.linear` in float32): per layer q, k, v, o, gate, up, down on [tokens, in], plus
+`lm_head` on [sampled, hidden]. The replay's wall time is the floor the model's arithmetic and
+weight traffic set for this schedule on this machine; the engine's wall time over it says how
+much goes elsewhere (attention, elementwise ops, Python).
+
+Run: `.venv/bin/python bench/w1_floor.py --dtype bfloat16` (prints one JSON line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from kvmesh.cli.main import apply_omp_defaults
+
+apply_omp_defaults()  # before torch loads OpenMP, as every kvmesh command
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kvmesh.cli.bench_throughput import WARMUP_PROMPT, run_all_at_once, w1_requests  # noqa: E402
+from kvmesh.engine.config import EngineConfig  # noqa: E402
+from kvmesh.engine.cpu_linear import packing_applies  # noqa: E402
+from kvmesh.engine.engine import LLMEngine  # noqa: E402
+
+MODEL = Path.home() / ".cache" / "kvmesh" / "models" / "tiny-llama-bench-seed0"
+
+
+def record_w1(engine: LLMEngine) -> tuple[list[tuple[int, int]], float, int]:
+    """Run W1; returns ([(tokens, sampled) per step], engine seconds, generated tokens)."""
+    shapes: list[tuple[int, int]] = []
+    execute = engine.runner.execute
+
+    def recording(plan: Any) -> torch.Tensor:
+        tokens = sum(len(chunk.token_ids) for chunk in plan.chunks)
+        shapes.append((tokens, sum(1 for chunk in plan.chunks if chunk.sample_seq_ids)))
+        return execute(plan)
+
+    engine.runner.execute = recording  # type: ignore[method-assign]
+    generated, seconds, _ = run_all_at_once(engine, w1_requests(engine.runner.vocab_size))
+    engine.runner.execute = execute  # type: ignore[method-assign]
+    return shapes, seconds, generated
+
+
+def layer_shapes(config: Any) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's linears, in call order."""
+    hidden, inter = int(config.hidden_size), int(config.intermediate_size)
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attention = [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q)]
+    return [*attention, (inter, hidden), (inter, hidden), (hidden, inter)]
+
+
+def replay(shapes: list[tuple[int, int]], config: Any, dtype: torch.dtype) -> float:
+    """Seconds for the recorded steps' matmuls alone."""
+    packed = packing_applies(dtype, torch.device("cpu"))
+    layers = [layer_shapes(config) for _ in range(int(config.num_hidden_layers))]
+    weights = [[torch.randn(o, i, dtype=dtype) for o, i in layer] for layer in layers]
+    head = torch.randn(int(config.vocab_size), int(config.hidden_size), dtype=dtype)
+    if packed:
+        weights = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in weights]
+        head = torch.ops.mkldnn._reorder_linear_weight(head, None)
+
+    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if packed:
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # type: ignore[no-any-return]
+        return F.linear(x, w)
+
+    widest = max(tokens for tokens, _ in shapes)
+    inputs = {i: torch.randn(widest, i, dtype=dtype) for i in {i for o, i in layers[0]}}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for tokens, sampled in shapes:
+            for layer, ws in zip(layers, weights, strict=True):
+                for (_, width), w in zip(layer, ws, strict=True):
+                    linear(inputs[width][:tokens], w)
+            if sampled:
+                linear(inputs[int(config.hidden_size)][:sampled], head)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(MODEL))
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads))
+    run_all_at_once(engine, [WARMUP_PROMPT])
+    shapes, engine_seconds, generated = record_w1(engine)
+    config = engine.runner.loaded.hf_config
+    floor = min(replay(shapes, config, engine.runner.loaded.dtype) for _ in range(2))
+    print(
+        json.dumps(
+            {
+                "dtype": args.dtype,
+                "steps": len(shapes),
+                "generated_tokens": generated,
+                "engine_seconds": round(engine_seconds, 3),
+                "engine_tok_per_s": round(generated / engine_seconds, 1),
+                "matmul_floor_seconds": round(floor, 3),
+                "floor_tok_per_s": round(generated / floor, 1),
+                "engine_share_of_floor": round(floor / engine_seconds, 3),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
