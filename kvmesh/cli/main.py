@@ -36,26 +36,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# OpenMP workers wait for the next parallel region by spinning, then sleeping. Unbounded
-# spinning (OMP_WAIT_POLICY=ACTIVE) steals the cores from other processes on a shared host;
-# sleeping at once (PASSIVE) pays a futex wake-up on every matmul and attention call, which
-# cost W1 about 30% on a quiet machine (docs/BENCHMARKS.md "OpenMP wait policy"). The default
-# spins a bounded number of iterations (about a millisecond) and then sleeps. Applied before
-# torch loads OpenMP; an explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+# OpenMP workers wait for the next parallel region by spinning, then sleeping. A process that
+# has its cores to itself gains from a bounded spin: sleeping at once (OMP_WAIT_POLICY=PASSIVE)
+# pays a futex wake-up on every matmul and attention call, 25-35% of W1 in bfloat16. Processes
+# that share cores lose badly from any spin: two W1 engines on two cores ran at 235 tok/s each
+# spinning against about 600 passive (docs/BENCHMARKS.md "OpenMP wait policy"). So a single
+# engine spins a bounded number of iterations, about a millisecond, then sleeps; `kvmesh up`,
+# which starts several workers on one host, makes them all passive. Applied before torch loads
+# OpenMP (commands import torch only when they run); an explicit OMP_WAIT_POLICY or
+# GOMP_SPINCOUNT wins.
 OMP_SPIN_DEFAULT = "20000"
+SHARED_CORE_COMMANDS = ("up",)
 
 
-def apply_omp_defaults() -> None:
-    """Set the bounded-spin default unless the user chose a wait policy or spin count."""
+def apply_omp_defaults(shares_cores: bool = False) -> None:
+    """Set the OpenMP wait default (passive when `shares_cores`, else a bounded spin) unless
+    the user chose a wait policy or spin count. Child processes inherit it."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return
-    os.environ["GOMP_SPINCOUNT"] = OMP_SPIN_DEFAULT
+    if shares_cores:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    else:
+        os.environ["GOMP_SPINCOUNT"] = OMP_SPIN_DEFAULT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    apply_omp_defaults()
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_omp_defaults(shares_cores=args.command in SHARED_CORE_COMMANDS)
     result = args.func(args)
     return int(result or 0)
 
