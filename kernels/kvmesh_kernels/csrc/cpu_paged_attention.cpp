@@ -253,6 +253,26 @@ inline void store_item_partial(const Item& it, int64_t rows, int64_t rmax, int64
   }
 }
 
+// Start of an item: its query rows and positions loaded, the online-softmax state (acc, m, l)
+// of its `rows` rows cleared.
+inline void begin_item(const Params& p, const Item& it, Scratch& sc, int64_t rows) {
+  load_queries(p, it, sc.q.data(), sc.pos.data());
+  std::fill(sc.acc.data(), sc.acc.data() + rows * p.head_dim, 0.f);
+  std::fill(sc.m.data(), sc.m.data() + rows, kNegInf);
+  std::fill(sc.l.data(), sc.l.data() + rows, 0.f);
+}
+
+// End of an item: its partial result into its slot (split mode), else its final output.
+inline void finish_item(const Params& p, const Item& it, Scratch& sc, int64_t rows,
+                        int64_t rmax, float* part_acc, float* part_ml) {
+  if (it.slot >= 0) {
+    store_item_partial(it, rows, rmax, p.head_dim, sc.acc.data(), sc.m.data(), sc.l.data(),
+                       part_acc, part_ml);
+  } else {
+    store_item_output(p, it, sc.acc.data(), sc.l.data());
+  }
+}
+
 #pragma GCC diagnostic ignored "-Wpsabi"  // f8 only crosses always-inline calls
 
 // 8-float vectors (GCC vector extensions): one AVX2 register in the x86-64-v3 clone, two SSE
@@ -443,14 +463,10 @@ KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t r
   const int64_t ntok = it.t1 - it.t0, nheads = it.h1 - it.h0;
   const int64_t rph = ntok * G;  // rows per kv head
   const int64_t rows = nheads * rph;
-  const int32_t* qsl = reinterpret_cast<const int32_t*>(p.query_start_loc);
-  const int32_t* seq_lens = reinterpret_cast<const int32_t*>(p.seq_lens);
   const int32_t* table = reinterpret_cast<const int32_t*>(p.block_tables) + it.b * p.max_blocks;
   const char* data = reinterpret_cast<const char*>(p.data);
   const float* scales = reinterpret_cast<const float*>(p.scales);
   const float* lut = reinterpret_cast<const float*>(p.fp8_lut);
-  const int64_t seq_len = seq_lens[it.b];
-  const int64_t q_len = qsl[it.b + 1] - qsl[it.b];
   const bool quant = DT == kI8 || DT == kFP8;
 
   float* q = sc.q.data();
@@ -461,11 +477,8 @@ KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t r
   int64_t* pos = sc.pos.data();
   const float** kp = sc.kp.data();
   const float** vp = sc.vp.data();
-  const int64_t pos_min = seq_len - q_len + it.t0, pos_max = seq_len - q_len + it.t1 - 1;
-  load_queries(p, it, q, pos);
-  std::fill(acc, acc + rows * D, 0.f);
-  std::fill(m, m + rows, kNegInf);
-  std::fill(l, l + rows, 0.f);
+  begin_item(p, it, sc, rows);
+  const int64_t pos_min = pos[0], pos_max = pos[rph - 1];  // first and last token positions
 
   for (int64_t k_lo = it.k0; k_lo < it.k1;) {
     const int64_t blk = k_lo / bs;
@@ -553,11 +566,7 @@ KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t r
     k_lo = k_hi;
   }
 
-  if (it.slot >= 0) {
-    store_item_partial(it, rows, rmax, D, acc, m, l, part_acc, part_ml);
-    return;
-  }
-  store_item_output(p, it, acc, l);
+  finish_item(p, it, sc, rows, rmax, part_acc, part_ml);
 }
 
 // Portable item: four query rows per K row with horizontal sums, scalar exp, written for
@@ -571,14 +580,10 @@ KVM_INLINE void run_item_portable(const Params& p, const Item& it, Scratch& sc, 
   const int64_t ntok = it.t1 - it.t0, nheads = it.h1 - it.h0;
   const int64_t rph = ntok * G;  // rows per kv head
   const int64_t rows = nheads * rph;
-  const int32_t* qsl = reinterpret_cast<const int32_t*>(p.query_start_loc);
-  const int32_t* seq_lens = reinterpret_cast<const int32_t*>(p.seq_lens);
   const int32_t* table = reinterpret_cast<const int32_t*>(p.block_tables) + it.b * p.max_blocks;
   const char* data = reinterpret_cast<const char*>(p.data);
   const float* scales = reinterpret_cast<const float*>(p.scales);
   const float* lut = reinterpret_cast<const float*>(p.fp8_lut);
-  const int64_t seq_len = seq_lens[it.b];
-  const int64_t q_len = qsl[it.b + 1] - qsl[it.b];
   const bool quant = DT == kI8 || DT == kFP8;
 
   float* q = sc.q.data();
@@ -587,11 +592,8 @@ KVM_INLINE void run_item_portable(const Params& p, const Item& it, Scratch& sc, 
   float* m = sc.m.data();
   float* l = sc.l.data();
   int64_t* pos = sc.pos.data();
-  const int64_t pos_min = seq_len - q_len + it.t0, pos_max = seq_len - q_len + it.t1 - 1;
-  load_queries(p, it, q, pos);
-  std::fill(acc, acc + rows * D, 0.f);
-  std::fill(m, m + rows, kNegInf);
-  std::fill(l, l + rows, 0.f);
+  begin_item(p, it, sc, rows);
+  const int64_t pos_min = pos[0], pos_max = pos[rph - 1];  // first and last token positions
 
   for (int64_t k_lo = it.k0; k_lo < it.k1;) {
     const int64_t blk = k_lo / bs;
@@ -687,11 +689,7 @@ KVM_INLINE void run_item_portable(const Params& p, const Item& it, Scratch& sc, 
     k_lo = k_hi;
   }
 
-  if (it.slot >= 0) {
-    store_item_partial(it, rows, rmax, D, acc, m, l, part_acc, part_ml);
-    return;
-  }
-  store_item_output(p, it, acc, l);
+  finish_item(p, it, sc, rows, rmax, part_acc, part_ml);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1041,10 +1039,8 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
   int64_t* soff = sc.soff.data();
   const void** kr = sc.kraw.data();
   const void** vr = sc.vraw.data();
-  load_queries(p, it, q, pos);
-  const int64_t pos_min = pos[0], pos_max = pos[rph - 1];
-  for (int64_t i = 0; i < rows * D; ++i) acc[i] = 0.f;
-  for (int64_t r = 0; r < rows; ++r) m[r] = kNegInf, l[r] = 0.f;
+  begin_item(p, it, sc, rows);
+  const int64_t pos_min = pos[0], pos_max = pos[rph - 1];  // first and last token positions
 
   const int64_t key_bytes = 2 * nheads * D * elem_bytes(DT);
   const int64_t CH = chunk_keys(key_bytes);
@@ -1080,11 +1076,7 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
     k_hi = k_next;
   }
 
-  if (it.slot >= 0) {
-    store_item_partial(it, rows, rmax, D, acc, m, l, part_acc, part_ml);
-    return;
-  }
-  store_item_output(p, it, acc, l);
+  finish_item(p, it, sc, rows, rmax, part_acc, part_ml);
 }
 
 // Query rows per kv head up to which bf16/f16 rows are converted in registers at every load;
@@ -1094,19 +1086,14 @@ constexpr int64_t kDirectRows = 8;
 template <int DT>
 __attribute__((noinline)) void run_item_avx512(const Params& p, const Item& it, Scratch& sc,
                                                int64_t rmax, float* part_acc, float* part_ml) {
-  constexpr bool convertible = DT == kBF16 || DT == kF16;
-  const int64_t rph = (it.t1 - it.t0) * (p.num_q_heads / p.num_kv_heads);
-  if constexpr (DT == kF32) {
-    run_item_as<DT, kF32>(p, it, sc, rmax, part_acc, part_ml);
-  } else if constexpr (convertible) {
+  if constexpr (DT == kBF16 || DT == kF16) {
+    const int64_t rph = (it.t1 - it.t0) * (p.num_q_heads / p.num_kv_heads);
     if (rph <= kDirectRows) {
       run_item_as<DT, DT>(p, it, sc, rmax, part_acc, part_ml);
-    } else {
-      run_item_as<DT, kF32>(p, it, sc, rmax, part_acc, part_ml);
+      return;
     }
-  } else {
-    run_item_as<DT, kF32>(p, it, sc, rmax, part_acc, part_ml);
   }
+  run_item_as<DT, kF32>(p, it, sc, rmax, part_acc, part_ml);
 }
 
 #pragma GCC diagnostic pop
