@@ -3,9 +3,9 @@
 `F.linear` on a bfloat16 CPU weight hands oneDNN a plain [out, in] matrix, which it re-lays out
 into its blocked AMX/AVX-512 format on every call. A decode step's matmuls are small (one row
 per running sequence), so that re-layout is a large share of each call: packing the weight once
-at load runs the same matmuls 1.1-2.2x faster, bit-identical (`bench/micro_choices.py`,
-docs/BENCHMARKS.md "Implementation choices"). float32 keeps MKL's sgemm, which measured faster
-than oneDNN's packed float32 path for small row counts.
+at load runs the same matmuls 1.03-1.89x faster, bit-identical (`bench/micro_choices.py`,
+docs/BENCHMARKS.md "Implementation choices"). float32 keeps MKL's sgemm: oneDNN's packed
+float32 path showed no consistent gain there (slower at one row) and rounds differently.
 
 Only the module class changes: transformers' model code still calls `self.q_proj(x)` and so
 on. The plain weight is dropped after packing (a tied `lm_head` keeps the embedding's copy).
