@@ -9,13 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.engine.errors import InvalidParameterError
+from kvmesh.engine.scheduler_types import ALLOCATIONS, POLICIES, SCHEDULING_POLICIES
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_DTYPES = ("auto", "int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
-POLICIES = ("continuous", "static")
-ALLOCATIONS = ("paged", "contiguous")
-SCHEDULING_POLICIES = ("decode-first", "prefill-first")
 
 
 @dataclass(frozen=True)
