@@ -44,7 +44,11 @@ def supports_layer(layer: LayerKV) -> bool:
 
 def supports_write(layer: LayerKV, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether key/value can be copied as they are: the cache's dtype, CPU, unit last stride."""
-    dtype = layer.data.dtype
+    return kv_copyable(layer.data.dtype, key, value) and supports_layer(layer)
+
+
+def kv_copyable(dtype: torch.dtype, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether key/value can be copied as they are into a supported cache of `dtype`."""
     return (
         key.dtype == dtype
         and value.dtype == dtype
@@ -52,7 +56,6 @@ def supports_write(layer: LayerKV, key: torch.Tensor, value: torch.Tensor) -> bo
         and value.device.type == "cpu"
         and key.stride(-1) == 1
         and value.stride(-1) == 1
-        and supports_layer(layer)
     )
 
 

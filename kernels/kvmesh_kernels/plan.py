@@ -87,21 +87,22 @@ class AttentionPlan:
     def write_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store key/value [num_tokens, Hkv, D] of this step at its slots in layer `layer`
         (quantizing when the cache is int8/fp8); tokens with slot -1 are skipped."""
-        kv = self.cache.layer(layer)
-        dispatch._check_kv(key, value, kv.num_kv_heads, kv.head_dim)
+        spec = self.cache.spec
+        data_ptr, _ = self._pointers(layer)  # IndexError when out of range
+        dispatch._check_kv(key, value, spec.num_kv_heads, spec.head_dim)
         _check(
             key.shape[0] == self.num_tokens,
             f"key must have num_tokens={self.num_tokens} rows, got {key.shape[0]}",
         )
         if self.backend == "triton":
-            dispatch._triton("write_kv")(kv, key, value, self.slot_mapping)
+            dispatch._triton("write_kv")(self.layer(layer), key, value, self.slot_mapping)
             return
-        if self._write is not None and cpu_cache_ops.supports_write(kv, key, value):
-            self._write(key, value, kv.data.data_ptr())
+        if self._write is not None and cpu_cache_ops.kv_copyable(self.cache.data.dtype, key, value):
+            self._write(key, value, data_ptr)  # the layer was checked when the plan was built
             return
         if self._slot_index is None:
-            self._slot_index = slot_index(self.slot_mapping, self.cache.spec.block_size)
-        torch_write_kv_at(kv, key, value, self._slot_index)
+            self._slot_index = slot_index(self.slot_mapping, spec.block_size)
+        torch_write_kv_at(self.layer(layer), key, value, self._slot_index)
 
     def attention(
         self,
