@@ -1,4 +1,4 @@
-"""Side-by-side measurements behind four implementation choices stated in the docs.
+"""Side-by-side measurements behind five implementation choices stated in the docs.
 
 1. ScheduledChunk is a NamedTuple: construction cost vs an equivalent frozen dataclass.
 2. Host block scatter uses numpy row copies: vs torch `index_copy_` and a plain memcpy.
@@ -8,6 +8,8 @@
    (`kvmesh.engine.cpu_linear.PackedLinear`): vs `F.linear` on the plain weight, and float32
    stays on `F.linear` (MKL): vs oneDNN's packed float32 path. Shapes are the bench model's
    (hidden 512, MLP 1376, vocab 32000) at decode and prefill row counts.
+5. Greedy sampling picks `logits.max(dim=-1).indices` (`kvmesh.engine.sampler.greedy_ids`): vs
+   `argmax(dim=-1)` on float32 logits [rows, 32000]; the indices are checked equal.
 
 Run: `.venv/bin/python bench/micro_choices.py` (prints one line per comparison, with ratios).
 """
@@ -159,8 +161,29 @@ def packed_linear(dtype: torch.dtype) -> None:
         )
 
 
+def greedy_pick(rows: int, vocab: int = 32000) -> None:
+    logits = torch.randn(rows, vocab)  # [rows, vocab] float32
+    assert torch.equal(logits.max(dim=-1).indices, logits.argmax(dim=-1))
+
+    def with_argmax() -> None:
+        for _ in range(20):
+            logits.argmax(dim=-1)
+
+    def with_max() -> None:
+        for _ in range(20):
+            logits.max(dim=-1)
+
+    a, m = best_seconds(with_argmax, 7) / 20, best_seconds(with_max, 7) / 20
+    print(
+        f"greedy pick [{rows}, {vocab}]: argmax {a * 1e6:.0f} us, max(dim).indices "
+        f"{m * 1e6:.0f} us -> argmax / max {a / m:.2f}x"
+    )
+
+
 def main() -> None:
     torch.set_num_threads(2)
+    for rows in (1, 16, 64):
+        greedy_pick(rows)
     for dtype in (torch.bfloat16, torch.float32):
         packed_linear(dtype)
     chunk_construction()

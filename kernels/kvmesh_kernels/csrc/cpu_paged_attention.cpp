@@ -877,9 +877,9 @@ KVM_INLINE __m512 exp16(__m512 x) {
 constexpr int64_t kChunk = 64;
 
 // Keys per step for an item reading key_bytes of K and V per key: 64, halved (down to 16) while
-// a step's K/V exceed 256 KiB. Measured (kvmesh_kernels.cpu_bench, one thread): the W1 decode
-// shape (512 B per key) is 10-20% faster at 64 keys than at 16; 8 kv heads x 128 float32
-// (8 KiB per key) is 30% slower at 64 than at 16-32.
+// a step's K/V exceed 256 KiB: longer steps amortise the softmax rescale over small keys, and
+// shorter ones keep large keys (8 kv heads x 128 float32, 8 KiB each) within L2. Compare
+// settings with `python -m kvmesh_kernels.cpu_bench --baseline-source OLD.cpp`.
 KVM_INLINE int64_t chunk_keys(int64_t key_bytes) {
   int64_t keys = kChunk;
   while (keys > 16 && keys * key_bytes > (int64_t{256} << 10)) keys /= 2;
@@ -905,11 +905,9 @@ KVM_INLINE void key_offsets(const Params& p, const int32_t* table, int64_t k_lo,
 }
 
 // Requests the K and V rows of kv heads [h0, h1) of the n keys at koff into L1: the next
-// step's rows load while this step computes. Measured (kvmesh_kernels.cpu_bench, one thread):
-// the W1 decode step over an 8-layer cache 20-30% faster in float32, bfloat16 and float16
-// (every line of a row; one line in two or four was slower than none); skipped for float32
-// keys of 8 KiB or more (8 kv heads x 128), whose long rows the hardware prefetcher streams,
-// where it cost 8%.
+// step's rows load while this step computes (every line of a row: the rows sit in scattered
+// blocks the hardware prefetcher does not follow); skipped for float32 keys of 8 KiB or more
+// (8 kv heads x 128), whose long contiguous rows the hardware prefetcher streams by itself.
 template <int DT>
 KVM_INLINE void prefetch_keys(const Params& p, const char* data, const int64_t* koff, int64_t n,
                               int64_t h0, int64_t h1) {
