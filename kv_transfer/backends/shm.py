@@ -17,6 +17,7 @@ import mmap
 import os
 import select
 import socket
+import threading
 import time
 from multiprocessing import shared_memory
 
@@ -184,6 +185,7 @@ class Sender(KVSender):
         self._conn: socket.socket | None = None
         self._segment: shared_memory.SharedMemory | None = None
         self._ring: torch.Tensor | None = None
+        self._close_lock = threading.Lock()  # close() runs on the caller's and transfer threads
         self._connect(time.monotonic() + HANDSHAKE_SECONDS)
 
     def _handshake(
@@ -224,12 +226,18 @@ class Sender(KVSender):
         self._ring = torch.frombuffer(segment.buf, dtype=torch.uint8)  # [slots * slot_bytes]
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        self._ring = None
-        if self._segment is not None:
-            self._segment.close()
-        self._conn = self._segment = None
+        """Idempotent and safe from two threads at once (a transfer aborting on its deadline
+        while the owner closes): each resource is taken under the lock, closed once."""
+        with self._close_lock:
+            conn, segment = self._conn, self._segment
+            self._conn = self._segment = self._ring = None
+        if conn is not None:
+            conn.close()
+        if segment is not None:
+            # A transfer thread still inside _run holds a view of the ring; the segment is then
+            # unmapped by SharedMemory's finalizer when that view goes (its name is unlinked).
+            with contextlib.suppress(BufferError):
+                segment.close()
 
     def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
         if self._conn is None:
