@@ -1,4 +1,4 @@
-"""The shm sender closes once, even when its owner and a transfer thread close it together."""
+"""Senders close once, even when their owner and a transfer thread close them together."""
 
 from __future__ import annotations
 
@@ -42,5 +42,25 @@ def test_concurrent_close_is_safe_and_releases_everything() -> None:
             assert close_from_two_threads(sender) == []
             assert sender._conn is None and sender._segment is None  # type: ignore[attr-defined]
             sender.close()  # a third close is a no-op
+    finally:
+        receiver.close()
+
+
+def test_gloo_sender_concurrent_close_pools_its_link_once() -> None:
+    backend = get_backend("gloo")
+    receiver = backend.Receiver(BlockStore(torch.zeros(SHAPE)))
+    try:
+        for _ in range(3):
+            sender = backend.Sender(BlockStore(torch.randn(SHAPE)), receiver.address)
+            link = sender._link  # type: ignore[attr-defined]
+            assert close_from_two_threads(sender) == []
+            assert sender._link is None  # type: ignore[attr-defined]
+            # Pooled exactly once: the next sender to this address takes that same link.
+            again = backend.Sender(BlockStore(torch.randn(SHAPE)), receiver.address)
+            third = backend.Sender(BlockStore(torch.randn(SHAPE)), receiver.address)
+            assert again._link is link  # type: ignore[attr-defined]
+            assert third._link is not link  # type: ignore[attr-defined]
+            third.close()
+            again.close()
     finally:
         receiver.close()
