@@ -430,12 +430,20 @@ class Sender(KVSender):
         self._staging = [
             torch.empty(self._max_frame, dtype=torch.uint8, device=self.device) for _ in range(2)
         ]
+        self._close_lock = threading.Lock()
         self._link: _Link | None = _POOL.take(address, self.layout, self.device, self._max_frame)
 
     def close(self) -> None:
-        if self._link is not None:
-            _POOL.give(self.address, self.layout, self._link)
-        self._link = None
+        """Idempotent and thread-safe. The link goes back to the pool only when no transfer of
+        this sender is still running on it; otherwise its state is unknown and it is aborted."""
+        with self._close_lock:
+            link, self._link = self._link, None
+        if link is None:
+            return
+        if self._active:
+            link.abort()
+        else:
+            _POOL.give(self.address, self.layout, link)
 
     def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
         link = self._link
