@@ -89,15 +89,21 @@ async def test_health_follows_the_usable_worker_set_and_drain() -> None:
         watch = cp.health.Watch(health_pb2.HealthCheckRequest(service=GENERATION_SERVICE))
         assert await next_status(watch) == NOT_SERVING
         prefill = await cp.add("p0", "prefill")
+        alive = [asyncio.create_task(prefill.keep_alive(cp.control, 0.05))]
         decode = await cp.add("d0", "decode")
         assert await next_status(watch) == SERVING
-        # The decode worker stops heartbeating: its lease lapses and the pair is gone.
+        # The decode worker never heartbeats: its lease lapses and the pair is gone (the
+        # prefill worker keeps its lease, so only the decode side's lapse changes health).
         assert await next_status(watch) == NOT_SERVING
         colocated = await cp.add("c0", "colocated")
+        alive.append(asyncio.create_task(colocated.keep_alive(cp.control, 0.05)))
         assert await next_status(watch) == SERVING
         await cp.server.drain(grace=1.0)
         assert await next_status(watch) == NOT_SERVING
         watch.cancel()
+        for task in alive:
+            task.cancel()
+        await asyncio.gather(*alive, return_exceptions=True)
         for worker in (prefill, decode, colocated):
             await worker.kill()
 
