@@ -112,7 +112,7 @@ def load_baseline(source: Path) -> ctypes.CDLL:
     path = cpp_extension.load(
         name=f"kvmesh_cpu_attn_baseline_{key}",
         sources=[str(source)],
-        extra_cflags=list(cpu_build.CFLAGS),
+        extra_cflags=[*cpu_build.CFLAGS, f"-I{cpu_build.SOURCE.parent}"],  # shared headers
         extra_ldflags=list(cpu_build.LDFLAGS),
         build_directory=str(build_dir),
         is_python_module=False,

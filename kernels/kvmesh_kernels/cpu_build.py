@@ -34,6 +34,7 @@ SOURCES = (
     SOURCE.with_name("cpu_cache_ops.cpp"),
     SOURCE.with_name("cpu_rms_norm.cpp"),
 )  # compiled into one library
+HEADERS = (SOURCE.with_name("dtype_convert.h"),)  # included by the sources; part of the key
 CFLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
 ENTRY = "kvmesh_cpu_paged_attention"
@@ -57,8 +58,8 @@ def cache_root() -> Path:
 
 
 def sources_bytes() -> bytes:
-    """Every source's name and contents, in order (what the build key hashes)."""
-    return b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES)
+    """Every source's and header's name and contents, in order (what the build key hashes)."""
+    return b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in (*SOURCES, *HEADERS))
 
 
 def build_key(source: bytes) -> str:

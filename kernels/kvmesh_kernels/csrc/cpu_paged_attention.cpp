@@ -36,6 +36,8 @@
 
 #include <omp.h>
 
+#include "dtype_convert.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -71,55 +73,12 @@ struct Item {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-KVM_INLINE float bits_to_f32(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-KVM_INLINE uint32_t f32_to_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return bits;
-}
-
-KVM_INLINE float bf16_to_f32(uint16_t x) { return bits_to_f32(static_cast<uint32_t>(x) << 16); }
-
-// IEEE half -> float, branch-free (exact for normals, subnormals, inf, nan).
-KVM_INLINE float f16_to_f32(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  const uint32_t sign = w & 0x80000000u;
-  const uint32_t two_w = w + w;
-  const uint32_t exp_offset = 0xE0u << 23;
-  const float normalized = bits_to_f32((two_w >> 4) + exp_offset) * 0x1.0p-112f;
-  const float denormalized = bits_to_f32((two_w >> 17) | (126u << 23)) - 0.5f;
-  const float mag = two_w < (1u << 27) ? denormalized : normalized;
-  return bits_to_f32(f32_to_bits(mag) | sign);
-}
-
-// float -> bfloat16 bits, round to nearest even, NaN -> 0x7FC0 (torch's conversion).
-KVM_INLINE uint16_t f32_to_bf16(float f) {
-  if (std::isnan(f)) return 0x7FC0;
-  const uint32_t u = f32_to_bits(f);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-// float -> IEEE half bits, round to nearest even, subnormals and overflow to inf exact (the
-// FP16 library's fp16_ieee_from_fp32_value, which torch uses).
-KVM_INLINE uint16_t f32_to_f16(float f) {
-  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
-  const uint32_t w = f32_to_bits(f);
-  const uint32_t shl1_w = w + w;
-  const uint32_t sign = w & 0x80000000u;
-  uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
-  base = bits_to_f32((bias >> 1) + 0x07800000u) + base;
-  const uint32_t bits = f32_to_bits(base);
-  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
-  const uint32_t mantissa_bits = bits & 0x00000FFFu;
-  const uint32_t nonsign = exp_bits + mantissa_bits;
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
-}
+using kvmesh_cvt::bf16_to_f32;
+using kvmesh_cvt::bits_to_f32;
+using kvmesh_cvt::f16_to_f32;
+using kvmesh_cvt::f32_to_bf16;
+using kvmesh_cvt::f32_to_bits;
+using kvmesh_cvt::f32_to_f16;
 
 // Element i of a float32 / bfloat16 / float16 array as float.
 KVM_INLINE float load_elem(const void* base, int64_t dtype, int64_t i) {
@@ -453,6 +412,23 @@ KVM_INLINE void axpy(float* acc, float w, const float* v, int64_t n) {
   for (int64_t d = 0; d < n; ++d) acc[d] += w * v[d];
 }
 
+// The part [k_lo, k_hi) of an item's key range inside one block (k_hi: the block's end or k1),
+// as int64 element offsets of kv head 0's K row of key k_lo, its V row (+ s_kv) and its scale;
+// a head adds h * s_head (h * ss_head for scales), a key i * s_tok. Table entries are clamped.
+struct BlockSpan {
+  int64_t k_hi, n, kbase, vbase, sbase;
+};
+
+KVM_INLINE BlockSpan block_span(const Params& p, const int32_t* table, int64_t k_lo, int64_t k1) {
+  const int64_t bs = p.block_size;
+  const int64_t blk = k_lo / bs;
+  const int64_t k_hi = std::min(k1, (blk + 1) * bs);
+  const int64_t phys = std::min<int64_t>(std::max<int64_t>(table[blk], 0), p.num_blocks - 1);
+  const int64_t off0 = k_lo - blk * bs;
+  const int64_t kbase = phys * p.s_block + off0 * p.s_tok;
+  return {k_hi, k_hi - k_lo, kbase, kbase + p.s_kv, phys * p.ss_block + off0 * p.ss_tok};
+}
+
 // Rows are ordered [head][token][g]: row = (h - h0) * ntok * G + (t - t0) * G + g.
 template <int DT>
 KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t rmax,
@@ -481,15 +457,9 @@ KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t r
   const int64_t pos_min = pos[0], pos_max = pos[rph - 1];  // first and last token positions
 
   for (int64_t k_lo = it.k0; k_lo < it.k1;) {
-    const int64_t blk = k_lo / bs;
-    const int64_t k_hi = std::min(it.k1, (blk + 1) * bs);
-    const int64_t n = k_hi - k_lo;
-    int64_t phys = table[blk];
-    phys = std::min<int64_t>(std::max<int64_t>(phys, 0), p.num_blocks - 1);
-    const int64_t off0 = k_lo - blk * bs;
-    const int64_t kbase = phys * p.s_block + off0 * p.s_tok;  // int64 element offsets
-    const int64_t vbase = kbase + p.s_kv;
-    const int64_t sbase = phys * p.ss_block + off0 * p.ss_tok;
+    const BlockSpan span = block_span(p, table, k_lo, it.k1);
+    const int64_t k_hi = span.k_hi, n = span.n;
+    const int64_t kbase = span.kbase, vbase = span.vbase, sbase = span.sbase;
 
     // Scores s[r * sp + i]: per kv head, register tiles of query rows x keys.
     for (int64_t hh = 0; hh < nheads; ++hh) {
@@ -596,15 +566,9 @@ KVM_INLINE void run_item_portable(const Params& p, const Item& it, Scratch& sc, 
   const int64_t pos_min = pos[0], pos_max = pos[rph - 1];  // first and last token positions
 
   for (int64_t k_lo = it.k0; k_lo < it.k1;) {
-    const int64_t blk = k_lo / bs;
-    const int64_t k_hi = std::min(it.k1, (blk + 1) * bs);
-    const int64_t n = k_hi - k_lo;
-    int64_t phys = table[blk];
-    phys = std::min<int64_t>(std::max<int64_t>(phys, 0), p.num_blocks - 1);
-    const int64_t off0 = k_lo - blk * bs;
-    const int64_t kbase = phys * p.s_block + off0 * p.s_tok;  // int64 element offsets
-    const int64_t vbase = kbase + p.s_kv;
-    const int64_t sbase = phys * p.ss_block + off0 * p.ss_tok;
+    const BlockSpan span = block_span(p, table, k_lo, it.k1);
+    const int64_t k_hi = span.k_hi, n = span.n;
+    const int64_t kbase = span.kbase, vbase = span.vbase, sbase = span.sbase;
 
     // Scores s[r * bs + i], token-major over the block so K is read in address order.
     for (int64_t i = 0; i < n; ++i) {

@@ -15,23 +15,12 @@
 
 #include <omp.h>
 
+#include "dtype_convert.h"
+
 namespace {
 
-inline float bf16_to_f32(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays a quiet NaN.
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using kvmesh_cvt::bf16_to_f32;
+using kvmesh_cvt::f32_to_bf16;
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KVM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
