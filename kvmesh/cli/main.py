@@ -38,10 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 # OpenMP workers wait for the next parallel region by spinning, then sleeping. A process that
 # has its cores to itself gains from a bounded spin: sleeping at once (OMP_WAIT_POLICY=PASSIVE)
-# pays a futex wake-up on every matmul and attention call, 25-35% of W1 in bfloat16. Processes
-# that share cores lose badly from any spin: two W1 engines on two cores ran at 235 tok/s each
-# spinning against about 600 passive (docs/BENCHMARKS.md "OpenMP wait policy"). So a single
-# engine spins a bounded number of iterations, about a millisecond, then sleeps; `kvmesh up`,
+# pays a futex wake-up on every matmul and attention call (W1 in bfloat16 ran 26-28% slower).
+# Processes that share cores lose badly from any spin: two W1 engines on two cores ran at
+# 235 tok/s each spinning against about 600 passive (docs/BENCHMARKS.md "OpenMP wait policy").
+# So a single engine spins a bounded number of iterations (GOMP_SPINCOUNT) then sleeps; `kvmesh up`,
 # which starts several workers on one host, makes them all passive. Applied before torch loads
 # OpenMP (commands import torch only when they run); an explicit OMP_WAIT_POLICY or
 # GOMP_SPINCOUNT wins.
