@@ -107,13 +107,15 @@ class ReservationTable:
     async def reserve(
         self, request: Request, generation: int, lease_seconds: float
     ) -> Reservation | None:
-        """Blocks for the prompt plus a receive slot; None when the pool is short now."""
+        """Blocks for the prompt (once, whatever n: the n completions fork from it) plus the
+        spares their first step needs, and a receive slot; None when the pool is short now."""
         assert self._core is not None
         rid, num_prompt = request.request_id, len(request.seqs[0].prompt_ids)
+        n = request.params.n
         try:
-            blocks = await self.engine.call(disagg.reserve_blocks, rid, num_prompt)
+            blocks = await self.engine.call(disagg.reserve_blocks, rid, num_prompt, n)
         except (asyncio.CancelledError, TimeoutError):
-            self.engine.submit(disagg.free_reservation, rid)  # runs after reserve_blocks
+            self.engine.submit(disagg.free_reservation, rid, n)  # runs after reserve_blocks
             raise
         if blocks is None:
             return None
@@ -122,7 +124,7 @@ class ReservationTable:
         try:
             handle = self._core.expect(TransferRequest(transfer_id, generation), blocks, deadline)
         except BaseException:
-            self.engine.submit(disagg.free_reservation, rid)
+            self.engine.submit(disagg.free_reservation, rid, n)
             raise
         res = Reservation(request, generation, transfer_id, blocks, handle, deadline)
         self._by_request[rid] = res
@@ -138,7 +140,7 @@ class ReservationTable:
         rid = res.request_id
         if res.decoding:
             self.engine.submit(abort_request, rid)
-        self.engine.submit(disagg.free_reservation, rid)
+        self.engine.submit(disagg.free_reservation, rid, res.request.params.n)
         return True
 
     def start_reaper(self) -> None:

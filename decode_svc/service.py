@@ -1,8 +1,10 @@
 """DecodeService: Reserve blocks under a lease, Decode once the KV landed, Release.
 
 Fencing: Decode names the worker epoch, the ledger generation and the transfer id of its
-reservation; any mismatch is FAILED_PRECONDITION naming the field. A request whose first token
-already ends it (stop id, EOS, max_tokens 1, stop string) needs no KV and does not wait for it.
+reservation; any mismatch is FAILED_PRECONDITION naming the field. A request whose first tokens
+already end every completion (stop id, EOS, max_tokens 1, stop string) needs no KV and does
+not wait for it. With n > 1 the prompt's blocks are reserved once, with n - 1 spare blocks for
+the forks' first step, and Decode joins the n completions sharing them copy on write.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
 from decode_svc.reservations import Reservation, ReservationTable
 from kv_transfer.state import TransferResult, TransferState
 from kvmesh.engine import disagg
+from kvmesh.engine.sequence import Request
 from kvmesh.service.convert import logprobs_from_proto
 from kvmesh.service.runtime import WorkerRuntime
 from kvmesh.service.server import span
@@ -55,8 +58,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self, message: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
         engine_request = self.runtime.request_from(message.request, prefill_only=False)
-        if engine_request.params.n != 1:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "sampling.n: decode takes n 1")
         if message.generation == 0:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "generation: must be non-zero")
         rid = engine_request.request_id
@@ -72,16 +73,28 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             engine_request, message.generation, self._lease(message, context)
         )
         if res is None:
-            load = self.runtime.engine.load()
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"blocks: the prompt needs more KV blocks than the {load.free_blocks} free now",
-            )
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, self._shortage(engine_request))
         return worker_pb2.ReserveResponse(
             block_ids=res.block_ids,
             transfer_id=res.transfer_id.hex(),
             epoch=self.runtime.epoch,
             layout=self.runtime.layout,
+        )
+
+    def _shortage(self, request: Request) -> str:
+        """What a refused reservation lacked, naming the field that sized it."""
+        load = self.runtime.engine.load()
+        free = load.free_blocks
+        layout = self.runtime.layout
+        prompt = -(-len(request.seqs[0].prompt_ids) // layout.block_size)
+        n = request.params.n
+        if n == 1:
+            return f"blocks: the prompt needs {prompt} KV blocks, {free} free now"
+        spare = disagg.spare_blocks(n)
+        return (
+            f"sampling.n: {n} completions need {prompt + spare} KV blocks ({prompt} for the"
+            f" shared prompt + {spare} for the forks' first step), {free} free now"
+            f" of {load.total_blocks}"
         )
 
     @staticmethod
@@ -101,18 +114,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             started = time.monotonic()
             try:
                 res = self._claim(request)
-                first_token = await self._await_kv(res, request, context)
+                tokens = await self._await_kv(res, request, context)
             except Exception as exc:
                 await abort_with(context, exc)
                 return
-            first_lp = request.first_tokens[0]
-            logprobs = logprobs_from_proto(first_lp.logprobs) if first_lp.HasField(
-                "logprobs") else None  # fmt: skip
+            logprobs = [
+                logprobs_from_proto(t.logprobs) if t.HasField("logprobs") else None
+                for t in request.first_tokens
+            ]
             finished = False
             try:
                 stream = await self.runtime.engine.open_stream(
                     res.request_id,
-                    lambda e: disagg.join_prefilled(e, res.request, first_token, logprobs),
+                    lambda e: disagg.join_prefilled(e, res.request, tokens, logprobs),
                 )
                 try:
                     async for response in responses(stream, started):
@@ -149,38 +163,32 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             raise ServiceError(FAILED_PRECONDITION, "transfer_id: not this reservation's")
         if res.decoding:
             raise ServiceError(FAILED_PRECONDITION, "request_id: already decoding")
-        if len(message.first_tokens) != 1 or message.first_tokens[0].index != 0:
-            raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT, "first_tokens: expected one, with index 0"
-            )
-        token = message.first_tokens[0].token_id
-        if not 0 <= token < self.runtime.core.runner.vocab_size:
-            raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"first_tokens.token_id: {token} out of range"
-            )
+        vocab = self.runtime.core.runner.vocab_size
+        check_first_tokens(message.first_tokens, res.request.params.n, vocab)
         res.decoding = True
         res.task = asyncio.current_task()
         return res
 
     async def _await_kv(
         self, res: Reservation, message: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> int:
-        """Wait for the KV (bounded by the lease and the call deadline) unless not needed."""
-        token = message.first_tokens[0].token_id
+    ) -> list[int]:
+        """The first tokens, once the KV landed (bounded by the lease and the call deadline);
+        no wait when they already end every completion."""
+        tokens = [t.token_id for t in message.first_tokens]
         try:
             needs_kv = not await self.runtime.engine.call(
-                disagg.first_token_finishes, res.request, token
+                disagg.first_tokens_finish, res.request, tokens
             )
             if not needs_kv:
                 res.handle.cancel()
-                return token
+                return tokens
             limit = res.deadline - time.monotonic()
             remaining = context.time_remaining()
             if remaining is not None:
                 limit = min(limit, remaining)
             result = await asyncio.to_thread(res.handle.wait, max(0.0, limit))
             check_transfer(result)
-            return token
+            return tokens
         except BaseException:
             self.table.drop(res)
             raise
@@ -201,6 +209,23 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         if res.task is not None and res.task is not asyncio.current_task():
             res.task.cancel()
         return self.table.drop(res)
+
+
+def check_first_tokens(tokens: Sequence[worker_pb2.FirstToken], n: int, vocab: int) -> None:
+    """INVALID_ARGUMENT naming `first_tokens` unless they are one per completion, indexes
+    0..n-1 in order, each a token of the vocabulary."""
+    if [t.index for t in tokens] != list(range(n)):
+        indexes = [t.index for t in tokens]
+        raise ServiceError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"first_tokens: expected indexes 0..{n - 1} in order (n = {n}), got {indexes}",
+        )
+    for token in tokens:
+        if not 0 <= token.token_id < vocab:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"first_tokens.token_id: {token.token_id} out of range [0, {vocab})",
+            )
 
 
 def check_transfer(result: TransferResult) -> None:

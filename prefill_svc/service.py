@@ -369,11 +369,12 @@ class ChunkFeeder:
         request = engine.scheduler.get_request(request_id)
         if request is None:
             return
-        seq = request.seqs[0]
+        head = request.seqs[0]
         if self.preemptions is None:
-            self.preemptions = seq.num_preemptions
+            self.preemptions = head.num_preemptions
+        seq = disagg.parked_sequence(request) or head  # n > 1: any parked child's table
         status = seq.status
-        if seq.num_preemptions != self.preemptions or status.is_finished:
+        if head.num_preemptions != self.preemptions or status.is_finished:
             self._stop()
             return
         if status is SequenceStatus.PREFILLED:

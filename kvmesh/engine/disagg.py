@@ -6,8 +6,15 @@ that drives the engine (they touch the scheduler and the block manager).
 Prefill role:  add_request(..., prefill_only=True) → step until PREFILLED
                → prefilled_block_ids → ship the KV → release_prefilled
 Decode role:   reserve_blocks (empty blocks for the prompt) → KV lands in them
-               → join_prefilled (joins the running batch with the first token)
+               → join_prefilled (joins the running batch with the first tokens)
                or free_reservation when the KV never came.
+
+With n > 1 completions the prompt's KV still travels once: the prefill side samples the n
+first tokens from the prompt's last logits row (its request forks at the final chunk), the
+decode side reserves the prompt blocks once plus `n - 1` spare blocks (what the n sequences'
+first decode step needs beyond one sequence's: the copies of a shared partial last block, or
+a fresh block each when the prompt fills its last block), held under child 1's sequence id
+and freed when `join_prefilled` forks the n sequences.
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.outputs import RequestMetrics, RequestOutput
 from kvmesh.engine.sampler import TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.scheduler_disagg import is_prefilled
 from kvmesh.engine.scheduler_stops import stop_status, validate_request
-from kvmesh.engine.sequence import Request, SequenceStatus
+from kvmesh.engine.sequence import Request, Sequence, SequenceStatus, child_seq_id
 
 
 def build_request(
@@ -53,11 +61,18 @@ def add_request(engine: LLMEngine, request: Request) -> None:
 
 
 def prefilled_block_ids(engine: LLMEngine, request_id: str) -> list[int]:
-    """Block ids holding a PREFILLED request's prompt KV, in logical order."""
+    """Block ids holding a PREFILLED request's prompt KV, in logical order (n > 1 children
+    share them: nothing was written after the fork)."""
     request = engine.scheduler.get_request(request_id)
-    if request is None or request.seqs[0].status is not SequenceStatus.PREFILLED:
+    seq = None if request is None else parked_sequence(request)
+    if seq is None:
         raise InvalidParameterError("request_id", f"{request_id!r} is not prefilled")
-    return engine.scheduler.block_manager.block_table(request.seqs[0].seq_id)
+    return engine.scheduler.block_manager.block_table(seq.seq_id)
+
+
+def parked_sequence(request: Request) -> Sequence | None:
+    """A PREFILLED sequence of the request (its table holds the prompt KV), or None."""
+    return next((s for s in request.seqs if s.status is SequenceStatus.PREFILLED), None)
 
 
 def release_prefilled(engine: LLMEngine, request_id: str) -> bool:
@@ -65,7 +80,7 @@ def release_prefilled(engine: LLMEngine, request_id: str) -> bool:
     cache); True when it was held."""
     request = engine.scheduler.get_request(request_id)
     held = request is not None
-    if request is not None and all(s.status is SequenceStatus.PREFILLED for s in request.seqs):
+    if request is not None and is_prefilled(request):
         engine.scheduler.release_prefilled(request_id)
     else:
         engine.scheduler.abort_request(request_id)
@@ -73,52 +88,83 @@ def release_prefilled(engine: LLMEngine, request_id: str) -> bool:
     return held
 
 
-def reserve_blocks(engine: LLMEngine, seq_id: str, num_tokens: int) -> list[int] | None:
-    """Allocate empty blocks for `num_tokens` prompt tokens; None when the pool is short now."""
+def spare_blocks(n: int) -> int:
+    """Blocks beyond one sequence's that `n` sequences forked from one prompt need for their
+    first decode step: n - 1 (copies of the shared partial last block, or one fresh block
+    each when the prompt fills its last block)."""
+    return n - 1
+
+
+def reserve_blocks(engine: LLMEngine, seq_id: str, num_tokens: int, n: int = 1) -> list[int] | None:
+    """Allocate empty blocks for `num_tokens` prompt tokens, plus `spare_blocks` held under
+    child 1's id for an n > 1 request; None (nothing held) when the pool is short now."""
     bm = engine.scheduler.block_manager
-    if bm.has(seq_id):
+    spare_id, spare = child_seq_id(seq_id, 1), spare_blocks(n)
+    if bm.has(seq_id) or (spare and bm.has(spare_id)):
         raise InvalidParameterError("request_id", f"{seq_id!r} already holds blocks")
+    if -(-num_tokens // bm.block_size) + spare > bm.num_free_blocks:
+        return None
     if bm.allocate(seq_id, num_tokens) is None:
+        return None
+    if spare and bm.allocate(spare_id, spare * bm.block_size) is None:
+        bm.free(seq_id)
         return None
     return bm.block_table(seq_id)
 
 
-def free_reservation(engine: LLMEngine, seq_id: str) -> bool:
-    """Free reserved blocks that never joined the batch; True when there were any."""
-    bm = engine.scheduler.block_manager
-    if engine.scheduler.get_request(seq_id) is not None or not bm.has(seq_id):
+def free_reservation(engine: LLMEngine, seq_id: str, n: int = 1) -> bool:
+    """Free reserved blocks (and an n > 1 request's spares) that never joined the batch;
+    True when there were any."""
+    if engine.scheduler.get_request(seq_id) is not None:
         return False
-    bm.free(seq_id)
-    return True
+    bm = engine.scheduler.block_manager
+    ids = (seq_id, child_seq_id(seq_id, 1)) if spare_blocks(n) else (seq_id,)
+    held = [sid for sid in ids if bm.has(sid)]
+    for sid in held:
+        bm.free(sid)
+    return bool(held)
 
 
 def join_prefilled(
     engine: LLMEngine,
     request: Request,
-    first_token: int,
-    first_logprobs: TokenLogprobs | None = None,
+    first_tokens: Seq[int],
+    first_logprobs: Seq[TokenLogprobs | None] = (),
 ) -> RequestOutput:
-    """Join a request whose prompt KV sits in its reserved blocks; returns the output carrying
-    the first token (finished when that token already ends it)."""
+    """Join a request whose prompt KV sits in its reserved blocks as its n completions
+    (`first_tokens[i]` is completion i's); returns the output carrying the first tokens
+    (finished when they already end every completion)."""
+    rid = request.request_id
+    bm = engine.scheduler.block_manager
+    spare_id = child_seq_id(rid, 1)
+    if request.params.n > 1 and bm.has(spare_id):
+        bm.free(spare_id)  # the forks' first writes take these blocks back
     num_prompt = len(request.seqs[0].prompt_ids)
-    engine.scheduler.add_prefilled_request(request, num_prompt, first_token)
+    engine.scheduler.add_prefilled_request(request, num_prompt, first_tokens)
     tracked = _track(engine, request)
-    seq = request.seqs[0]
-    if first_logprobs is not None:
-        engine._step_logprobs[seq.seq_id] = first_logprobs
-    try:
-        engine._record_token(tracked, seq, time.monotonic())
-    finally:
-        engine._step_logprobs.pop(seq.seq_id, None)
+    now = time.monotonic()
+    for index, seq in enumerate(list(request.seqs)):
+        logprobs = first_logprobs[index] if index < len(first_logprobs) else None
+        if logprobs is not None:
+            engine._step_logprobs[seq.seq_id] = logprobs
+        try:
+            engine._record_token(tracked, seq, now)
+        finally:
+            engine._step_logprobs.pop(seq.seq_id, None)
     return engine._emit(tracked)
 
 
-def first_token_finishes(engine: LLMEngine, request: Request, first_token: int) -> bool:
-    """Whether `first_token` alone ends the request (stop id, EOS, length or stop string).
+def first_tokens_finish(engine: LLMEngine, request: Request, first_tokens: Seq[int]) -> bool:
+    """Whether the first tokens alone end every completion (stop id, EOS, length or stop
+    string).
 
     Such a request needs no KV on the decode side; the prefill side cannot ship it either,
-    because its blocks were freed the moment the token ended it.
+    because its blocks were freed the moment the last of its completions ended.
     """
+    return all(_first_token_finishes(engine, request, token) for token in first_tokens)
+
+
+def _first_token_finishes(engine: LLMEngine, request: Request, first_token: int) -> bool:
     seq = Request.from_prompt("probe", request.seqs[0].prompt_ids, request.params).seqs[0]
     seq.append_token(first_token)
     config = engine.scheduler.config
@@ -142,7 +188,8 @@ def first_token_finishes(engine: LLMEngine, request: Request, first_token: int) 
 def _track(engine: LLMEngine, request: Request) -> _Tracked:
     tracked = _Tracked(request, None, metrics=RequestMetrics(request.arrival_time))
     engine._tracked[request.request_id] = tracked
-    engine._seq_request[request.request_id] = request.request_id
+    for seq in request.seqs:
+        engine._seq_request[seq.seq_id] = request.request_id
     return tracked
 
 

@@ -45,10 +45,7 @@ def validate_request(
             f"prompt + max_tokens = {total} tokens need {needed} KV blocks of {block_size},"
             f" but the pool holds only {num_blocks}",
         )
-    n = request.params.n
-    if n > 1 and request.prefill_only:
-        raise InvalidParameterError("n", "prefill-only requests take n == 1")
-    if n > 1 and config.allocation == "contiguous":
+    if request.params.n > 1 and config.allocation == "contiguous":
         raise InvalidParameterError("n", "parallel sampling needs allocation='paged'")
 
 

@@ -118,7 +118,9 @@ def test_disaggregation_hooks_under_prefill_first() -> None:
         num_blocks=16, max_num_batched_tokens=4, max_decode_stall_tokens=4, **PREFILL_FIRST
     )
     assert bm.allocate("remote", 6) is not None
-    assert sched.add_prefilled_request(request("remote", 6, max_tokens=4), 6, first_token=55) == []
+    assert (
+        sched.add_prefilled_request(request("remote", 6, max_tokens=4), 6, first_tokens=[55]) == []
+    )
     sched.add_request(request("p", 6, prefill_only=True))
     assert sizes(step(sched)[0]) == {"p": 4}  # the imported decode waits (4 >= bound 4)
     assert sizes(step(sched)[0]) == {"remote": 1, "p": 2}

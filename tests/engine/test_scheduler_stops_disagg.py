@@ -93,7 +93,7 @@ def test_imported_request_joins_as_a_decode() -> None:
     step(sched)
     imported = request("remote", 6, max_tokens=3)
     assert bm.allocate("remote", 6) is not None  # the caller writes the prompt KV here
-    assert sched.add_prefilled_request(imported, 6, first_token=55) == []
+    assert sched.add_prefilled_request(imported, 6, first_tokens=[55]) == []
     output, _ = step(sched, 56)
     chunk = next(c for c in output.chunks if c.seq_id == "remote")
     assert chunk.start_pos == 6 and chunk.token_ids == (55,) and chunk.sample_seq_ids == ("remote",)
@@ -108,7 +108,7 @@ def test_import_that_stops_at_once_frees_its_blocks() -> None:
     sched, bm = make_scheduler(num_blocks=16)
     imported = request("remote", 6, max_tokens=1)
     bm.allocate("remote", 6)
-    (seq,) = sched.add_prefilled_request(imported, 6, first_token=1)
+    (seq,) = sched.add_prefilled_request(imported, 6, first_tokens=[1])
     assert seq.finish_reason == "length" and bm.num_free_blocks == 16
     assert not sched.has_unfinished()
 
@@ -117,8 +117,8 @@ def test_import_checks_its_arguments() -> None:
     sched, bm = make_scheduler(num_blocks=16)
     bm.allocate("remote", 4)
     with pytest.raises(InvalidParameterError) as info:
-        sched.add_prefilled_request(request("remote", 6), 6, first_token=1)
+        sched.add_prefilled_request(request("remote", 6), 6, first_tokens=[1])
     assert info.value.field == "num_computed_tokens"
     with pytest.raises(InvalidParameterError):
-        sched.add_prefilled_request(request("remote", 6), 5, first_token=1)
+        sched.add_prefilled_request(request("remote", 6), 5, first_tokens=[1])
     assert sched.num_running == 0
