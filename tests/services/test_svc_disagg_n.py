@@ -28,7 +28,7 @@ from kvmesh.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from prefill_svc.main import install as install_prefill
 
 __all__ = ["svc_loop", "svc_model_dir"]
-SEEDED = {"n": 3, "temperature": 0.8, "top_p": 0.95, "seed": 1234, "max_tokens": 8}
+SEEDED = {"n": 3, "temperature": 0.8, "top_p": 0.95, "seed": 1234, "max_tokens": 8, "logprobs": 1}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,8 @@ def per_index(stream: list[Any]) -> dict[int, list[int]]:
 def shape(stream: list[Any]) -> list[tuple[Any, ...]]:
     """What a client sees of each response, timings left out."""
     return [
-        (r.index, list(r.token_ids), r.text, r.finish_reason, r.completion_tokens) for r in stream
+        (r.index, list(r.token_ids), r.text, r.finish_reason, r.completion_tokens, r.logprobs)
+        for r in stream
     ]
 
 
@@ -92,6 +93,7 @@ def test_seeded_n3_matches_colocated_and_offline(workers: Any, llm: LLM) -> None
     assert len({tuple(ids) for ids in expected.values()}) == 3  # the seeds differ per index
     request = driver.prepare("seeded-colocated", prompt, ignore_eos=True, **SEEDED)
     local = list(worker_pb2_grpc.ColocatedServiceStub(colocated.channel).Generate(request))
+    assert all(len(r.logprobs) == len(r.token_ids) for r in stream)  # first ones included
     assert shape(stream) == shape(local)
     finals = [r for r in stream if r.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED]
     assert [(r.index, r.completion_tokens) for r in finals] == [(0, 8), (1, 8), (2, 8)]
@@ -167,3 +169,22 @@ def test_reserve_holds_spares_and_refuses_n_that_cannot_fit(workers: Any) -> Non
 
 def response_tokens(count: int) -> list[worker_pb2.FirstToken]:
     return [worker_pb2.FirstToken(index=i, token_id=5) for i in range(count)]
+
+
+def test_n3_without_transfer_overlap_matches_offline(
+    workers: Any, llm: LLM, svc_loop: Any, svc_model_dir: Path
+) -> None:
+    driver, _ = workers
+    args = argparse.Namespace(transfer_backend=[driver.backend], transfer_overlap=False)
+    whole = start_worker(svc_loop, engine_config(svc_model_dir), "prefill", install_prefill, args)
+    try:
+        after = ControlDriver(whole, driver.decode, driver.backend)
+        prompt = list(range(300, 345))  # 45 tokens: chunks of 64 make it one step, 3 blocks
+        response, stream = after.generate("whole", prompt, ignore_eos=True, **SEEDED)
+        assert response.transfer_bytes > 0
+        (offline,) = llm.generate([prompt], SamplingParams(ignore_eos=True, **SEEDED))
+        assert per_index(stream) == {out.index: out.token_ids for out in offline.outputs}
+        wait_until(lambda: whole.free_blocks() == NUM_BLOCKS, 1.0, "prefill blocks freed")
+        wait_until(lambda: all_free(driver), 1.0, "decode blocks freed")
+    finally:
+        whole.stop()
