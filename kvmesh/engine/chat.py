@@ -45,16 +45,16 @@ def check_text_size(chars: int, max_model_len: int, field: str) -> None:
 
 
 def check_messages(messages: Sequence[Message], max_model_len: int, field: str) -> list[dict]:
-    """The conversation as plain `{"role", "content"}` dicts, checked: at least one message,
-    each role a non-empty string (at most MAX_ROLE_CHARS), each content a string, and the total
-    size bounded. Errors name `field.messages[i].role` / `.content` or `field.messages`."""
+    """The conversation (named `field`) as plain `{"role", "content"}` dicts, checked: at least
+    one message, each role a non-empty string (at most MAX_ROLE_CHARS), each content a string,
+    and the total size bounded. Errors name `field`, `field[i].role` or `field[i].content`."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise InvalidParameterError(f"{field}.messages", "must be a list of messages")
+        raise InvalidParameterError(field, "must be a list of messages")
     if not messages:
-        raise InvalidParameterError(f"{field}.messages", "must contain at least one message")
+        raise InvalidParameterError(field, "must contain at least one message")
     result, chars = [], 0
     for i, message in enumerate(messages):
-        where = f"{field}.messages[{i}]"
+        where = f"{field}[{i}]"
         if not isinstance(message, Mapping):
             raise InvalidParameterError(where, "must be a mapping with role and content")
         role, content = message.get("role"), message.get("content")
@@ -66,16 +66,16 @@ def check_messages(messages: Sequence[Message], max_model_len: int, field: str) 
             raise InvalidParameterError(f"{where}.content", "must be a string")
         chars += len(role) + len(content)
         result.append({"role": role, "content": content})
-    check_text_size(chars, max_model_len, f"{field}.messages")
+    check_text_size(chars, max_model_len, field)
     return result
 
 
 def chat_prompt_ids(
     tokenizer: Any, messages: Sequence[Message], max_model_len: int, field: str = "messages"
 ) -> list[int]:
-    """Token ids of the conversation rendered with the model's chat template plus the
-    generation prompt (InvalidParameterError naming `field` for a model without a template, bad
-    messages or a template that refuses them)."""
+    """Token ids of the conversation (named `field`) rendered with the model's chat template
+    plus the generation prompt (InvalidParameterError naming the field for a model without a
+    template, bad messages or a template that refuses them)."""
     if not has_chat_template(tokenizer):
         raise InvalidParameterError(field, "this model has no chat template")
     conversation = check_messages(messages, max_model_len, field)

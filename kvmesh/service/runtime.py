@@ -166,8 +166,10 @@ class WorkerRuntime:
             check_text_size(len(message.text), max_len, "prompt.text")
             return list(tokenizer.encode(message.text))
         if which == "chat":
+            if not has_chat_template(tokenizer):
+                raise InvalidParameterError("prompt.chat", "this model has no chat template")
             chat = [{"role": m.role, "content": m.content} for m in message.chat.messages]
-            return chat_prompt_ids(tokenizer, chat, max_len, "prompt.chat")
+            return chat_prompt_ids(tokenizer, chat, max_len, "prompt.chat.messages")
         raise InvalidParameterError("prompt", "set text, token_ids or chat")
 
     def request_from(self, message: worker_pb2.EngineRequest, prefill_only: bool) -> Request:

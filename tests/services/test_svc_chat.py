@@ -5,7 +5,6 @@ naming the field, and the no-template model refusing chat."""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import shutil
 from collections.abc import Iterator
@@ -30,16 +29,12 @@ from control_plane.config import ControlConfig
 from control_plane.server import ControlServer
 from decode_svc.colocated import install
 from kvmesh.client import AsyncClient, Client, InvalidArgument
-from kvmesh.models.tokenizer import BOS_TOKEN_ID
+from kvmesh.models.tokenizer import BOS_TOKEN_ID, set_chat_template
 from kvmesh.service.agent import ControlAgent
 from kvmesh.service.process import worker_info
 from kvmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 __all__ = ["svc_loop", "svc_model_dir"]
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Grüße, 世界 👋"},
@@ -49,13 +44,10 @@ GREEDY: dict[str, Any] = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": Tru
 
 @pytest.fixture(scope="module")
 def chat_model_dir(svc_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with a chat template in its tokenizer_config.json."""
+    """The tiny model with a chat template."""
     out = tmp_path_factory.mktemp("chat") / "tiny-chat"
     shutil.copytree(svc_model_dir, out)
-    config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TEMPLATE
-    config_path.write_text(json.dumps(config))
+    set_chat_template(out)
     return out
 
 
