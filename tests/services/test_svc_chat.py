@@ -5,6 +5,7 @@ naming the field, and the no-template model refusing chat."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shutil
 from collections.abc import Iterator
@@ -181,3 +182,18 @@ def test_model_without_template_refuses_chat(svc_loop: LoopThread, svc_model_dir
 
 def _chat(messages: list[dict[str, str]]) -> generation_pb2.ChatMessages:
     return generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(**m) for m in messages])
+
+
+def test_cli_generate_chat_remote(
+    client: Client, system: tuple[str, RunningWorker], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvmesh.cli.main import build_parser
+
+    system_text, question = MESSAGES[0]["content"], MESSAGES[1]["content"]
+    argv = ["generate", "--target", system[0], "--chat", question, "--system", system_text]
+    flags = ["--temperature", "0", "--max-tokens", "8", "--ignore-eos", "--json"]
+    args = build_parser().parse_args([*argv, *flags])
+    assert args.func(args) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    expected = client.complete_chat(MESSAGES, **GREEDY)
+    assert (line["token_ids"], line["text"]) == (expected.token_ids, expected.text)
