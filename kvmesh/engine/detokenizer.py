@@ -20,8 +20,8 @@ class SequenceText:
     """Text of one sequence's output, stop-string aware.
 
     `append(new_ids)` returns the newly visible text; `flush()` the held rest once no more ids
-    come. After a stop string matched, `stopped_by`
-    holds it and `text` ends right before it (or after it with include_stop_str_in_output).
+    come. After a stop string matched, `stopped_by` holds it and `text` ends right before it
+    (or after it with include_stop_str_in_output).
     """
 
     def __init__(
