@@ -135,14 +135,23 @@ def result_json(result: Any) -> dict[str, Any]:
 
 
 def demo(endpoint: str, prompt: str, max_tokens: int) -> int:
-    """`kvmesh up --demo`: one greedy request, streamed, then its usage and TTFT breakdown."""
+    """`kvmesh up --demo`: one greedy request, streamed, then its usage and TTFT breakdown.
+
+    The prompt goes as a chat question when the served model has a chat template (the default
+    model does), as plain text otherwise.
+    """
     from kvmesh.client import Client, KvmeshError, collect
 
     with Client(endpoint, timeout=120.0) as client:
         info = client.model_info()
-        print(f"model {info.model_name} ({info.architecture}, {info.mode}); prompt: {prompt!r}")
+        form = "chat" if info.has_chat_template else "text"
+        print(f"model {info.model_name} ({info.architecture}, {info.mode}); {form}: {prompt!r}")
         try:
-            stream = client.generate(prompt, max_tokens=max_tokens, temperature=0.0)
+            if info.has_chat_template:
+                messages = [{"role": "user", "content": prompt}]
+                stream = client.chat(messages, max_tokens=max_tokens, temperature=0.0)
+            else:
+                stream = client.generate(prompt, max_tokens=max_tokens, temperature=0.0)
             print("> ", end="")
             chunks = []
             for chunk in stream:
