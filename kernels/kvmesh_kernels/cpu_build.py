@@ -3,8 +3,11 @@
 The C++ sources (`csrc/*.cpp`: paged attention, KV write, RMSNorm; plain C ABI + OpenMP, no
 torch headers) are compiled into one library with `torch.utils.cpp_extension.load` and
 published as `$KVMESH_CACHE_DIR/torch_extensions/<key>/kvmesh_cpu.so` (default
-`~/.cache/kvmesh`). The key hashes the sources and headers, the compiler flags, the compiler's
-identity (`$CXX --version`), the torch and Python versions, the machine and its ISA level.
+`~/.cache/kvmesh`). The key hashes the sources and headers, the compiler flags, the torch and
+Python versions and the machine architecture, which with the flags fixes the ISA the code is
+compiled for (the baseline of the architecture: the AVX2/AVX-512 paths are chosen at run time
+by the CPU's features), so one build serves every CPU of the architecture and a cache built
+into an image works on any host; the compiler's version is not part of it.
 
 A published library is complete: it is compiled in `<key>/build/`, loaded and checked there,
 copied to a temporary name and renamed into place, so a reader never sees a half-written file
@@ -25,7 +28,6 @@ import logging
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -79,29 +81,16 @@ def build_key(source: bytes) -> str:
     parts = [
         hashlib.sha256(source).hexdigest(),
         " ".join(CFLAGS + LDFLAGS),
-        compiler_id(),
         torch.__version__,
         f"{sys.version_info.major}.{sys.version_info.minor}",
         platform.machine(),
-        isa_level(),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def compiler_id() -> str:
-    """First line of `$CXX --version` (torch's compiler choice; `c++` when CXX is unset)."""
-    cxx = os.environ.get("CXX", "c++")
-    try:
-        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return f"{cxx}: unavailable"
-    return f"{cxx}: {(out.stdout.strip().splitlines() or ['?'])[0]}"
-
-
 def isa_level() -> str:
-    """The ISA extensions of ISA_FLAGS this CPU has (from /proc/cpuinfo; empty elsewhere). The
-    kernel picks its path at run time, so this only keeps machines that share a cache folder
-    from sharing builds across ISA levels."""
+    """The extensions of ISA_FLAGS this CPU has (from /proc/cpuinfo; empty elsewhere): which
+    of the kernel's paths can run here (for reports; not part of the build key)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

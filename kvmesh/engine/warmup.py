@@ -6,16 +6,22 @@ minute, `kvmesh_kernels.cpu_build`), and the first forward pass sets up what tor
 (or Triton, on CUDA) create lazily. The step is a prompt chunk and then one decode token in the
 first KV block(s) of a pool nobody uses yet: no scheduler, block manager or prefix cache state
 changes, and a block's contents are overwritten when it is first allocated.
+
+`KVMESH_WARMUP` chooses what runs: `full` (default), `kernels` (no step) or `off`; only
+`kvmesh bench cold-start` sets it, to measure what each part saves.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
 from kvmesh.engine.engine import LLMEngine
 
 WARMUP_TOKENS = 8  # the prompt chunk and the decode token together
+WARMUP_ENV = "KVMESH_WARMUP"
+MODES = ("full", "kernels", "off")
 
 
 @dataclass(frozen=True)
@@ -39,29 +45,36 @@ class WarmupStep:
 
 @dataclass(frozen=True)
 class WarmupReport:
-    """What `warm_up` did: the CPU kernels' state ("loaded", "disabled", "unavailable" or
-    "not used" off CPU) and the seconds each part took."""
+    """What `warm_up` did: its mode, the CPU kernels' state ("loaded", "disabled",
+    "unavailable", "not used" off CPU, "not loaded" when off) and each part's seconds."""
 
+    mode: str
     kernels: str
     kernel_seconds: float
     step_seconds: float
 
     def as_dict(self) -> dict[str, object]:
         return {
+            "mode": self.mode,
             "kernels": self.kernels,
             "kernel_seconds": round(self.kernel_seconds, 3),
             "step_seconds": round(self.step_seconds, 3),
         }
 
 
-def warm_up(engine: LLMEngine) -> WarmupReport:
+def warm_up(engine: LLMEngine, mode: str | None = None) -> WarmupReport:
     """Load the kernels and run one prompt chunk and one decode step. Call it before the
-    engine serves (it writes the first KV blocks, which must be unused)."""
+    engine serves (it writes the first KV blocks, which must be unused). `mode` defaults to
+    `$KVMESH_WARMUP` or "full" (ValueError naming the variable when it is not in MODES)."""
+    mode = mode or os.environ.get(WARMUP_ENV, "full")
+    if mode not in MODES:
+        raise ValueError(f"{WARMUP_ENV}={mode!r}: must be one of {', '.join(MODES)}")
     started = time.monotonic()
-    kernels = load_kernels(engine.runner.device.type)
+    kernels = load_kernels(engine.runner.device.type) if mode != "off" else "not loaded"
     loaded = time.monotonic()
-    run_step(engine)
-    return WarmupReport(kernels, loaded - started, time.monotonic() - loaded)
+    if mode == "full":
+        run_step(engine)
+    return WarmupReport(mode, kernels, loaded - started, time.monotonic() - loaded)
 
 
 def load_kernels(device_type: str) -> str:
