@@ -40,9 +40,7 @@ def test_warm_up_runs_a_step_and_leaves_no_trace(tmp_path: Path) -> None:
     warmed.scheduler.block_manager.check_integrity()
 
 
-def test_warm_up_mode_from_the_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_warm_up_mode_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = LLMEngine(EngineConfig(model=str(build_tiny_model(tmp_path, "llama", "test"))))
     monkeypatch.setenv(WARMUP_ENV, "off")
     assert warm_up(engine).as_dict() == {
