@@ -3,9 +3,9 @@
 Points the kernel cache (`KVMESH_CACHE_DIR`) at a fresh temporary folder, starts `kvmesh up`
 (LocalSystem), and once the front door reports SERVING sends `--requests` requests one after
 another, timing each one's first token. Reports the start-up time, every TTFT, and the first
-request's TTFT over the last one's. `--warmup` sets the workers' `KVMESH_WARMUP` (full: kernels
-and one step before ready, the default; kernels: kernels only; off: neither) to show what each
-part saves.
+request's TTFT over the last one's (and over the median of the others, steadier on a busy
+host). `--warmup` sets the workers' `KVMESH_WARMUP` (full: kernels and one step before ready,
+the default; kernels: kernels only; off: neither) to show what each part saves.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -52,18 +53,21 @@ def run_cold_start(args: argparse.Namespace) -> int:
         started = time.monotonic()
         with LocalSystem(config) as system:
             startup = time.monotonic() - started
-            ttfts = [first_token_seconds(system.endpoint, args.max_tokens)
-                     for _ in range(args.requests)]  # fmt: skip
+            timed = [timed_request(system.endpoint, args.max_tokens) for _ in range(args.requests)]
+            ttfts = [ttft for ttft, _ in timed]
             warmups = {w.child.name: w.ready.get("warmup", {}) for w in system.workers}
     result = {"model": model, "dtype": args.dtype, "warmup": args.warmup, "startup_s": startup,
-              "ttft_s": ttfts, "first_over_last": ttfts[0] / ttfts[-1], "workers": warmups,
+              "ttft_s": ttfts, "first_over_last": ttfts[0] / ttfts[-1],
+              "first_over_median": ttfts[0] / statistics.median(ttfts[1:]), "workers": warmups,
+              "phases_ms": [phases for _, phases in timed],
               "isa": isa()}  # fmt: skip
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0
 
 
-def first_token_seconds(endpoint: str, max_tokens: int) -> float:
-    """Seconds from sending a request to its first streamed chunk (the rest is drained)."""
+def timed_request(endpoint: str, max_tokens: int) -> tuple[float, dict[str, float]]:
+    """Seconds from sending a request to its first streamed chunk, and the front door's TTFT
+    phases in ms (queue, prefill, transfer, first decode step)."""
     from kvmesh.client import Client
 
     with Client(endpoint, timeout=600.0) as client:
@@ -71,9 +75,12 @@ def first_token_seconds(endpoint: str, max_tokens: int) -> float:
         stream = iter(client.generate(PROMPT_IDS, max_tokens=max_tokens, ignore_eos=True))
         next(stream)
         first = time.monotonic() - started
-        for _ in stream:
-            pass
-    return first
+        usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    names = ("queue", "prefill", "transfer", "first_decode")
+    phases = (
+        {n: round(getattr(usage[-1], f"{n}_seconds") * 1000, 1) for n in names} if usage else {}
+    )
+    return first, phases
 
 
 def isa() -> str:
@@ -91,6 +98,9 @@ def table(result: dict[str, Any]) -> str:
         *(f"  {name}: {w}" for name, w in result["workers"].items()),
         "request  TTFT ms",
         *(f"{i + 1:>7}  {t * 1000:8.1f}" for i, t in enumerate(ttfts)),
-        f"first / request {len(ttfts)}: {result['first_over_last']:.2f}x",
+        f"phases of the first request (ms): {result['phases_ms'][0]}",
+        f"phases of the last request (ms):  {result['phases_ms'][-1]}",
+        f"first / request {len(ttfts)}: {result['first_over_last']:.2f}x; "
+        f"first / median of the others: {result['first_over_median']:.2f}x",
     ]
     return "\n".join(lines)
