@@ -134,15 +134,14 @@ def add_engine_flags(
 
 
 def _typed(flag: EngineFlag) -> Callable[[str], Any]:
-    """argparse's `type` (its name shows in argparse's "invalid ... value" error)."""
-    convert = PARSERS[flag.kind]
-    if flag.kind == "size":
+    """argparse's `type` (its __name__ shows in argparse's "invalid ... value" error)."""
+    if flag.kind != "size":
+        return PARSERS[flag.kind]
 
-        def size(text: str) -> int:
-            return parse_size(text)
+    def size(text: str) -> int:
+        return parse_size(text)
 
-        return size
-    return convert
+    return size
 
 
 def env_values(flags: list[EngineFlag], environ: Mapping[str, str]) -> dict[str, Any]:
