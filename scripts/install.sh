@@ -20,3 +20,15 @@ if [ "$extra" = "dev" ]; then
 else
     $py -m pip install -q -e .
 fi
+# Compile the fused CPU kernels now rather than at the first worker start. On a machine
+# without an NVIDIA GPU the workers run on CPU and need them: a failed build fails the install.
+# With a GPU it is a warning (CUDA workers use Triton kernels).
+echo "install: building the CPU kernels (kvmesh kernels build)"
+if ! .venv/bin/kvmesh kernels build; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        echo "install: warning: CPU kernels not built; CPU workers would use the torch reference" >&2
+    else
+        echo "install: failed: CPU workers need the CPU kernels; install g++ and rerun" >&2
+        exit 1
+    fi
+fi

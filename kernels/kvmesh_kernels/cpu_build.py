@@ -1,13 +1,21 @@
-"""Build and load the fused CPU kernel library on first use.
+"""Build, cache and load the fused CPU kernel library.
 
-The C++ sources (`csrc/cpu_paged_attention.cpp`: paged attention; `csrc/cpu_cache_ops.cpp`: KV
-write; plain C ABI + OpenMP, no torch headers) are compiled into one library with
-`torch.utils.cpp_extension.load` into `$KVMESH_CACHE_DIR/torch_extensions/<key>` (default
-`~/.cache/kvmesh/torch_extensions`), where the key hashes the sources, the compiler flags, the
-torch and Python versions and the machine architecture. Concurrent processes serialize on an
-`fcntl` lock beside that folder (released by the OS if a builder dies, unlike torch's own lock
-file, which is removed here when stale). Any failure logs one warning and leaves the library
-unavailable; callers fall back to the torch reference. `KVMESH_CPU_KERNEL=0` disables it.
+The C++ sources (`csrc/*.cpp`: paged attention, KV write, RMSNorm; plain C ABI + OpenMP, no
+torch headers) are compiled into one library with `torch.utils.cpp_extension.load` and
+published as `$KVMESH_CACHE_DIR/torch_extensions/<key>/kvmesh_cpu.so` (default
+`~/.cache/kvmesh`). The key hashes the sources and headers, the compiler flags, the torch and
+Python versions and the machine architecture, which with the flags fixes the ISA the code is
+compiled for (the baseline of the architecture: the AVX2/AVX-512 paths are chosen at run time
+by the CPU's features), so one build serves every CPU of the architecture and a cache built
+into an image works on any host; the compiler's version is not part of it.
+
+A published library is complete: it is compiled in `<key>/build/`, loaded and checked there,
+copied to a temporary name and renamed into place, so a reader never sees a half-written file
+and loads it without running the compiler. Builders serialize on an `fcntl` lock beside the
+folder (released by the OS if a builder dies); the one that gets it second finds the library
+published. Workers build it before they report ready (`kvmesh.engine.warmup`), `scripts/install.sh`
+at install (`kvmesh kernels build`). Any failure in `library()` logs one warning and leaves the
+library unavailable; callers fall back to the torch reference. `KVMESH_CPU_KERNEL=0` disables it.
 """
 
 from __future__ import annotations
@@ -19,8 +27,10 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +49,8 @@ CFLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
 ENTRY = "kvmesh_cpu_paged_attention"
 WRITE_ENTRY = "kvmesh_cpu_write_kv"
+LIB_NAME = "kvmesh_cpu.so"
+ISA_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -63,7 +75,7 @@ def sources_bytes() -> bytes:
 
 
 def build_key(source: bytes) -> str:
-    """Cache key of a build of `source` (all sources, see sources_bytes) with these flags."""
+    """Cache key of a build of `source` (all sources, see sources_bytes) on this machine."""
     import torch
 
     parts = [
@@ -76,6 +88,23 @@ def build_key(source: bytes) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+def isa_level() -> str:
+    """The extensions of ISA_FLAGS this CPU has (from /proc/cpuinfo; empty elsewhere): which
+    of the kernel's paths can run here (for reports; not part of the build key)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    have = set(line.partition(":")[2].split())
+    return ",".join(flag for flag in ISA_FLAGS if flag in have)
+
+
+def published_path(key: str | None = None) -> Path:
+    """Where the library of `key` (default: this build's) is published."""
+    return cache_root() / (key or build_key(sources_bytes())) / LIB_NAME
+
+
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
     with open(path, "a") as handle:
@@ -86,25 +115,60 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build() -> ctypes.CDLL:
+def build() -> Path:
+    """Compile and publish the library unless it is published; returns the file to load (the
+    checked build itself in the process that built it). Raises when the compiler or the
+    library fails."""
+    key = build_key(sources_bytes())
+    final = published_path(key)
+    if final.is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache_root() / f"{key}.lock"):
+        if final.is_file():  # published while we waited
+            return final
+        logger.info("building the fused CPU kernels into %s (once per key)", final.parent)
+        started = time.monotonic()
+        built = _compile(key, final.parent / "build")
+        _open(built)  # never publish a library that does not load
+        _publish(built, final)
+        logger.info("built the fused CPU kernels in %.1f s", time.monotonic() - started)
+    return built
+
+
+def _compile(key: str, build_dir: Path) -> Path:
+    """A fresh build in `build_dir` (whatever a dead builder left there is removed first)."""
     from torch.utils import cpp_extension
 
-    key = build_key(sources_bytes())
-    root = cache_root()
-    build_dir = root / key
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f"{key}.lock"):
-        # Under our lock nobody else is building, so a leftover torch lock file is stale.
-        (build_dir / "lock").unlink(missing_ok=True)
-        path = cpp_extension.load(
-            name=f"kvmesh_cpu_attn_{key}",
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+    shutil.rmtree(build_dir, ignore_errors=True)
+    build_dir.mkdir(parents=True)
+    path = cpp_extension.load(
+        name=f"kvmesh_cpu_attn_{key}",
+        sources=[str(p) for p in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    return Path(path)
+
+
+def _publish(built: Path, final: Path) -> None:
+    """Copy `built` to `final` atomically (temporary file, fsync, rename)."""
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    shutil.copyfile(built, tmp)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, final)
+
+
+def load() -> ctypes.CDLL:
+    """Build (unless published) and load the library; raises when that fails."""
+    return _open(build())
+
+
+def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     for entry in (ENTRY, WRITE_ENTRY):
         func = getattr(lib, entry)
@@ -122,10 +186,10 @@ def library() -> ctypes.CDLL | None:
     with _lock:
         if "lib" not in _state:
             try:
-                _state["lib"] = _build()
+                _state["lib"] = load()
             except Exception as exc:  # compiler missing, build error, load error
                 logger.warning(
-                    "fused CPU attention kernel unavailable, using the torch reference: %s",
+                    "fused CPU kernels unavailable, using the torch reference: %s",
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__,
                 )
                 _state["lib"] = None
@@ -134,6 +198,13 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
+
+
+def status() -> str:
+    """Load the library now: "loaded", "disabled" (KVMESH_CPU_KERNEL=0) or "unavailable"."""
+    if not enabled():
+        return "disabled"
+    return "loaded" if library() is not None else "unavailable"
 
 
 def reset_for_tests() -> None:

@@ -17,6 +17,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvmesh.cli.bench_kernels",
     "kvmesh.cli.bench_disagg",
     "kvmesh.cli.bench_transfer",
+    "kvmesh.cli.bench_cold_start",
 )
 
 

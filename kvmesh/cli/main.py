@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvmesh.cli.serve",
     "kvmesh.cli.up",
     "kvmesh.cli.generate",
+    "kvmesh.cli.kernels",
 )
 
 
@@ -30,10 +31,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvmesh",
         description="Disaggregated prefill/decode LLM serving on a paged KV cache.",
     )
+    parser.add_argument("--version", action="version", version=f"kvmesh {package_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version (the source tree's when it is not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvmesh")
+    except metadata.PackageNotFoundError:
+        import kvmesh
+
+        return kvmesh.__version__
 
 
 # OpenMP workers wait for the next parallel region by spinning, then sleeping. A process that

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import sys
@@ -21,10 +22,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.cli.supervisor import Child, ChildFailed, Supervisor
+from kvmesh.service.engine_flags import (
+    add_engine_flags,
+    engine_argv,
+    engine_flags,
+    engine_values,
+    env_values,
+    validate,
+)
 
 CONTROL_READY = re.compile(r"listening on (\S+)")
 WORKER_READY = re.compile(r"KVMESH_READY (\{.*\})")
 TRANSFER_BACKENDS = ("shm", "grpc", "gloo")
+UP_OWN_FIELDS = ("num_threads",)  # `--threads` also sets OMP_NUM_THREADS
 DEMO_PROMPT = "The paged KV cache"
 
 
@@ -175,7 +185,8 @@ def register(subparsers: Any) -> None:
         "up", help="start control plane, prefill and decode workers locally (Ctrl-C stops)"
     )
     add = parser.add_argument
-    add("--model", default=None, help="checkpoint folder (default: the embedded default model)")
+    add_engine_flags(parser, engine_flags(exclude=UP_OWN_FIELDS), omit_defaults=True)
+    add("--served-model-name", default=None, help="model name clients see (every worker)")
     add("--prefill", type=int, default=None, help="prefill workers (default 1, 0 with --colocated)")
     add("--decode", type=int, default=None, help="decode workers (default 1, 0 with --colocated)")
     add("--colocated", type=int, default=0, help="colocated workers (default %(default)s)")
@@ -183,7 +194,8 @@ def register(subparsers: Any) -> None:
     add("--port", type=int, default=None, help="front door port (default 50051; --demo: any)")
     add("--transfer-backend", choices=TRANSFER_BACKENDS, default="shm",
         help="KV transfer backend between prefill and decode (default %(default)s)")  # fmt: skip
-    add("--threads", type=int, default=None, help="torch threads per worker process")
+    add("--threads", "--num-threads", type=int, default=None,
+        help="torch (and OpenMP) threads per worker process")  # fmt: skip
     add("--startup-timeout", type=float, default=180.0, help="seconds (default %(default)s)")
     add("--verbose", action="store_true", help="show the children's logs")
     add("--demo", action="store_true", help="send one request, print it, then stop everything")
@@ -197,12 +209,15 @@ def run_up(args: argparse.Namespace) -> int:
     prefill = pair_default if args.prefill is None else args.prefill
     decode = pair_default if args.decode is None else args.decode
     try:
+        engine = worker_engine_values(args)
+        model = engine.pop("model", None)  # resolved once here, then passed to every worker
         config = UpConfig(
-            model=args.model, prefill=prefill, decode=decode,
+            model=model, prefill=prefill, decode=decode,
             colocated=args.colocated, host=args.host,
             port=(0 if args.demo else 50051) if args.port is None else args.port,
             transfer_backend=args.transfer_backend, threads=args.threads,
             startup_timeout=args.startup_timeout,
+            worker_args=worker_argv(engine, args.served_model_name),
         )  # fmt: skip
     except ValueError as error:
         print(f"kvmesh up: {error}", file=sys.stderr)
@@ -226,6 +241,24 @@ def run_up(args: argparse.Namespace) -> int:
         print("kvmesh up: stopping (draining the control plane, then the workers)", flush=True)
         system.stop()
         print("kvmesh up: stopped", flush=True)
+
+
+def worker_engine_values(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine settings for every worker: `KVMESH_<FLAG>` variables, then the command line
+    (ValueError naming the flag or variable of a bad value)."""
+    flags = engine_flags(exclude=UP_OWN_FIELDS)
+    values = {**env_values(flags, os.environ), **engine_values(args, flags)}
+    validate(values, flags)
+    return values
+
+
+def worker_argv(engine: dict[str, Any], served_model_name: str | None) -> tuple[str, ...]:
+    """`kvmesh serve ROLE` words that set `engine` (field -> value, model excluded) and the
+    served model name."""
+    words = engine_argv(engine, engine_flags(exclude=UP_OWN_FIELDS))
+    if served_model_name:
+        words += ["--served-model-name", served_model_name]
+    return tuple(words)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

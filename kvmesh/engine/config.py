@@ -6,7 +6,8 @@ returned by functions, never written back here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.scheduler_types import ALLOCATIONS, POLICIES, SCHEDULING_POLICIES
@@ -14,6 +15,12 @@ from kvmesh.engine.scheduler_types import ALLOCATIONS, POLICIES, SCHEDULING_POLI
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_DTYPES = ("auto", "int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A field with its one default, its help text and (optionally) its allowed values: what
+    the command-line flags are generated from (`kvmesh.service.engine_flags`)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -27,27 +34,33 @@ class EngineConfig:
     scheduling_policy: "decode-first" (default; running decodes join every step) or
     "prefill-first" (a step that can do prompt work holds only prompt chunks, for at most
     `max_decode_stall_tokens` prompt tokens while decodes wait); see `kvmesh.engine.scheduler`.
+    Each field's metadata holds its help text and choices.
     """
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    kv_dtype: str = "auto"
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    memory_utilization: float = 0.9
-    num_kv_blocks: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    policy: str = "continuous"
-    allocation: str = "paged"
-    scheduling_policy: str = "decode-first"
-    max_decode_stall_tokens: int = 512
-    num_threads: int | None = None
-    show_progress: bool = False
+    model: str | None = _setting(None, "checkpoint folder (default: the embedded model)")
+    dtype: str = _setting("auto", "weight and activation dtype", DTYPES)
+    device: str = _setting("auto", "where the engine runs", DEVICES)
+    kv_dtype: str = _setting("auto", "KV cache storage dtype (auto: the model's)", KV_DTYPES)
+    block_size: int = _setting(16, "tokens per KV block")
+    kv_cache_memory: int | None = _setting(None, "KV pool budget in bytes, e.g. 256MiB")
+    memory_utilization: float = _setting(0.9, "fraction of GPU memory for weights and KV")
+    num_kv_blocks: int | None = _setting(None, "exact KV pool size in blocks (overrides budgets)")
+    max_model_len: int | None = _setting(None, "longest sequence (default: the model's)")
+    max_num_seqs: int = _setting(256, "most sequences in one step")
+    max_num_batched_tokens: int = _setting(2048, "most tokens in one step")
+    enable_chunked_prefill: bool = _setting(True, "split long prompts over several steps")
+    enable_prefix_caching: bool = _setting(True, "reuse cached KV blocks of equal prefixes")
+    policy: str = _setting("continuous", "batching (static: a benchmark baseline)", POLICIES)
+    allocation: str = _setting("paged", "KV allocation (contiguous: a baseline)", ALLOCATIONS)
+    scheduling_policy: str = _setting(
+        "decode-first",
+        "decode-first: running decodes join every step; prefill-first: a step that can do "
+        "prompt work runs only prompt chunks (bounded decode stall)",
+        SCHEDULING_POLICIES,
+    )
+    max_decode_stall_tokens: int = _setting(512, "prefill-first: prompt tokens decodes may wait")
+    num_threads: int | None = _setting(None, "torch CPU threads (default: torch's)")
+    show_progress: bool = _setting(False, "print the KV capacity line at start")
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)

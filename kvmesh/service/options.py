@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvmesh.engine.config import SCHEDULING_POLICIES, EngineConfig
+from kvmesh.engine.config import EngineConfig
+from kvmesh.service.engine_flags import (
+    add_engine_flags,
+    apply_env,
+    check_values,
+    engine_flags,
+    engine_values,
+)
 from kvmesh.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -22,40 +29,21 @@ ROLES = {
     "decode": worker_pb2.WORKER_ROLE_DECODE,
     "colocated": worker_pb2.WORKER_ROLE_COLOCATED,
 }
-
-
-def _size(text: str) -> int:
-    """Bytes from `123`, `512MiB`, `2GiB`, `1G`."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    value = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if value and value[-1] in units:
-        return int(float(value[:-1]) * units[value[-1]])
-    return int(value)
+SERVED_NAME_ENV = "KVMESH_SERVED_MODEL_NAME"
 
 
 def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
+    """Every option of `kvmesh serve ROLE`: the engine's (generated from EngineConfig, see
+    `kvmesh.service.engine_flags`) and the worker's own."""
     p = argparse.ArgumentParser(prog=f"kvmesh serve {role}", description=f"kvmesh {role} worker")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: embedded tiny)")
+    add_engine_flags(p, engine_flags())
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients see (default: the checkpoint folder's name; "
+                   "env KVMESH_SERVED_MODEL_NAME)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--control", default=None, help="control plane HOST:PORT to register with")
     p.add_argument("--worker-id", default=None, help="default: ROLE-HOST-PID")
-    p.add_argument("--kv-cache-memory", type=_size, default=None, help="KV budget, e.g. 256MiB")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument(
-        "--scheduling-policy",
-        choices=SCHEDULING_POLICIES,
-        default="decode-first",
-        help="decode-first: running decodes join every step; prefill-first: a step that can do "
-        "prompt work runs only prompt chunks (bounded decode stall)",
-    )
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     if transfer:
         p.add_argument(
             "--transfer-backend",
@@ -85,27 +73,26 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of parsed options (the model folder resolved)."""
     from kvmesh.engine.loader import resolve_model_path
 
-    return EngineConfig(
-        model=str(resolve_model_path(args.model)),
-        device=args.device,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        scheduling_policy=args.scheduling_policy,
-        num_threads=args.num_threads,
-    )
+    values = engine_values(args, engine_flags())
+    values["model"] = str(resolve_model_path(values.get("model")))
+    return EngineConfig(**values)
 
 
-def build_runtime(config: EngineConfig, role: str, worker_id: str | None = None) -> WorkerRuntime:
-    """Load the model, start the engine thread and describe the worker."""
+def build_runtime(
+    config: EngineConfig,
+    role: str,
+    worker_id: str | None = None,
+    served_model_name: str | None = None,
+) -> WorkerRuntime:
+    """Load the model, warm it up (kernels built and loaded, one step run; see
+    `kvmesh.engine.warmup`), start the engine thread and describe the worker (its ModelInfo
+    names the model `served_model_name`, default the checkpoint folder's name)."""
     from kvmesh.engine.async_engine import AsyncLLMEngine
     from kvmesh.engine.engine import LLMEngine
+    from kvmesh.engine.warmup import warm_up
     from kvmesh.service.runtime import (
         WorkerRuntime,
         layout_of,
@@ -115,13 +102,15 @@ def build_runtime(config: EngineConfig, role: str, worker_id: str | None = None)
     )
 
     engine = LLMEngine(config)
+    warmup = warm_up(engine)  # before the engine thread starts: nothing else uses the engine
     fingerprint = model_fingerprint(engine.parts.loaded.path)
     return WorkerRuntime(
         engine=AsyncLLMEngine(engine=engine, name=f"kvmesh-{role}-engine"),
         worker_id=worker_id or default_worker_id(role),
         epoch=new_epoch(),
         layout=layout_of(engine, fingerprint),
-        model=model_info(engine, role),
+        model=model_info(engine, role, served_model_name),
+        warmup=warmup.as_dict(),
     )
 
 
@@ -129,5 +118,21 @@ def default_worker_id(role: str) -> str:
     return f"{role}-{os.uname().nodename}-{os.getpid()}"
 
 
-def parse(role: str, argv: Sequence[str] | None, *, transfer: bool = True) -> argparse.Namespace:
-    return parser(role, transfer=transfer).parse_args(list(argv or []))
+def parse(
+    role: str,
+    argv: Sequence[str] | None,
+    *,
+    transfer: bool = True,
+    environ: Mapping[str, str] | None = None,
+) -> argparse.Namespace:
+    """Parsed options: `KVMESH_*` variables of `environ` (default os.environ) set defaults, the
+    command line wins; an invalid value exits with an error naming its flag or variable."""
+    environ = os.environ if environ is None else environ
+    p = parser(role, transfer=transfer)
+    flags = engine_flags()
+    apply_env(p, flags, environ)
+    if SERVED_NAME_ENV in environ:
+        p.set_defaults(served_model_name=environ[SERVED_NAME_ENV])
+    args = p.parse_args(list(argv or []))
+    check_values(p, args, flags)
+    return args

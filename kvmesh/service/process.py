@@ -53,7 +53,7 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
     setup_tracing(f"kvmesh-{role}")
 
     async def main(stop: asyncio.Event) -> None:
-        runtime = build_runtime(engine_config(args), role, args.worker_id)
+        runtime = build_runtime(engine_config(args), role, args.worker_id, args.served_model_name)
         try:
             await serve(runtime, stop)
         finally:
@@ -82,6 +82,7 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
             epoch=runtime.epoch,
             metrics_address=metrics_address,
             transfer_endpoints=services.transfer_endpoints,
+            warmup=runtime.warmup,
         )
         await stop.wait()
         LOG.info("%s %s draining", role, runtime.worker_id)

@@ -71,12 +71,14 @@ def check_layout(ours: worker_pb2.KVCacheLayout, theirs: worker_pb2.KVCacheLayou
     return None
 
 
-def model_info(engine: LLMEngine, mode: str) -> generation_pb2.ModelInfo:
+def model_info(
+    engine: LLMEngine, mode: str, served_name: str | None = None
+) -> generation_pb2.ModelInfo:
     parts = engine.parts
     hf = parts.loaded.hf_config
     archs = getattr(hf, "architectures", None) or [type(parts.loaded.model).__name__]
     return generation_pb2.ModelInfo(
-        model_name=parts.loaded.path.name,
+        model_name=served_name or parts.loaded.path.name,
         architecture=str(archs[0]),
         vocab_size=engine.runner.vocab_size,
         max_model_len=parts.max_model_len,
@@ -100,6 +102,7 @@ class WorkerRuntime:
     epoch: int
     layout: worker_pb2.KVCacheLayout
     model: generation_pb2.ModelInfo
+    warmup: dict[str, Any] = dataclasses.field(default_factory=dict)  # WarmupReport.as_dict
 
     @property
     def core(self) -> LLMEngine:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,11 +37,16 @@ def test_import_does_not_build_or_import_torch() -> None:
     assert out.stdout.split() == ["False", "False"]
 
 
-def test_build_key_changes_with_source_and_cache_dir_follows_env(
+def test_build_key_changes_with_source_and_flags_and_cache_dir_follows_env(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     assert cpu_build.build_key(b"a") != cpu_build.build_key(b"b")
     assert cpu_build.build_key(b"a") == cpu_build.build_key(b"a")
+    key = cpu_build.build_key(b"a")
+    monkeypatch.setattr(cpu_build, "CFLAGS", (*cpu_build.CFLAGS, "-march=native"))
+    assert cpu_build.build_key(b"a") != key
+    assert set(cpu_build.isa_level().split(",")) <= {"", *cpu_build.ISA_FLAGS}
+    assert cpu_build.HEADERS[0].name.encode() in cpu_build.sources_bytes()
     monkeypatch.setenv(cpu_build.CACHE_DIR_ENV, str(tmp_path))
     assert cpu_build.cache_root() == tmp_path / "torch_extensions"
     assert cpu_build.SOURCE.is_file()
@@ -51,16 +58,14 @@ def test_env_switch_disables_kernel(monkeypatch: pytest.MonkeyPatch, fresh_state
 
 
 def test_build_failure_warns_once_and_falls_back(
-    monkeypatch: pytest.MonkeyPatch, fresh_state: None, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_state: None,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
 ) -> None:
-    calls = []
-
-    def broken() -> None:
-        calls.append(1)
-        raise RuntimeError("Error building extension: g++ not found")
-
     monkeypatch.setenv(cpu_build.ENV_DISABLE, "1")
-    monkeypatch.setattr(cpu_build, "_build", broken)
+    monkeypatch.setenv(cpu_build.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     pc = random_paged_cache([12, 3], num_kv_heads=1, head_dim=64, block_size=8)
     query = torch.randn(2, 2, 64)  # [batch, Hq, D]
     layer = pc.cache.layer(0)
@@ -68,9 +73,39 @@ def test_build_failure_warns_once_and_falls_back(
     with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
         for _ in range(3):
             out = paged_decode_attention(query, layer, pc.block_tables, pc.seq_lens, scale=0.1)
-    assert len(calls) == 1
-    assert [r.levelno for r in caplog.records] == [logging.WARNING]
-    assert "g++ not found" in caplog.records[0].getMessage()
+    warnings = [r for r in caplog.records if r.name == cpu_build.__name__]
+    assert len(warnings) == 1  # one build attempt, then the reference serves
+    assert "unavailable" in warnings[0].getMessage()
+    assert not any(tmp_path.rglob(cpu_build.LIB_NAME))  # nothing published
     ref = torch_paged_decode_attention(query, layer, pc.block_tables, pc.seq_lens, scale=0.1)
     assert torch.equal(out, ref)
     assert dispatch._fused_cpu(query, layer) is None
+
+
+BUILD_AND_REPORT = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from kvmesh_kernels import cpu_build
+status = cpu_build.status()
+print(json.dumps({"status": status, "published": str(cpu_build.published_path())}))
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_building_into_one_fresh_cache_both_load_one_build(tmp_path: Path) -> None:
+    """Started together on an empty cache folder: one compiles and publishes, the other waits
+    on the lock and loads the published library; no temporary file is left behind."""
+    env = {**os.environ, cpu_build.CACHE_DIR_ENV: str(tmp_path), cpu_build.ENV_DISABLE: "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", BUILD_AND_REPORT], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]  # fmt: skip
+    results = [proc.communicate(timeout=280) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], results[0][1][-2000:]
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
+    assert [r["status"] for r in reports] == ["loaded", "loaded"]
+    published = Path(reports[0]["published"])
+    assert reports[1]["published"] == str(published) and published.is_file()
+    assert sum("building the fused CPU kernels" in err for _, err in results) == 1
+    assert [p.name for p in published.parent.iterdir() if p.is_file()] == [cpu_build.LIB_NAME]
