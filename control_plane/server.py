@@ -18,6 +18,7 @@ from control_plane.cluster import Cluster
 from control_plane.config import ControlConfig
 from control_plane.control_service import ControlServicer, Reaper
 from control_plane.front_door import FrontDoor
+from control_plane.generation_service import GenerationServicer
 from kvmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 LOG = logging.getLogger("kvmesh.control_plane")
@@ -57,7 +58,9 @@ class ControlServer:
 
     async def start(self) -> None:
         server = self._server
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(self.front_door, server)
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(self.front_door), server
+        )
         worker_pb2_grpc.add_ControlServiceServicer_to_server(ControlServicer(self.cluster), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.config.reflection:
