@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
@@ -58,7 +58,7 @@ class FrontDoor:
 
     async def generate(
         self, request: generation_pb2.GenerateRequest, timeout: float | None = None
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """Admit, run and finish one request; `timeout` is the client's remaining time.
 
         Raises RpcFailure (admission refused, or the run failed: its blocks are released
