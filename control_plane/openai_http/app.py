@@ -103,7 +103,7 @@ class OpenAIApp:
                         parsed.logprobs)  # fmt: skip
         parsed.request.request_id = answer.id
         if parsed.user:
-            LOG.info("request %s from user %r", answer.id, parsed.user)
+            LOG.debug("request %s from user %r", answer.id, parsed.user)
         responses = self.door.generate(parsed.request)
         prompt_param = "prompt" if kind == "completion" else "messages"
         try:
