@@ -25,6 +25,16 @@ def check_request_id(request_id: str) -> None:
         raise FieldError("request_id must be printable ASCII")
 
 
+def check_chat(chat: generation_pb2.ChatMessages) -> None:
+    """At least one message, each with a non-empty role (the template's checks are the
+    worker's)."""
+    if not chat.messages:
+        raise FieldError("prompt.chat.messages must contain at least one message")
+    for i, message in enumerate(chat.messages):
+        if not message.role:
+            raise FieldError(f"prompt.chat.messages[{i}].role must not be empty")
+
+
 def check_generate_request(request: generation_pb2.GenerateRequest) -> str:
     """Validate structure; returns the request id to use (assigned when empty)."""
     request_id = request.request_id
@@ -32,11 +42,13 @@ def check_generate_request(request: generation_pb2.GenerateRequest) -> str:
         check_request_id(request_id)
     which = request.WhichOneof("prompt")
     if which is None:
-        raise FieldError("prompt: set either text or token_ids")
+        raise FieldError("prompt: set text, token_ids or chat")
     if which == "text" and not request.text:
         raise FieldError("text must not be empty")
     if which == "token_ids" and not request.token_ids.ids:
         raise FieldError("token_ids.ids must not be empty")
+    if which == "chat":
+        check_chat(request.chat)
     if len(request.cache_salt) > MAX_CACHE_SALT_BYTES:
         raise FieldError(f"cache_salt is longer than {MAX_CACHE_SALT_BYTES} bytes")
     sampling = request.sampling

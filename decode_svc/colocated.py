@@ -54,6 +54,7 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedServiceServicer):
                     first,
                     queue_seconds=added - arrival,
                     prefill_seconds=time.monotonic() - added,
+                    tokenizer=self.runtime.core.tokenizer,
                 )
                 async for response in outputs:
                     yield response

@@ -115,7 +115,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                     lambda e: disagg.join_prefilled(e, res.request, first_token, logprobs),
                 )
                 try:
-                    async for response in responses(stream, started):
+                    tokenizer = self.runtime.core.tokenizer
+                    async for response in responses(stream, started, tokenizer=tokenizer):
                         yield response
                     finished = stream.finished
                 finally:

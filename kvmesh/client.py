@@ -5,6 +5,7 @@
         for chunk in client.generate("Hello", max_tokens=32, temperature=0):
             print(chunk.text, end="")
         result = client.complete([1, 2, 3], max_tokens=8, timeout=10)
+        reply = client.complete_chat([{"role": "user", "content": "Hi"}], max_tokens=32)
 
 Sampling keywords are the fields of `kvmesh.v1.SamplingParams` (vLLM's names); unset ones take
 the server's defaults. `timeout` (seconds) is the gRPC deadline of the call, i.e. the request's
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -34,7 +35,8 @@ FINISH_REASONS = {
     generation_pb2.FINISH_REASON_ABORT: "abort",
 }
 _REPEATED_SAMPLING = frozenset({"stop", "stop_token_ids"})
-Prompt = str | Sequence[int]
+Messages = Sequence[Mapping[str, str]]  # [{"role": "user", "content": "..."}, ...]
+Prompt = str | Sequence[int] | Messages  # text, token ids or a conversation
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -219,16 +221,22 @@ def collect(request_id: str, chunks: list[Chunk]) -> Result:
 
 
 def build_request(
-    prompt: Prompt, request_id: str | None = None, cache_salt: bytes = b"", **sampling: Any
+    prompt: Prompt,
+    request_id: str | None = None,
+    cache_salt: bytes = b"",
+    **sampling: Any,
 ) -> generation_pb2.GenerateRequest:
-    """A GenerateRequest; unknown sampling keywords raise TypeError naming them."""
+    """A GenerateRequest for text, token ids or a conversation (a list of {"role", "content"}
+    mappings); unknown sampling keywords raise TypeError naming them."""
     request = generation_pb2.GenerateRequest(
         request_id=request_id or f"cli-{uuid.uuid4().hex}", cache_salt=cache_salt
     )
     if isinstance(prompt, str):
         request.text = prompt
+    elif prompt and isinstance(prompt[0], Mapping):
+        request.chat.CopyFrom(chat_messages(cast(Messages, prompt)))
     else:
-        request.token_ids.ids.extend(int(i) for i in prompt)
+        request.token_ids.ids.extend(int(i) for i in cast(Sequence[int], prompt))
     known = generation_pb2.SamplingParams.DESCRIPTOR.fields_by_name
     for name, value in sampling.items():
         if name not in known:
@@ -240,6 +248,20 @@ def build_request(
         else:
             setattr(request.sampling, name, value)
     return request
+
+
+def chat_messages(messages: Messages) -> generation_pb2.ChatMessages:
+    """The wire form of a conversation; TypeError for an item that is not a mapping of strings
+    with role and content (the server checks the rest)."""
+    chat = generation_pb2.ChatMessages()
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"messages[{i}] must be a mapping with role and content")
+        try:
+            chat.messages.add(role=message["role"], content=message["content"])
+        except (KeyError, TypeError) as exc:
+            raise TypeError(f"messages[{i}] needs string role and content ({exc})") from None
+    return chat
 
 
 # -- clients ---------------------------------------------------------------------------------
@@ -290,7 +312,8 @@ class Client:
         self, prompt: Prompt, *, request_id: str | None = None, timeout: float | None = None,
         cache_salt: bytes = b"", **sampling: Any,
     ) -> Stream:  # fmt: skip
-        """Start a request; iterate the returned Stream for its chunks."""
+        """Start a request (text, token ids, or a conversation as chat takes it); iterate the
+        returned Stream for its chunks."""
         request = build_request(prompt, request_id, cache_salt, **sampling)
         call = self._stub.Generate(request, timeout=timeout or self.timeout)
         return Stream(request.request_id, call)
@@ -298,6 +321,16 @@ class Client:
     def complete(self, prompt: Prompt, **kwargs: Any) -> Result:
         """Run a request to the end and return its completions (same arguments as generate)."""
         stream = self.generate(prompt, **kwargs)
+        return collect(stream.request_id, list(stream))
+
+    def chat(self, messages: Messages, **kwargs: Any) -> Stream:
+        """Start a chat request: `messages` rendered with the model's chat template (with the
+        assistant's turn opened); other arguments as generate."""
+        return self.generate(_as_chat(messages), **kwargs)
+
+    def complete_chat(self, messages: Messages, **kwargs: Any) -> Result:
+        """Run a chat request to the end (arguments as chat)."""
+        stream = self.chat(messages, **kwargs)
         return collect(stream.request_id, list(stream))
 
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
@@ -358,6 +391,13 @@ class AsyncClient:
         chunks = [c async for c in self.generate(prompt, request_id=request_id, **kwargs)]
         return collect(request_id, chunks)
 
+    def chat(self, messages: Messages, **kwargs: Any) -> AsyncIterator[Chunk]:
+        """Async iterator of a chat request's chunks (arguments as Client.chat)."""
+        return self.generate(_as_chat(messages), **kwargs)
+
+    async def complete_chat(self, messages: Messages, **kwargs: Any) -> Result:
+        return await self.complete(_as_chat(messages), **kwargs)
+
     async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         request = generation_pb2.AbortRequest(request_id=request_id)
         with typed_errors():
@@ -377,3 +417,13 @@ class AsyncClient:
         except grpc.RpcError:
             return False
         return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _as_chat(messages: Messages) -> list[Mapping[str, str]]:
+    """`messages` as a list; an empty one or a plain string is a TypeError (not a chat)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError("messages must be a list of {'role', 'content'} mappings")
+    listed = list(messages)
+    if not listed:
+        raise ValueError("messages must contain at least one message")
+    return listed

@@ -1,5 +1,8 @@
 """`kvmesh generate [--model DIR] "prompt"`: generate offline and stream the text.
 
+`--chat "question"` (with an optional `--system "..."`) sends a conversation instead, rendered
+with the model's chat template.
+
 The request is built from the arguments once (`request_from_args`) and run on an in-process
 engine; with `--target HOST:PORT` it goes to a running system instead (`generate_remote`).
 """
@@ -28,6 +31,10 @@ def register(subparsers: Any) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", default=None, help="prompt text")
     parser.add_argument("--prompt-ids", default=None, help="token-id prompt: 1,2,3")
+    parser.add_argument(
+        "--chat", default=None, metavar="TEXT", help="a user message, in the chat template"
+    )
+    parser.add_argument("--system", default=None, metavar="TEXT", help="system message (--chat)")
     parser.add_argument("--model", default=None, help="checkpoint folder (default: tiny model)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -40,14 +47,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="end with a JSON line of results")
 
 
+def chat_from_args(args: argparse.Namespace) -> list[dict[str, str]] | None:
+    """The conversation of `--chat` (after `--system` when given), or None without `--chat`."""
+    if getattr(args, "chat", None) is None:
+        if getattr(args, "system", None) is not None:
+            raise SystemExit("kvmesh generate: --system needs --chat")
+        return None
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    return [*system, {"role": "user", "content": args.chat}]
+
+
 def request_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(prompt: str | list[int], SamplingParams) from the command line."""
+    """(prompt: str | list[int] | conversation, SamplingParams) from the command line."""
     from kvmesh.engine.errors import InvalidParameterError
     from kvmesh.engine.sampling_params import SamplingParams
 
-    if (args.prompt is None) == (args.prompt_ids is None):
-        raise InvalidParameterError("prompt", "give either a prompt text or --prompt-ids")
-    prompt: Any = args.prompt
+    chat = chat_from_args(args)
+    given = [x is not None for x in (args.prompt, args.prompt_ids, chat)]
+    if sum(given) != 1:
+        raise InvalidParameterError("prompt", "give one of a prompt text, --prompt-ids or --chat")
+    prompt: Any = args.prompt if chat is None else chat
     if args.prompt_ids is not None:
         try:
             prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -67,11 +86,15 @@ def request_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def stream_local(args: argparse.Namespace, prompt: Any, params: Any) -> Iterator[Any]:
-    """RequestOutputs of one request run on an in-process engine."""
+    """RequestOutputs of one request run on an in-process engine (a conversation is rendered
+    with the model's chat template)."""
+    from kvmesh.engine.chat import chat_prompt_ids
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=args.model, show_progress=True))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        prompt = chat_prompt_ids(engine.tokenizer, prompt, engine.parts.max_model_len, "chat")
     engine.add_request("cli-0", prompt, params)
     while engine.has_unfinished():
         yield from engine.step()

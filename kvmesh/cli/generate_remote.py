@@ -75,7 +75,15 @@ def sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return sampling
 
 
-def prompt_from_args(args: argparse.Namespace) -> str | list[int]:
+def prompt_from_args(args: argparse.Namespace) -> Any:
+    """Token ids (--prompt-ids), a conversation (--chat, --system) or the prompt text."""
+    from kvmesh.cli.generate import chat_from_args
+
+    chat = chat_from_args(args)
+    if chat is not None:
+        if getattr(args, "prompt", None) or getattr(args, "prompt_ids", None):
+            raise SystemExit("kvmesh generate: give either a prompt, --prompt-ids or --chat")
+        return chat
     if getattr(args, "prompt_ids", None):
         return _ids(args.prompt_ids, "--prompt-ids")
     prompt = getattr(args, "prompt", None)

@@ -1,8 +1,10 @@
 """Incremental detokenization and stop strings, one `SequenceText` per generated sequence.
 
 Text grows only by complete characters: a token that ends inside a multi-byte character (the
-decoded text ends in U+FFFD) is held until the character completes. A few prompt tokens serve
-as left context so tokenizers that drop a leading space on the first token still decode right.
+decoded text ends in U+FFFD) is held until the character completes; `flush()` at the end of the
+sequence releases what is still held, so the streamed pieces always join to the full decode. A
+few prompt tokens serve as left context so tokenizers that drop a leading space on the first
+token still decode right.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ _REPLACEMENT = "\ufffd"
 class SequenceText:
     """Text of one sequence's output, stop-string aware.
 
-    `append(new_ids)` returns the newly visible text. After a stop string matched, `stopped_by`
-    holds it and `text` ends right before it (or after it with include_stop_str_in_output).
+    `append(new_ids)` returns the newly visible text; `flush()` the held rest once no more ids
+    come. After a stop string matched, `stopped_by` holds it and `text` ends right before it
+    (or after it with include_stop_str_in_output).
     """
 
     def __init__(
@@ -44,9 +47,19 @@ class SequenceText:
         if self._tokenizer is None or self.stopped_by is not None:
             return ""
         self._ids.extend(new_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The text still held at the end of the sequence (an incomplete character shows as
+        U+FFFD); afterwards `text` is the full decode (up to a stop string)."""
+        if self._tokenizer is None or self.stopped_by is not None:
+            return ""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
-        if len(after) <= len(before) or after.endswith(_REPLACEMENT):
+        if len(after) <= len(before) or (after.endswith(_REPLACEMENT) and not final):
             return ""
         delta = after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)

@@ -173,6 +173,8 @@ class LLMEngine:
             tracked.metrics.first_token_time = now
         text = tracked.texts[seq.seq_id]
         out.new_text += text.append(new_ids)
+        if seq.status.is_finished:
+            out.new_text += text.flush()
         out.text = text.text
         if text.stopped_by is not None and not seq.status.is_finished:
             self.scheduler.finish_sequence(seq.seq_id, "stop", text.stopped_by)

@@ -4,6 +4,7 @@
     llm = LLM()                                   # embedded default tiny model
     llm = LLM(model="path/to/checkpoint", max_num_seqs=64)
     outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32))
+    outputs = llm.chat([{"role": "user", "content": "Hi"}])   # the model's chat template
 
 Keyword arguments are EngineConfig fields. Results come back in prompt order.
 """
@@ -14,6 +15,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from kvmesh.engine.chat import Message, chat_prompt_ids
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine, PromptInput
 from kvmesh.engine.errors import InvalidParameterError
@@ -61,6 +63,32 @@ class LLM:
                 if output.finished:
                     finished[output.request_id] = output
         return [finished[request_id] for request_id in order]
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation (a list of {"role", "content"})
+        or to each of a list of conversations, rendered with the model's chat template and
+        its generation prompt; outputs as `generate`. InvalidParameterError names the field
+        (`messages`, `messages[i].role`, ... or `messages[k]...` for the k-th conversation)."""
+        conversations, single = _as_conversations(messages)
+        max_len = self.engine.parts.max_model_len
+        prompts: list[PromptInput] = [
+            chat_prompt_ids(
+                self.engine.tokenizer, conv, max_len, "messages" if single else f"messages[{k}]"
+            )
+            for k, conv in enumerate(conversations)
+        ]
+        return self.generate(prompts, sampling_params)
+
+
+def _as_conversations(messages: Any) -> tuple[list[Any], bool]:
+    """(conversations, whether one was given): a list whose items are lists is a batch."""
+    if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple)):
+        return list(messages), False
+    return [messages], True
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

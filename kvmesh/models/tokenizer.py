@@ -77,3 +77,19 @@ def save_byte_tokenizer(out_dir: Path, model_max_length: int) -> None:
     config_path.write_text(json.dumps(config, indent=2) + "\n")
     special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+# A minimal chat template for the byte-level tokenizer (it has none by default): BOS, then each
+# message as `<|role|>\ncontent\n`, then `<|assistant|>\n` when the generation prompt is asked.
+SIMPLE_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def set_chat_template(model_dir: Path, template: str = SIMPLE_CHAT_TEMPLATE) -> None:
+    """Give a checkpoint's tokenizer a chat template (written into tokenizer_config.json)."""
+    config_path = Path(model_dir) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config, indent=2) + "\n")

@@ -6,6 +6,7 @@ engine's own rules (`InvalidParameterError` names the field).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvmesh.engine.outputs import CompletionOutput, RequestOutput
@@ -50,12 +51,24 @@ def sampling_from_proto(message: generation_pb2.SamplingParams) -> SamplingParam
     return SamplingParams(**kwargs)
 
 
-def logprobs_to_proto(item: TokenLogprobs) -> generation_pb2.TokenLogprobs:
+def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each token decoded alone, special tokens kept (a partial UTF-8 character reads as
+    U+FFFD); empty strings without a tokenizer."""
+    if tokenizer is None:
+        return [""] * len(ids)
+    return [str(tokenizer.decode([i], skip_special_tokens=False)) for i in ids]
+
+
+def logprobs_to_proto(item: TokenLogprobs, tokenizer: Any = None) -> generation_pb2.TokenLogprobs:
+    """The wire form; with a tokenizer, `token` / `top_tokens` carry the tokens' text."""
+    texts = token_texts(tokenizer, [item.sampled_token_id, *item.top_token_ids])
     return generation_pb2.TokenLogprobs(
         token_id=item.sampled_token_id,
         logprob=item.sampled_logprob,
         top_token_ids=list(item.top_token_ids),
         top_logprobs=list(item.top_logprobs),
+        token=texts[0],
+        top_tokens=texts[1:],
     )
 
 
@@ -70,12 +83,17 @@ def logprobs_from_proto(message: generation_pb2.TokenLogprobs) -> TokenLogprobs:
     )
 
 
-def completion_response(out: CompletionOutput, cached_tokens: int) -> worker_pb2.DecodeResponse:
-    """The delta of one completion since its previous output (new ids, text, logprobs)."""
+def completion_response(
+    out: CompletionOutput, cached_tokens: int, tokenizer: Any = None
+) -> worker_pb2.DecodeResponse:
+    """The delta of one completion since its previous output (new ids, text, logprobs; token
+    text in the logprobs when `tokenizer` is given)."""
     new = out.new_token_ids
     response = worker_pb2.DecodeResponse(index=out.index, token_ids=new, text=out.new_text)
     if out.logprobs and new:
-        response.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs[-len(new) :])
+        response.logprobs.extend(
+            logprobs_to_proto(lp, tokenizer) for lp in out.logprobs[-len(new) :]
+        )
     if out.finish_reason is not None:
         response.finish_reason = FINISH_REASONS.get(
             out.finish_reason, generation_pb2.FINISH_REASON_UNSPECIFIED
@@ -89,21 +107,23 @@ def completion_response(out: CompletionOutput, cached_tokens: int) -> worker_pb2
     return response
 
 
-def decode_responses(output: RequestOutput) -> list[worker_pb2.DecodeResponse]:
+def decode_responses(
+    output: RequestOutput, tokenizer: Any = None
+) -> list[worker_pb2.DecodeResponse]:
     """Responses for every completion that changed in `output` (new tokens or finished)."""
     return [
-        completion_response(out, output.num_cached_tokens)
+        completion_response(out, output.num_cached_tokens, tokenizer)
         for out in output.outputs
         if out.new_token_ids or out.new_text or out.finish_reason is not None
     ]
 
 
-def first_tokens(output: RequestOutput) -> list[worker_pb2.FirstToken]:
+def first_tokens(output: RequestOutput, tokenizer: Any = None) -> list[worker_pb2.FirstToken]:
     """The first token of every completion of a prefilled request."""
     result = []
     for out in output.outputs:
         first = worker_pb2.FirstToken(index=out.index, token_id=out.token_ids[0])
         if out.logprobs:
-            first.logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
+            first.logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0], tokenizer))
         result.append(first)
     return result

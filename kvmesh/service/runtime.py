@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import os
@@ -12,6 +13,7 @@ from typing import Any
 import grpc
 
 from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.chat import chat_prompt_ids, check_text_size, has_chat_template
 from kvmesh.engine.disagg import build_request
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.errors import InvalidParameterError
@@ -85,6 +87,7 @@ def model_info(engine: LLMEngine, mode: str) -> generation_pb2.ModelInfo:
         max_stop_strings=MAX_STOP_STRINGS,
         max_stop_string_chars=MAX_STOP_STRING_CHARS,
         max_logprobs=MAX_LOGPROBS,
+        has_chat_template=has_chat_template(engine.tokenizer),
     )
 
 
@@ -124,29 +127,22 @@ class WorkerRuntime:
         self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrepareResponse:
         """PrefillService.Prepare of every role: the prepared request, or INVALID_ARGUMENT
-        naming the field."""
+        naming the field. Rendering and tokenizing (bounded in size) run in a thread, so the
+        event loop (heartbeats, streams) never waits for them."""
         try:
-            return worker_pb2.PrepareResponse(request=self.prepare(request.request))
+            prepared = await asyncio.to_thread(self.prepare, request.request)
+            return worker_pb2.PrepareResponse(request=prepared)
         except Exception as exc:
             await abort_with(context, exc)
             raise
 
     def prepare(self, message: generation_pb2.GenerateRequest) -> worker_pb2.EngineRequest:
-        """Validate and tokenize a client request (InvalidParameterError names the field)."""
+        """Validate and tokenize a client request (InvalidParameterError names the field).
+        Safe to call from any thread: it only reads the engine's fixed parts."""
         if not message.request_id:
             raise InvalidParameterError("request_id", "must not be empty")
         params = sampling_from_proto(message.sampling)
-        which = message.WhichOneof("prompt")
-        if which == "text":
-            if self.core.tokenizer is None:
-                raise InvalidParameterError("prompt.text", "this model has no tokenizer")
-            if not message.text:
-                raise InvalidParameterError("prompt", "must contain at least one token")
-            ids = list(self.core.tokenizer.encode(message.text))
-        elif which == "token_ids":
-            ids = list(message.token_ids.ids)
-        else:
-            raise InvalidParameterError("prompt", "set text or token_ids")
+        ids = self.prompt_ids(message)
         self.build(message.request_id, ids, params, message.cache_salt)
         return worker_pb2.EngineRequest(
             request_id=message.request_id,
@@ -154,6 +150,27 @@ class WorkerRuntime:
             sampling=message.sampling,
             cache_salt=message.cache_salt,
         )
+
+    def prompt_ids(self, message: generation_pb2.GenerateRequest) -> list[int]:
+        """The prompt's token ids: text tokenized, a conversation rendered with the chat
+        template, token ids as given; text is size-checked before any tokenizing."""
+        which = message.WhichOneof("prompt")
+        tokenizer, max_len = self.core.tokenizer, self.model.max_model_len
+        if which == "token_ids":
+            return list(message.token_ids.ids)
+        if which == "text":
+            if tokenizer is None:
+                raise InvalidParameterError("prompt.text", "this model has no tokenizer")
+            if not message.text:
+                raise InvalidParameterError("prompt", "must contain at least one token")
+            check_text_size(len(message.text), max_len, "prompt.text")
+            return list(tokenizer.encode(message.text))
+        if which == "chat":
+            if not has_chat_template(tokenizer):
+                raise InvalidParameterError("prompt.chat", "this model has no chat template")
+            chat = [{"role": m.role, "content": m.content} for m in message.chat.messages]
+            return chat_prompt_ids(tokenizer, chat, max_len, "prompt.chat.messages")
+        raise InvalidParameterError("prompt", "set text, token_ids or chat")
 
     def request_from(self, message: worker_pb2.EngineRequest, prefill_only: bool) -> Request:
         """The engine Request of a prepared request, re-validated (a worker trusts no caller)."""

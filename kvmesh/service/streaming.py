@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
@@ -18,9 +19,11 @@ async def responses(
     *,
     queue_seconds: float = 0.0,
     prefill_seconds: float = 0.0,
+    tokenizer: Any = None,
 ) -> AsyncIterator[worker_pb2.DecodeResponse]:
     """Responses for `first` (already taken from the stream), then the rest of the stream
-    until the request finished; the first response carries the timings."""
+    until the request finished; the first response carries the timings. With `tokenizer`,
+    logprobs carry their tokens' text."""
     timed = False
 
     async def outputs() -> AsyncIterator[RequestOutput]:
@@ -32,7 +35,7 @@ async def responses(
             yield output
 
     async for output in outputs():
-        for response in decode_responses(output):
+        for response in decode_responses(output, tokenizer):
             if not timed:
                 response.first_decode_seconds = time.monotonic() - started
                 response.queue_seconds = queue_seconds

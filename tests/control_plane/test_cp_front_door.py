@@ -87,12 +87,19 @@ async def test_colocated_worker_serves_whole_requests_when_no_pair_exists() -> N
         assert_ledger_empty(cp)
 
 
+CHAT_NO_ROLE = generation_pb2.ChatMessages(
+    messages=[generation_pb2.ChatMessage(role="user", content="a"), generation_pb2.ChatMessage()]
+)
+
+
 @pytest.mark.parametrize(
     ("request_kwargs", "field"),
     [
         ({}, "prompt"),
         ({"text": ""}, "text"),
         ({"token_ids": generation_pb2.TokenIds(ids=[])}, "token_ids"),
+        ({"chat": generation_pb2.ChatMessages()}, "prompt.chat.messages"),
+        ({"chat": CHAT_NO_ROLE}, "prompt.chat.messages[1].role"),
         ({"text": "x", "request_id": "bad\nid"}, "request_id"),
         ({"text": "x", "request_id": "r" * 129}, "request_id"),
         ({"text": "x", "sampling": generation_pb2.SamplingParams(max_tokens=0)}, "max_tokens"),

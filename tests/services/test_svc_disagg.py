@@ -146,3 +146,19 @@ def test_disaggregated_greedy_matches_offline(
         assert stream[-1].completion_tokens == MAX_TOKENS
     wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 1.0, "decode blocks freed")
     wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 1.0, "prefill blocks freed")
+
+
+def test_decode_stream_logprobs_carry_token_text(pair: Any, svc_model_dir: Path) -> None:
+    """The decode worker fills each logprob's token text (the first token's too)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(svc_model_dir)
+    driver = ControlDriver(*pair, backends_here()[0])
+    prompt = [ord(c) for c in "logprob text"]
+    _, stream = driver.generate("lp-text", prompt, temperature=0.0, max_tokens=4, logprobs=2)
+    logprobs = [lp for r in stream for lp in r.logprobs]
+    assert [lp.token_id for lp in logprobs] == [t for r in stream for t in r.token_ids]
+    for lp in logprobs:
+        assert lp.token == tokenizer.decode([lp.token_id], skip_special_tokens=False)
+        assert list(lp.top_tokens) == [tokenizer.decode([i]) for i in lp.top_token_ids]
+    assert any(lp.token for lp in logprobs) and len(logprobs) == 4

