@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP door of a real `kvmesh up` on loopback, driven by the official
-`openai` client: the same answers as gRPC, streams, logprobs, errors, n > 1 (colocated), and a
-client leaving mid-stream frees every block."""
+`openai` client: the same answers as gRPC (completions and chat), streams, logprobs, errors,
+n > 1 (colocated), and a client leaving mid-stream frees every block."""
 
 from __future__ import annotations
 
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -21,11 +22,13 @@ IGNORE_EOS = {"ignore_eos": True}  # a kvmesh extension field, sent as extra_bod
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny test checkpoint (random weights, byte tokenizer), whatever the default model."""
+    """The tiny test checkpoint (random weights, byte tokenizer, a simple chat template)."""
     from kvmesh.models.tiny import build_tiny_model
+    from kvmesh.models.tokenizer import set_chat_template
 
     folder: Path = tmp_path_factory.mktemp("tiny-llama")
     build_tiny_model(folder, "llama", "test", 0)
+    set_chat_template(folder)
     return str(folder)
 
 
@@ -64,6 +67,32 @@ def test_completion_matches_grpc_and_its_stream(system: LocalSystem) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 5 + max_tokens
     wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
+
+
+def test_chat_matches_grpc_chat_with_token_logprobs(system: LocalSystem) -> None:
+    client = api(system)
+    model = client.models.list().data[0].id
+    messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    with Client(system.endpoint) as grpc_client:
+        expected = grpc_client.complete_chat(messages, **GREEDY)
+    done = client.chat.completions.create(
+        model=model, messages=messages, max_completion_tokens=GREEDY["max_tokens"],
+        temperature=0, logprobs=True, top_logprobs=2, extra_body=IGNORE_EOS,
+    )  # fmt: skip
+    choice = done.choices[0]
+    assert (choice.message.role, choice.message.content) == ("assistant", expected.text)
+    assert done.usage is not None
+    expected_usage = expected.completions[0].usage
+    assert expected_usage is not None and done.usage.prompt_tokens == expected_usage.prompt_tokens
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert len(content) == GREEDY["max_tokens"]
+    for item in content:  # token text from the worker, bytes its UTF-8
+        assert item.bytes == list(item.token.encode()) and len(item.top_logprobs) == 2
+    stream = client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                            max_completion_tokens=GREEDY["max_tokens"],
+                                            extra_body=IGNORE_EOS, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected.text
 
 
 def test_logprobs_errors_health_and_metrics(system: LocalSystem) -> None:
