@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from control_plane.front_door import FrontDoor
 from control_plane.openai_http.errors import ApiError, from_failure
@@ -90,6 +91,26 @@ class OpenAIApp:
         return await self.generate(request, "chat")
 
     async def generate(self, request: Request, kind: Kind) -> Response:
+        parsed, answer = await self.accept(request, kind)
+        responses = self.door.generate(parsed.request)
+        prompt_param = "prompt" if kind == "completion" else "messages"
+        try:
+            first = await until_disconnect(request, anext(responses))
+            if parsed.stream:
+                events = stream_events(answer, parsed, first, responses, prompt_param)
+                return RunStream(events, responses)
+            await until_disconnect(request, keep_all(answer, first, responses))
+            return JSONResponse(answer.final())
+        except RpcFailure as failure:
+            return from_failure(failure, prompt_param).response()
+        except ClientGone:
+            return Response(status_code=499)
+        except StopAsyncIteration:
+            raise ApiError(500, "no response from the workers", type="server_error") from None
+
+    async def accept(self, request: Request, kind: Kind) -> tuple[ParsedRequest, Answer]:
+        """The parsed body (ApiError 400/404/503 before any run starts) and its answer,
+        whose id is the request id."""
         try:
             body = json.loads(await request.body())
         except ValueError:
@@ -104,24 +125,24 @@ class OpenAIApp:
         parsed.request.request_id = answer.id
         if parsed.user:
             LOG.debug("request %s from user %r", answer.id, parsed.user)
-        responses = self.door.generate(parsed.request)
-        prompt_param = "prompt" if kind == "completion" else "messages"
+        return parsed, answer
+
+
+class RunStream(StreamingResponse):
+    """An SSE response that closes its events (and so its run) however the response ends,
+    even when the client left before the first byte was sent."""
+
+    def __init__(self, events: AsyncGenerator[str, None], responses: Responses) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})  # fmt: skip
+        self.events, self.responses = events, responses
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            first = await until_disconnect(request, anext(responses))
-            if parsed.stream:
-                events = stream_events(answer, parsed, first, responses, prompt_param)
-                return StreamingResponse(events, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})  # fmt: skip
-            await until_disconnect(request, keep_all(answer, first, responses))
-            return JSONResponse(answer.final())
-        except RpcFailure as failure:
-            return from_failure(failure, prompt_param).response()
-        except ClientGone:
-            return Response(status_code=499)
-        except StopAsyncIteration:
-            raise ApiError(
-                500, "the request ended without a response", type="server_error"
-            ) from None
+            await super().__call__(scope, receive, send)
+        finally:  # closing an unstarted `events` runs none of its code: close the run too
+            await self.events.aclose()
+            await self.responses.aclose()
 
 
 async def keep_all(
@@ -138,7 +159,7 @@ async def stream_events(
     first: generation_pb2.GenerateResponse,
     responses: Responses,
     prompt_param: str,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """SSE events: one chunk per response, the usage chunk when asked, then [DONE].
 
     Starlette cancels this iterator when the client disconnects, which cancels the run."""

@@ -187,16 +187,21 @@ async def test_client_leaving_mid_stream_releases_every_block() -> None:
         assert cp.server.cluster.ledger.closed_outcome(first.id) == "CANCELLED"
 
 
-@run_async
-async def test_client_timing_out_before_the_answer_releases_every_block() -> None:
-    async with control_plane(http_port=0) as cp:
-        await cp.add("p0", "prefill")
-        decode = await cp.add("d0", "decode")
-        decode.gate = asyncio.Event()  # no token ever comes
-        with pytest.raises(openai.APITimeoutError):
-            await client(cp, timeout=0.5).completions.create(model=MODEL, prompt="x")
-        await idle(cp)
-        assert decode.released
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_timing_out_before_the_first_token_releases_every_block(stream: bool) -> None:
+    async def scenario() -> None:
+        async with control_plane(http_port=0) as cp:
+            await cp.add("p0", "prefill")
+            decode = await cp.add("d0", "decode")
+            decode.gate = asyncio.Event()  # no token ever comes
+            with pytest.raises(openai.APITimeoutError):
+                await client(cp, timeout=0.5).completions.create(
+                    model=MODEL, prompt="x", stream=stream
+                )
+            await idle(cp)
+            assert decode.released
+
+    asyncio.run(scenario())
 
 
 @run_async
