@@ -42,10 +42,7 @@ def chat_logprobs(items: list[generation_pb2.TokenLogprobs]) -> dict[str, Any]:
     content = []
     for lp in items:
         entry = chat_logprob(token_text(lp.token, lp.token_id), lp.logprob)
-        entry["top_logprobs"] = [
-            chat_logprob(token_text(t, i), p)
-            for t, i, p in zip_top(lp)
-        ]  # fmt: skip
+        entry["top_logprobs"] = [chat_logprob(token_text(t, i), p) for t, i, p in zip_top(lp)]
         content.append(entry)
     return {"content": content}
 
