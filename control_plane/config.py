@@ -35,6 +35,8 @@ class ControlConfig:
     # KV transfer backends in order of preference.
     transfer_backends: tuple[str, ...] = DEFAULT_TRANSFER_BACKENDS
     reflection: bool = False
+    # OpenAI-compatible HTTP API port (0 picks a free one); None disables it.
+    http_port: int | None = None
     # Prometheus text endpoint port; 0 disables it.
     metrics_port: int = 0
     max_message_bytes: int = 64 * 1024 * 1024
@@ -53,6 +55,7 @@ class ControlConfig:
             "max_request_seconds": self.max_request_seconds > 0,
             "drain_seconds": self.drain_seconds >= 0,
             "port": 0 <= self.port < 65536,
+            "http_port": self.http_port is None or 0 <= self.http_port < 65536,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

@@ -1,6 +1,6 @@
-"""GenerationService: the public front door (Generate, Abort, GetModelInfo).
+"""The front door's request path, shared by every transport (gRPC, HTTP).
 
-Each Generate call is a Run: admission (bounded in-flight count), structural checks, then up to
+Each request is a Run: admission (bounded in-flight count), structural checks, then up to
 two attempts (a retry only when a worker was lost before any token reached the client). Every
 exit path — success, failure, client cancel, deadline, Abort, worker death — closes the ledger
 entry and sends Release to every (possible) holder, each bounded by a short timeout.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
@@ -21,14 +21,16 @@ from control_plane.ledger import LedgerError, Release, WorkerRef
 from control_plane.routing import NoRouteError
 from control_plane.run import RpcFailure, Run, WorkerLost
 from control_plane.validation import FieldError, check_generate_request, check_request_id
-from kvmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 LOG = logging.getLogger("kvmesh.control_plane")
 MAX_TRIES = 2
 ABORT_WAIT_SECONDS = 1.0
 
 
-class FrontDoor(generation_pb2_grpc.GenerationServiceServicer):
+class FrontDoor:
+    """The transport-neutral request path; the gRPC servicer and the HTTP app adapt it."""
+
     def __init__(self, cluster: Cluster) -> None:
         self._cluster = cluster
         self._driver = Driver(cluster)
@@ -52,30 +54,40 @@ class FrontDoor(generation_pb2_grpc.GenerationServiceServicer):
             if run.attempt is not None:
                 run.attempt.cancel()
 
-    # -- Generate --------------------------------------------------------------------------
+    # -- one request ---------------------------------------------------------------------
 
-    async def Generate(
-        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def generate(
+        self, request: generation_pb2.GenerateRequest, timeout: float | None = None
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
+        """Admit, run and finish one request; `timeout` is the client's remaining time.
+
+        Raises RpcFailure (admission refused, or the run failed: its blocks are released
+        before the failure is raised). Closing the iterator early, or cancelling its consumer,
+        cancels the run and releases every holder, like a gRPC cancel.
+        """
+        run = self.open_run(request, timeout)
         try:
-            run = self._admit(request, context)
-        except RpcFailure as failure:
-            await self._fail(context, failure)
-            return
+            async for response in self.stream(run):
+                yield response
+        finally:
+            await asyncio.shield(self.finish(run))
+
+    async def stream(self, run: Run) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The run's responses; on failure the run is finished first, then RpcFailure raised."""
         try:
             async for response in self._relay(run):
                 yield response
             run.status = grpc.StatusCode.OK
         except RpcFailure as failure:
             run.status = failure.code
-            await asyncio.shield(self._finish(run))  # released before the client sees the end
-            await self._fail(context, failure)
-        finally:
-            await asyncio.shield(self._finish(run))
+            await asyncio.shield(self.finish(run))  # released before the client sees the end
+            raise
 
-    def _admit(
-        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    def open_run(
+        self, request: generation_pb2.GenerateRequest, client_left: float | None = None
     ) -> Run:
+        """Admission and structural checks (RpcFailure when refused); the caller must
+        `finish` the returned run."""
         if self.draining:
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the control plane is shutting down")
         try:
@@ -94,7 +106,6 @@ class FrontDoor(generation_pb2_grpc.GenerationServiceServicer):
                 config.retry_after_ms,
             )
         now = self._cluster.clock()
-        client_left = context.time_remaining()
         budget = config.max_request_seconds
         if client_left is not None:
             budget = min(budget, client_left)
@@ -175,12 +186,7 @@ class FrontDoor(generation_pb2_grpc.GenerationServiceServicer):
         LOG.error("request %s failed", run.request_id, exc_info=error)
         raise RpcFailure(grpc.StatusCode.INTERNAL, f"control plane error: {error!r}")
 
-    async def _fail(self, context: grpc.aio.ServicerContext, failure: RpcFailure) -> None:
-        if failure.retry_after_ms is not None:
-            context.set_trailing_metadata((("retry-after-ms", str(failure.retry_after_ms)),))
-        await context.abort(failure.code, failure.message)
-
-    async def _finish(self, run: Run) -> None:
+    async def finish(self, run: Run) -> None:
         """Stop the attempt, close the ledger entry, release every holder (once)."""
         if run.finishing:
             with contextlib.suppress(TimeoutError):
@@ -252,18 +258,17 @@ class FrontDoor(generation_pb2_grpc.GenerationServiceServicer):
                 run.lost = worker.worker_id
                 run.attempt.cancel()
 
-    # -- Abort, GetModelInfo ---------------------------------------------------------------
+    # -- Abort, model info -----------------------------------------------------------------
 
-    async def Abort(
-        self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> generation_pb2.AbortResponse:
-        request_id = request.request_id
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running request (True), or a recently finished one (False); RpcFailure
+        INVALID_ARGUMENT for a bad id, NOT_FOUND for an id never seen or forgotten."""
         try:
             if not request_id:
                 raise FieldError("request_id must not be empty")
             check_request_id(request_id)
         except FieldError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         run = self._runs.get(request_id)
         if run is not None:
             run.aborted = True
@@ -271,24 +276,27 @@ class FrontDoor(generation_pb2_grpc.GenerationServiceServicer):
                 run.attempt.cancel()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.done.wait(), ABORT_WAIT_SECONDS)
-            return generation_pb2.AbortResponse(aborted=True)
+            return True
         if self._cluster.ledger.closed_outcome(request_id) is not None:
-            return generation_pb2.AbortResponse(aborted=False)
-        await context.abort(
+            return False
+        raise RpcFailure(
             grpc.StatusCode.NOT_FOUND,
             f"request_id {request_id!r} is not running and not among recently finished requests",
         )
-        raise AssertionError("unreachable")
 
-    async def GetModelInfo(
-        self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-    ) -> generation_pb2.ModelInfo:
+    def model_info(self) -> generation_pb2.ModelInfo:
+        """The served model as the live workers describe it (RpcFailure UNAVAILABLE if none)."""
         live = self._cluster.registry.alive_by_role()
         prefills, decodes = live["prefill"], live["decode"]
         workers = decodes + prefills + live["colocated"]
         if not workers:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no live worker is registered")
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "no live worker is registered")
         info = generation_pb2.ModelInfo()
         info.CopyFrom(workers[0].info.model)
         info.mode = "disaggregated" if prefills and decodes else "colocated"
         return info
+
+    @property
+    def serving(self) -> bool:
+        """True while a usable worker set is registered and the door is not draining."""
+        return self._cluster.serving and not self.draining

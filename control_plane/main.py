@@ -32,6 +32,8 @@ def build_parser(prog: str = "kvmesh serve control") -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--host", default=defaults.host, help="address to bind (default %(default)s)")
     add("--port", type=int, default=defaults.port, help="front-door port (default %(default)s)")
+    add("--http-port", type=int, default=None,
+        help="OpenAI-compatible HTTP API port (0: pick a free one; default: off)")  # fmt: skip
     add("--reflection", action="store_true", help="serve gRPC server reflection")
     for flag, (name, text) in TUNABLES.items():
         default = getattr(defaults, name)
@@ -50,6 +52,7 @@ def config_from_args(args: argparse.Namespace) -> ControlConfig:
     return ControlConfig(
         host=args.host,
         port=args.port,
+        http_port=args.http_port,
         reflection=args.reflection,
         reap_interval_seconds=min(0.5, args.lease_seconds),
         transfer_backends=tuple(b for b in args.transfer_backends.split(",") if b),
@@ -62,6 +65,8 @@ async def serve(config: ControlConfig) -> None:
     """Serve until a stop signal, then drain."""
     server = ControlServer(config)
     await server.start()
+    if server.http is not None:  # printed first: `kvmesh up` reads it before the next line
+        print(f"kvmesh control plane OpenAI-compatible API on {server.http.url}/v1", flush=True)
     print(f"kvmesh control plane listening on {server.address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -2,8 +2,9 @@
 
 Health: the overall service ("") is SERVING while up; "kvmesh.v1.GenerationService" is
 SERVING only while a usable worker set is registered (a prefill + decode pair with equal
-layouts, or a colocated worker). Draining sets everything NOT_SERVING, refuses new requests,
-waits (bounded) for in-flight ones, then stops.
+layouts, or a colocated worker). With `http_port`, the OpenAI-compatible HTTP door serves on the
+same loop over the same FrontDoor. Draining sets everything NOT_SERVING, refuses new requests
+(both doors), waits (bounded) for in-flight ones, then stops the HTTP server and the gRPC one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from control_plane.cluster import Cluster
 from control_plane.config import ControlConfig
 from control_plane.control_service import ControlServicer, Reaper
 from control_plane.front_door import FrontDoor
+from control_plane.generation_service import GenerationServicer
+from control_plane.openai_http.app import openai_app
+from control_plane.openai_http.server import HttpServer
 from kvmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 LOG = logging.getLogger("kvmesh.control_plane")
@@ -49,6 +53,7 @@ class ControlServer:
         self._reaper = Reaper(self.cluster)
         self._server = grpc.aio.server(options=server_options(config))
         self.port = 0
+        self.http: HttpServer | None = None
         self.cluster.on_serving_change(self._serving_changed)
 
     @property
@@ -57,7 +62,9 @@ class ControlServer:
 
     async def start(self) -> None:
         server = self._server
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(self.front_door, server)
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(self.front_door), server
+        )
         worker_pb2_grpc.add_ControlServiceServicer_to_server(ControlServicer(self.cluster), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.config.reflection:
@@ -75,6 +82,11 @@ class ControlServer:
         await self.health.set(GENERATION_SERVICE, NOT_SERVING)
         await server.start()
         self._reaper.start()
+        if self.config.http_port is not None:
+            app = openai_app(self.front_door, self.cluster.metrics.registry)
+            self.http = HttpServer(app, self.config.host, self.config.http_port)
+            self.http.start()
+            LOG.info("OpenAI-compatible API on %s/v1", self.http.url)
         LOG.info("control plane serving on %s", self.address)
 
     async def _serving_changed(self, serving: bool) -> None:
@@ -93,6 +105,8 @@ class ControlServer:
         await self.stop()
 
     async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         await self._reaper.stop()
         await self._server.stop(grace=1.0)
         await self.cluster.channels.close()

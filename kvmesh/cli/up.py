@@ -1,6 +1,7 @@
 """`kvmesh up`: the whole system on localhost, one process per role, until Ctrl-C.
 
-Start order: control plane (its "listening on HOST:PORT" line), then every worker (its
+Start order: control plane (its "listening on HOST:PORT" line, after its "OpenAI-compatible API
+on URL/v1" line when the HTTP door is on), then every worker (its
 `KVMESH_READY {json}` line), then the front door's health for GenerationService must read
 SERVING, all before `--startup-timeout`. Stop order: the control plane first (it drains in-flight
 requests, bounded), then the workers (SIGTERM, SIGKILL after a bound). Children run under
@@ -32,6 +33,7 @@ from kvmesh.service.engine_flags import (
 )
 
 CONTROL_READY = re.compile(r"listening on (\S+)")
+HTTP_READY = re.compile(r"OpenAI-compatible API on (\S+)/v1")
 WORKER_READY = re.compile(r"KVMESH_READY (\{.*\})")
 TRANSFER_BACKENDS = ("shm", "grpc", "gloo")
 UP_OWN_FIELDS = ("num_threads",)  # `--threads` also sets OMP_NUM_THREADS
@@ -48,6 +50,7 @@ class UpConfig:
     colocated: int = 0
     host: str = "127.0.0.1"
     port: int = 50051  # 0 picks a free port
+    http_port: int | None = None  # OpenAI-compatible HTTP API (0 picks a free port; None: off)
     transfer_backend: str = "shm"
     threads: int | None = None  # torch threads per worker
     startup_timeout: float = 180.0
@@ -82,6 +85,7 @@ class LocalSystem:
         self.config = config
         self.supervisor = Supervisor(echo=echo, grace=5.0)
         self.endpoint = ""
+        self.http_url = ""  # http://HOST:PORT of the OpenAI-compatible API, when enabled
         self.model_dir = ""
         self.control: Child | None = None
         self.workers: list[Worker] = []
@@ -116,7 +120,12 @@ class LocalSystem:
                 "--drain-seconds", str(c.drain_seconds), *c.control_args]  # fmt: skip
         if self.endpoint:  # a restart keeps the address the workers know
             argv[argv.index("--port") + 1] = self.endpoint.rsplit(":", 1)[1]
+        if c.http_port is not None:  # a restart keeps the HTTP address too
+            port = self.http_url.rsplit(":", 1)[1] if self.http_url else str(c.http_port)
+            argv += ["--http-port", port]
         self.control = self.supervisor.start("control", argv)
+        if c.http_port is not None:  # printed before the gRPC line
+            self.http_url = self.supervisor.wait_for(self.control, HTTP_READY, deadline).group(1)
         self.endpoint = self.supervisor.wait_for(self.control, CONTROL_READY, deadline).group(1)
         return self.endpoint
 
@@ -192,6 +201,8 @@ def register(subparsers: Any) -> None:
     add("--colocated", type=int, default=0, help="colocated workers (default %(default)s)")
     add("--host", default="127.0.0.1", help="address every process binds (default %(default)s)")
     add("--port", type=int, default=None, help="front door port (default 50051; --demo: any)")
+    add("--http-port", type=int, default=None,
+        help="OpenAI-compatible HTTP API port (default 8000; --demo: any; -1: off)")  # fmt: skip
     add("--transfer-backend", choices=TRANSFER_BACKENDS, default="shm",
         help="KV transfer backend between prefill and decode (default %(default)s)")  # fmt: skip
     add("--threads", "--num-threads", type=int, default=None,
@@ -215,6 +226,7 @@ def run_up(args: argparse.Namespace) -> int:
             model=model, prefill=prefill, decode=decode,
             colocated=args.colocated, host=args.host,
             port=(0 if args.demo else 50051) if args.port is None else args.port,
+            http_port=http_port(args),
             transfer_backend=args.transfer_backend, threads=args.threads,
             startup_timeout=args.startup_timeout,
             worker_args=worker_argv(engine, args.served_model_name),
@@ -261,6 +273,13 @@ def worker_argv(engine: dict[str, Any], served_model_name: str | None) -> tuple[
     return tuple(words)
 
 
+def http_port(args: argparse.Namespace) -> int | None:
+    """--http-port: 8000 by default (any free port with --demo), None when negative (off)."""
+    if args.http_port is None:
+        return 0 if args.demo else 8000
+    return None if args.http_port < 0 else args.http_port
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -272,10 +291,15 @@ def print_banner(system: LocalSystem, endpoint: str) -> None:
                       if n)  # fmt: skip
     print(f"kvmesh is up: front door {endpoint} ({roles}; transfer {c.transfer_backend}; "
           f"model {system.model_dir})", flush=True)  # fmt: skip
+    if system.http_url:
+        print(f"  OpenAI-compatible API on {system.http_url}/v1", flush=True)
     for w in system.workers:
         print(f"  {w.child.name}: {w.ready.get('address', '?')} "
               f"(metrics {w.ready.get('metrics_address') or 'off'})")  # fmt: skip
     print(f'  kvmesh generate --target {endpoint} "Hello"')
+    if system.http_url:
+        print(f"  curl {system.http_url}/v1/completions -H 'Content-Type: application/json' "
+              f"""-d '{{"prompt": "Hello", "max_tokens": 16}}'""")  # fmt: skip
     print(f'  python -c \'from kvmesh.client import Client; '
           f'print(Client("{endpoint}").complete("Hello").text)\'')  # fmt: skip
     print("Ctrl-C drains and stops everything.", flush=True)

@@ -140,7 +140,11 @@ class FakeWorker(
     ) -> worker_pb2.PrepareResponse:
         self._record("Prepare", context)
         req = request.request
-        ids = list(req.text.encode()) if req.HasField("text") else list(req.token_ids.ids)
+        ids = list(req.token_ids.ids)
+        if req.HasField("text"):
+            ids = list(req.text.encode())
+        elif req.HasField("chat"):  # a template-free rendering: the contents' bytes
+            ids = list("".join(m.content for m in req.chat.messages).encode())
         for i, token in enumerate(ids):
             if not 0 <= token < VOCAB:
                 await context.abort(

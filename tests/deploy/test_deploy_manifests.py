@@ -224,8 +224,10 @@ def test_ports_flags_probes_and_annotations_agree() -> None:
         _top, role_args = parsed_command(label, container)
         assert role_args is not None
         ports = named_ports(container)
-        assert set(ports) == {"grpc", "metrics"}, f"{label}: ports {ports}"
+        assert set(ports) - {"http"} == {"grpc", "metrics"}, f"{label}: ports {ports}"
         assert role_args.port == ports["grpc"], f"{label}: --port vs containerPort grpc"
+        http_port = getattr(role_args, "http_port", None)
+        assert http_port == ports.get("http"), f"{label}: --http-port vs containerPort http"
         assert role_args.metrics_port == ports["metrics"], f"{label}: --metrics-port"
         base_obj, base_pod = base_deployments()[obj["metadata"]["name"]]
         annotations = base_obj["spec"]["template"]["metadata"]["annotations"]

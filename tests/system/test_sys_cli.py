@@ -32,14 +32,17 @@ def _generate_json(endpoint: str, prompt: list[int]) -> dict[str, Any]:
 
 
 def test_up_generate_parity_over_grpc_transfer_and_sigterm(offline: Any) -> None:
-    port = free_port()
+    port, http_port = free_port(), free_port()
     supervisor = Supervisor(grace=20.0)
     try:
-        argv = [*KVMESH, "up", "--port", str(port), "--transfer-backend", "grpc"]
+        argv = [*KVMESH, "up", "--port", str(port), "--http-port", str(http_port),
+                "--transfer-backend", "grpc"]  # fmt: skip
         up = supervisor.start("up", argv)
         deadline = time.monotonic() + 240
         endpoint = supervisor.wait_for(up, r"front door (\S+)", deadline).group(1)
         assert endpoint == f"127.0.0.1:{port}"
+        http = supervisor.wait_for(up, r"OpenAI-compatible API on (\S+)", deadline).group(1)
+        assert http == f"http://127.0.0.1:{http_port}/v1"
         metrics = supervisor.wait_for(up, r"prefill-0: \S+ \(metrics (\S+)\)", deadline).group(1)
 
         lines = [_generate_json(endpoint, p) for p in PROMPTS]

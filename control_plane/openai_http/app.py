@@ -1,0 +1,214 @@
+"""The Starlette app of the HTTP door: an adapter over the FrontDoor's request path.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health (200 while
+a usable worker set is registered, else 503), GET /metrics (the control plane's Prometheus
+registry). A request's id ("cmpl-…", "chatcmpl-…") is its front-door request id. Failures
+before the first token are HTTP errors in OpenAI's shape; a failure after it ends the stream
+with an `error` event. A client that goes away, streaming or not, cancels the run, which
+releases its blocks on every worker as a gRPC cancel does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable
+from typing import TypeVar
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from control_plane.front_door import FrontDoor
+from control_plane.openai_http.errors import ApiError, from_failure
+from control_plane.openai_http.schema import Kind, ParsedRequest, parse
+from control_plane.openai_http.stream import DONE, Answer, sse
+from control_plane.run import RpcFailure
+from kvmesh.v1 import generation_pb2
+
+LOG = logging.getLogger("kvmesh.control_plane.http")
+T = TypeVar("T")
+Responses = AsyncGenerator[generation_pb2.GenerateResponse, None]
+ID_PREFIX: dict[Kind, str] = {"completion": "cmpl", "chat": "chatcmpl"}
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+class OpenAIApp:
+    def __init__(self, door: FrontDoor, registry: CollectorRegistry) -> None:
+        self.door = door
+        self.registry = registry
+        self.created = int(time.time())
+
+    def asgi(self) -> Starlette:
+        routes = [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+        handlers = {ApiError: api_error, HTTPException: http_error}
+        return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+
+    # -- plain endpoints -------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        ready = self.door.serving
+        return JSONResponse({"status": "ok" if ready else "unavailable"}, 200 if ready else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        info = self.model_info()
+        model = {"id": info.model_name, "object": "model", "created": self.created,
+                 "owned_by": "kvmesh", "max_model_len": info.max_model_len}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [model]})
+
+    def model_info(self) -> generation_pb2.ModelInfo:
+        try:
+            return self.door.model_info()
+        except RpcFailure as failure:
+            raise from_failure(failure) from None
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, "completion")
+
+    async def chat(self, request: Request) -> Response:
+        return await self.generate(request, "chat")
+
+    async def generate(self, request: Request, kind: Kind) -> Response:
+        parsed, answer = await self.accept(request, kind)
+        responses = self.door.generate(parsed.request)
+        prompt_param = "prompt" if kind == "completion" else "messages"
+        try:
+            first = await until_disconnect(request, anext(responses))
+            if parsed.stream:
+                events = stream_events(answer, parsed, first, responses, prompt_param)
+                return RunStream(events, responses)
+            await until_disconnect(request, keep_all(answer, first, responses))
+            return JSONResponse(answer.final())
+        except RpcFailure as failure:
+            return from_failure(failure, prompt_param).response()
+        except ClientGone:
+            return Response(status_code=499)
+        except StopAsyncIteration:
+            raise ApiError(500, "no response from the workers", type="server_error") from None
+
+    async def accept(self, request: Request, kind: Kind) -> tuple[ParsedRequest, Answer]:
+        """The parsed body (ApiError 400/404/503 before any run starts) and its answer,
+        whose id is the request id."""
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise ApiError(400, "the request body is not valid JSON") from None
+        parsed = parse(body, kind)
+        served = self.model_info().model_name
+        if parsed.model is not None and parsed.model != served:
+            raise ApiError(404, f"model {parsed.model!r} is not served (serving {served!r})",
+                           param="model", code="model_not_found")  # fmt: skip
+        answer = Answer(kind, f"{ID_PREFIX[kind]}-{uuid.uuid4().hex}", parsed.model or served,
+                        parsed.logprobs)  # fmt: skip
+        parsed.request.request_id = answer.id
+        if parsed.user:
+            LOG.debug("request %s from user %r", answer.id, parsed.user)
+        return parsed, answer
+
+
+class RunStream(StreamingResponse):
+    """An SSE response that closes its events (and so its run) however the response ends,
+    even when the client left before the first byte was sent."""
+
+    def __init__(self, events: AsyncGenerator[str, None], responses: Responses) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})  # fmt: skip
+        self.events, self.responses = events, responses
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:  # closing an unstarted `events` runs none of its code: close the run too
+            await self.events.aclose()
+            await self.responses.aclose()
+
+
+async def keep_all(
+    answer: Answer, first: generation_pb2.GenerateResponse, responses: Responses
+) -> None:
+    answer.keep(first)
+    async for response in responses:
+        answer.keep(response)
+
+
+async def stream_events(
+    answer: Answer,
+    parsed: ParsedRequest,
+    first: generation_pb2.GenerateResponse,
+    responses: Responses,
+    prompt_param: str,
+) -> AsyncGenerator[str, None]:
+    """SSE events: one chunk per response, the usage chunk when asked, then [DONE].
+
+    Starlette cancels this iterator when the client disconnects, which cancels the run."""
+    extra = {"usage": None} if parsed.include_usage else {}
+    async with contextlib.aclosing(responses):
+        yield sse({**answer.chunk(first), **extra})
+        try:
+            async for response in responses:
+                yield sse({**answer.chunk(response), **extra})
+        except RpcFailure as failure:
+            yield sse(from_failure(failure, prompt_param).body())
+    if parsed.include_usage:
+        yield sse(answer.usage_chunk())
+    yield DONE
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` unless the client disconnects first: then it is cancelled, ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})  # the run is finished (blocks released) before returning
+        raise ClientGone
+    return task.result()
+
+
+async def wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def api_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, ApiError)
+    return error.response()
+
+
+def http_error(request: Request, error: Exception) -> Response:
+    """Routing errors (unknown path, wrong method) in OpenAI's error shape."""
+    assert isinstance(error, HTTPException)
+    return ApiError(error.status_code, str(error.detail), code=str(error.status_code)).response()
+
+
+def openai_app(door: FrontDoor, registry: CollectorRegistry) -> Starlette:
+    return OpenAIApp(door, registry).asgi()

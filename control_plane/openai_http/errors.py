@@ -1,0 +1,84 @@
+"""OpenAI's error JSON (`{"error": {"message", "type", "param", "code"}}`) and the HTTP status
+of every front-door failure."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import grpc
+from starlette.responses import JSONResponse
+
+from control_plane.run import RpcFailure
+
+# gRPC status -> (HTTP status, OpenAI error type)
+_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.ABORTED: (409, "aborted"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.FAILED_PRECONDITION: (503, "service_unavailable"),
+}
+# A worker's field name (the start of its INVALID_ARGUMENT message) -> the request's param.
+_PROMPT_FIELDS = ("prompt", "text", "token_ids", "chat")
+_FIELD = re.compile(r"^(?:sampling\.)?([A-Za-z_]+)")
+
+
+class ApiError(Exception):
+    """An HTTP error answer in OpenAI's shape; `param` names the offending request field."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_param(param: str, message: str) -> ApiError:
+    """400 naming `param` (the message starts with it)."""
+    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+def from_failure(failure: RpcFailure, prompt_param: str = "prompt") -> ApiError:
+    """The HTTP answer of a front-door failure; INVALID_ARGUMENT names the request's param."""
+    status, kind = _STATUS.get(failure.code, (500, "server_error"))
+    headers: dict[str, str] = {}
+    param: str | None = None
+    message = failure.message
+    if failure.retry_after_ms is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(failure.retry_after_ms / 1000)))
+    if failure.code == grpc.StatusCode.INVALID_ARGUMENT:
+        match = _FIELD.match(failure.message)
+        if match:
+            param = match.group(1)
+            if param in _PROMPT_FIELDS:
+                param = prompt_param
+                if not message.startswith(param):  # the worker named its own field
+                    message = f"{param}: {message}"
+    code = failure.code.name.lower()
+    return ApiError(status, message, type=kind, param=param, code=code, headers=headers)

@@ -1,0 +1,215 @@
+"""OpenAI request bodies → GenerateRequest, validated by hand.
+
+Unknown fields are ignored (as OpenAI-compatible servers do); a known field of the wrong type or
+out of range is an ApiError 400 naming it. Model-dependent checks (vocabulary, context length,
+stop-string limits) stay with the prefill worker, whose errors name the same fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from control_plane.openai_http.errors import ApiError, bad_param
+from kvmesh.v1 import generation_pb2
+
+Kind = Literal["completion", "chat"]
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+SEED_LIMIT = 2**63
+_TYPES: dict[str, tuple[type, ...]] = {
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "string": (str,),
+    "array": (list,),
+    "object": (dict,),
+}
+# param -> (JSON type, range check or None, what the range is); same names in SamplingParams.
+_SAMPLING: dict[str, tuple[str, Callable[[Any], bool] | None, str]] = {
+    "temperature": ("number", lambda v: 0 <= v <= 2, "in [0, 2]"),
+    "top_p": ("number", lambda v: 0 < v <= 1, "in (0, 1]"),
+    "presence_penalty": ("number", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "frequency_penalty": ("number", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "seed": ("integer", lambda v: 0 <= v < SEED_LIMIT, "in [0, 2**63)"),
+    "top_k": ("integer", lambda v: v >= -1, ">= -1"),
+    "min_p": ("number", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "repetition_penalty": ("number", lambda v: v > 0, "> 0"),
+    "min_tokens": ("integer", lambda v: v >= 0, ">= 0"),
+    "ignore_eos": ("boolean", None, ""),
+}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """One OpenAI request: the GenerateRequest (request_id unset) and how to answer it."""
+
+    kind: Kind
+    model: str | None
+    request: generation_pb2.GenerateRequest
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top alternatives per token when logprobs were asked for, else None
+    user: str | None
+
+
+def field(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:
+    """body[name] checked against a JSON type (null or absent → default)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, _TYPES[kind]) and (kind == "boolean" or not isinstance(value, bool))
+    if not ok:
+        raise bad_param(name, f"expected {kind}, got {type(value).__name__}")
+    return value
+
+
+def parse(body: Any, kind: Kind) -> ParsedRequest:
+    """The ParsedRequest of a decoded JSON body (ApiError 400 naming the bad param)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    request = generation_pb2.GenerateRequest(sampling=sampling(body, kind))
+    if kind == "completion":
+        completion_only(body, request)
+    else:
+        request.chat.CopyFrom(chat_messages(body))
+    logprobs = completion_logprobs(body) if kind == "completion" else chat_logprobs(body)
+    if logprobs is not None:
+        request.sampling.logprobs = logprobs
+    stream = field(body, "stream", "boolean", False)
+    options = field(body, "stream_options", "object", {})
+    include_usage = field(options, "include_usage", "boolean", False)
+    return ParsedRequest(
+        kind, field(body, "model", "string"), request, stream, include_usage, logprobs,
+        field(body, "user", "string"),
+    )  # fmt: skip
+
+
+def sampling(body: dict[str, Any], kind: Kind) -> generation_pb2.SamplingParams:
+    params = generation_pb2.SamplingParams()
+    for name, (json_type, check, what) in _SAMPLING.items():
+        value = field(body, name, json_type)
+        if value is None:
+            continue
+        if check is not None and not check(value):
+            raise bad_param(name, f"must be {what}, got {value}")
+        try:
+            setattr(params, name, value)
+        except ValueError:  # beyond the wire type (int32)
+            raise bad_param(name, f"is out of range: {value}") from None
+    max_name = "max_tokens"
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        max_name = "max_completion_tokens"
+    max_tokens = field(body, max_name, "integer")
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise bad_param(max_name, f"must be >= 1, got {max_tokens}")
+        try:
+            params.max_tokens = max_tokens
+        except ValueError:  # beyond int32
+            raise bad_param(max_name, f"is out of range: {max_tokens}") from None
+    n = field(body, "n", "integer", 1)
+    if not 1 <= n <= MAX_N:
+        raise bad_param("n", f"must be in [1, {MAX_N}], got {n}")
+    params.n = n
+    params.stop.extend(stop_strings(body))
+    if field(body, "logit_bias", "object"):
+        raise bad_param("logit_bias", "is not supported")
+    return params
+
+
+def stop_strings(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise bad_param("stop", "expected a non-empty string or a list of them")
+    return items
+
+
+def completion_only(body: dict[str, Any], request: generation_pb2.GenerateRequest) -> None:
+    """`prompt` (one string or one token list) and the fields only completions have."""
+    prompt: Any = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        request.text = prompt
+    elif is_token_list(prompt):
+        request.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise bad_param("prompt", f"one prompt per request is supported, got {len(prompt)}")
+    else:
+        raise bad_param("prompt", "expected a non-empty string or a list of token ids")
+    if field(body, "echo", "boolean", False):
+        raise bad_param("echo", "is not supported")
+    if field(body, "suffix", "string"):
+        raise bad_param("suffix", "is not supported")
+    best_of = field(body, "best_of", "integer")
+    if best_of is not None and best_of != request.sampling.n:
+        raise bad_param("best_of", "must equal n (or be omitted)")
+
+
+def is_token_list(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    )
+
+
+def chat_messages(body: dict[str, Any]) -> generation_pb2.ChatMessages:
+    """`messages`: roles and contents (a string, or text parts concatenated)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_param("messages", "expected a non-empty array of messages")
+    out = generation_pb2.ChatMessages()
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_param(where, "expected an object with role and content")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise bad_param(f"{where}.role", "expected a non-empty string")
+        out.messages.add(role=role, content=content_text(message.get("content"), where))
+    if field(body, "tools", "array") or field(body, "functions", "array"):
+        raise bad_param("tools", "tool calling is not supported")
+    response_format = field(body, "response_format", "object", {})
+    if response_format.get("type", "text") != "text":
+        raise bad_param("response_format", "only type 'text' is supported")
+    return out
+
+
+def content_text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise bad_param(f"{where}.content", "expected a string or an array of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        text = part.get("text") if isinstance(part, dict) else None
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(text, str):
+            raise bad_param(f"{where}.content[{j}]", "only text parts are supported")
+        texts.append(text)
+    return "".join(texts)
+
+
+def completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions: `logprobs` is the number of alternatives (0..20), null for none."""
+    value = field(body, "logprobs", "integer")
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad_param("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+    return value  # type: ignore[no-any-return]
+
+
+def chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat: `logprobs` (bool) turns them on, `top_logprobs` (0..20) adds alternatives."""
+    enabled = field(body, "logprobs", "boolean", False)
+    top = field(body, "top_logprobs", "integer")
+    if top is not None:
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad_param("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        if not enabled:
+            raise bad_param("top_logprobs", "needs logprobs: true")
+    return (top or 0) if enabled else None

@@ -1,0 +1,64 @@
+"""uvicorn serving the HTTP door on the control plane's own event loop (beside grpc.aio)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+LOG = logging.getLogger("kvmesh.control_plane.http")
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the control plane owns SIGINT/SIGTERM: they drain it, then stop this server
+
+
+class HttpServer:
+    """One uvicorn server on a socket bound at construction (port 0 picks a free one)."""
+
+    def __init__(self, app: ASGIApp, host: str, port: int, shutdown_seconds: float = 1.0) -> None:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        try:
+            self._socket = socket.create_server((host, port), family=family)
+        except OSError as error:
+            raise OSError(f"http_port: cannot bind {host}:{port}: {error}") from None
+        self.host, self.port = host, self._socket.getsockname()[1]
+        self._shutdown_seconds = shutdown_seconds
+        config = uvicorn.Config(
+            app, lifespan="off", access_log=False, log_config=None,
+            timeout_graceful_shutdown=max(1, round(shutdown_seconds)),
+        )  # fmt: skip
+        self._server = _EmbeddedServer(config)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        """Serve on the running loop; connections queue on the listening socket meanwhile."""
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
+
+    async def stop(self) -> None:
+        """Stop accepting, close connections; bounded (the task is cancelled past the bound)."""
+        task, self._task = self._task, None
+        if task is None:
+            self._socket.close()
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(task, self._shutdown_seconds + 2.0)
+        except TimeoutError:
+            LOG.warning("http server did not stop within the bound; cancelled")
+        except Exception as error:
+            LOG.warning("http server ended with %r", error)
+        finally:
+            self._socket.close()

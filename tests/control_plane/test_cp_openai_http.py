@@ -1,0 +1,219 @@
+"""The OpenAI-compatible HTTP door over a real control plane and real in-test worker peers,
+driven by the official `openai` client: answers, streams, errors, disconnects, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import openai
+import pytest
+from cp_harness import Harness, control_plane, run_async
+
+MODEL = "tiny"  # cp_fixtures' model name
+
+
+def client(cp: Harness, **kwargs: Any) -> openai.AsyncOpenAI:
+    assert cp.server.http is not None
+    return openai.AsyncOpenAI(
+        base_url=f"{cp.server.http.url}/v1", api_key="unused", max_retries=0, **kwargs
+    )
+
+
+def get(cp: Harness, path: str) -> tuple[int, str, str]:
+    """(status, content type, body) of a GET (blocking; run in a thread)."""
+    assert cp.server.http is not None
+    try:
+        with urllib.request.urlopen(f"{cp.server.http.url}{path}", timeout=5) as response:
+            return response.status, response.headers["content-type"], response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers["content-type"], error.read().decode()
+
+
+async def idle(cp: Harness) -> None:
+    for worker in cp.workers:
+        await worker.wait_empty(timeout=1.0)
+    assert await cp.server.front_door.wait_idle(1.0)
+    assert len(cp.server.cluster.ledger) == 0
+
+
+@run_async
+async def test_models_health_metrics_and_a_completion_with_usage() -> None:
+    async with control_plane(http_port=0) as cp:
+        status, _, body = await asyncio.to_thread(get, cp, "/health")
+        assert (status, json.loads(body)["status"]) == (503, "unavailable")
+        await cp.add("p0", "prefill"), await cp.add("d0", "decode")
+        assert (await asyncio.to_thread(get, cp, "/health"))[0] == 200
+        api = client(cp)
+        models = await api.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+        done = await api.completions.create(
+            model=MODEL, prompt="hi", max_tokens=4, seed=7, user="u", extra_body={"unknown": 1}
+        )
+        assert done.id.startswith("cmpl-") and done.model == MODEL
+        assert done.object == "text_completion"
+        [choice] = done.choices
+        assert (choice.index, choice.text, choice.finish_reason) == (0, "abbb", "length")
+        assert done.usage is not None
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (2, 4)
+        assert done.usage.total_tokens == 6
+        status, content_type, text = await asyncio.to_thread(get, cp, "/metrics")
+        assert status == 200 and content_type.startswith("text/plain")
+        assert 'kvmesh_control_requests_total{status="OK"} 1.0' in text
+        await idle(cp)
+
+
+@run_async
+async def test_completion_stream_ends_with_usage_chunk_and_done() -> None:
+    async with control_plane(http_port=0) as cp:
+        await cp.add("c0", "colocated")
+        stream = await client(cp).completions.create(
+            model=MODEL, prompt=[5, 6, 7], stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [chunk async for chunk in stream]  # the client stops at data: [DONE]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == "abbb"
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert len({c.id for c in chunks}) == 1
+        usage = chunks[-1].usage
+        assert chunks[-1].choices == [] and usage is not None
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (3, 4, 7)
+        await idle(cp)
+
+
+@run_async
+async def test_chat_completion_and_chat_stream() -> None:
+    async with control_plane(http_port=0) as cp:
+        worker = await cp.add("c0", "colocated")
+        api = client(cp)
+        parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+        messages: Any = [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": parts},
+        ]
+        done = await api.chat.completions.create(
+            model=MODEL, messages=messages, max_completion_tokens=4
+        )
+        assert done.id.startswith("chatcmpl-") and done.object == "chat.completion"
+        assert done.choices[0].message.role == "assistant"
+        assert done.choices[0].message.content == "abbb"
+        assert done.usage is not None and done.usage.prompt_tokens == len("be briefhi")
+        stream = await api.chat.completions.create(model=MODEL, messages=messages, stream=True)
+        chunks = [chunk async for chunk in stream]
+        assert chunks[0].object == "chat.completion.chunk"
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "abbb"
+        assert worker.calls.count("Generate") == 2
+        await idle(cp)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "temperature": 3}, "temperature"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [1, 999]}, "prompt"),  # the worker's check, named as the request's param
+    ],
+)
+def test_bad_fields_are_400_naming_the_param(kwargs: dict[str, Any], param: str) -> None:
+    async def scenario() -> None:
+        async with control_plane(http_port=0) as cp:
+            await cp.add("c0", "colocated")
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client(cp).completions.create(model=MODEL, **kwargs)
+            assert caught.value.status_code == 400 and caught.value.param == param
+            assert param in caught.value.message
+            await idle(cp)
+
+    asyncio.run(scenario())
+
+
+@run_async
+async def test_chat_errors_unknown_model_and_no_workers() -> None:
+    async with control_plane(http_port=0) as cp:
+        api = client(cp)
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            await api.completions.create(model=MODEL, prompt="x")
+        assert unavailable.value.status_code == 503
+        await cp.add("c0", "colocated")
+        with pytest.raises(openai.NotFoundError) as missing:
+            await api.completions.create(model="gpt-9", prompt="x")
+        assert (missing.value.code, missing.value.param) == ("model_not_found", "model")
+        image: Any = [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
+        with pytest.raises(openai.BadRequestError) as bad:
+            await api.chat.completions.create(model=MODEL, messages=image)
+        assert bad.value.param == "messages[0].content[0]"
+        with pytest.raises(openai.BadRequestError) as bad:
+            await api.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2
+            )
+        assert bad.value.param == "top_logprobs"
+
+
+@run_async
+async def test_admission_full_is_429_with_retry_after() -> None:
+    async with control_plane(http_port=0, max_inflight=1, retry_after_ms=1500) as cp:
+        worker = await cp.add("c0", "colocated")
+        worker.gate = asyncio.Event()
+        api = client(cp)
+        first = asyncio.create_task(api.completions.create(model=MODEL, prompt="x"))
+        await asyncio.wait_for(worker.stream_started.wait(), 5)
+        with pytest.raises(openai.RateLimitError) as caught:
+            await api.completions.create(model=MODEL, prompt="y")
+        assert caught.value.response.headers["retry-after"] == "2"
+        worker.gate.set()
+        assert (await first).choices[0].text == "abbb"
+        await idle(cp)
+
+
+@run_async
+async def test_client_leaving_mid_stream_releases_every_block() -> None:
+    async with control_plane(http_port=0) as cp:
+        await cp.add("p0", "prefill")
+        decode = await cp.add("d0", "decode")
+        decode.after_first_gate = asyncio.Event()  # the stream stalls after its first token
+        stream = await client(cp).completions.create(model=MODEL, prompt="hi", stream=True)
+        first = await stream.__anext__()
+        assert first.choices[0].text == "a" and decode.held
+        await stream.close()
+        await idle(cp)
+        assert cp.server.cluster.ledger.closed_outcome(first.id) == "CANCELLED"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_timing_out_before_the_first_token_releases_every_block(stream: bool) -> None:
+    async def scenario() -> None:
+        async with control_plane(http_port=0) as cp:
+            await cp.add("p0", "prefill")
+            decode = await cp.add("d0", "decode")
+            decode.gate = asyncio.Event()  # no token ever comes
+            with pytest.raises(openai.APITimeoutError):
+                await client(cp, timeout=0.5).completions.create(
+                    model=MODEL, prompt="x", stream=stream
+                )
+            await idle(cp)
+            assert decode.released
+
+    asyncio.run(scenario())
+
+
+@run_async
+async def test_drain_refuses_new_requests_and_stops_the_http_server() -> None:
+    async with control_plane(http_port=0) as cp:
+        await cp.add("c0", "colocated")
+        assert cp.server.http is not None
+        url = cp.server.http.url
+        cp.server.front_door.draining = True
+        assert (await asyncio.to_thread(get, cp, "/health"))[0] == 503
+        with pytest.raises(openai.InternalServerError):
+            await client(cp).completions.create(model=MODEL, prompt="x")
+        await asyncio.wait_for(cp.server.drain(grace=1.0), 6)
+        with pytest.raises(urllib.error.URLError):
+            await asyncio.to_thread(urllib.request.urlopen, f"{url}/health", timeout=2)

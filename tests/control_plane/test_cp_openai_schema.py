@@ -1,0 +1,136 @@
+"""OpenAI bodies → GenerateRequest, and GenerateResponses → OpenAI objects (no server)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from control_plane.openai_http.errors import ApiError
+from control_plane.openai_http.schema import parse
+from control_plane.openai_http.stream import Answer
+from kvmesh.v1 import generation_pb2
+
+
+def test_completion_body_maps_every_sampling_field() -> None:
+    body = {
+        "model": "m", "prompt": ["hello"], "max_tokens": 5, "temperature": 0, "top_p": 0.5,
+        "n": 2, "seed": 3, "presence_penalty": 0.5, "frequency_penalty": -1, "stop": "\n",
+        "logprobs": 2, "stream": True, "stream_options": {"include_usage": True},
+        "user": "u", "not_an_openai_field": {"ignored": True},
+    }  # fmt: skip
+    parsed = parse(body, "completion")
+    request, s = parsed.request, parsed.request.sampling
+    assert request.text == "hello" and not request.request_id
+    assert (s.max_tokens, s.temperature, s.top_p, s.n, s.seed) == (5, 0, 0.5, 2, 3)
+    assert (s.presence_penalty, s.frequency_penalty, list(s.stop)) == (0.5, -1, ["\n"])
+    assert s.logprobs == 2 and parsed.logprobs == 2
+    assert (parsed.stream, parsed.include_usage) == (True, True)
+    assert (parsed.model, parsed.user) == ("m", "u")
+    assert not s.HasField("top_k")  # unset stays unset (engine default)
+
+
+def test_token_prompts_and_chat_messages() -> None:
+    assert list(parse({"prompt": [[4, 5]]}, "completion").request.token_ids.ids) == [4, 5]
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    body = {
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": parts},
+            {"role": "assistant", "content": None},
+        ],
+        "max_tokens": 9, "max_completion_tokens": 4, "logprobs": True, "top_logprobs": 3,
+    }  # fmt: skip
+    parsed = parse(body, "chat")
+    chat = [(m.role, m.content) for m in parsed.request.chat.messages]
+    assert chat == [("system", "s"), ("user", "ab"), ("assistant", "")]
+    assert parsed.request.sampling.max_tokens == 4  # max_completion_tokens wins
+    assert parsed.logprobs == 3 and parsed.request.sampling.logprobs == 3
+    assert parse({"messages": body["messages"]}, "chat").logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "param"),
+    [
+        ("completion", [], None),
+        ("completion", {}, "prompt"),
+        ("completion", {"prompt": ""}, "prompt"),
+        ("completion", {"prompt": [1, -2]}, "prompt"),
+        ("completion", {"prompt": "x", "top_p": 0}, "top_p"),
+        ("completion", {"prompt": "x", "seed": -1}, "seed"),
+        ("completion", {"prompt": "x", "max_tokens": 2**40}, "max_tokens"),
+        ("completion", {"prompt": "x", "stream": "yes"}, "stream"),
+        ("completion", {"prompt": "x", "echo": True}, "echo"),
+        ("completion", {"prompt": "x", "best_of": 3}, "best_of"),
+        ("completion", {"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+        ("chat", {"messages": []}, "messages"),
+        ("chat", {"messages": [{"content": "x"}]}, "messages[0].role"),
+        ("chat", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+        ("chat", {"messages": [{"role": "u", "content": "x"}], "max_completion_tokens": 0},
+         "max_completion_tokens"),
+        ("chat", {"messages": [{"role": "u", "content": "x"}], "tools": [{}]}, "tools"),
+    ],
+)  # fmt: skip
+def test_bad_bodies_are_400_naming_the_param(kind: Any, body: Any, param: str | None) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse(body, kind)
+    assert caught.value.status == 400 and caught.value.param == param
+    if param is not None:
+        assert caught.value.message.startswith(param)
+
+
+def logprob(token_id: int, text: str, lp: float) -> generation_pb2.TokenLogprobs:
+    return generation_pb2.TokenLogprobs(
+        token_id=token_id, logprob=lp, token=text,
+        top_token_ids=[token_id, 9], top_logprobs=[lp, -3.0], top_tokens=[text, "z"],
+    )  # fmt: skip
+
+
+def responses() -> list[generation_pb2.GenerateResponse]:
+    usage = generation_pb2.Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1)
+    stop = generation_pb2.FINISH_REASON_STOP
+    return [
+        generation_pb2.GenerateResponse(index=1, text="é", logprobs=[logprob(5, "é", -0.5)]),
+        generation_pb2.GenerateResponse(index=0, text="ab", token_ids=[1, 2], usage=usage,
+                                        finish_reason=stop,
+                                        logprobs=[logprob(1, "a", -1.0), logprob(2, "", -2.0)]),
+        generation_pb2.GenerateResponse(index=1, text="c", usage=usage, finish_reason=stop,
+                                        logprobs=[logprob(6, "c", -0.25)]),
+    ]  # fmt: skip
+
+
+def test_final_answers_sum_usage_over_choices_and_shape_logprobs() -> None:
+    chat = Answer("chat", "chatcmpl-1", "m", logprobs=1)
+    completion = Answer("completion", "cmpl-1", "m", logprobs=1)
+    for response in responses():
+        chat.keep(response)
+        completion.keep(response)
+    body = chat.final()
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 1}}  # fmt: skip
+    first, second = body["choices"]
+    assert first["message"] == {"role": "assistant", "content": "ab"}
+    assert second["message"]["content"] == "éc" and second["finish_reason"] == "stop"
+    entry = second["logprobs"]["content"][0]
+    assert entry["token"] == "é" and entry["bytes"] == [0xC3, 0xA9]
+    assert entry["top_logprobs"][1] == {"token": "z", "logprob": -3.0, "bytes": [122]}
+    lp = completion.final()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["a", "token_id:2"]  # a token without text is named by its id
+    assert lp["token_logprobs"] == [-1.0, -2.0] and lp["text_offset"] == [0, 1]
+    assert lp["top_logprobs"][0] == {"a": -1.0, "z": -3.0}
+
+
+def test_stream_chunks_send_the_role_once_and_offsets_continue() -> None:
+    chat = Answer("chat", "chatcmpl-1", "m", logprobs=None)
+    chunks = [chat.chunk(r) for r in responses()]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas == [{"role": "assistant", "content": "é"},
+                      {"role": "assistant", "content": "ab"}, {"content": "c"}]  # fmt: skip
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "stop", "stop"]
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["logprobs"] is None
+    assert chat.usage_chunk()["usage"]["completion_tokens"] == 4
+    completion = Answer("completion", "cmpl-1", "m", logprobs=0)
+    offsets = [completion.chunk(r)["choices"][0]["logprobs"]["text_offset"] for r in responses()]
+    assert offsets == [[0], [0, 1], [1]]

@@ -1,0 +1,154 @@
+"""The OpenAI-compatible HTTP door of a real `kvmesh up` on loopback, driven by the official
+`openai` client: the same answers as gRPC (completions and chat), streams, logprobs, errors,
+n > 1 (colocated), and a client leaving mid-stream frees every block."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from sys_harness import GREEDY, idle, local_system, sample, wait_until
+
+from kvmesh.cli.up import LocalSystem
+from kvmesh.client import Client
+
+PROMPT = [5, 9, 2, 44, 17]
+IGNORE_EOS = {"ignore_eos": True}  # a kvmesh extension field, sent as extra_body
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny test checkpoint (random weights, byte tokenizer, a simple chat template)."""
+    from kvmesh.models.tiny import build_tiny_model
+    from kvmesh.models.tokenizer import set_chat_template
+
+    folder: Path = tmp_path_factory.mktemp("tiny-llama")
+    build_tiny_model(folder, "llama", "test", 0)
+    set_chat_template(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def system(tiny_model: str) -> Iterator[LocalSystem]:
+    with local_system(model=tiny_model, http_port=0) as (started, _):
+        yield started
+
+
+def api(system: LocalSystem, **kwargs: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{system.http_url}/v1", api_key="unused", max_retries=0,
+                         **kwargs)  # type: ignore[arg-type]  # fmt: skip
+
+
+def get(system: LocalSystem, path: str) -> tuple[int, str]:
+    with urllib.request.urlopen(f"{system.http_url}{path}", timeout=5) as response:
+        return response.status, response.read().decode()
+
+
+def test_completion_matches_grpc_and_its_stream(system: LocalSystem) -> None:
+    client = api(system)
+    model = client.models.list().data[0].id
+    assert model == Path(system.model_dir).name
+    max_tokens, temperature = GREEDY["max_tokens"], GREEDY["temperature"]
+    done = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens,
+                                     temperature=temperature, extra_body=IGNORE_EOS)  # fmt: skip
+    with Client(system.endpoint) as grpc_client:
+        expected = grpc_client.complete(PROMPT, **GREEDY)
+    assert done.choices[0].text == expected.text and done.choices[0].finish_reason == "length"
+    assert done.usage is not None
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (5, max_tokens)
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens,
+                                       temperature=temperature, extra_body=IGNORE_EOS, stream=True,
+                                       stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 5 + max_tokens
+    wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
+
+
+def test_chat_matches_grpc_chat_with_token_logprobs(system: LocalSystem) -> None:
+    client = api(system)
+    model = client.models.list().data[0].id
+    messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    with Client(system.endpoint) as grpc_client:
+        expected = grpc_client.complete_chat(messages, **GREEDY)
+    done = client.chat.completions.create(
+        model=model, messages=messages, max_completion_tokens=GREEDY["max_tokens"],
+        temperature=0, logprobs=True, top_logprobs=2, extra_body=IGNORE_EOS,
+    )  # fmt: skip
+    choice = done.choices[0]
+    assert (choice.message.role, choice.message.content) == ("assistant", expected.text)
+    assert done.usage is not None
+    expected_usage = expected.completions[0].usage
+    assert expected_usage is not None and done.usage.prompt_tokens == expected_usage.prompt_tokens
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert len(content) == GREEDY["max_tokens"]
+    for item in content:  # token text from the worker, bytes its UTF-8
+        assert item.bytes == list(item.token.encode()) and len(item.top_logprobs) == 2
+    stream = client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                            max_completion_tokens=GREEDY["max_tokens"],
+                                            extra_body=IGNORE_EOS, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected.text
+
+
+def test_logprobs_errors_health_and_metrics(system: LocalSystem) -> None:
+    client = api(system)
+    model = client.models.list().data[0].id
+    done = client.completions.create(model=model, prompt="The KV", max_tokens=4, logprobs=2,
+                                     temperature=0, extra_body=IGNORE_EOS)  # fmt: skip
+    logprobs = done.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None and len(logprobs.tokens) == 4
+    assert all(lp <= 0 for lp in logprobs.token_logprobs or [])
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs or [])
+    with pytest.raises(openai.BadRequestError) as caught:  # the worker's vocabulary check
+        client.completions.create(model=model, prompt=[1, 10**6])
+    assert caught.value.param == "prompt"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt="x", top_p=0)
+    assert caught.value.param == "top_p"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="not-" + model, prompt="x")
+    assert get(system, "/health")[0] == 200
+    status, text = get(system, "/metrics")
+    assert status == 200 and 'kvmesh_control_requests_total{status="OK"}' in text
+
+
+def test_client_leaving_mid_stream_frees_every_block(system: LocalSystem) -> None:
+    client = api(system)
+    model = client.models.list().data[0].id
+    metrics = system.control_metrics  # type: ignore[attr-defined]
+    cancelled = sample(metrics, "kvmesh_control_requests_total", status="CANCELLED")
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=1500,
+                                       extra_body=IGNORE_EOS, stream=True)  # fmt: skip
+    next(iter(stream))
+    stream.close()
+    wait_until(lambda: idle(system), 5.0, "blocks free after the client left")
+    assert sample(metrics, "kvmesh_control_requests_total", status="CANCELLED") == cancelled + 1
+
+
+def test_n_completions_colocated_then_503_without_workers(tiny_model: str) -> None:
+    with local_system(model=tiny_model, http_port=0, prefill=0, decode=0, colocated=1) as (
+        system, _,
+    ):  # fmt: skip
+        client = api(system)
+        model = client.models.list().data[0].id
+        done = client.completions.create(model=model, prompt="Hello", n=2, max_tokens=6, seed=1,
+                                         extra_body=IGNORE_EOS)  # fmt: skip
+        assert sorted(c.index for c in done.choices) == [0, 1]
+        assert done.usage is not None and done.usage.completion_tokens == 12
+        system.supervisor.stop(system.workers[0].child, grace=5.0)
+        wait_until(lambda: get_status(system, "/health") == 503, 10.0, "health 503")
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.completions.create(model=model, prompt="x")
+        assert caught.value.status_code == 503
+
+
+def get_status(system: LocalSystem, path: str) -> int:
+    try:
+        return get(system, path)[0]
+    except urllib.error.HTTPError as error:
+        return error.code
