@@ -1,4 +1,4 @@
-"""`kvmesh generate [--model DIR] "prompt"`: generate offline and stream the text.
+"""`kvmesh generate [--model MODEL] "prompt"`: generate offline and stream the text.
 
 The request is built from the arguments once (`request_from_args`) and run on an in-process
 engine; with `--target HOST:PORT` it goes to a running system instead (`generate_remote`).
@@ -28,7 +28,11 @@ def register(subparsers: Any) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", default=None, help="prompt text")
     parser.add_argument("--prompt-ids", default=None, help="token-id prompt: 1,2,3")
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: tiny model)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder, .gguf file or hub id Org/Name (default: SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -82,7 +86,7 @@ def run_generate(args: argparse.Namespace) -> int:
         from kvmesh.cli.generate_remote import run_remote
 
         return run_remote(args)
-    from kvmesh.engine.errors import InvalidParameterError
+    from kvmesh.engine.errors import InvalidParameterError, UnsupportedModelError
 
     try:
         prompt, params = request_from_args(args)
@@ -93,6 +97,9 @@ def run_generate(args: argparse.Namespace) -> int:
             final = output
     except InvalidParameterError as error:
         print(f"kvmesh generate: {error}", file=sys.stderr)
+        return 2
+    except UnsupportedModelError as error:
+        print(f"kvmesh generate: model: {error}", file=sys.stderr)
         return 2
     sys.stdout.write("\n")
     if args.json and final is not None:

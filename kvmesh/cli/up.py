@@ -11,6 +11,7 @@ requests, bounded), then the workers (SIGTERM, SIGKILL after a bound). Children 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import signal
@@ -151,7 +152,8 @@ def kvmesh_argv() -> list[str]:
 
 
 def resolve_model(model: str | None) -> str:
-    from kvmesh.models.default import resolve_model_path
+    """The checkpoint folder of `--model` (InvalidParameterError on field `model`)."""
+    from kvmesh.models.resolve import resolve_model_path
 
     return str(resolve_model_path(model))
 
@@ -175,7 +177,11 @@ def register(subparsers: Any) -> None:
         "up", help="start control plane, prefill and decode workers locally (Ctrl-C stops)"
     )
     add = parser.add_argument
-    add("--model", default=None, help="checkpoint folder (default: the embedded default model)")
+    add(
+        "--model",
+        default=None,
+        help="checkpoint folder, .gguf file or hub id Org/Name (default: SmolLM2-135M-Instruct)",
+    )
     add("--prefill", type=int, default=None, help="prefill workers (default 1, 0 with --colocated)")
     add("--decode", type=int, default=None, help="decode workers (default 1, 0 with --colocated)")
     add("--colocated", type=int, default=0, help="colocated workers (default %(default)s)")
@@ -204,6 +210,8 @@ def run_up(args: argparse.Namespace) -> int:
             transfer_backend=args.transfer_backend, threads=args.threads,
             startup_timeout=args.startup_timeout,
         )  # fmt: skip
+        # Resolved once here: a bad --model fails in one line before any child starts.
+        config = dataclasses.replace(config, model=resolve_model(config.model))
     except ValueError as error:
         print(f"kvmesh up: {error}", file=sys.stderr)
         return 2

@@ -37,15 +37,10 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """The checkpoint folder: `model`, or the embedded default when None."""
-    if model is None:
-        from kvmesh.models.default import default_model_path
+    """The checkpoint folder of `model` (`kvmesh.models.resolve`; None is the default model)."""
+    from kvmesh.models.resolve import resolve_model_path as resolve
 
-        return default_model_path()
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise InvalidParameterError("model", f"{model!r} is not a folder with a config.json")
-    return path
+    return resolve(model)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -35,7 +35,11 @@ def _size(text: str) -> int:
 
 def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"kvmesh serve {role}", description=f"kvmesh {role} worker")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: embedded tiny)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder, .gguf file or hub id Org/Name (default: SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--control", default=None, help="control plane HOST:PORT to register with")
