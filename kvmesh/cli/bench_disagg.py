@@ -36,7 +36,7 @@ W4 = {"steady": 16, "steady_prompt": 128, "steady_output": 512, "long_prompt": 2
 
 def register(subparsers: Any) -> None:
     ttft = subparsers.add_parser("ttft", help="TTFT breakdown (queue/prefill/transfer/decode)")
-    ttft.add_argument("--model", default=None, help="checkpoint folder (default: embedded)")
+    ttft.add_argument("--model", default=None, help="checkpoint (default: the test-size tiny)")
     ttft.add_argument("--requests", type=int, default=20)
     ttft.add_argument("--prompt-len", type=int, default=512)
     ttft.add_argument("--max-tokens", type=int, default=8)
@@ -68,6 +68,7 @@ def register(subparsers: Any) -> None:
 
 def run_ttft(args: argparse.Namespace) -> int:
     from kvmesh.cli.up import LocalSystem, UpConfig
+    from kvmesh.models.tiny import tiny_model_path
 
     modes = {"both": ["overlap", "whole"], "on": ["overlap"], "off": ["whole"]}[args.overlap]
     keys = ["client_ttft", "ttft", "queue", "prefill", "transfer", "first_decode"]
@@ -76,8 +77,8 @@ def run_ttft(args: argparse.Namespace) -> int:
         prefill_args = ["--transfer-overlap" if mode == "overlap" else "--no-transfer-overlap"]
         if args.prefill_chunk:
             prefill_args += ["--max-num-batched-tokens", str(args.prefill_chunk)]
-        config = UpConfig(model=args.model, port=0, transfer_backend=args.transfer_backend,
-                          threads=args.threads,
+        config = UpConfig(model=args.model or str(tiny_model_path()), port=0,
+                          transfer_backend=args.transfer_backend, threads=args.threads,
                           role_args={"prefill": tuple(prefill_args)})  # fmt: skip
         with LocalSystem(config) as system:
             rows = asyncio.run(_ttft_requests(system.endpoint, args))[1:]  # first: warm-up
@@ -136,13 +137,9 @@ class W4Result:
 
 def bench_model_path() -> str:
     """The bench-size tiny checkpoint, built once into the kvmesh cache."""
-    from kvmesh.models.default import cache_root
-    from kvmesh.models.tiny import build_tiny_model
+    from kvmesh.models.tiny import tiny_model_path
 
-    path = cache_root() / "models" / "tiny-llama-bench-seed0"
-    if not (path / "config.json").is_file():
-        build_tiny_model(path, "llama", "bench", 0)
-    return str(path)
+    return str(tiny_model_path("bench"))
 
 
 def w4_configs(args: argparse.Namespace, long_prompt: int) -> list[tuple[str, Any]]:

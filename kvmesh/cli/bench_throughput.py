@@ -236,9 +236,10 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
     import torch
 
     from kvmesh.engine.loader import resolve_model_path
+    from kvmesh.models.tiny import tiny_model_path
 
     torch.set_num_threads(args.threads)
-    model_dir = str(resolve_model_path(args.model))
+    model_dir = str(resolve_model_path(args.model) if args.model else tiny_model_path())
     runs: list[tuple[str, dict[str, Any]]] = []
     if args.workload == "W1":
         runs.append(("kvmesh", {}))

@@ -1,4 +1,4 @@
-"""`kvmesh generate [--model DIR] "prompt"`: generate offline and stream the text.
+"""`kvmesh generate [--model MODEL] "prompt"`: generate offline and stream the text.
 
 `--chat "question"` (with an optional `--system "..."`) sends a conversation instead, rendered
 with the model's chat template.
@@ -35,7 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chat", default=None, metavar="TEXT", help="a user message, in the chat template"
     )
     parser.add_argument("--system", default=None, metavar="TEXT", help="system message (--chat)")
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: tiny model)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder, .gguf file or hub id Org/Name (default: SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -105,7 +109,7 @@ def run_generate(args: argparse.Namespace) -> int:
         from kvmesh.cli.generate_remote import run_remote
 
         return run_remote(args)
-    from kvmesh.engine.errors import InvalidParameterError
+    from kvmesh.engine.errors import InvalidParameterError, UnsupportedModelError
 
     try:
         prompt, params = request_from_args(args)
@@ -116,6 +120,9 @@ def run_generate(args: argparse.Namespace) -> int:
             final = output
     except InvalidParameterError as error:
         print(f"kvmesh generate: {error}", file=sys.stderr)
+        return 2
+    except UnsupportedModelError as error:
+        print(f"kvmesh generate: model: {error}", file=sys.stderr)
         return 2
     sys.stdout.write("\n")
     if args.json and final is not None:

@@ -12,6 +12,7 @@ requests, bounded), then the workers (SIGTERM, SIGKILL after a bound). Children 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -170,7 +171,8 @@ def kvmesh_argv() -> list[str]:
 
 
 def resolve_model(model: str | None) -> str:
-    from kvmesh.models.default import resolve_model_path
+    """The checkpoint folder of `--model` (InvalidParameterError on field `model`)."""
+    from kvmesh.models.resolve import resolve_model_path
 
     return str(resolve_model_path(model))
 
@@ -231,6 +233,8 @@ def run_up(args: argparse.Namespace) -> int:
             startup_timeout=args.startup_timeout,
             worker_args=worker_argv(engine, args.served_model_name),
         )  # fmt: skip
+        # Resolved once here: a bad --model fails in one line before any child starts.
+        config = dataclasses.replace(config, model=resolve_model(config.model))
     except ValueError as error:
         print(f"kvmesh up: {error}", file=sys.stderr)
         return 2

@@ -27,7 +27,8 @@ def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) ->
 class EngineConfig:
     """Configuration of one LLMEngine.
 
-    model: checkpoint folder, or None for the embedded default tiny model.
+    model: checkpoint folder, .gguf file or cached hub id (`kvmesh.models.resolve`), or None
+        for the default model (SmolLM2-135M-Instruct).
     kv_cache_memory: KV pool budget in bytes; None = `memory_utilization` of the device
     (CUDA) or `DEFAULT_CPU_KV_BYTES` on CPU. num_kv_blocks overrides both (tests use it to
     force preemption). max_model_len defaults to the model's max_position_embeddings.
@@ -37,7 +38,9 @@ class EngineConfig:
     Each field's metadata holds its help text and choices.
     """
 
-    model: str | None = _setting(None, "checkpoint folder (default: the embedded model)")
+    model: str | None = _setting(
+        None, "checkpoint folder, .gguf file or hub id Org/Name (default: SmolLM2-135M-Instruct)"
+    )
     dtype: str = _setting("auto", "weight and activation dtype", DTYPES)
     device: str = _setting("auto", "where the engine runs", DEVICES)
     kv_dtype: str = _setting("auto", "KV cache storage dtype (auto: the model's)", KV_DTYPES)

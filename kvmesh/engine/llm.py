@@ -1,7 +1,7 @@
 """`LLM`: the offline Python API in vLLM's shape.
 
     from kvmesh import LLM, SamplingParams
-    llm = LLM()                                   # embedded default tiny model
+    llm = LLM()                                   # the default model (SmolLM2-135M-Instruct)
     llm = LLM(model="path/to/checkpoint", max_num_seqs=64)
     outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32))
     outputs = llm.chat([{"role": "user", "content": "Hi"}])   # the model's chat template

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvmesh_kernels.cache import HEAD_DIMS
 
 from kvmesh.engine.attention import register_attention
 from kvmesh.engine.config import EngineConfig
@@ -37,15 +38,10 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """The checkpoint folder: `model`, or the embedded default when None."""
-    if model is None:
-        from kvmesh.models.default import default_model_path
+    """The checkpoint folder of `model` (`kvmesh.models.resolve`; None is the default model)."""
+    from kvmesh.models.resolve import resolve_model_path as resolve
 
-        return default_model_path()
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise InvalidParameterError("model", f"{model!r} is not a folder with a config.json")
-    return path
+    return resolve(model)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,6 +73,14 @@ def check_supported(hf_config: Any) -> None:
     for feature in _UNSUPPORTED_FEATURES:
         if getattr(hf_config, feature, None):
             raise UnsupportedModelError(f"{model_type}: {feature} is not supported")
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    if head_dim not in HEAD_DIMS:
+        raise UnsupportedModelError(
+            f"{model_type}: head_dim {head_dim} is not supported by the paged attention kernels "
+            f"(supported: {', '.join(map(str, HEAD_DIMS))})"
+        )
 
 
 def load_model(config: EngineConfig) -> LoadedModel:

@@ -1,4 +1,4 @@
-"""Tiny random-weight checkpoints, the byte-level tokenizer and the cached default model."""
+"""Model checkpoints: resolving `--model`, the default model, GGUF conversion, tiny models."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ _LAZY = {
     "tiny_config": "kvmesh.models.tiny",
     "ARCHS": "kvmesh.models.tiny",
     "SIZES": "kvmesh.models.tiny",
+    "tiny_model_path": "kvmesh.models.tiny",
     "default_model_path": "kvmesh.models.default",
-    "resolve_model_path": "kvmesh.models.default",
+    "gguf_checkpoint": "kvmesh.models.gguf",
+    "convert_gguf": "kvmesh.models.gguf",
+    "resolve_model_path": "kvmesh.models.resolve",
+    "ModelNotFoundError": "kvmesh.models.resolve",
     "build_byte_tokenizer": "kvmesh.models.tokenizer",
 }
 

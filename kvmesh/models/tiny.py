@@ -2,6 +2,8 @@
 
 `build_tiny_model(out_dir, arch, size, seed)` writes config.json, model.safetensors (float32),
 generation_config.json and the byte-level tokenizer of `kvmesh.models.tokenizer`.
+`tiny_model_path(size)` is the Llama of that size (seed 0) built once into kvmesh's cache: the
+model of tests and benchmarks.
 
 Weights: `torch.manual_seed(seed)` then `AutoModelForCausalLM.from_config(config)`, untied
 embeddings. `initializer_range` is raised from transformers' 0.02 to `INITIALIZER_RANGE`: with
@@ -12,7 +14,6 @@ which makes token-for-token comparisons against a reference weak.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,11 @@ def build_tiny_model(out_dir: str | os.PathLike[str], arch: str, size: str, seed
     return out
 
 
-def remove_checkpoint(path: Path) -> None:
-    """Delete a checkpoint folder written by `build_tiny_model` (missing is fine)."""
-    shutil.rmtree(path, ignore_errors=True)
+def tiny_model_path(size: str = "test") -> Path:
+    """The cached tiny Llama of `size` (seed 0), built once (`kvmesh.models.cache.materialize`)."""
+    from kvmesh.models.cache import materialize
+
+    tiny_config("llama", size)  # validates `size` before anything is written
+    # Bump the version whenever the builder's output changes, so stale caches are not reused.
+    name = f"tiny-llama-{size}-seed0-v1"
+    return materialize(name, lambda staging: build_tiny_model(staging, "llama", size, 0))

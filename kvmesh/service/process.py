@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn, Protocol
 
+from kvmesh.engine.errors import InvalidParameterError, UnsupportedModelError
 from kvmesh.service.options import ROLES, build_runtime, engine_config, parse
 from kvmesh.service.runtime import WorkerRuntime
 from kvmesh.service.server import WorkerServer, print_ready, run_until_signal
@@ -51,9 +52,14 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
     from kvmesh.telemetry.tracing import setup_tracing
 
     setup_tracing(f"kvmesh-{role}")
+    try:
+        config = engine_config(args)  # resolves --model: a bad one fails before anything starts
+    except InvalidParameterError as error:
+        print(f"kvmesh serve {role}: {error}", file=sys.stderr)
+        return 2
 
     async def main(stop: asyncio.Event) -> None:
-        runtime = build_runtime(engine_config(args), role, args.worker_id, args.served_model_name)
+        runtime = build_runtime(config, role, args.worker_id, args.served_model_name)
         try:
             await serve(runtime, stop)
         finally:
@@ -93,7 +99,12 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
         await services.close()
         LOG.info("%s %s drained in %.2f s", role, runtime.worker_id, time.monotonic() - started)
 
-    return exit_process(run_until_signal(main))
+    try:
+        code = run_until_signal(main)
+    except UnsupportedModelError as error:  # raised while loading, before the ready line
+        print(f"kvmesh serve {role}: model: {error}", file=sys.stderr)
+        code = 2
+    return exit_process(code)
 
 
 def exit_process(code: int) -> NoReturn:

@@ -23,6 +23,7 @@ from kvmesh.engine.sampling_params import (
     MAX_STOP_STRINGS,
 )
 from kvmesh.engine.sequence import Request
+from kvmesh.models.resolve import model_name
 from kvmesh.service.convert import sampling_from_proto
 from kvmesh.service.status import abort_with
 from kvmesh.v1 import generation_pb2, worker_pb2
@@ -78,7 +79,7 @@ def model_info(
     hf = parts.loaded.hf_config
     archs = getattr(hf, "architectures", None) or [type(parts.loaded.model).__name__]
     return generation_pb2.ModelInfo(
-        model_name=served_name or parts.loaded.path.name,
+        model_name=served_name or model_name(parts.loaded.path),
         architecture=str(archs[0]),
         vocab_size=engine.runner.vocab_size,
         max_model_len=parts.max_model_len,

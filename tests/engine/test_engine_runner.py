@@ -140,6 +140,16 @@ def test_unsupported_architecture_fails_at_load(tmp_path: Path) -> None:
         load_model(EngineConfig(model=str(tmp_path)))
 
 
+def test_head_dim_the_kernels_lack_fails_at_load(tmp_path: Path) -> None:
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1).save_pretrained(
+        tmp_path
+    )
+    with pytest.raises(UnsupportedModelError, match="head_dim 16 is not supported"):
+        load_model(EngineConfig(model=str(tmp_path)))
+
+
 def test_missing_model_folder_names_the_field(tmp_path: Path) -> None:
     with pytest.raises(InvalidParameterError, match="model"):
         load_model(EngineConfig(model=str(tmp_path / "absent")))

@@ -1,12 +1,8 @@
-"""Tiny checkpoints load and generate with transformers; the byte tokenizer; the default model."""
+"""Tiny checkpoints load and generate with transformers; the byte tokenizer."""
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,12 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvmesh.cli.main import main
 from kvmesh.engine.errors import InvalidParameterError
-from kvmesh.models import build_tiny_model, default_model_path, resolve_model_path
-from kvmesh.models.default import DEFAULT_MODEL_NAME
+from kvmesh.models import build_tiny_model
 from kvmesh.models.tiny import ARCHS, TINY_SIZES, tiny_config
 from kvmesh.models.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def greedy(model_dir: Path, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -121,58 +114,3 @@ def test_tokenizer_round_trips_utf8(tmp_path: Path, text: str) -> None:
 def test_cli_writes_checkpoint(tmp_path: Path) -> None:
     assert main(["model", "tiny", str(tmp_path / "q"), "--arch", "qwen3", "--seed", "3"]) == 0
     assert json.loads((tmp_path / "q" / "config.json").read_text())["model_type"] == "qwen3"
-
-
-def test_default_model_is_built_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
-    first = default_model_path()
-    stamp = (first / "model.safetensors").stat().st_mtime_ns
-    assert default_model_path() == first
-    capsys.readouterr()
-    assert main(["model", "default"]) == 0
-    assert capsys.readouterr().out.strip() == str(first)
-    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
-    assert first == tmp_path / "models" / DEFAULT_MODEL_NAME
-    assert AutoTokenizer.from_pretrained(first).eos_token_id == EOS_TOKEN_ID
-
-
-def test_default_model_concurrent_processes(tmp_path: Path) -> None:
-    code = "from kvmesh.models import default_model_path; print(default_model_path())"
-    env = {**os.environ, "KVMESH_CACHE_DIR": str(tmp_path)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
-        )
-        for _ in range(2)
-    ]
-    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
-    assert all(p.returncode == 0 for p in procs)
-    assert outs[0] == outs[1] == str(tmp_path / "models" / DEFAULT_MODEL_NAME)
-    leftovers = [p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")]
-    assert leftovers == [DEFAULT_MODEL_NAME]
-    AutoModelForCausalLM.from_pretrained(outs[0])
-
-
-def test_resolve_model_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
-    assert resolve_model_path(None) == default_model_path()
-    built = build_tiny_model(tmp_path / "m", "llama", "test", 1)
-    assert resolve_model_path(str(built)) == built
-    with pytest.raises(InvalidParameterError) as info:
-        resolve_model_path(tmp_path / "missing")
-    assert info.value.field == "model"
-
-
-def test_default_model_wait_for_another_build_is_bounded(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
-    models = tmp_path / "models"
-    models.mkdir()
-    with open(models / f".{DEFAULT_MODEL_NAME}.lock", "w") as held:
-        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # another process is building
-        with pytest.raises(TimeoutError, match="lock"):
-            default_model_path(lock_timeout=0.2)
-    assert not (models / DEFAULT_MODEL_NAME).exists()

@@ -1,5 +1,5 @@
 """Shared by the system tests: one disaggregated system (1 prefill + 1 decode, shared memory)
-and the offline engine on the same default model, for greedy parity."""
+and the offline engine on the same tiny test model, for greedy parity."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ def shm_system() -> Iterator[tuple[LocalSystem, str]]:
 def offline() -> Callable[[list[Any]], list[list[int]]]:
     """Greedy token ids (GREEDY sampling) of the offline engine for each prompt."""
     from kvmesh import LLM, SamplingParams
-    from kvmesh.models.default import default_model_path
+    from kvmesh.models.tiny import tiny_model_path
 
-    llm = LLM(model=str(default_model_path()))
+    llm = LLM(model=str(tiny_model_path()))
     params = SamplingParams(**GREEDY)
 
     def run(prompts: list[Any]) -> list[list[int]]:

@@ -27,8 +27,12 @@ def free_port() -> int:
 
 @contextmanager
 def local_system(**overrides: Any) -> Iterator[tuple[LocalSystem, str]]:
-    """A started LocalSystem (front door on a free port, control metrics on another)."""
+    """A started LocalSystem (front door on a free port, control metrics on another) on the
+    tiny test model unless `model` is given."""
+    from kvmesh.models.tiny import tiny_model_path
+
     metrics_port = free_port()
+    overrides.setdefault("model", str(tiny_model_path()))
     config = UpConfig(
         port=0,
         startup_timeout=240.0,

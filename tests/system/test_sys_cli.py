@@ -12,6 +12,7 @@ from typing import Any
 from sys_harness import GREEDY, free_port, sample
 
 from kvmesh.cli.supervisor import Supervisor
+from kvmesh.models.tiny import tiny_model_path
 
 KVMESH = [sys.executable, "-m", "kvmesh.cli.main"]
 PROMPTS = [[5, 9, 2], list(range(3, 40))]
@@ -36,7 +37,7 @@ def test_up_generate_parity_over_grpc_transfer_and_sigterm(offline: Any) -> None
     supervisor = Supervisor(grace=20.0)
     try:
         argv = [*KVMESH, "up", "--port", str(port), "--http-port", str(http_port),
-                "--transfer-backend", "grpc"]  # fmt: skip
+                "--transfer-backend", "grpc", "--model", str(tiny_model_path())]  # fmt: skip
         up = supervisor.start("up", argv)
         deadline = time.monotonic() + 240
         endpoint = supervisor.wait_for(up, r"front door (\S+)", deadline).group(1)
@@ -64,7 +65,7 @@ def test_up_generate_parity_over_grpc_transfer_and_sigterm(offline: Any) -> None
 
 
 def test_demo_runs_one_request_and_exits_zero() -> None:
-    argv = [*KVMESH, "up", "--demo", "--max-tokens", "8"]
+    argv = [*KVMESH, "up", "--demo", "--max-tokens", "8", "--model", str(tiny_model_path())]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "TTFT" in done.stdout and "prefill" in done.stdout and "stopped" in done.stdout
