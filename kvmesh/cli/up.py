@@ -38,7 +38,7 @@ HTTP_READY = re.compile(r"OpenAI-compatible API on (\S+)/v1")
 WORKER_READY = re.compile(r"KVMESH_READY (\{.*\})")
 TRANSFER_BACKENDS = ("shm", "grpc", "gloo")
 UP_OWN_FIELDS = ("num_threads",)  # `--threads` also sets OMP_NUM_THREADS
-DEMO_PROMPT = "The paged KV cache"
+DEMO_PROMPT = "What is the capital of France?"
 
 
 @dataclass(frozen=True)
