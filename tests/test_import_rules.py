@@ -1,4 +1,5 @@
-"""The layering rules of DESIGN.md, checked on the source and by importing in fresh processes."""
+"""The layering rules of docs/ARCHITECTURE.md, checked on the source and by importing in fresh
+processes."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """KV capacity planning: bytes per token, blocks and concurrency that fit in device memory.
 
 Pure Python (no torch). The engine sizes its KV pool with `plan_kv_capacity`; `kvmesh plan`
-prints the same plan. Bytes per token follow seed 000 §1.2 / seed 001 §2.2, GQA/MQA-aware:
+prints the same plan. Bytes per token follow the articles
+“KV Cache与PagedAttention深度解析：vLLM内存管理革命” (§1.2) and
+“KV Cache从原理到实战：大模型推理内存管理演进与优化” (§2.2), GQA/MQA-aware:
 
     kv_bytes_per_token = 2 (K, V) × layers × kv_heads × (head_dim × dtype_bytes + scale_bytes)
 

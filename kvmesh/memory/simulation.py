@@ -1,4 +1,5 @@
-"""Workload W2 (seed 001 §6.3): contiguous preallocation against paged KV blocks.
+"""Workload W2: contiguous preallocation against paged KV blocks (the memory table of
+“KV Cache从原理到实战：大模型推理内存管理演进与优化”, §6.3).
 
 A budget of 65,536 token slots, 2,000 requests from `random.Random(0)` with prompt and output
 lengths `randint(64, 1024)` each, all waiting at time 0, admitted first come first served.

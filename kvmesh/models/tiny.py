@@ -1,4 +1,5 @@
-"""Tiny random-weight checkpoints of WORKLOADS.md, built locally (no network).
+"""Tiny random-weight checkpoints of the benchmark workloads (docs/BENCHMARKS.md), built
+locally (no network).
 
 `build_tiny_model(out_dir, arch, size, seed)` writes config.json, model.safetensors (float32),
 generation_config.json and the byte-level tokenizer of `kvmesh.models.tokenizer`.
@@ -28,7 +29,8 @@ INITIALIZER_RANGE = 0.2
 
 @dataclass(frozen=True)
 class TinySize:
-    """One row of WORKLOADS.md's model table, plus Mistral's sliding window for that size."""
+    """One row of the benchmark model table (docs/BENCHMARKS.md), plus Mistral's sliding window
+    for that size."""
 
     vocab_size: int
     hidden_size: int
