@@ -68,6 +68,17 @@ def register(subparsers: Any) -> None:
         default=None,
         help="kvmesh's step order (default: the engine's, decode-first)",
     )
+    parser.add_argument(
+        "--executor",
+        choices=("auto", "native", "transformers"),
+        default="auto",
+        help="kvmesh's model code (kvmesh.engine.executor)",
+    )
+    parser.add_argument(
+        "--compare-executors",
+        action="store_true",
+        help="W1: also kvmesh with transformers' model code (executor=transformers)",
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
@@ -170,7 +181,8 @@ def run_hf_static(model_dir: str, requests: list, batch_size: int, dtype: str) -
     _hf_generate(model, requests, batch_size)
     tokens = sum(n for _, n in requests)  # useful tokens; padding rows do not count
     result = summarize("transformers-static", tokens, time.monotonic() - start, [])
-    return {**result, "dtype": str(model.dtype).removeprefix("torch.")}
+    dtype_name = str(model.dtype).removeprefix("torch.")
+    return {**result, "dtype": dtype_name, "executor": "transformers-generate"}
 
 
 def _hf_generate(model: Any, requests: list, batch_size: int) -> None:
@@ -205,7 +217,7 @@ def run_vllm(python: str, model_dir: str, args: Any) -> dict[str, Any]:
         raise RuntimeError(f"vLLM run failed (exit {done.returncode}):\n{tail}")
     result = json.loads(lines[-1])
     summary = summarize("vllm", int(result["tokens"]), float(result["seconds"]), [])
-    return {**summary, "dtype": result["dtype"]}
+    return {**summary, "dtype": result["dtype"], "executor": "vllm"}
 
 
 def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: Any) -> dict:
@@ -215,6 +227,7 @@ def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: An
     for knob in ("max_num_seqs", "max_num_batched_tokens", "scheduling_policy"):
         if getattr(args, knob, None) is not None:
             options = {knob: getattr(args, knob), **options}
+    options = {"executor": args.executor, **options}
     config = EngineConfig(model=model_dir, num_threads=args.threads, dtype=args.dtype, **options)
     engine = LLMEngine(config)
     vocab = engine.runner.vocab_size
@@ -226,7 +239,9 @@ def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: An
         tokens, seconds, ttfts = run_one_by_one(engine, reqs)
     dtype = str(engine.runner.loaded.dtype).removeprefix("torch.")
     policy = config.scheduling_policy
-    return {**summarize(name, tokens, seconds, ttfts), "dtype": dtype, "scheduling_policy": policy}
+    executor = engine.runner.loaded.executor
+    summary = summarize(name, tokens, seconds, ttfts)
+    return {**summary, "dtype": dtype, "scheduling_policy": policy, "executor": executor}
 
 
 def run_bench_throughput(args: argparse.Namespace) -> int:
@@ -245,6 +260,8 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         runs.append(("kvmesh", {}))
         if args.baseline:
             runs.append((f"kvmesh-{args.baseline}", BASELINE_OPTIONS[args.baseline]))
+        if args.compare_executors:
+            runs.append(("kvmesh-transformers", {"executor": "transformers"}))
     else:
         runs += [("prefix-cache-on", {}), ("prefix-cache-off", {"enable_prefix_caching": False})]
     repeats: list[list[dict[str, Any]]] = []

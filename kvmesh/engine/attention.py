@@ -94,20 +94,41 @@ def paged_attention_forward(
     """
     if kvmesh_ctx is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs the kvmesh_ctx forward argument")
-    ctx = kvmesh_ctx
+    out = attend(
+        kvmesh_ctx,
+        int(module.layer_idx),  # type: ignore[arg-type]
+        query[0].transpose(0, 1),  # [T, Hq, D]
+        key[0].transpose(0, 1),  # [T, Hkv, D]
+        value[0].transpose(0, 1),
+        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        sliding_window=sliding_window,
+    )
+    return out.unsqueeze(0), None
+
+
+def attend(
+    ctx: ForwardContext,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Store this step's K/V of `layer` and attend: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
+
+    Every executor's attention layer calls this (transformers' through the adapter above).
+    """
     plan = ctx.attention_plan
-    layer = int(module.layer_idx)  # type: ignore[arg-type]
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
-    plan.write_kv(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    plan.write_kv(layer, key, value)
     if not _fresh_path_applies(ctx, ctx.kv_cache.scales is None, sliding_window):
-        out = plan.attention(q, layer, scale=scale, sliding_window=sliding_window)
-        return out.unsqueeze(0), None
-    out = torch.empty_like(q)  # [T, Hq, D]
+        return plan.attention(query, layer, scale=scale, sliding_window=sliding_window)
+    out = torch.empty_like(query)  # [T, Hq, D]
     paged_tokens = ctx.num_paged_tokens
     if ctx.num_paged_seqs:
         out[:paged_tokens] = plan.attention(
-            q[:paged_tokens],
+            query[:paged_tokens],
             layer,
             scale=scale,
             sliding_window=sliding_window,
@@ -115,14 +136,14 @@ def paged_attention_forward(
         )
     for lo, hi in itertools.pairwise(ctx.fresh_bounds):
         out[lo:hi] = F.scaled_dot_product_attention(
-            query[:, :, lo:hi],  # [1, Hq, n, D]
-            key[:, :, lo:hi],  # [1, Hkv, n, D]
-            value[:, :, lo:hi],
+            query[lo:hi].transpose(0, 1).unsqueeze(0),  # [1, Hq, n, D]
+            key[lo:hi].transpose(0, 1).unsqueeze(0),  # [1, Hkv, n, D]
+            value[lo:hi].transpose(0, 1).unsqueeze(0),
             is_causal=True,
             scale=scale,
             enable_gqa=True,
         )[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out
 
 
 def _fresh_path_applies(ctx: ForwardContext, plain_cache: bool, window: int | None) -> bool:

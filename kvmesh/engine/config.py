@@ -15,6 +15,7 @@ from kvmesh.engine.scheduler_types import ALLOCATIONS, POLICIES, SCHEDULING_POLI
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_DTYPES = ("auto", "int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
+EXECUTORS = ("auto", "native", "transformers")
 
 
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -43,6 +44,12 @@ class EngineConfig:
     )
     dtype: str = _setting("auto", "weight and activation dtype", DTYPES)
     device: str = _setting("auto", "where the engine runs", DEVICES)
+    executor: str = _setting(
+        "auto",
+        "model code: native (kvmesh's Llama-family executor), transformers, or auto "
+        "(native when the architecture is covered)",
+        EXECUTORS,
+    )
     kv_dtype: str = _setting("auto", "KV cache storage dtype (auto: the model's)", KV_DTYPES)
     block_size: int = _setting(16, "tokens per KV block")
     kv_cache_memory: int | None = _setting(None, "KV pool budget in bytes, e.g. 256MiB")
@@ -69,6 +76,7 @@ class EngineConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         _choice("device", self.device, DEVICES)
+        _choice("executor", self.executor, EXECUTORS)
         _choice("policy", self.policy, POLICIES)
         _choice("allocation", self.allocation, ALLOCATIONS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)

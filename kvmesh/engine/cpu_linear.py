@@ -30,9 +30,20 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        weight = linear.weight.detach()  # [out, in]
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)  # opaque
-        bias = linear.bias
+        self._pack(linear.weight, linear.bias)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
+        """Pack weight [out, in] (and bias [out]) directly, without an nn.Linear."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.out_features, module.in_features = (int(n) for n in weight.shape)
+        module._pack(weight, bias)
+        return module
+
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        plain = weight.detach()  # [out, in]
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(plain, None)  # opaque
         self.bias = None if bias is None else bias.detach().contiguous()  # [out]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ Anything else fails here, at load, with UnsupportedModelError naming what is mis
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,10 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.cpu_linear import pack_linear_layers, packing_applies
 from kvmesh.engine.cpu_norm import fuse_rms_norms, fused_norm_applies
 from kvmesh.engine.errors import InvalidParameterError, UnsupportedModelError
+from kvmesh.engine.executor import choose_executor
+from kvmesh.engine.native.build import build_native
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -35,6 +40,7 @@ class LoadedModel:
     tokenizer: Any | None
     dtype: torch.dtype
     device: torch.device
+    executor: str = "transformers"  # "native" | "transformers" (kvmesh.engine.executor)
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -104,11 +110,18 @@ def load_model(config: EngineConfig) -> LoadedModel:
         local_files_only=True,
     )
     model = model.to(device).eval().requires_grad_(False)
-    if packing_applies(dtype, device):
-        pack_linear_layers(model)
-    if fused_norm_applies(dtype, device):
-        fuse_rms_norms(model)
-    return LoadedModel(path, model, hf_config, load_tokenizer(path), dtype, device)
+    executor = choose_executor(config.executor, model, hf_config)
+    if executor == "native":
+        generation_config = getattr(model, "generation_config", None)
+        model = build_native(model, hf_config, pack=packing_applies(dtype, device))
+        model.generation_config = generation_config
+    else:
+        if packing_applies(dtype, device):
+            pack_linear_layers(model)
+        if fused_norm_applies(dtype, device):
+            fuse_rms_norms(model)
+    logger.info("executor: %s for %s (%s)", executor, hf_config.model_type, dtype)
+    return LoadedModel(path, model, hf_config, load_tokenizer(path), dtype, device, executor)
 
 
 def load_tokenizer(path: Path) -> Any | None:

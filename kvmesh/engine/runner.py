@@ -2,7 +2,8 @@
 
 The runner owns the model and the paged KV cache. Per step it turns the scheduler's plan
 (`SchedulerOutput`: chunks of tokens with positions, block tables and slot mappings) into flat
-tensors, runs transformers' model with kvmesh's paged attention, and applies the LM head only
+tensors, runs the model's executor (kvmesh's native Llama-family code or transformers' modules,
+`kvmesh.engine.executor`) with kvmesh's paged attention, and applies the LM head only
 to the rows whose logits are sampled (the last token of each chunk with `sample_seq_ids`).
 """
 
@@ -17,6 +18,7 @@ from kvmesh_kernels.cache import KVCacheSpec, PagedKVCache, allocate_kv_cache
 from kvmesh_kernels.plan import AttentionPlan
 
 from kvmesh.engine.attention import ForwardContext
+from kvmesh.engine.executor import executor_for
 from kvmesh.engine.loader import LoadedModel
 
 
@@ -64,6 +66,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: str):
         self.loaded = loaded
         self.model = loaded.model
+        self.executor = executor_for(loaded.model)
         self.device = loaded.device
         self.kv_cache: PagedKVCache = allocate_kv_cache(
             kv_cache_spec(loaded.hf_config, num_blocks, block_size, loaded.dtype, kv_dtype),
@@ -97,15 +100,9 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run one step; returns float32 logits [num sampling chunks, vocab] in chunk order."""
         batch = self.prepare(plan.chunks)
-        output = self.model.model(
-            input_ids=batch.input_ids[None],  # [1, T]
-            position_ids=batch.positions[None],  # [1, T]
-            use_cache=False,
-            kvmesh_ctx=batch.context,
-        )
-        hidden = output.last_hidden_state[0]  # [T, hidden]
+        hidden = self.executor.forward(batch.input_ids, batch.positions, batch.context)
         sampled = hidden.index_select(0, batch.sample_rows)  # [S, hidden]
-        return self.model.lm_head(sampled).float()  # [S, vocab]
+        return self.executor.compute_logits(sampled)  # [S, vocab]
 
     def prepare(self, chunks: Sequence[ChunkPlan]) -> FlatBatch:
         """Flatten chunks into one varlen batch (single-token chunks first, as scheduled) and

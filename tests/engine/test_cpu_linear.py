@@ -54,7 +54,9 @@ def test_packing_applies_only_to_half_precision_on_cpu() -> None:
 def test_bf16_load_packs_every_linear_and_keeps_outputs(checkpoint: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    loaded = load_model(EngineConfig(model=str(checkpoint), dtype="bfloat16", device="cpu"))
+    loaded = load_model(
+        EngineConfig(model=str(checkpoint), dtype="bfloat16", device="cpu", executor="transformers")
+    )
     modules = list(loaded.model.modules())
     assert not any(type(m) is nn.Linear for m in modules)
     layers = loaded.hf_config.num_hidden_layers
@@ -71,7 +73,9 @@ def test_bf16_load_packs_every_linear_and_keeps_outputs(checkpoint: Path) -> Non
 
 
 def test_float32_load_keeps_plain_linears(checkpoint: Path) -> None:
-    loaded = load_model(EngineConfig(model=str(checkpoint), dtype="float32", device="cpu"))
+    loaded = load_model(
+        EngineConfig(model=str(checkpoint), dtype="float32", device="cpu", executor="transformers")
+    )
     assert not any(isinstance(m, PackedLinear) for m in loaded.model.modules())
 
 

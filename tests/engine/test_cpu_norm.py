@@ -38,7 +38,9 @@ class LlamaRMSNorm(nn.Module):  # same name as transformers', a different formul
 @pytest.mark.parametrize(("arch", "norms_per_layer"), [("llama", 2), ("qwen3", 4)])
 def test_bf16_load_fuses_every_norm(tmp_path: Path, arch: str, norms_per_layer: int) -> None:
     checkpoint = build_tiny_model(tmp_path, arch, "test", seed=0)
-    loaded = load_model(EngineConfig(model=str(checkpoint), dtype="bfloat16", device="cpu"))
+    loaded = load_model(
+        EngineConfig(model=str(checkpoint), dtype="bfloat16", device="cpu", executor="transformers")
+    )
     fused = [m for m in loaded.model.modules() if isinstance(m, FusedRMSNorm)]
     assert len(fused) == norms_per_layer * loaded.hf_config.num_hidden_layers + 1
     assert not any(type(m).__name__ in NORM_CLASSES for m in loaded.model.modules())
@@ -46,7 +48,9 @@ def test_bf16_load_fuses_every_norm(tmp_path: Path, arch: str, norms_per_layer: 
 
 def test_float32_load_keeps_transformers_norms(tmp_path: Path) -> None:
     checkpoint = build_tiny_model(tmp_path, "llama", "test", seed=0)
-    loaded = load_model(EngineConfig(model=str(checkpoint), dtype="float32", device="cpu"))
+    loaded = load_model(
+        EngineConfig(model=str(checkpoint), dtype="float32", device="cpu", executor="transformers")
+    )
     assert not any(isinstance(m, FusedRMSNorm) for m in loaded.model.modules())
     assert fused_norm_applies(torch.bfloat16, torch.device("cpu"))
     assert not fused_norm_applies(torch.float32, torch.device("cpu"))

@@ -1,0 +1,135 @@
+"""The native Llama-family decoder: one flat token batch per step over the paged KV cache.
+
+    x = embed(ids)                                    # [T, hidden]
+    per layer:  h, res = norm1(x + res)               # fused residual add + RMSNorm
+                q|k|v = qkv(h)                        # one GEMM  [T, (Hq + 2 Hkv) D]
+                (Qwen3: per-head RMSNorm of q and k)
+                q, k = rotary(q, k, positions)        # cos/sin table lookup
+                a = attend(plan, q, k, v)             # paged attention (write K/V, attend)
+                x = o(a)
+                h, res = norm2(x + res)
+                x = down(silu(gate) * up)             # gate|up one GEMM
+    hidden = norm(x + res)                            # [T, hidden]
+
+Logits are computed by the runner for the sampled rows only (`compute_logits`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvmesh.engine.attention import ForwardContext, attend
+from kvmesh.engine.native.layers import RMSNorm, silu_and_mul
+from kvmesh.engine.native.rope import RotaryTable, apply_rotary
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Heads of one attention layer and its softmax scale and window."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None
+
+
+class NativeDecoderLayer(nn.Module):
+    """One decoder layer with merged weights (built by `kvmesh.engine.native.build`)."""
+
+    def __init__(
+        self,
+        index: int,
+        shape: AttentionShape,
+        norms: tuple[RMSNorm, RMSNorm],
+        qkv: nn.Module,
+        o: nn.Module,
+        gate_up: nn.Module,
+        down: nn.Module,
+        qk_norms: tuple[RMSNorm, RMSNorm] | None,
+    ):
+        super().__init__()
+        self.index = index
+        self.shape = shape
+        self.input_norm, self.post_attention_norm = norms
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.q_norm: RMSNorm | None = qk_norms[0] if qk_norms else None
+        self.k_norm: RMSNorm | None = qk_norms[1] if qk_norms else None
+        self.split = (
+            shape.num_heads * shape.head_dim,
+            shape.num_kv_heads * shape.head_dim,
+            shape.num_kv_heads * shape.head_dim,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] (the previous layer's output), residual [T, hidden] or None (first
+        layer) -> (this layer's output, the residual stream before it)."""
+        if residual is None:
+            h, residual = self.input_norm(x), x
+        else:
+            h, residual = self.input_norm.add_forward(x, residual)
+        x = self.attention(h, rotary, ctx)
+        h, residual = self.post_attention_norm.add_forward(x, residual)
+        return self.down(silu_and_mul(self.gate_up(h))), residual
+
+    def attention(
+        self, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
+    ) -> torch.Tensor:
+        shape = self.shape
+        tokens = h.shape[0]
+        q, k, v = self.qkv(h).split(self.split, dim=-1)  # [T, Hq * D], [T, Hkv * D] x 2
+        q = q.view(tokens, shape.num_heads, shape.head_dim)  # [T, Hq, D]
+        k = k.view(tokens, shape.num_kv_heads, shape.head_dim)  # [T, Hkv, D]
+        v = v.view(tokens, shape.num_kv_heads, shape.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rotary
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attend(
+            ctx, self.index, q, k, v, scale=shape.scale, sliding_window=shape.sliding_window
+        )  # [T, Hq, D]
+        return self.o(out.reshape(tokens, -1))  # [T, hidden]
+
+
+class NativeCausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head of a Llama-family model."""
+
+    def __init__(
+        self,
+        embed: nn.Embedding,
+        layers: list[NativeDecoderLayer],
+        norm: RMSNorm,
+        lm_head: nn.Module,
+        rotary: RotaryTable,
+    ):
+        super().__init__()
+        self.embed = embed
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rotary = rotary
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
+        x = self.embed(input_ids)  # [T, hidden]
+        rotary = self.rotary.lookup(positions)  # cos, sin [T, 1, D]
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, rotary, ctx)
+        assert residual is not None, "a model has at least one layer"
+        return self.norm.add_forward(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> float32 logits [S, vocab]."""
+        return self.lm_head(hidden).float()  # type: ignore[no-any-return]

@@ -1,0 +1,67 @@
+"""Rotary position embedding from a precomputed cos/sin table indexed by positions.
+
+The inverse frequencies and the attention scaling come from transformers' own rotary module
+(`model.model.rotary_emb`), which computed them for the config's `rope_type`. Only the rope
+types whose frequencies do not depend on the sequence length are served here: `default`,
+`linear`, `llama3` and `yarn`. Others (`dynamic`, `longrope`, ...) raise UnsupportedModelError
+at load, and `executor="auto"` keeps transformers' code for them.
+
+The table holds exactly what transformers computes per call, `cos(p * inv_freq) * scaling` in
+float32 then cast to the model dtype, for every position `p < max_positions`; rotation is the
+"rotate half" (NeoX) form Llama-family checkpoints use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvmesh.engine.errors import UnsupportedModelError
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_type(hf_config: Any) -> str:
+    """The config's rope type ("default" when it declares no scaling)."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    if not params:
+        return "default"
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def check_rope(hf_config: Any) -> None:
+    """Raise UnsupportedModelError for a rope type the table cannot hold."""
+    kind = rope_type(hf_config)
+    if kind not in STATIC_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type {kind!r} is not implemented by the native executor "
+            f"(implemented: {', '.join(STATIC_ROPE_TYPES)}); use --executor transformers"
+        )
+
+
+class RotaryTable:
+    """cos/sin [max_positions, head_dim] in the model dtype; `rotate` applies them in place."""
+
+    def __init__(
+        self, rotary_module: Any, max_positions: int, dtype: torch.dtype, device: torch.device
+    ):
+        inv_freq = rotary_module.inv_freq.detach().float().cpu()  # [D / 2]
+        scaling = float(getattr(rotary_module, "attention_scaling", 1.0))
+        positions = torch.arange(max_positions, dtype=torch.float32)  # [P]
+        freqs = torch.outer(positions, inv_freq)  # [P, D / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.cos = (emb.cos() * scaling).to(dtype).to(device)  # [P, D]
+        self.sin = (emb.sin() * scaling).to(dtype).to(device)  # [P, D]
+        self.max_positions = max_positions
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for positions [T] int64 (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] -> x * cos + rotate_half(x) * sin, transformers' arithmetic exactly."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, D]
+    return x * cos + rotated * sin

@@ -1,0 +1,172 @@
+"""The native executor: chosen for the Llama family, equal to transformers where it runs.
+
+Greedy token identity with transformers' `generate` over whole engines is covered for every
+architecture by test_engine_runner.py and test_engine_llm.py (the default executor is native);
+here: the choice itself, logits against transformers' forward, rope scaling types, fallbacks,
+and bfloat16 against float32.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.errors import UnsupportedModelError
+from kvmesh.engine.loader import load_model
+from kvmesh.engine.native.llama import NativeCausalLM
+from kvmesh.engine.runner import ModelRunner
+from kvmesh.models.tiny import build_tiny_model
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+PROMPT = [(7 * i + 3) % 1000 + 10 for i in range(90)]  # crosses the test-size window (64)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, "test", seed=0)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    slot_mapping: tuple[int, ...]
+    sample_seq_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    chunks: tuple[Chunk, ...]
+    copy_pairs: tuple[tuple[int, int], ...] = ()
+
+
+def with_config(path: Path, out: Path, **changes: Any) -> Path:
+    """A copy of checkpoint `path` in `out` with config.json fields changed."""
+    out.mkdir(parents=True, exist_ok=True)
+    for item in path.iterdir():
+        if item.name != "config.json":
+            (out / item.name).symlink_to(item)
+    config = json.loads((path / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **changes}))
+    return out
+
+
+def hf_last_logits(path: Path, prompt: list[int], dtype: torch.dtype) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    with torch.inference_mode():
+        return model(torch.tensor([prompt])).logits[0, -1].float()  # [vocab]
+
+
+def hf_greedy(path: Path, prompt: list[int], new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa")
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return list(out[0, len(prompt) :].tolist())
+
+
+def native_last_logits(path: Path, prompt: list[int], dtype: str) -> torch.Tensor:
+    """The native runner's logits for the last prompt token (one prefill chunk)."""
+    loaded = load_model(EngineConfig(model=str(path), dtype=dtype, executor="native"))
+    runner = ModelRunner(loaded, 64, 4, "auto")
+    slots = tuple(range(len(prompt)))
+    table = tuple(range(-(-len(prompt) // 4)))
+    chunk = Chunk(tuple(prompt), 0, table, slots, ("0",))
+    return runner.execute(Plan((chunk,)))[0]  # [vocab] float32
+
+
+def test_auto_picks_native_and_transformers_on_request(checkpoint: Path) -> None:
+    auto = load_model(EngineConfig(model=str(checkpoint)))
+    assert auto.executor == "native" and isinstance(auto.model, NativeCausalLM)
+    hf = load_model(EngineConfig(model=str(checkpoint), executor="transformers"))
+    assert hf.executor == "transformers" and not isinstance(hf.model, NativeCausalLM)
+
+
+def test_float32_logits_match_transformers_forward(checkpoint: Path) -> None:
+    expected = hf_last_logits(checkpoint, PROMPT, torch.float32)
+    got = native_last_logits(checkpoint, PROMPT, "float32")
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+
+
+def test_bfloat16_within_tolerance_of_float32(checkpoint: Path) -> None:
+    """Stated tolerance: the native bfloat16 logits are no further from the float32 ones than
+    transformers' own bfloat16 forward is (mean and max absolute error, within 1.5x)."""
+    reference = hf_last_logits(checkpoint, PROMPT, torch.float32)
+    hf_error = (hf_last_logits(checkpoint, PROMPT, torch.bfloat16) - reference).abs()
+    error = (native_last_logits(checkpoint, PROMPT, "bfloat16") - reference).abs()
+    assert error.mean() <= 1.5 * hf_error.mean(), (error.mean(), hf_error.mean())
+    assert error.max() <= 1.5 * hf_error.max(), (error.max(), hf_error.max())
+
+
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_SCALINGS))
+def test_rope_scaling_types_match_transformers(tmp_path: Path, kind: str) -> None:
+    base = build_tiny_model(tmp_path / "base", "llama", "test", seed=0)
+    rope = {"rope_theta": 10000.0, **ROPE_SCALINGS[kind]}
+    path = with_config(base, tmp_path / kind, rope_parameters=rope)
+    llm = LLM(str(path), num_kv_blocks=64, executor="native")
+    (output,) = llm.generate([PROMPT], GREEDY)
+    assert output.outputs[0].token_ids == hf_greedy(path, PROMPT, GREEDY.max_tokens)
+
+
+def test_dynamic_rope_falls_back_or_fails_clearly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    base = build_tiny_model(tmp_path / "base", "llama", "test", seed=0)
+    rope = {"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0}
+    path = with_config(base, tmp_path / "dynamic", rope_parameters=rope)
+    with caplog.at_level(logging.INFO, logger="kvmesh.engine.executor"):
+        assert load_model(EngineConfig(model=str(path))).executor == "transformers"
+    assert "rope_type 'dynamic'" in caplog.text
+    with pytest.raises(UnsupportedModelError, match="rope_type 'dynamic'"):
+        load_model(EngineConfig(model=str(path), executor="native"))
+
+
+def test_other_activation_keeps_transformers(tmp_path: Path) -> None:
+    base = build_tiny_model(tmp_path / "base", "llama", "test", seed=0)
+    path = with_config(base, tmp_path / "gelu", hidden_act="gelu")
+    loaded = load_model(EngineConfig(model=str(path)))
+    assert loaded.executor == "transformers"
+    llm = LLM(str(path), num_kv_blocks=64)
+    (output,) = llm.generate([PROMPT], GREEDY)
+    assert output.outputs[0].token_ids == hf_greedy(path, PROMPT, GREEDY.max_tokens)
+
+
+def test_bfloat16_native_packs_merged_linears(checkpoint: Path) -> None:
+    from kvmesh.engine.cpu_linear import PackedLinear, packing_applies
+
+    if not packing_applies(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no native bfloat16 matmul on this CPU")
+    loaded = load_model(EngineConfig(model=str(checkpoint), dtype="bfloat16", executor="native"))
+    packed = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 4 * loaded.hf_config.num_hidden_layers + 1  # qkv, o, gate_up, down; head
