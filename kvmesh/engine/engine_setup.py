@@ -52,7 +52,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     loaded = load_model(config)
     max_model_len = resolve_max_model_len(config, loaded.hf_config)
     num_blocks = plan_num_blocks(config, loaded, max_model_len)
-    runner = ModelRunner(loaded, num_blocks, config.block_size, config.kv_dtype)
+    max_blocks = -(-max_model_len // config.block_size)
+    runner = ModelRunner(loaded, num_blocks, config.block_size, config.kv_dtype, max_blocks)
     eos = eos_token_id(loaded)
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,

@@ -18,6 +18,7 @@ from kvmesh_kernels.cache import KVCacheSpec, PagedKVCache, allocate_kv_cache
 from kvmesh_kernels.plan import AttentionPlan
 
 from kvmesh.engine.attention import ForwardContext
+from kvmesh.engine.block_table import PersistentBlockTable
 from kvmesh.engine.executor import executor_for
 from kvmesh.engine.loader import LoadedModel
 
@@ -26,11 +27,13 @@ class ChunkPlan(Protocol):
     """What the runner reads from one scheduled chunk (kvmesh.engine.scheduler.ScheduledChunk)."""
 
     @property
+    def seq_id(self) -> str: ...
+    @property
     def token_ids(self) -> Sequence[int]: ...
     @property
     def start_pos(self) -> int: ...
     @property
-    def block_table(self) -> Sequence[int]: ...
+    def block_table(self) -> tuple[int, ...]: ...
     @property
     def slot_mapping(self) -> Sequence[int]: ...
     @property
@@ -63,7 +66,15 @@ class FlatBatch:
 class ModelRunner:
     """Runs a loaded model on a paged KV cache of `num_blocks` blocks."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: str):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: str,
+        max_blocks_per_seq: int | None = None,
+    ):
+        """`max_blocks_per_seq` (default: the whole pool) bounds one sequence's block table."""
         self.loaded = loaded
         self.model = loaded.model
         self.executor = executor_for(loaded.model)
@@ -72,6 +83,7 @@ class ModelRunner:
             kv_cache_spec(loaded.hf_config, num_blocks, block_size, loaded.dtype, kv_dtype),
             device=self.device,
         )
+        self.block_tables = PersistentBlockTable(max_blocks_per_seq or num_blocks)
 
     @property
     def block_size(self) -> int:
@@ -113,7 +125,6 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         sample_rows: list[int] = []
-        width = 0
         for chunk in chunks:
             count = len(chunk.token_ids)
             assert count > 0, "empty chunk"
@@ -122,17 +133,18 @@ class ModelRunner:
             slots.extend(chunk.slot_mapping)
             query_start_loc.append(query_start_loc[-1] + count)
             seq_lens.append(chunk.start_pos + count)
-            width = max(width, len(chunk.block_table))
             if chunk.sample_seq_ids:
                 sample_rows.append(query_start_loc[-1] - 1)
-        tables = [(*c.block_table, *(0,) * (width - len(c.block_table))) for c in chunks]
+        tables = self.block_tables.gather(
+            [c.seq_id for c in chunks], [c.block_table for c in chunks]
+        )  # [batch, width] int32, rows updated by diffs
         num_paged = len(chunks)
         if self.device.type == "cpu":
             while num_paged and chunks[num_paged - 1].start_pos == 0:
                 num_paged -= 1
         plan = AttentionPlan(
             self.kv_cache,
-            block_tables=torch.tensor(tables, dtype=torch.int32),
+            block_tables=tables,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),

@@ -28,6 +28,7 @@ MODES = ("full", "kernels", "off")
 class WarmupChunk:
     """One chunk of the warm-up step (the runner's ChunkPlan)."""
 
+    seq_id: str
     token_ids: tuple[int, ...]
     start_pos: int
     block_table: tuple[int, ...]
@@ -95,8 +96,8 @@ def run_step(engine: LLMEngine) -> None:
     slots = tuple(range(total))
     table = tuple(range(-(-total // block_size)))
     prompt = max(1, total - 1)
-    steps = [WarmupChunk(ids[:prompt], 0, table, slots[:prompt])]
+    steps = [WarmupChunk("warmup", ids[:prompt], 0, table, slots[:prompt])]
     if total > prompt:
-        steps.append(WarmupChunk(ids[prompt:], prompt, table, slots[prompt:]))
+        steps.append(WarmupChunk("warmup", ids[prompt:], prompt, table, slots[prompt:]))
     for chunk in steps:
         runner.execute(WarmupStep((chunk,)))

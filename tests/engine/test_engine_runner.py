@@ -27,6 +27,7 @@ MAX_BLOCKS_PER_SEQ = 64
 
 @dataclass(frozen=True)
 class Chunk:
+    seq_id: str
     token_ids: tuple[int, ...]
     start_pos: int
     block_table: tuple[int, ...]
@@ -96,7 +97,14 @@ def run_paged(
             )
             sample = (str(i),) if end == len(tokens[i]) else ()
             chunks.append(
-                Chunk(tuple(tokens[i][computed[i] : end]), computed[i], tables[i], slots, sample)
+                Chunk(
+                    str(i),
+                    tuple(tokens[i][computed[i] : end]),
+                    computed[i],
+                    tables[i],
+                    slots,
+                    sample,
+                )
             )
             computed[i] = end
         logits = runner.execute(Plan(tuple(chunks)))

@@ -37,6 +37,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 @dataclass(frozen=True)
 class Chunk:
+    seq_id: str
     token_ids: tuple[int, ...]
     start_pos: int
     block_table: tuple[int, ...]
@@ -89,7 +90,7 @@ def native_last_logits(path: Path, prompt: list[int], dtype: str) -> torch.Tenso
     runner = ModelRunner(loaded, 64, 4, "auto")
     slots = tuple(range(len(prompt)))
     table = tuple(range(-(-len(prompt) // 4)))
-    chunk = Chunk(tuple(prompt), 0, table, slots, ("0",))
+    chunk = Chunk("0", tuple(prompt), 0, table, slots, ("0",))
     return runner.execute(Plan((chunk,)))[0]  # [vocab] float32
 
 
