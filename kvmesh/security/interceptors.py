@@ -75,13 +75,8 @@ def refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
     return grpc.unary_unary_rpc_method_handler(unary)
 
 
-class AttachMetadata(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds fixed metadata (the bearer secret) to every call of a grpc.aio channel."""
+class _Attach:
+    """Adds fixed metadata (the bearer secret) to a call's details."""
 
     def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
         self._pairs = tuple(pairs)
@@ -90,14 +85,29 @@ class AttachMetadata(
         metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._pairs)
         return details._replace(metadata=metadata)  # type: ignore[attr-defined, no-any-return]
 
+
+class _AttachUnaryUnary(_Attach, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AttachUnaryStream(_Attach, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AttachStreamUnary(_Attach, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
 
+
+class _AttachStreamStream(_Attach, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
+
+
+def attach_metadata(pairs: Sequence[tuple[str, str]]) -> list[Any]:
+    """Client interceptors adding `pairs` to every call of a grpc.aio channel (one per call
+    kind: grpc.aio files each interceptor under the first kind it implements)."""
+    kinds = (_AttachUnaryUnary, _AttachUnaryStream, _AttachStreamUnary, _AttachStreamStream)
+    return [kind(pairs) for kind in kinds]

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from kvmesh.security.credentials import bearer_metadata
-from kvmesh.security.interceptors import AttachMetadata, BearerAuth
+from kvmesh.security.interceptors import BearerAuth, attach_metadata
 from kvmesh.security.tls import TlsConfig
 
 Options = Sequence[tuple[str, int | str]]
@@ -50,7 +50,7 @@ class Security:
 
     def aio_channel(self, target: str, options: Options = ()) -> grpc.aio.Channel:
         """An internal grpc.aio channel: every call carries the token, over TLS when set."""
-        interceptors: Any = [AttachMetadata(self.call_metadata())] if self.token else None
+        interceptors: Any = attach_metadata(self.call_metadata()) if self.token else None
         if self.tls is not None:
             credentials = self.tls.channel_credentials()
             return grpc.aio.secure_channel(
