@@ -25,6 +25,7 @@ from kvmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb
 TOKEN = "cp-auth-cluster-token-0123456789"
 KEYS = ("api-key-one-0123456789", "api-key-two-0123456789")
 SECURED = Security(token=TOKEN, api_keys=KEYS)
+WORKER = Security(token=TOKEN)  # fake workers require the token, as real ones do
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 # Metadata a forger might send: nothing, a wrong token, the token without "Bearer ", the token
 # under another header, a wrong token with the right prefix of the real one.
@@ -99,7 +100,8 @@ async def forged_calls(cp: Harness, victim: FakeWorker) -> int:
 @run_async
 async def test_forged_register_and_heartbeat_are_refused_and_change_nothing() -> None:
     async with control_plane(security=SECURED) as cp:
-        prefill, decode = await cp.add("p0", "prefill"), await cp.add("d0", "decode")
+        prefill = await cp.add("p0", "prefill", security=WORKER)
+        decode = await cp.add("d0", "decode", security=WORKER)
         registry = cp.server.cluster.registry
         before = {r.worker_id: (r.epoch, r.address) for r in registry.alive()}
         sent = await forged_calls(cp, decode)
