@@ -347,6 +347,7 @@ def print_banner(system: LocalSystem, endpoint: str) -> None:
           f"model {system.model_dir})", flush=True)  # fmt: skip
     if system.http_url:
         print(f"  OpenAI-compatible API on {system.http_url}/v1", flush=True)
+    print(f"  internal door {system.internal_endpoint} (ControlService; cluster token required)")
     for w in system.workers:
         print(f"  {w.child.name}: {w.ready.get('address', '?')} "
               f"(metrics {w.ready.get('metrics_address') or 'off'})")  # fmt: skip

@@ -9,6 +9,7 @@ Health checks (`/grpc.health.v1.Health/`) stay open for probes.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from kvmesh.security.credentials import bearer, matches
 
 LOG = logging.getLogger("kvmesh.security")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+LOG_EVERY_SECONDS = 10.0
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 
 
@@ -34,6 +36,19 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         self.what = what
         self._open = (HEALTH_PREFIX, *open_prefixes)
         self.refused = 0
+        self._logged_at = -LOG_EVERY_SECONDS
+        self._logged_count = 0
+
+    def _log(self, method: str, problem: str) -> None:
+        """One warning per LOG_EVERY_SECONDS at most: a flood of forged calls cannot flood
+        the log."""
+        now = time.monotonic()
+        if now - self._logged_at < LOG_EVERY_SECONDS:
+            return
+        since = self.refused - self._logged_count
+        self._logged_at, self._logged_count = now, self.refused
+        LOG.warning("refused %s: %s %s (%d refused since the last report)", method, problem,
+                    self.what, since)  # fmt: skip
 
     async def intercept_service(  # type: ignore[override]
         self, continuation: Continuation, details: grpc.HandlerCallDetails
@@ -47,7 +62,7 @@ class BearerAuth(grpc.aio.ServerInterceptor):
             return handler
         self.refused += 1
         problem = "missing" if presented is None else "wrong"
-        LOG.warning("refused %s: %s %s", method, problem, self.what)
+        self._log(method, problem)
         hint = f"send 'authorization: Bearer <{self.what}>'"
         return refusal(handler, f"{problem} {self.what}: {hint}")
 

@@ -182,3 +182,15 @@ async def test_without_a_token_internal_calls_are_open_as_configured() -> None:
         assert cp.server.internal_auth == [] and cp.server.public_auth == []
         assert cp.server.cluster.registry.get("d0") is not None
         await worker.kill()
+
+
+def test_a_flood_of_forged_calls_logs_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        async with control_plane(security=SECURED) as cp:
+            decode = await cp.add("d0", "decode", security=WORKER)
+            with caplog.at_level("WARNING", logger="kvmesh.security"):
+                assert await forged_calls(cp, decode) == 15
+
+    asyncio.run(scenario())
+    refused = [r.getMessage() for r in caplog.records if r.name == "kvmesh.security"]
+    assert len(refused) == 1 and "missing cluster token (1 refused" in refused[0]
