@@ -58,8 +58,9 @@ class ControlServer:
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self._reaper = Reaper(self.cluster)
         security = config.security
-        self.public_auth = security.public_interceptors()
-        self.internal_auth = security.internal_interceptors()
+        refused = self.cluster.metrics.auth_refused
+        self.public_auth = security.public_interceptors(refused.labels("public").inc)
+        self.internal_auth = security.internal_interceptors(refused.labels("internal").inc)
         options = server_options(config)
         self._server = grpc.aio.server(options=options, interceptors=self.public_auth)
         self._internal = grpc.aio.server(options=options, interceptors=self.internal_auth)
@@ -118,7 +119,9 @@ class ControlServer:
         await self._server.start()
         self._reaper.start()
         if c.http_port is not None:
-            app = openai_app(self.front_door, self.cluster.metrics.registry, c.security.api_keys)
+            metrics = self.cluster.metrics
+            refused = metrics.auth_refused.labels("http").inc
+            app = openai_app(self.front_door, metrics.registry, c.security.api_keys, refused)
             self.http = HttpServer(app, c.host, c.http_port, tls=c.security.tls)
             self.http.start()
             LOG.info("OpenAI-compatible API on %s/v1", self.http.url)

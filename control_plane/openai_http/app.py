@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -48,11 +48,16 @@ class ClientGone(Exception):
 
 class OpenAIApp:
     def __init__(
-        self, door: FrontDoor, registry: CollectorRegistry, api_keys: Sequence[str] = ()
+        self,
+        door: FrontDoor,
+        registry: CollectorRegistry,
+        api_keys: Sequence[str] = (),
+        on_refused: Callable[[], object] | None = None,
     ) -> None:
         self.door = door
         self.registry = registry
         self.api_keys = tuple(api_keys)
+        self.on_refused = on_refused
         self.created = int(time.time())
 
     def asgi(self) -> Starlette:
@@ -64,7 +69,11 @@ class OpenAIApp:
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
         handlers = {ApiError: api_error, HTTPException: http_error}
-        middleware = [Middleware(ApiKeyMiddleware, keys=self.api_keys)] if self.api_keys else []
+        middleware = (
+            [Middleware(ApiKeyMiddleware, keys=self.api_keys, on_refused=self.on_refused)]
+            if self.api_keys
+            else []
+        )
         return Starlette(
             routes=routes,
             exception_handlers=handlers,  # type: ignore[arg-type]
@@ -221,7 +230,11 @@ def http_error(request: Request, error: Exception) -> Response:
 
 
 def openai_app(
-    door: FrontDoor, registry: CollectorRegistry, api_keys: Sequence[str] = ()
+    door: FrontDoor,
+    registry: CollectorRegistry,
+    api_keys: Sequence[str] = (),
+    on_refused: Callable[[], object] | None = None,
 ) -> Starlette:
-    """The HTTP door's app; with `api_keys`, every /v1 route requires one of them."""
-    return OpenAIApp(door, registry, api_keys).asgi()
+    """The HTTP door's app; with `api_keys`, every /v1 route requires one of them
+    (`on_refused` is called for each request refused)."""
+    return OpenAIApp(door, registry, api_keys, on_refused).asgi()

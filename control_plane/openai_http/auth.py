@@ -4,7 +4,7 @@ route runs. /health and /metrics stay open for probes and scrapers."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -17,9 +17,12 @@ GUARDED_PREFIX = "/v1/"
 class ApiKeyMiddleware:
     """Pure ASGI middleware: passes a guarded request on only with one of `keys`."""
 
-    def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: Sequence[str], on_refused: Callable[[], object] | None = None
+    ) -> None:
         self.app = app
         self.keys = tuple(keys)
+        self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not str(scope.get("path", "")).startswith(GUARDED_PREFIX):
@@ -30,6 +33,8 @@ class ApiKeyMiddleware:
         if presented is not None and matches(presented, self.keys):
             await self.app(scope, receive, send)
             return
+        if self.on_refused is not None:
+            self.on_refused()
         message = (
             "missing API key: send 'Authorization: Bearer <API key>'"
             if presented is None

@@ -27,15 +27,22 @@ class BearerAuth(grpc.aio.ServerInterceptor):
     """Refuse calls whose bearer secret is missing or not one of `secrets`.
 
     `what` names the secret in messages ("cluster token", "API key"). `refused` counts the
-    calls refused (tests and logs read it)."""
+    calls refused (tests and logs read it); `on_refused` is called for each one."""
 
-    def __init__(self, secrets: Sequence[str], what: str, open_prefixes: Sequence[str] = ()):
+    def __init__(
+        self,
+        secrets: Sequence[str],
+        what: str,
+        open_prefixes: Sequence[str] = (),
+        on_refused: Callable[[], object] | None = None,
+    ) -> None:
         if not secrets:
             raise ValueError("BearerAuth needs at least one secret")
         self._secrets = tuple(secrets)
         self.what = what
         self._open = (HEALTH_PREFIX, *open_prefixes)
         self.refused = 0
+        self._on_refused = on_refused  # e.g. a Prometheus counter's inc
         self._logged_at = -LOG_EVERY_SECONDS
         self._logged_count = 0
 
@@ -61,6 +68,8 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         if presented is not None and matches(presented, self._secrets):
             return handler
         self.refused += 1
+        if self._on_refused is not None:
+            self._on_refused()
         problem = "missing" if presented is None else "wrong"
         self._log(method, problem)
         hint = f"send 'authorization: Bearer <{self.what}>'"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,13 +30,21 @@ class Security:
         return (f"Security(token={'set' if self.token else None}, tls={self.tls!r}, "
                 f"api_keys={len(self.api_keys)})")  # fmt: skip
 
-    def internal_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+    def internal_interceptors(
+        self, on_refused: Callable[[], object] | None = None
+    ) -> list[grpc.aio.ServerInterceptor]:
         """Interceptors of an internal port: the cluster token is required."""
-        return [BearerAuth((self.token,), "cluster token")] if self.token else []
+        if not self.token:
+            return []
+        return [BearerAuth((self.token,), "cluster token", on_refused=on_refused)]
 
-    def public_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+    def public_interceptors(
+        self, on_refused: Callable[[], object] | None = None
+    ) -> list[grpc.aio.ServerInterceptor]:
         """Interceptors of the public door: an API key is required when keys are set."""
-        return [BearerAuth(self.api_keys, "API key")] if self.api_keys else []
+        if not self.api_keys:
+            return []
+        return [BearerAuth(self.api_keys, "API key", on_refused=on_refused)]
 
     def add_port(self, server: grpc.aio.Server, address: str, *, public: bool = False) -> int:
         """Bind `address` on `server`, with TLS when certificates are set; the port (0: failed)."""

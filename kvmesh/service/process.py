@@ -75,7 +75,8 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
     async def serve(runtime: WorkerRuntime, stop: asyncio.Event) -> None:
         metrics = WorkerMetrics()
         bind_load_gauges(metrics, runtime.engine.load)
-        server = WorkerServer(args.host, args.port, reflection=args.reflection, security=security)
+        server = WorkerServer(args.host, args.port, reflection=args.reflection, security=security,
+                              on_refused=metrics.auth_refused.inc)  # fmt: skip
         services = await install(runtime, server, args, metrics)
         await server.start()
         metrics_address = ""

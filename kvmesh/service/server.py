@@ -55,12 +55,13 @@ class WorkerServer:
         reflection: bool = False,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         security: Security | None = None,
+        on_refused: Callable[[], object] | None = None,
     ) -> None:
         self.host = host
         self.requested_port = port
         self.reflection = reflection
         self.security = security or Security()
-        self.auth = self.security.internal_interceptors()
+        self.auth = self.security.internal_interceptors(on_refused)
         self.server = grpc.aio.server(
             options=server_options(max_message_bytes), interceptors=self.auth
         )

@@ -106,6 +106,8 @@ async def test_forged_register_and_heartbeat_are_refused_and_change_nothing() ->
         before = {r.worker_id: (r.epoch, r.address) for r in registry.alive()}
         sent = await forged_calls(cp, decode)
         assert sent == 15 and cp.server.internal_auth[0].refused == sent  # type: ignore[attr-defined]
+        counter = cp.server.cluster.metrics.registry.get_sample_value
+        assert counter("kvmesh_control_auth_refused_total", {"door": "internal"}) == sent
         after = {r.worker_id: (r.epoch, r.address) for r in registry.alive()}
         assert after == before and set(after) == {"p0", "d0"}
         # The genuine workers still serve, and the control plane presented the token to them.
@@ -167,6 +169,8 @@ async def test_api_keys_guard_the_http_door_with_openai_errors() -> None:
                 await api.models.list()
         status, body = await asyncio.to_thread(http_get, f"{url}/models", {})
         assert status == 401 and body["error"]["message"].startswith("missing API key")
+        counter = cp.server.cluster.metrics.registry.get_sample_value
+        assert counter("kvmesh_control_auth_refused_total", {"door": "http"}) == 5
         assert (await asyncio.to_thread(http_get, f"{cp.server.http.url}/health", {}))[0] == 200
         assert len(cp.server.cluster.ledger) == 0 and not cp.workers[0].calls
         api = openai.AsyncOpenAI(base_url=url, api_key=KEYS[1], max_retries=0)

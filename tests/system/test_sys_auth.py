@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import openai
 import pytest
-from sys_harness import idle, live_workers, local_system
+from sys_harness import idle, live_workers, local_system, sample
 
 from kvmesh.cli.up import LocalSystem
 from kvmesh.client import Client, KvmeshError, channel_credentials
@@ -155,6 +155,8 @@ def test_every_forged_internal_call_is_refused_and_changes_nothing(
             assert "cluster token" in error.details()
             refused.append(f"{target}.{name}")
     assert len(refused) == 20
+    for worker in system.workers:  # 3 worker methods x 2 forgeries on each worker's own port
+        assert sample(worker.ready["metrics_address"], "kvmesh_auth_refused_total") == 6
     assert idle(system)  # no block held anywhere, no ledger entry
     assert live_workers(system, "decode") == 1 and live_workers(system, "prefill") == 1
     with client(system, pki, api_key=KEY) as good:  # the genuine cluster still serves
