@@ -42,6 +42,7 @@ from kvmesh.service.engine_flags import (
 
 CONTROL_READY = re.compile(r"listening on (\S+)")
 INTERNAL_READY = re.compile(r"internal ControlService on (\S+)")
+INTERNAL_HOST = "127.0.0.1"  # every worker runs on this host: the internal door stays local
 HTTP_READY = re.compile(r"OpenAI-compatible API on (\S+)/v1")
 WORKER_READY = re.compile(r"KVMESH_READY (\{.*\})")
 TRANSFER_BACKENDS = ("shm", "grpc", "gloo")
@@ -149,7 +150,7 @@ class LocalSystem:
         """(Re)start the control plane; returns its address."""
         c = self.config
         argv = [*kvmesh_argv(), "serve", "control", "--host", c.host, "--port", str(c.port),
-                "--internal-port", str(c.internal_port),
+                "--internal-port", str(c.internal_port), "--internal-host", INTERNAL_HOST,
                 "--transfer-backends", c.transfer_backend, "--drain-seconds",
                 str(c.drain_seconds), *c.tls_args(), *c.control_args]  # fmt: skip
         if c.api_key_file:
