@@ -49,7 +49,8 @@ def server_options(config: ControlConfig) -> list[tuple[str, int]]:
 
 
 class ControlServer:
-    """Owns the grpc.aio server and the control plane's state; start() then drain()."""
+    """Owns the two grpc.aio servers (public and internal door) and the control plane's state;
+    start() then drain()."""
 
     def __init__(self, config: ControlConfig) -> None:
         self.config = config
