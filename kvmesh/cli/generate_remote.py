@@ -44,7 +44,7 @@ OTHER_FLAGS: dict[str, dict[str, Any]] = {
     "--timeout": {"type": float, "default": 600.0, "help": "request deadline in seconds"},
     "--request-id": {"default": None, "help": "request id (default: a random one)"},
     "--api-key-file": {"metavar": "PATH", "default": None,
-                       "help": "file whose first line is the front door's API key "
+                       "help": "file whose first key line is the front door's API key "
                        "(env KVMESH_API_KEY)"},
     "--tls": {"action": "store_true", "help": "connect with TLS (system roots)"},
     "--tls-ca": {"metavar": "PEM", "default": None, "help": "TLS, verifying the server with it"},
@@ -106,14 +106,15 @@ def prompt_from_args(args: argparse.Namespace) -> Any:
 def client_options(args: argparse.Namespace) -> dict[str, Any]:
     """Client keywords of the security flags: API key (file or KVMESH_API_KEY), TLS, metadata."""
     import os
-    from pathlib import Path
+
+    from kvmesh.security.credentials import CredentialError, read_secret_lines
 
     key = os.environ.get("KVMESH_API_KEY", "").split(",")[0].strip() or None
     if getattr(args, "api_key_file", None):
-        try:
-            lines = Path(args.api_key_file).read_text().split()
-        except OSError as error:
-            raise SystemExit(f"kvmesh generate: --api-key-file: {error}") from None
+        try:  # the server's format: one key a line, `#` comments
+            lines = read_secret_lines(args.api_key_file, "--api-key-file")
+        except CredentialError as error:
+            raise SystemExit(f"kvmesh generate: {error}") from None
         key = lines[0] if lines else None
     metadata = []
     for header in getattr(args, "header", None) or ():

@@ -22,7 +22,7 @@ def test_flags_become_client_options(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("KVMESH_API_KEY", "from-env-key-0123456789,second")
     assert client_options(parse())["api_key"] == "from-env-key-0123456789"
     keys = tmp_path / "keys"
-    keys.write_text("from-file-key-0123456789\nother\n")
+    keys.write_text("# the front door's keys\nfrom-file-key-0123456789\nother\n")
     options = client_options(parse("--api-key-file", str(keys), "--tls-ca", "ca.pem",
                                    "--tls-cert", "c.pem", "--tls-key", "k.pem",
                                    "--header", "X-Tenant=a", "--header", "x-b=1=2"))  # fmt: skip

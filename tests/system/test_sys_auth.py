@@ -6,7 +6,10 @@ Reserve, Decode, Release, the KV stream) is refused even over mutual TLS, and no
 
 from __future__ import annotations
 
+import json
+import os
 import ssl
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,7 @@ import openai
 import pytest
 from sys_harness import idle, live_workers, local_system, sample
 
-from kvmesh.cli.up import LocalSystem
+from kvmesh.cli.up import LocalSystem, kvmesh_argv
 from kvmesh.client import Client, KvmeshError, channel_credentials
 from kvmesh.v1 import (
     generation_pb2,
@@ -38,10 +41,16 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 @pytest.fixture(scope="module")
-def system(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSystem]:
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"# front-door keys\n{KEY}\n")
     keys.chmod(0o600)
+    return keys
+
+
+@pytest.fixture(scope="module")
+def system(pki: Pki, key_file: Path) -> Iterator[LocalSystem]:
+    keys = key_file
     tls = {"tls_cert": pki.cert, "tls_key": pki.key, "tls_ca": pki.ca}
     with local_system(transfer_backend="grpc", http_port=0, api_key_file=str(keys),
                       **tls) as (started, _):  # fmt: skip
@@ -162,3 +171,17 @@ def test_every_forged_internal_call_is_refused_and_changes_nothing(
     with client(system, pki, api_key=KEY) as good:  # the genuine cluster still serves
         assert good.complete([5, 9, 2, 44, 17], max_tokens=6, temperature=0.0).token_ids
     assert all(w.child.alive() for w in system.workers)
+
+
+def test_kvmesh_generate_takes_the_key_and_certificates(
+    system: LocalSystem, pki: Pki, key_file: Path
+) -> None:
+    base = [*kvmesh_argv(), "generate", "--target", system.endpoint, "--prompt-ids", "5,9,2",
+            "--max-tokens", "3", "--ignore-eos", "--json", "--tls-ca", pki.ca]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "KVMESH_API_KEY"}
+    good = subprocess.run([*base, "--api-key-file", str(key_file)], capture_output=True,
+                          text=True, timeout=120, env=env)  # fmt: skip
+    assert good.returncode == 0, good.stderr
+    assert len(json.loads(good.stdout.splitlines()[-1])["token_ids"]) == 3
+    bad = subprocess.run(base, capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 1 and "UNAUTHENTICATED: missing API key" in bad.stderr
