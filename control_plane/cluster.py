@@ -14,15 +14,18 @@ from control_plane.config import ControlConfig
 from control_plane.ledger import Ledger, WorkerRef
 from control_plane.metrics import ControlMetrics
 from control_plane.registry import Registry, WorkerRecord
+from kvmesh.security import Security
 
 WorkerLostListener = Callable[[WorkerRef], None]
 ServingListener = Callable[[bool], Awaitable[None]]
 
 
 class ChannelPool:
-    """One grpc.aio channel per worker address, closed when no incarnation uses it."""
+    """One grpc.aio channel per worker address, closed when no incarnation uses it. Every call
+    on it carries the cluster token, over TLS when configured."""
 
-    def __init__(self, max_message_bytes: int) -> None:
+    def __init__(self, max_message_bytes: int, security: Security | None = None) -> None:
+        self._security = security or Security()
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -34,7 +37,7 @@ class ChannelPool:
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            channel = self._security.aio_channel(address, self._options)
             self._channels[address] = channel
         return channel
 
@@ -63,7 +66,7 @@ class Cluster:
             clock, config.history_size, reservation_lease=config.reservation_lease_seconds
         )
         self.metrics = metrics or ControlMetrics()
-        self.channels = ChannelPool(config.max_message_bytes)
+        self.channels = ChannelPool(config.max_message_bytes, config.security)
         self._lost_listeners: list[WorkerLostListener] = []
         self._serving_listeners: list[ServingListener] = []
         self._serving = False

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from control_plane.routing import DEFAULT_TRANSFER_BACKENDS, RoutingConfig
+from kvmesh.security import Security
 
 
 @dataclass(frozen=True)
 class ControlConfig:
     host: str = "127.0.0.1"
-    port: int = 50051
+    port: int = 50051  # the public door: GenerationService, health, reflection
+    # The internal door: ControlService (workers' Register/Heartbeat) and health; 0 picks a
+    # free port. Its host defaults to `host`.
+    internal_port: int = 50052
+    internal_host: str | None = None
+    # Cluster token (internal port, channels to workers), API keys (public door), TLS.
+    security: Security = field(default_factory=Security)
     # Requests in flight at once; beyond it Generate answers RESOURCE_EXHAUSTED.
     max_inflight: int = 256
     # A worker is dead after this long without a heartbeat.
@@ -55,6 +62,7 @@ class ControlConfig:
             "max_request_seconds": self.max_request_seconds > 0,
             "drain_seconds": self.drain_seconds >= 0,
             "port": 0 <= self.port < 65536,
+            "internal_port": 0 <= self.internal_port < 65536,
             "http_port": self.http_port is None or 0 <= self.http_port < 65536,
         }
         bad = [name for name, ok in checks.items() if not ok]

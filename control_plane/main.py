@@ -7,10 +7,11 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from control_plane.config import ControlConfig
 from control_plane.server import ControlServer
+from kvmesh.security.flags import add_security_flags, security_from_args
 
 # flag -> (ControlConfig field, help); type and default come from the field's default.
 TUNABLES: dict[str, tuple[str, str]] = {
@@ -31,7 +32,12 @@ def build_parser(prog: str = "kvmesh serve control") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Run the kvmesh control plane.")
     add = parser.add_argument
     add("--host", default=defaults.host, help="address to bind (default %(default)s)")
-    add("--port", type=int, default=defaults.port, help="front-door port (default %(default)s)")
+    add("--port", type=int, default=defaults.port,
+        help="public front-door port: the client API only (default %(default)s)")  # fmt: skip
+    add("--internal-port", type=int, default=defaults.internal_port,
+        help="internal port of ControlService (workers' --control; 0: pick a free one; "
+        "default %(default)s)")  # fmt: skip
+    add("--internal-host", default=None, help="address of the internal port (default: --host)")
     add("--http-port", type=int, default=None,
         help="OpenAI-compatible HTTP API port (0: pick a free one; default: off)")  # fmt: skip
     add("--reflection", action="store_true", help="serve gRPC server reflection")
@@ -44,14 +50,21 @@ def build_parser(prog: str = "kvmesh serve control") -> argparse.ArgumentParser:
         help="KV transfer backends in order of preference (default %(default)s)")  # fmt: skip
     add("--metrics-port", type=int, default=0, help="Prometheus endpoint port (0: off)")
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_security_flags(parser, public=True)
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> ControlConfig:
-    """The ControlConfig the parsed flags name (ValueError names an out-of-range field)."""
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> ControlConfig:
+    """The ControlConfig the parsed flags (and the secrets in `environ`) name (ValueError names
+    an out-of-range field or a missing secret)."""
     return ControlConfig(
         host=args.host,
         port=args.port,
+        internal_port=args.internal_port,
+        internal_host=args.internal_host,
+        security=security_from_args(args, environ),
         http_port=args.http_port,
         reflection=args.reflection,
         reap_interval_seconds=min(0.5, args.lease_seconds),
@@ -67,6 +80,8 @@ async def serve(config: ControlConfig) -> None:
     await server.start()
     if server.http is not None:  # printed first: `kvmesh up` reads it before the next line
         print(f"kvmesh control plane OpenAI-compatible API on {server.http.url}/v1", flush=True)
+    # `kvmesh up` reads these two in this order; the last one means everything is serving.
+    print(f"kvmesh control plane internal ControlService on {server.internal_address}", flush=True)
     print(f"kvmesh control plane listening on {server.address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

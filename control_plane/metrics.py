@@ -35,3 +35,7 @@ class ControlMetrics:
         self.workers = Gauge(
             "kvmesh_control_workers", "Live registered workers", ["role"], registry=r
         )
+        self.auth_refused = Counter(
+            "kvmesh_control_auth_refused", "Calls refused for a missing or wrong cluster token "
+            "(door internal) or API key (doors public, http)", ["door"], registry=r,
+        )  # fmt: skip

@@ -1,4 +1,10 @@
-"""The control-plane gRPC server: GenerationService + ControlService + health (+ reflection).
+"""The control plane's two gRPC doors: public and internal.
+
+The public door (`port`) serves only the client API: GenerationService, health and, with
+`reflection`, reflection; with API keys configured every call but health needs one. The
+internal door (`internal_port`) serves ControlService (workers' Register/Heartbeat) and health;
+with a cluster token every call but health must carry it. Both use TLS when certificates are
+configured (the internal one mutual TLS with a CA). One health servicer answers on both.
 
 Health: the overall service ("") is SERVING while up; "kvmesh.v1.GenerationService" is
 SERVING only while a usable worker set is registered (a prefill + decode pair with equal
@@ -43,7 +49,8 @@ def server_options(config: ControlConfig) -> list[tuple[str, int]]:
 
 
 class ControlServer:
-    """Owns the grpc.aio server and the control plane's state; start() then drain()."""
+    """Owns the two grpc.aio servers (public and internal door) and the control plane's state;
+    start() then drain()."""
 
     def __init__(self, config: ControlConfig) -> None:
         self.config = config
@@ -51,43 +58,75 @@ class ControlServer:
         self.front_door = FrontDoor(self.cluster)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self._reaper = Reaper(self.cluster)
-        self._server = grpc.aio.server(options=server_options(config))
+        security = config.security
+        refused = self.cluster.metrics.auth_refused
+        self.public_auth = security.public_interceptors(refused.labels("public").inc)
+        self.internal_auth = security.internal_interceptors(refused.labels("internal").inc)
+        options = server_options(config)
+        self._server = grpc.aio.server(options=options, interceptors=self.public_auth)
+        self._internal = grpc.aio.server(options=options, interceptors=self.internal_auth)
         self.port = 0
+        self.internal_port = 0
         self.http: HttpServer | None = None
         self.cluster.on_serving_change(self._serving_changed)
 
     @property
     def address(self) -> str:
+        """The public door (clients)."""
         return f"{self.config.host}:{self.port}"
 
-    async def start(self) -> None:
-        server = self._server
+    @property
+    def internal_address(self) -> str:
+        """The internal door (workers' `--control`)."""
+        return f"{self.config.internal_host or self.config.host}:{self.internal_port}"
+
+    def _bind(self, server: grpc.aio.Server, host: str, port: int, field: str, public: bool) -> int:
+        bound = self.config.security.add_port(server, f"{host}:{port}", public=public)
+        if bound == 0:
+            raise OSError(f"{field}: cannot bind {host}:{port}")
+        return bound
+
+    def _add_services(self) -> None:
+        public, internal = self._server, self._internal
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self.front_door), server
+            GenerationServicer(self.front_door), public
         )
-        worker_pb2_grpc.add_ControlServiceServicer_to_server(ControlServicer(self.cluster), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        worker_pb2_grpc.add_ControlServiceServicer_to_server(
+            ControlServicer(self.cluster), internal
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, public)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, internal)
         if self.config.reflection:
             from grpc_reflection.v1alpha import reflection
 
-            names = (GENERATION_SERVICE, CONTROL_SERVICE, reflection.SERVICE_NAME)
-            reflection.enable_server_reflection((*names, health.SERVICE_NAME), server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if self.port == 0:
-            raise OSError(f"port: cannot bind {self.config.host}:{self.config.port}")
+            for server, name in ((public, GENERATION_SERVICE), (internal, CONTROL_SERVICE)):
+                names = (name, reflection.SERVICE_NAME, health.SERVICE_NAME)
+                reflection.enable_server_reflection(names, server)
+
+    async def start(self) -> None:
+        c = self.config
+        self._add_services()
+        self.port = self._bind(self._server, c.host, c.port, "port", True)
+        internal_host = c.internal_host or c.host
+        self.internal_port = self._bind(
+            self._internal, internal_host, c.internal_port, "internal_port", False
+        )
         if self.config.metrics_port:
             start_http_server(self.config.metrics_port, registry=self.cluster.metrics.registry)
         await self.health.set("", SERVING)
         await self.health.set(CONTROL_SERVICE, SERVING)
         await self.health.set(GENERATION_SERVICE, NOT_SERVING)
-        await server.start()
+        await self._internal.start()
+        await self._server.start()
         self._reaper.start()
-        if self.config.http_port is not None:
-            app = openai_app(self.front_door, self.cluster.metrics.registry)
-            self.http = HttpServer(app, self.config.host, self.config.http_port)
+        if c.http_port is not None:
+            metrics = self.cluster.metrics
+            refused = metrics.auth_refused.labels("http").inc
+            app = openai_app(self.front_door, metrics.registry, c.security.api_keys, refused)
+            self.http = HttpServer(app, c.host, c.http_port, tls=c.security.tls)
             self.http.start()
             LOG.info("OpenAI-compatible API on %s/v1", self.http.url)
-        LOG.info("control plane serving on %s", self.address)
+        LOG.info("control plane serving on %s (internal %s)", self.address, self.internal_address)
 
     async def _serving_changed(self, serving: bool) -> None:
         if not self.front_door.draining:
@@ -109,6 +148,7 @@ class ControlServer:
             await self.http.stop()
         await self._reaper.stop()
         await self._server.stop(grace=1.0)
+        await self._internal.stop(grace=1.0)
         await self.cluster.channels.close()
 
     async def wait_for_termination(self) -> None:

@@ -56,7 +56,8 @@ async def install(
     backends = list(getattr(args, "transfer_backend", None) or DEFAULT_BACKENDS)
     store = BlockStore(*runtime.kv_cache_tensors(), model_id=runtime.layout.model_fingerprint)
     host = getattr(args, "host", None) or "127.0.0.1"
-    receivers = open_receivers(store, backends, host, getattr(args, "transfer_port", None) or 0)
+    port = getattr(args, "transfer_port", None) or 0
+    receivers = open_receivers(store, backends, host, port, server.security)
     table = ReservationTable(runtime.engine, receivers)
     table.start_reaper()
     servicer = DecodeServicer(runtime, table, metrics or WorkerMetrics())

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kv_transfer import NETWORK_BACKENDS, bind_address, get_backend
+from kv_transfer import AUTHENTICATED_BACKENDS, NETWORK_BACKENDS, bind_address, get_backend
 from kv_transfer.blocks import BlockStore
 from kv_transfer.interface import KVReceiver
 from kv_transfer.receiver_core import ReceiveHandle, ReceiverCore
@@ -26,6 +26,7 @@ from kv_transfer.state import TransferRequest, TransferState
 from kvmesh.engine import disagg
 from kvmesh.engine.async_engine import AsyncLLMEngine, abort_request
 from kvmesh.engine.sequence import Request
+from kvmesh.security import Security
 from kvmesh.service.server import close_within
 from kvmesh.v1 import worker_pb2
 
@@ -65,18 +66,25 @@ class Reservation:
 
 
 def open_receivers(
-    store: BlockStore, backends: list[str], host: str = "127.0.0.1", port: int = 0
+    store: BlockStore,
+    backends: list[str],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    security: Security | None = None,
 ) -> dict[str, KVReceiver]:
     """One receiver per backend, all sharing one ReceiverCore: a reservation is accepted on
     whichever backend the sender picks. Backends that cannot run here are skipped. Network
-    receivers bind `host` on `port`, `port + 1`, ... in `backends` order (0: free ports)."""
+    receivers bind `host` on `port`, `port + 1`, ... in `backends` order (0: free ports); the
+    gRPC receiver requires `security`'s cluster token (and TLS when set)."""
     core = ReceiverCore(store)
     receivers: dict[str, KVReceiver] = {}
     network = [name for name in backends if name in NETWORK_BACKENDS]
     for name in backends:
-        options: dict[str, str] = {}
+        options: dict[str, Any] = {}
         if name in network:
             options["bind"] = bind_address(host, port + network.index(name) if port else 0)
+        if name in AUTHENTICATED_BACKENDS and security is not None:
+            options["security"] = security
         try:
             receiver = get_backend(name).Receiver(store, **options)
         except (ImportError, ValueError, OSError, RuntimeError) as exc:

@@ -20,6 +20,8 @@ BACKENDS = {
 }
 
 NETWORK_BACKENDS = ("gloo", "grpc")  # receivers take `bind="HOST:PORT"` (port 0 picks one)
+# Backends whose Sender and Receiver take `security=` (cluster token, TLS).
+AUTHENTICATED_BACKENDS = ("grpc",)
 
 _LAZY = {
     "KVLayout": "kv_transfer.layout",

@@ -12,6 +12,12 @@ the server's defaults. `timeout` (seconds) is the gRPC deadline of the call, i.e
 deadline. Every gRPC failure is raised as a `KvmeshError` subclass carrying the status code and
 the server's message. `AsyncClient` has the same methods as coroutines / async iterators.
 Importing this module never imports torch.
+
+Security: `api_key=` sends `authorization: Bearer KEY` on every call (the front door's
+`--api-key-file`); `metadata=` adds fixed metadata to every call, and each call takes its own
+`metadata=` too. `ca=` (PEM file) connects with TLS verifying the server against it, `tls=True`
+with TLS against the system roots; `cert=` and `key=` present a client certificate (mutual TLS).
+
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import grpc
@@ -267,6 +274,35 @@ def chat_messages(messages: Messages) -> generation_pb2.ChatMessages:
 # -- clients ---------------------------------------------------------------------------------
 
 
+Metadata = Sequence[tuple[str, str]]
+
+
+def channel_credentials(
+    tls: bool = False, ca: str | None = None, cert: str | None = None, key: str | None = None
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials from PEM files, or None for plaintext (no TLS option given)."""
+    if not (tls or ca or cert or key):
+        return None
+    if (cert is None) != (key is None):
+        raise ValueError("cert and key go together (the client certificate and its key)")
+    files = {name: None if path is None else Path(path).read_bytes()
+             for name, path in (("ca", ca), ("cert", cert), ("key", key))}  # fmt: skip
+    return grpc.ssl_channel_credentials(files["ca"], files["key"], files["cert"])
+
+
+class _CallOptions:
+    """What every call of a client carries: its default deadline and metadata."""
+
+    def __init__(self, timeout: float | None, api_key: str | None, metadata: Metadata) -> None:
+        self.timeout = timeout  # default deadline of every call (seconds); None = none
+        auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._metadata = (*auth, *metadata)
+
+    def call(self, timeout: float | None, metadata: Metadata | None) -> dict[str, Any]:
+        return {"timeout": timeout or self.timeout,
+                "metadata": (*self._metadata, *(metadata or ()))}  # fmt: skip
+
+
 def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -293,11 +329,24 @@ class Stream:
 class Client:
     """Blocking client; one channel per instance (thread-safe; use as a context manager)."""
 
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+    def __init__(
+        self, target: str, *, timeout: float | None = None, api_key: str | None = None,
+        metadata: Metadata = (), tls: bool = False, ca: str | None = None,
+        cert: str | None = None, key: str | None = None,
+    ) -> None:  # fmt: skip
         self.target = target
-        self.timeout = timeout  # default deadline of every call (seconds); None = none
-        self._channel = grpc.insecure_channel(target, options=channel_options())
+        self._options = _CallOptions(timeout, api_key, metadata)
+        credentials = channel_credentials(tls, ca, cert, key)
+        self._channel = (
+            grpc.insecure_channel(target, options=channel_options())
+            if credentials is None
+            else grpc.secure_channel(target, credentials, options=channel_options())
+        )
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+
+    @property
+    def timeout(self) -> float | None:
+        return self._options.timeout
 
     def __enter__(self) -> Client:
         return self
@@ -310,12 +359,12 @@ class Client:
 
     def generate(
         self, prompt: Prompt, *, request_id: str | None = None, timeout: float | None = None,
-        cache_salt: bytes = b"", **sampling: Any,
+        cache_salt: bytes = b"", metadata: Metadata | None = None, **sampling: Any,
     ) -> Stream:  # fmt: skip
         """Start a request (text, token ids, or a conversation as chat takes it); iterate the
         returned Stream for its chunks."""
         request = build_request(prompt, request_id, cache_salt, **sampling)
-        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        call = self._stub.Generate(request, **self._options.call(timeout, metadata))
         return Stream(request.request_id, call)
 
     def complete(self, prompt: Prompt, **kwargs: Any) -> Result:
@@ -333,16 +382,21 @@ class Client:
         stream = self.chat(messages, **kwargs)
         return collect(stream.request_id, list(stream))
 
-    def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+    def abort(
+        self, request_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> bool:
         """Abort a request; False when it had already finished (NotFound when unknown)."""
         request = generation_pb2.AbortRequest(request_id=request_id)
         with typed_errors():
-            return bool(self._stub.Abort(request, timeout=timeout or self.timeout).aborted)
+            response = self._stub.Abort(request, **self._options.call(timeout, metadata))
+        return bool(response.aborted)
 
-    def model_info(self, *, timeout: float | None = None) -> generation_pb2.ModelInfo:
+    def model_info(
+        self, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> generation_pb2.ModelInfo:
         request = generation_pb2.GetModelInfoRequest()
         with typed_errors():
-            return self._stub.GetModelInfo(request, timeout=timeout or self.timeout)
+            return self._stub.GetModelInfo(request, **self._options.call(timeout, metadata))
 
     def serving(self, *, timeout: float = 1.0) -> bool:
         """Whether the front door reports GenerationService SERVING (workers registered)."""
@@ -357,11 +411,24 @@ class Client:
 class AsyncClient:
     """asyncio client (grpc.aio); create and use it inside one running event loop."""
 
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+    def __init__(
+        self, target: str, *, timeout: float | None = None, api_key: str | None = None,
+        metadata: Metadata = (), tls: bool = False, ca: str | None = None,
+        cert: str | None = None, key: str | None = None,
+    ) -> None:  # fmt: skip
         self.target = target
-        self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+        self._options = _CallOptions(timeout, api_key, metadata)
+        credentials = channel_credentials(tls, ca, cert, key)
+        self._channel = (
+            grpc.aio.insecure_channel(target, options=channel_options())
+            if credentials is None
+            else grpc.aio.secure_channel(target, credentials, options=channel_options())
+        )
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+
+    @property
+    def timeout(self) -> float | None:
+        return self._options.timeout
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -374,11 +441,11 @@ class AsyncClient:
 
     async def generate(
         self, prompt: Prompt, *, request_id: str | None = None, timeout: float | None = None,
-        cache_salt: bytes = b"", **sampling: Any,
+        cache_salt: bytes = b"", metadata: Metadata | None = None, **sampling: Any,
     ) -> AsyncIterator[Chunk]:  # fmt: skip
         """Async iterator of a request's chunks; closing it early cancels the request."""
         request = build_request(prompt, request_id, cache_salt, **sampling)
-        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        call = self._stub.Generate(request, **self._options.call(timeout, metadata))
         try:
             with typed_errors():
                 async for response in call:
@@ -398,16 +465,21 @@ class AsyncClient:
     async def complete_chat(self, messages: Messages, **kwargs: Any) -> Result:
         return await self.complete(_as_chat(messages), **kwargs)
 
-    async def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
+    async def abort(
+        self, request_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> bool:
         request = generation_pb2.AbortRequest(request_id=request_id)
         with typed_errors():
-            response = await self._stub.Abort(request, timeout=timeout or self.timeout)
+            response = await self._stub.Abort(request, **self._options.call(timeout, metadata))
         return bool(response.aborted)
 
-    async def model_info(self, *, timeout: float | None = None) -> generation_pb2.ModelInfo:
+    async def model_info(
+        self, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> generation_pb2.ModelInfo:
         request = generation_pb2.GetModelInfoRequest()
         with typed_errors():
-            return await self._stub.GetModelInfo(request, timeout=timeout or self.timeout)
+            call = self._stub.GetModelInfo(request, **self._options.call(timeout, metadata))
+            return await call
 
     async def serving(self, *, timeout: float = 1.0) -> bool:
         """Whether the front door reports GenerationService SERVING (workers registered)."""

@@ -65,7 +65,7 @@ async def install(
 
     backends = available_backends(list(getattr(args, "transfer_backend", None) or DEFAULT_BACKENDS))
     store = BlockStore(*runtime.kv_cache_tensors(), model_id=runtime.layout.model_fingerprint)
-    senders = SenderPool(store, backends)
+    senders = SenderPool(store, backends, server.security)
     servicer = PrefillServicer(
         runtime,
         senders,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-from kv_transfer import get_backend
+from kv_transfer import AUTHENTICATED_BACKENDS, get_backend
 from kv_transfer.blocks import BlockStore
 from kv_transfer.interface import KVSender
+from kvmesh.security import Security
 
 MAX_IDLE_PER_PEER = 4
 
@@ -25,11 +26,15 @@ def available_backends(names: list[str]) -> list[str]:
 
 
 class SenderPool:
-    """`acquire` connects (layout handshake) or reuses an idle sender; `release` returns it."""
+    """`acquire` connects (layout handshake) or reuses an idle sender; `release` returns it.
+    Senders of authenticated backends present `security`'s cluster token (and TLS)."""
 
-    def __init__(self, store: BlockStore, backends: list[str]) -> None:
+    def __init__(
+        self, store: BlockStore, backends: list[str], security: Security | None = None
+    ) -> None:
         self.store = store
         self.backends = backends
+        self.security = security
         self._idle: dict[tuple[str, str], list[KVSender]] = defaultdict(list)
         self._lock = threading.Lock()
 
@@ -39,7 +44,8 @@ class SenderPool:
             idle = self._idle[(backend, endpoint)]
             if idle:
                 return idle.pop()
-        sender: KVSender = get_backend(backend).Sender(self.store, endpoint)
+        options = {"security": self.security} if backend in AUTHENTICATED_BACKENDS else {}
+        sender: KVSender = get_backend(backend).Sender(self.store, endpoint, **options)
         return sender
 
     def release(self, backend: str, endpoint: str, sender: KVSender) -> None:

@@ -64,11 +64,14 @@ def test_packages_respect_layering(package: str) -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_control_plane_imports_only_generated_stubs_from_kvmesh() -> None:
+CONTROL_PLANE_KVMESH = ("kvmesh.v1", "kvmesh.security")  # stubs; grpc-only auth and TLS
+
+
+def test_control_plane_imports_only_generated_stubs_and_security_from_kvmesh() -> None:
     bad = []
     for path in files_of("control_plane"):
         for name in imported_modules(path):
-            if name.split(".")[0] == "kvmesh" and not name.startswith("kvmesh.v1"):
+            if name.split(".")[0] == "kvmesh" and not name.startswith(CONTROL_PLANE_KVMESH):
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, "\n".join(bad)
 
@@ -88,7 +91,14 @@ def test_source_roots_are_not_importable_packages() -> None:
     assert not (ROOT / "protos" / "__init__.py").exists()
 
 
-LIGHT_IMPORTS = ["kvmesh", "kvmesh.cli.main", "control_plane", "kv_transfer", "kvmesh.memory"]
+LIGHT_IMPORTS = [
+    "kvmesh",
+    "kvmesh.cli.main",
+    "control_plane",
+    "kv_transfer",
+    "kvmesh.memory",
+    "kvmesh.security",
+]
 
 
 @pytest.mark.parametrize("module", LIGHT_IMPORTS)

@@ -16,18 +16,20 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from control_plane.front_door import FrontDoor
+from control_plane.openai_http.auth import ApiKeyMiddleware
 from control_plane.openai_http.errors import ApiError, from_failure
 from control_plane.openai_http.schema import Kind, ParsedRequest, parse
 from control_plane.openai_http.stream import DONE, Answer, sse
@@ -45,9 +47,17 @@ class ClientGone(Exception):
 
 
 class OpenAIApp:
-    def __init__(self, door: FrontDoor, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        door: FrontDoor,
+        registry: CollectorRegistry,
+        api_keys: Sequence[str] = (),
+        on_refused: Callable[[], object] | None = None,
+    ) -> None:
         self.door = door
         self.registry = registry
+        self.api_keys = tuple(api_keys)
+        self.on_refused = on_refused
         self.created = int(time.time())
 
     def asgi(self) -> Starlette:
@@ -59,7 +69,16 @@ class OpenAIApp:
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
         handlers = {ApiError: api_error, HTTPException: http_error}
-        return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+        middleware = (
+            [Middleware(ApiKeyMiddleware, keys=self.api_keys, on_refused=self.on_refused)]
+            if self.api_keys
+            else []
+        )
+        return Starlette(
+            routes=routes,
+            exception_handlers=handlers,  # type: ignore[arg-type]
+            middleware=middleware,
+        )
 
     # -- plain endpoints -------------------------------------------------------------------
 
@@ -210,5 +229,12 @@ def http_error(request: Request, error: Exception) -> Response:
     return ApiError(error.status_code, str(error.detail), code=str(error.status_code)).response()
 
 
-def openai_app(door: FrontDoor, registry: CollectorRegistry) -> Starlette:
-    return OpenAIApp(door, registry).asgi()
+def openai_app(
+    door: FrontDoor,
+    registry: CollectorRegistry,
+    api_keys: Sequence[str] = (),
+    on_refused: Callable[[], object] | None = None,
+) -> Starlette:
+    """The HTTP door's app; with `api_keys`, every /v1 route requires one of them
+    (`on_refused` is called for each request refused)."""
+    return OpenAIApp(door, registry, api_keys, on_refused).asgi()

@@ -6,10 +6,14 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
+
+from kvmesh.security import TlsConfig
 
 LOG = logging.getLogger("kvmesh.control_plane.http")
 
@@ -21,9 +25,17 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    """One uvicorn server on a socket bound at construction (port 0 picks a free one)."""
+    """One uvicorn server on a socket bound at construction (port 0 picks a free one); HTTPS
+    when `tls` has a certificate (client certificates required with `public_client_auth`)."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int, shutdown_seconds: float = 1.0) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        host: str,
+        port: int,
+        shutdown_seconds: float = 1.0,
+        tls: TlsConfig | None = None,
+    ) -> None:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         try:
             self._socket = socket.create_server((host, port), family=family)
@@ -31,9 +43,10 @@ class HttpServer:
             raise OSError(f"http_port: cannot bind {host}:{port}: {error}") from None
         self.host, self.port = host, self._socket.getsockname()[1]
         self._shutdown_seconds = shutdown_seconds
+        self.scheme = "https" if tls is not None and tls.cert is not None else "http"
         config = uvicorn.Config(
             app, lifespan="off", access_log=False, log_config=None,
-            timeout_graceful_shutdown=max(1, round(shutdown_seconds)),
+            timeout_graceful_shutdown=max(1, round(shutdown_seconds)), **tls_options(tls),
         )  # fmt: skip
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task[None] | None = None
@@ -41,7 +54,7 @@ class HttpServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
     def start(self) -> None:
         """Serve on the running loop; connections queue on the listening socket meanwhile."""
@@ -62,3 +75,13 @@ class HttpServer:
             LOG.warning("http server ended with %r", error)
         finally:
             self._socket.close()
+
+
+def tls_options(tls: TlsConfig | None) -> dict[str, Any]:
+    """uvicorn's TLS settings for `tls` (none without a certificate)."""
+    if tls is None or tls.cert is None:
+        return {}
+    options: dict[str, Any] = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+    if tls.public_client_auth:
+        options.update(ssl_ca_certs=tls.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options

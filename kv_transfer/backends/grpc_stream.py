@@ -10,8 +10,10 @@ FRAME the blocks, END and CANCEL nothing; the call returns a protobuf `PushResul
 `PushBlocksUnary` (the whole block set as ONE protobuf message) remains as the baseline.
 
 The receiver runs a `grpc.aio` server (uvloop when installed) on its own thread; the sender
-uses a synchronous channel. The call's deadline is the transfer deadline; cancelling the call
-cancels the transfer on both sides.
+uses a synchronous channel. With a `Security` holding the cluster token, the receiver refuses
+every call without it (UNAUTHENTICATED, before any frame is read) and the sender presents it;
+with certificates both sides use TLS (mutual TLS with a CA). The call's deadline is the
+transfer deadline; cancelling the call cancels the transfer on both sides.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from kv_transfer.interface import DEFAULT_FRAME_BYTES, KVReceiver, KVSender, Sen
 from kv_transfer.interface import fill_frame as _fill
 from kv_transfer.layout import KVLayout
 from kv_transfer.state import TransferRecord, TransferState
+from kvmesh.security import Security
 from kvmesh.v1 import kv_transfer_pb2 as pb
 from kvmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -141,9 +144,15 @@ def _ids_bytes(ids: object) -> bytes:
 
 class Receiver(KVReceiver):
     def __init__(
-        self, store: BlockStore, *, bind: str = "127.0.0.1:0", max_message_bytes: int = 8 << 20
+        self,
+        store: BlockStore,
+        *,
+        bind: str = "127.0.0.1:0",
+        max_message_bytes: int = 8 << 20,
+        security: Security | None = None,
     ) -> None:
         super().__init__(store)
+        self.security = security or Security()
         self._loop = _new_loop()
         self._server: grpc.aio.Server | None = None
         ready = threading.Event()
@@ -157,7 +166,8 @@ class Receiver(KVReceiver):
 
     def _run(self, bind: str, max_bytes: int, ready: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
-        self._server = grpc.aio.server(options=_options(max_bytes))
+        self.auth = self.security.internal_interceptors()
+        self._server = grpc.aio.server(options=_options(max_bytes), interceptors=self.auth)
         servicer = _Servicer(self)
         pb_grpc.add_KVTransferServiceServicer_to_server(servicer, self._server)
         raw = grpc.stream_unary_rpc_method_handler(  # bytes in (no deserializer), PushResult out
@@ -166,7 +176,7 @@ class Receiver(KVReceiver):
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {"PushFrames": raw}),)
         )
-        self._port = self._server.add_insecure_port(bind)
+        self._port = self.security.add_port(self._server, bind)
         self._loop.run_until_complete(self._server.start())
         ready.set()
         self._loop.run_forever()
@@ -246,10 +256,13 @@ class Sender(KVSender):
         frame_bytes: int = DEFAULT_FRAME_BYTES,
         max_message_bytes: int = 8 << 20,
         checksum: bool = True,
+        security: Security | None = None,
     ) -> None:
         super().__init__(store, frame_bytes)
         self.checksum = checksum
-        self._channel = grpc.insecure_channel(address, options=_options(max_message_bytes))
+        security = security or Security()
+        self._metadata = security.call_metadata()
+        self._channel = security.channel(address, _options(max_message_bytes))
         self._stub = pb_grpc.KVTransferServiceStub(self._channel)
         self._push = self._channel.stream_unary(  # raw bytes out (no serializer)
             PUSH_FRAMES, request_serializer=None, response_deserializer=pb.PushResult.FromString
@@ -257,7 +270,9 @@ class Sender(KVSender):
         self._staging = torch.empty(self.max_frame_bytes, dtype=torch.uint8)
         request = pb.HandshakeRequest(layout=self.layout.to_bytes())
         try:
-            reply = self._stub.Handshake(request, timeout=HANDSHAKE_SECONDS)
+            reply = self._stub.Handshake(
+                request, timeout=HANDSHAKE_SECONDS, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             reply = _handshake_refused(exc)
         self.layout.check_compatible(KVLayout.from_bytes(reply.layout))
@@ -285,7 +300,7 @@ class Sender(KVSender):
 
     def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
         left = waiter.check()
-        call = self._push.future(self._frames(plan, waiter), timeout=left)
+        call = self._push.future(self._frames(plan, waiter), timeout=left, metadata=self._metadata)
         done = threading.Event()
         call.add_done_callback(lambda _: done.set())
         cancel_at: float | None = None
@@ -311,7 +326,9 @@ class Sender(KVSender):
         header, payload = _fill(self.store, whole, 0, buf, self.checksum)
         frame = _to_proto(header, payload.numpy().tobytes())
         frame.dst_block_ids.extend(plan.dst.tolist())
-        result = self._stub.PushBlocksUnary(frame, timeout=deadline - time.monotonic())
+        result = self._stub.PushBlocksUnary(
+            frame, timeout=deadline - time.monotonic(), metadata=self._metadata
+        )
         _raise_for(result)
         return result
 
@@ -349,4 +366,6 @@ def _rpc_error(exc: grpc.RpcError, waiter: Waiter) -> TransferError:
 def _handshake_refused(exc: grpc.RpcError) -> pb.HandshakeReply:
     if isinstance(exc, grpc.Call) and exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
         raise LayoutMismatchError("layout", "ours", exc.details())
+    if isinstance(exc, grpc.Call) and exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+        raise PeerError(f"handshake refused: {exc.details()}")
     raise PeerError(f"handshake failed: {exc}")

@@ -43,7 +43,16 @@ OTHER_FLAGS: dict[str, dict[str, Any]] = {
     "--json": {"action": "store_true", "help": "print a final JSON line with ids and usage"},
     "--timeout": {"type": float, "default": 600.0, "help": "request deadline in seconds"},
     "--request-id": {"default": None, "help": "request id (default: a random one)"},
-}
+    "--api-key-file": {"metavar": "PATH", "default": None,
+                       "help": "file whose first key line is the front door's API key "
+                       "(env KVMESH_API_KEY)"},
+    "--tls": {"action": "store_true", "help": "connect with TLS (system roots)"},
+    "--tls-ca": {"metavar": "PEM", "default": None, "help": "TLS, verifying the server with it"},
+    "--tls-cert": {"metavar": "PEM", "default": None, "help": "client certificate (mutual TLS)"},
+    "--tls-key": {"metavar": "PEM", "default": None, "help": "private key of --tls-cert"},
+    "--header": {"metavar": "KEY=VALUE", "action": "append", "default": None,
+                 "help": "extra call metadata (repeatable)"},
+}  # fmt: skip
 
 
 def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,13 +103,37 @@ def prompt_from_args(args: argparse.Namespace) -> Any:
     return str(prompt)
 
 
+def client_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Client keywords of the security flags: API key (file or KVMESH_API_KEY), TLS, metadata."""
+    import os
+
+    from kvmesh.security.credentials import CredentialError, read_secret_lines
+
+    key = os.environ.get("KVMESH_API_KEY", "").split(",")[0].strip() or None
+    if getattr(args, "api_key_file", None):
+        try:  # the server's format: one key a line, `#` comments
+            lines = read_secret_lines(args.api_key_file, "--api-key-file")
+        except CredentialError as error:
+            raise SystemExit(f"kvmesh generate: {error}") from None
+        key = lines[0] if lines else None
+    metadata = []
+    for header in getattr(args, "header", None) or ():
+        name, sep, value = header.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"kvmesh generate: --header {header!r} is not KEY=VALUE")
+        metadata.append((name.strip().lower(), value))
+    return {"api_key": key, "metadata": tuple(metadata), "tls": bool(getattr(args, "tls", False)),
+            "ca": getattr(args, "tls_ca", None), "cert": getattr(args, "tls_cert", None),
+            "key": getattr(args, "tls_key", None)}  # fmt: skip
+
+
 def run_remote(args: argparse.Namespace) -> int:
     """Send one request to `args.target`, stream its text, optionally print the JSON line."""
     from kvmesh.client import Client, KvmeshError, collect
 
     prompt = prompt_from_args(args)
     sampling = sampling_from_args(args)
-    with Client(args.target) as client:
+    with Client(args.target, **client_options(args)) as client:
         try:
             stream = client.generate(
                 prompt, request_id=args.request_id, timeout=args.timeout, **sampling
@@ -134,7 +167,7 @@ def result_json(result: Any) -> dict[str, Any]:
     return {"request_id": result.request_id, **first, "completions": completions}
 
 
-def demo(endpoint: str, prompt: str, max_tokens: int) -> int:
+def demo(endpoint: str, prompt: str, max_tokens: int, **client: Any) -> int:
     """`kvmesh up --demo`: one greedy request, streamed, then its usage and TTFT breakdown.
 
     The prompt goes as a chat question when the served model has a chat template (the default
@@ -142,16 +175,16 @@ def demo(endpoint: str, prompt: str, max_tokens: int) -> int:
     """
     from kvmesh.client import Client, KvmeshError, collect
 
-    with Client(endpoint, timeout=120.0) as client:
-        info = client.model_info()
+    with Client(endpoint, timeout=120.0, **client) as conn:
+        info = conn.model_info()
         form = "chat" if info.has_chat_template else "text"
         print(f"model {info.model_name} ({info.architecture}, {info.mode}); {form}: {prompt!r}")
         try:
             if info.has_chat_template:
                 messages = [{"role": "user", "content": prompt}]
-                stream = client.chat(messages, max_tokens=max_tokens, temperature=0.0)
+                stream = conn.chat(messages, max_tokens=max_tokens, temperature=0.0)
             else:
-                stream = client.generate(prompt, max_tokens=max_tokens, temperature=0.0)
+                stream = conn.generate(prompt, max_tokens=max_tokens, temperature=0.0)
             print("> ", end="")
             chunks = []
             for chunk in stream:

@@ -1,12 +1,18 @@
 """`kvmesh up`: the whole system on localhost, one process per role, until Ctrl-C.
 
 Start order: control plane (its "listening on HOST:PORT" line, after its "OpenAI-compatible API
-on URL/v1" line when the HTTP door is on), then every worker (its
+on URL/v1" line when the HTTP door is on and its "internal ControlService on HOST:PORT" line,
+the address workers register with), then every worker (its
 `KVMESH_READY {json}` line), then the front door's health for GenerationService must read
 SERVING, all before `--startup-timeout`. Stop order: the control plane first (it drains in-flight
 requests, bounded), then the workers (SIGTERM, SIGKILL after a bound). Children run under
 `kvmesh.cli.supervisor`, so none outlives `kvmesh up`, even when it is killed with SIGKILL.
 `LocalSystem` is the same thing as a context manager for tests and benchmarks.
+
+Security: every run makes a fresh random cluster token and hands it to the children in their
+environment (`KVMESH_CLUSTER_TOKEN`, never on a command line), so every internal port (the
+control plane's internal door, every worker port, the gRPC KV stream) refuses calls without it.
+`--tls-cert/--tls-key/--tls-ca` go to every child; `--api-key-file` to the control plane.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.cli.supervisor import Child, ChildFailed, Supervisor
+from kvmesh.security.credentials import new_token
 from kvmesh.service.engine_flags import (
     add_engine_flags,
     engine_argv,
@@ -34,6 +41,8 @@ from kvmesh.service.engine_flags import (
 )
 
 CONTROL_READY = re.compile(r"listening on (\S+)")
+INTERNAL_READY = re.compile(r"internal ControlService on (\S+)")
+INTERNAL_HOST = "127.0.0.1"  # every worker runs on this host: the internal door stays local
 HTTP_READY = re.compile(r"OpenAI-compatible API on (\S+)/v1")
 WORKER_READY = re.compile(r"KVMESH_READY (\{.*\})")
 TRANSFER_BACKENDS = ("shm", "grpc", "gloo")
@@ -51,6 +60,7 @@ class UpConfig:
     colocated: int = 0
     host: str = "127.0.0.1"
     port: int = 50051  # 0 picks a free port
+    internal_port: int = 0  # the control plane's internal door (0 picks a free port)
     http_port: int | None = None  # OpenAI-compatible HTTP API (0 picks a free port; None: off)
     transfer_backend: str = "shm"
     threads: int | None = None  # torch threads per worker
@@ -59,12 +69,32 @@ class UpConfig:
     control_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()  # passed to every worker
     role_args: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # role -> extra args
+    tls_cert: str | None = None  # TLS on every port (with tls_key); mutual TLS with tls_ca
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    api_key_file: str | None = None  # API keys the public door requires
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
             raise ValueError("--prefill, --decode and --colocated must be >= 0")
         if self.colocated == 0 and (self.prefill == 0 or self.decode == 0):
             raise ValueError("need at least one prefill and one decode worker, or --colocated")
+
+    def tls_args(self) -> list[str]:
+        pairs = (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key),
+                 ("--tls-ca", self.tls_ca))  # fmt: skip
+        return [word for flag, value in pairs if value for word in (flag, value)]
+
+    def client_options(self) -> dict[str, Any]:
+        """Client keywords that reach this system's front door (TLS, the first API key)."""
+        key = None
+        if self.api_key_file:
+            from kvmesh.security.credentials import read_secret_lines
+
+            key = read_secret_lines(self.api_key_file, "--api-key-file")[0]
+        tls = self.tls_cert is not None
+        return {"tls": tls, "ca": self.tls_ca, "cert": self.tls_cert if self.tls_ca else None,
+                "key": self.tls_key if self.tls_ca else None, "api_key": key}  # fmt: skip
 
     def roles(self) -> list[str]:
         return (
@@ -85,7 +115,10 @@ class LocalSystem:
     def __init__(self, config: UpConfig, echo: bool = False) -> None:
         self.config = config
         self.supervisor = Supervisor(echo=echo, grace=5.0)
+        # Fresh per run; reaches the children only through their environment.
+        self.env = {"KVMESH_CLUSTER_TOKEN": new_token(), "KVMESH_CLUSTER_TOKEN_FILE": ""}
         self.endpoint = ""
+        self.internal_endpoint = ""  # the control plane's internal door (workers' --control)
         self.http_url = ""  # http://HOST:PORT of the OpenAI-compatible API, when enabled
         self.model_dir = ""
         self.control: Child | None = None
@@ -110,23 +143,29 @@ class LocalSystem:
             self.start_worker(role)  # all load their model in parallel
         for worker in self.workers:
             self._wait_ready(worker, deadline)
-        wait_serving(self.endpoint, deadline)
+        wait_serving(self.endpoint, deadline, **self.config.client_options())
         return self.endpoint
 
     def start_control(self, deadline: float) -> str:
         """(Re)start the control plane; returns its address."""
         c = self.config
         argv = [*kvmesh_argv(), "serve", "control", "--host", c.host, "--port", str(c.port),
-                "--transfer-backends", c.transfer_backend,
-                "--drain-seconds", str(c.drain_seconds), *c.control_args]  # fmt: skip
-        if self.endpoint:  # a restart keeps the address the workers know
+                "--internal-port", str(c.internal_port), "--internal-host", INTERNAL_HOST,
+                "--transfer-backends", c.transfer_backend, "--drain-seconds",
+                str(c.drain_seconds), *c.tls_args(), *c.control_args]  # fmt: skip
+        if c.api_key_file:
+            argv += ["--api-key-file", c.api_key_file]
+        if self.endpoint:  # a restart keeps the addresses clients and workers know
             argv[argv.index("--port") + 1] = self.endpoint.rsplit(":", 1)[1]
+            argv[argv.index("--internal-port") + 1] = self.internal_endpoint.rsplit(":", 1)[1]
         if c.http_port is not None:  # a restart keeps the HTTP address too
             port = self.http_url.rsplit(":", 1)[1] if self.http_url else str(c.http_port)
             argv += ["--http-port", port]
-        self.control = self.supervisor.start("control", argv)
-        if c.http_port is not None:  # printed before the gRPC line
+        self.control = self.supervisor.start("control", argv, self.env)
+        if c.http_port is not None:  # printed before the gRPC lines
             self.http_url = self.supervisor.wait_for(self.control, HTTP_READY, deadline).group(1)
+        internal = self.supervisor.wait_for(self.control, INTERNAL_READY, deadline)
+        self.internal_endpoint = internal.group(1)
         self.endpoint = self.supervisor.wait_for(self.control, CONTROL_READY, deadline).group(1)
         return self.endpoint
 
@@ -134,14 +173,17 @@ class LocalSystem:
         """Start one worker; with a deadline, also wait for its ready line."""
         c = self.config
         name = f"{role}-{sum(w.role == role for w in self.workers)}"
-        argv = [*kvmesh_argv(), "serve", role, "--control", self.endpoint,
+        argv = [*kvmesh_argv(), "serve", role, "--control", self.internal_endpoint,
                 "--model", self.model_dir, "--host", c.host, "--port", "0",
-                "--metrics-port", "0", *c.worker_args, *c.role_args.get(role, ())]  # fmt: skip
+                "--metrics-port", "0", *c.tls_args(), *c.worker_args,
+                *c.role_args.get(role, ())]  # fmt: skip
         if role != "colocated":
             argv += ["--transfer-backend", c.transfer_backend]
         if c.threads is not None:
             argv += ["--num-threads", str(c.threads)]
-        env = {} if c.threads is None else {"OMP_NUM_THREADS": str(c.threads)}
+        env = dict(self.env)
+        if c.threads is not None:
+            env["OMP_NUM_THREADS"] = str(c.threads)
         worker = Worker(role, self.supervisor.start(name, argv, env))
         self.workers.append(worker)
         if deadline is not None:
@@ -177,11 +219,11 @@ def resolve_model(model: str | None) -> str:
     return str(resolve_model_path(model))
 
 
-def wait_serving(endpoint: str, deadline: float) -> None:
+def wait_serving(endpoint: str, deadline: float, **client_options: Any) -> None:
     """Block until the front door reports GenerationService SERVING (ChildFailed at deadline)."""
     from kvmesh.client import Client
 
-    with Client(endpoint) as client:
+    with Client(endpoint, **client_options) as client:
         while not client.serving(timeout=1.0):
             if time.monotonic() >= deadline:
                 raise ChildFailed(f"front door {endpoint} did not become SERVING in time")
@@ -210,6 +252,12 @@ def register(subparsers: Any) -> None:
     add("--threads", "--num-threads", type=int, default=None,
         help="torch (and OpenMP) threads per worker process")  # fmt: skip
     add("--startup-timeout", type=float, default=180.0, help="seconds (default %(default)s)")
+    add("--tls-cert", default=None, metavar="PEM", help="TLS on every port (with --tls-key)")
+    add("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    add("--tls-ca", default=None, metavar="PEM",
+        help="CA of every certificate: mutual TLS on the internal ports")  # fmt: skip
+    add("--api-key-file", default=None, metavar="PATH",
+        help="API keys the front door requires, one a line (default: open)")  # fmt: skip
     add("--verbose", action="store_true", help="show the children's logs")
     add("--demo", action="store_true", help="send one request, print it, then stop everything")
     add("--prompt", default=DEMO_PROMPT, help="prompt of the --demo request")
@@ -232,9 +280,12 @@ def run_up(args: argparse.Namespace) -> int:
             transfer_backend=args.transfer_backend, threads=args.threads,
             startup_timeout=args.startup_timeout,
             worker_args=worker_argv(engine, args.served_model_name),
+            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+            api_key_file=args.api_key_file,
         )  # fmt: skip
         # Resolved once here: a bad --model fails in one line before any child starts.
         config = dataclasses.replace(config, model=resolve_model(config.model))
+        config.client_options()  # an unreadable --api-key-file fails here, in one line
     except ValueError as error:
         print(f"kvmesh up: {error}", file=sys.stderr)
         return 2
@@ -246,7 +297,7 @@ def run_up(args: argparse.Namespace) -> int:
         if args.demo:
             from kvmesh.cli.generate_remote import demo
 
-            return demo(endpoint, args.prompt, args.max_tokens)
+            return demo(endpoint, args.prompt, args.max_tokens, **config.client_options())
         return serve_until_stopped(system)
     except ChildFailed as error:
         print(f"kvmesh up: {error}", file=sys.stderr)
@@ -297,6 +348,7 @@ def print_banner(system: LocalSystem, endpoint: str) -> None:
           f"model {system.model_dir})", flush=True)  # fmt: skip
     if system.http_url:
         print(f"  OpenAI-compatible API on {system.http_url}/v1", flush=True)
+    print(f"  internal door {system.internal_endpoint} (ControlService; cluster token required)")
     for w in system.workers:
         print(f"  {w.child.name}: {w.ready.get('address', '?')} "
               f"(metrics {w.ready.get('metrics_address') or 'off'})")  # fmt: skip

@@ -4,7 +4,8 @@ Register (retried with capped exponential backoff until it succeeds), then Heart
 interval the control plane asked for, with load and held block sets. `registered=false`
 (the control plane restarted) → register again, reporting what is held; the request ids in
 `release_request_ids` are released locally. Every RPC has a deadline; failures back off and
-retry, so a worker survives control-plane restarts.
+retry, so a worker survives control-plane restarts. Every call carries the cluster token (over
+TLS when configured): the control plane's internal port refuses any other.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from kvmesh.security import Security
 from kvmesh.service.runtime import WorkerRuntime
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
@@ -28,9 +30,15 @@ DEFAULT_INTERVAL_SECONDS = 1.0
 
 class ControlAgent:
     def __init__(
-        self, target: str, info: worker_pb2.WorkerInfo, runtime: WorkerRuntime, services: Any
+        self,
+        target: str,
+        info: worker_pb2.WorkerInfo,
+        runtime: WorkerRuntime,
+        services: Any,
+        security: Security | None = None,
     ) -> None:
         self.target = target
+        self.security = security or Security()
         self.info = info
         self.runtime = runtime
         self.services = services
@@ -41,7 +49,7 @@ class ControlAgent:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.target)
+        self._channel = self.security.aio_channel(self.target)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvmesh.engine.config import EngineConfig
+from kvmesh.security.flags import add_security_flags
 from kvmesh.service.engine_flags import (
     add_engine_flags,
     apply_env,
@@ -42,7 +43,8 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
                    "env KVMESH_SERVED_MODEL_NAME)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    p.add_argument("--control", default=None, help="control plane HOST:PORT to register with")
+    p.add_argument("--control", default=None,
+                   help="the control plane's --internal-port HOST:PORT")  # fmt: skip
     p.add_argument("--worker-id", default=None, help="default: ROLE-HOST-PID")
     if transfer:
         p.add_argument(
@@ -69,6 +71,7 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = pick)")
     p.add_argument("--reflection", action="store_true", help="serve gRPC server reflection")
     p.add_argument("--drain-seconds", type=float, default=10.0)
+    add_security_flags(p)
     return p
 
 

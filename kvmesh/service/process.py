@@ -49,6 +49,13 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
     and end the process with the exit code."""
     args = parse(role, argv, transfer=role != "colocated")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from kvmesh.security.flags import security_from_args
+
+    try:  # before the model loads: a missing token fails in one line
+        security = security_from_args(args)
+    except ValueError as error:
+        print(f"kvmesh serve {role}: {error}", file=sys.stderr)
+        return 2
     from kvmesh.telemetry.tracing import setup_tracing
 
     setup_tracing(f"kvmesh-{role}")
@@ -68,7 +75,8 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
     async def serve(runtime: WorkerRuntime, stop: asyncio.Event) -> None:
         metrics = WorkerMetrics()
         bind_load_gauges(metrics, runtime.engine.load)
-        server = WorkerServer(args.host, args.port, reflection=args.reflection)
+        server = WorkerServer(args.host, args.port, reflection=args.reflection, security=security,
+                              on_refused=metrics.auth_refused.inc)  # fmt: skip
         services = await install(runtime, server, args, metrics)
         await server.start()
         metrics_address = ""
@@ -79,7 +87,7 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
         if args.control:
             from kvmesh.service.agent import ControlAgent
 
-            agent = ControlAgent(args.control, info, runtime, services)
+            agent = ControlAgent(args.control, info, runtime, services, security)
             agent.start()
         print_ready(
             role,

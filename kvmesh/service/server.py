@@ -23,6 +23,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
+from kvmesh.security import Security
+
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 SERVING = health_pb2.HealthCheckResponse.SERVING
 READY_PREFIX = "KVMESH_READY "
@@ -41,7 +43,9 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class WorkerServer:
-    """A grpc.aio server plus health; add services with `add`, then `start`."""
+    """A grpc.aio server plus health; add services with `add`, then `start`. Every port of a
+    worker is internal: with a cluster token in `security`, every call but health must carry it
+    (UNAUTHENTICATED otherwise); with certificates it serves TLS (mutual TLS with a CA)."""
 
     def __init__(
         self,
@@ -50,11 +54,17 @@ class WorkerServer:
         *,
         reflection: bool = False,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        security: Security | None = None,
+        on_refused: Callable[[], object] | None = None,
     ) -> None:
         self.host = host
         self.requested_port = port
         self.reflection = reflection
-        self.server = grpc.aio.server(options=server_options(max_message_bytes))
+        self.security = security or Security()
+        self.auth = self.security.internal_interceptors(on_refused)
+        self.server = grpc.aio.server(
+            options=server_options(max_message_bytes), interceptors=self.auth
+        )
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.service_names: list[str] = []
         self.port = 0
@@ -75,7 +85,7 @@ class WorkerServer:
 
             names = (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        self.port = self.security.add_port(self.server, f"{self.host}:{self.requested_port}")
         if self.port == 0:
             raise OSError(f"port: cannot bind {self.host}:{self.requested_port}")
         await self.server.start()

@@ -64,6 +64,11 @@ class WorkerMetrics:
             ["kind"],
             registry=r,
         )
+        self.auth_refused = Counter(
+            "kvmesh_auth_refused_total",
+            "Calls to this worker refused for a missing or wrong cluster token.",
+            registry=r,
+        )
         self.blocks = Gauge(
             "kvmesh_kv_blocks", "KV blocks by state (free, used, cached).", ["state"], registry=r
         )

@@ -29,9 +29,15 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, st
     commands = {
         "generate": ["generate", "hello", "--model", HUB_ID],
         "generate-unsupported": ["generate", "hello", "--model", str(gpt2)],
-        "prefill": ["serve", "prefill", "--model", HUB_ID],
-        "decode": ["serve", "decode", "--model", str(base / "no-such-folder")],
-        "colocated": ["serve", "colocated", "--model", str(gpt2)],
+        "prefill": ["serve", "prefill", "--insecure-no-auth", "--model", HUB_ID],
+        "decode": [
+            "serve",
+            "decode",
+            "--insecure-no-auth",
+            "--model",
+            str(base / "no-such-folder"),
+        ],
+        "colocated": ["serve", "colocated", "--insecure-no-auth", "--model", str(gpt2)],
         "up": ["up", "--model", HUB_ID, "--port", "0"],
     }
     procs = {

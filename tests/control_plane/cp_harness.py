@@ -16,7 +16,7 @@ from control_plane.config import ControlConfig
 from control_plane.server import ControlServer
 from kvmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
 
-TEST_CONFIG = ControlConfig(host="127.0.0.1", port=0, drain_seconds=2.0)
+TEST_CONFIG = ControlConfig(host="127.0.0.1", port=0, internal_port=0, drain_seconds=2.0)
 
 
 def run_async(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
@@ -32,6 +32,8 @@ def run_async(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[],
 
 @dataclass
 class Harness:
+    """`generation` and `health` on the public door; `control` on the internal one."""
+
     server: ControlServer
     channel: grpc.aio.Channel
     generation: generation_pb2_grpc.GenerationServiceStub
@@ -52,17 +54,19 @@ async def control_plane(**overrides: Any) -> AsyncIterator[Harness]:
     server = ControlServer(replace(TEST_CONFIG, **overrides))
     await server.start()
     channel = grpc.aio.insecure_channel(server.address)
+    internal = server.config.security.aio_channel(server.internal_address)
     harness = Harness(
         server,
         channel,
         generation_pb2_grpc.GenerationServiceStub(channel),
-        worker_pb2_grpc.ControlServiceStub(channel),
+        worker_pb2_grpc.ControlServiceStub(internal),
         health_pb2_grpc.HealthStub(channel),
     )
     try:
         yield harness
     finally:
         await channel.close(grace=None)
+        await internal.close(grace=None)
         await server.stop()
         for worker in harness.workers:
             await worker.kill()

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 from cp_fixtures import layout, worker_info
 
+from kvmesh.security import Security
 from kvmesh.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 _EPOCHS = itertools.count(101)
@@ -30,9 +31,16 @@ class FakeWorker(
     worker_pb2_grpc.ColocatedServiceServicer,
 ):
     def __init__(
-        self, worker_id: str, role: str, *, num_blocks: int = 64, block_size: int = 16
+        self,
+        worker_id: str,
+        role: str,
+        *,
+        num_blocks: int = 64,
+        block_size: int = 16,
+        security: Security | None = None,
     ) -> None:
         self.worker_id, self.role = worker_id, role
+        self.security = security or Security()  # token required, TLS served, as a real worker
         self.epoch = next(_EPOCHS)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.held: dict[str, worker_pb2.HeldBlockSet] = {}
@@ -53,11 +61,11 @@ class FakeWorker(
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> FakeWorker:
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=self.security.internal_interceptors())
         worker_pb2_grpc.add_PrefillServiceServicer_to_server(self, server)
         worker_pb2_grpc.add_DecodeServiceServicer_to_server(self, server)
         worker_pb2_grpc.add_ColocatedServiceServicer_to_server(self, server)
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = self.security.add_port(server, "127.0.0.1:0")
         await server.start()
         self._server, self.address = server, f"127.0.0.1:{port}"
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -18,13 +19,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(60)  # bounds the blocking readline below
 def test_serve_control_answers_health_and_exits_cleanly_on_sigterm() -> None:
+    env = {**os.environ, "KVMESH_CLUSTER_TOKEN": "t" * 32}
     process = subprocess.Popen(
         [sys.executable, "-m", "kvmesh.cli.main", "serve", "control", "--port", "0",
-         "--reflection", "--drain-seconds", "1"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+         "--internal-port", "0", "--reflection", "--drain-seconds", "1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     try:
         assert process.stdout is not None
+        internal = process.stdout.readline()
+        assert "internal ControlService on" in internal, process.stderr and process.stderr.read()
         line = process.stdout.readline()  # printed once serving
         assert "listening on" in line, process.stderr.read() if process.stderr else ""
         address = line.split()[-1]
@@ -45,7 +49,8 @@ def test_serve_control_answers_health_and_exits_cleanly_on_sigterm() -> None:
 
 
 def test_every_flag_sets_its_config_field() -> None:
-    argv = ["--host", "0.0.0.0", "--port", "7000", "--reflection", "--metrics-port", "9100",
+    argv = ["--host", "0.0.0.0", "--port", "7000", "--internal-port", "7001",
+            "--reflection", "--metrics-port", "9100", "--insecure-no-auth",
             "--transfer-backends", "shm,,grpc", "--max-inflight", "3", "--lease-seconds", "2",
             "--heartbeat-interval", "0.25", "--reservation-lease", "7",
             "--max-request-seconds", "60", "--drain-seconds", "4"]  # fmt: skip
@@ -53,6 +58,7 @@ def test_every_flag_sets_its_config_field() -> None:
     assert (config.host, config.port, config.reflection, config.metrics_port) == (
         "0.0.0.0", 7000, True, 9100
     )  # fmt: skip
+    assert (config.internal_port, config.security.token) == (7001, None)
     assert config.transfer_backends == ("shm", "grpc")
     tunables = {name: getattr(config, name) for name, _ in TUNABLES.values()}
     assert tunables == {
@@ -65,5 +71,5 @@ def test_every_flag_sets_its_config_field() -> None:
 def test_out_of_range_flag_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
     from control_plane.main import run
 
-    assert run(["--heartbeat-interval", "5"]) == 2
+    assert run(["--heartbeat-interval", "5", "--insecure-no-auth"]) == 2
     assert "heartbeat_interval_seconds is out of range" in capsys.readouterr().err

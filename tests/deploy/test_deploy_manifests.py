@@ -31,6 +31,9 @@ ENV_SAMPLES = {"POD_IP": "10.1.2.3", "POD_NAME": "kvmesh-decode-5d9c7-abcde"}
 VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 METRIC = re.compile(r"\bkvmesh_[a-z0-9_]+\b")
 EXPOSITION_SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
+TOKEN_SECRET = "kvmesh-cluster-token"
+TOKEN_FILE = "/var/run/secrets/kvmesh/token"
+INTERNAL_PORT = 50052  # the control plane's internal door (ControlService)
 
 
 def yaml_files() -> list[Path]:
@@ -187,8 +190,10 @@ def test_container_command_is_accepted_by_the_cli(case: tuple[str, Any, Any, Any
     top, role_args = parsed_command(label, container)
     if role_args is None:
         return
+    assert role_args.cluster_token_file == TOKEN_FILE, f"{label}: the Secret's token file"
+    assert not role_args.insecure_no_auth, f"{label}: internal calls unauthenticated"
     if top.role in ("prefill", "decode"):
-        assert role_args.control == "kvmesh-control:50051", f"{label}: --control"
+        assert role_args.control == f"kvmesh-control:{INTERNAL_PORT}", f"{label}: --control"
         assert role_args.host == ENV_SAMPLES["POD_IP"], f"{label}: bind and register the pod IP"
         assert role_args.worker_id == ENV_SAMPLES["POD_NAME"], f"{label}: --worker-id POD_NAME"
         assert role_args.transfer_backend, f"{label}: name the transfer backend explicitly"
@@ -224,7 +229,9 @@ def test_ports_flags_probes_and_annotations_agree() -> None:
         _top, role_args = parsed_command(label, container)
         assert role_args is not None
         ports = named_ports(container)
-        assert set(ports) - {"http"} == {"grpc", "metrics"}, f"{label}: ports {ports}"
+        assert set(ports) - {"http", "control"} == {"grpc", "metrics"}, f"{label}: ports {ports}"
+        if hasattr(role_args, "internal_port"):
+            assert role_args.internal_port == ports["control"] == INTERNAL_PORT, label
         assert role_args.port == ports["grpc"], f"{label}: --port vs containerPort grpc"
         http_port = getattr(role_args, "http_port", None)
         assert http_port == ports.get("http"), f"{label}: --http-port vs containerPort http"
@@ -275,7 +282,41 @@ def test_workers_reach_the_control_service_port() -> None:
         "kvmesh-control"
     )  # fmt: skip
     assert control["spec"]["publishNotReadyAddresses"] is True
-    assert 50051 in {p["port"] for p in control["spec"]["ports"]}
+    ports = {p["port"] for p in control["spec"]["ports"]}
+    assert INTERNAL_PORT in ports and 50051 not in ports, "the internal door only"
+
+
+def test_every_pod_mounts_the_cluster_token_secret() -> None:
+    # Overlays patch args; mounts and volumes stay the base's.
+    roles = ("kvmesh-control", "kvmesh-prefill", "kvmesh-decode")
+    deployments = {name: spec for name, spec in base_deployments().items() if name in roles}
+    assert set(deployments) == set(roles)
+    for label, (_obj, pod) in deployments.items():
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        assert volumes["cluster-token"]["secret"]["secretName"] == TOKEN_SECRET, label
+        for container in pod["containers"]:
+            mount = {m["name"]: m for m in container["volumeMounts"]}["cluster-token"]
+            assert mount["readOnly"] and TOKEN_FILE.startswith(mount["mountPath"] + "/"), label
+        assert pod["serviceAccountName"] == label, label
+
+
+def test_the_token_secret_is_generated_from_an_ignored_file() -> None:
+    (kustomization,) = load(DEPLOY / "k8s" / "kustomization.yaml")
+    (generator,) = kustomization["secretGenerator"]
+    assert generator["name"] == TOKEN_SECRET and generator["files"] == ["token=cluster-token"]
+    assert "deploy/k8s/cluster-token" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_only_worker_accounts_reach_the_internal_door() -> None:
+    policies = {
+        o["metadata"]["name"]: o for _p, o in k8s_objects() if o["kind"] == "AuthorizationPolicy"
+    }
+    rules = policies["kvmesh-control"]["spec"]["rules"]
+    assert policies["kvmesh-control"]["spec"]["action"] == "ALLOW"
+    internal = [r for r in rules if str(INTERNAL_PORT) in r["to"][0]["operation"].get("ports", [])]
+    assert len(internal) == 1
+    principals = internal[0]["from"][0]["source"]["principals"]
+    assert sorted(p.rsplit("/", 1)[1] for p in principals) == ["kvmesh-decode", "kvmesh-prefill"]
 
 
 def test_pod_disruption_budgets_cover_the_workers() -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.models.tiny import build_tiny_model
+from kvmesh.security import Security
 from kvmesh.service.options import build_runtime
 from kvmesh.service.runtime import WorkerRuntime
 from kvmesh.service.server import WorkerServer
@@ -80,12 +81,17 @@ def engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
 
 
 def start_worker(
-    loop: LoopThread, config: EngineConfig, role: str, install: Callable[..., Any], args: Any = None
+    loop: LoopThread,
+    config: EngineConfig,
+    role: str,
+    install: Callable[..., Any],
+    args: Any = None,
+    security: Security | None = None,
 ) -> RunningWorker:
     runtime = build_runtime(config, role, f"{role}-test")
 
     async def setup() -> tuple[WorkerServer, Any]:
-        server = WorkerServer("127.0.0.1", 0, reflection=True)
+        server = WorkerServer("127.0.0.1", 0, reflection=True, security=security)
         services = await install(runtime, server, args, None)
         await server.start()
         return server, services

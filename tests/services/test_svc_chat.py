@@ -57,14 +57,15 @@ def system(svc_loop: LoopThread, chat_model_dir: Path) -> Iterator[tuple[str, Ru
     """A control plane with one registered colocated worker serving the chat model."""
 
     async def start_control() -> ControlServer:
-        server = ControlServer(ControlConfig(host="127.0.0.1", port=0, drain_seconds=1.0))
+        config = ControlConfig(host="127.0.0.1", port=0, internal_port=0, drain_seconds=1.0)
+        server = ControlServer(config)
         await server.start()
         return server
 
     control = svc_loop.run(start_control())
     worker = start_worker(svc_loop, engine_config(chat_model_dir), "colocated", install)
     info = worker_info(worker.runtime, "colocated", worker.address, worker.role)
-    agent = ControlAgent(control.address, info, worker.runtime, worker.role)
+    agent = ControlAgent(control.internal_address, info, worker.runtime, worker.role)
 
     async def start_agent() -> None:
         agent.start()

@@ -20,6 +20,7 @@ from svc_harness import LoopThread, svc_loop, svc_model_dir, wait_until
 from control_plane.config import ControlConfig
 from control_plane.server import ControlServer
 from kvmesh import LLM, SamplingParams
+from kvmesh.security import Security
 from kvmesh.service.server import READY_PREFIX
 from kvmesh.v1 import generation_pb2, generation_pb2_grpc
 
@@ -28,11 +29,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPT = list(range(30, 75))
 
 
+TOKEN = "svc-processes-cluster-token"
+
+
 def spawn(module: str, model: Path, control: str, *extra: str) -> subprocess.Popen[str]:
+    """A worker process given the cluster token in its environment."""
     code = f"import sys; from {module} import run; sys.exit(run(sys.argv[1:]))"
     args = ["--model", str(model), "--control", control, "--num-kv-blocks", "48"]
     args += ["--max-model-len", "256", "--num-threads", "1", "--metrics-port", "0", *extra]
-    env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "PYTHONPATH": f"{ROOT}:{ROOT}/kernels"}
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "PYTHONPATH": f"{ROOT}:{ROOT}/kernels",
+           "KVMESH_CLUSTER_TOKEN": TOKEN}  # fmt: skip
     return subprocess.Popen(
         [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
     )
@@ -67,7 +73,9 @@ def stop(proc: subprocess.Popen[str]) -> int:
 @pytest.fixture(scope="module")
 def control(svc_loop: LoopThread) -> Any:
     async def start() -> ControlServer:  # grpc.aio binds to the loop it is created on
-        server = ControlServer(ControlConfig(host="127.0.0.1", port=0, drain_seconds=1.0))
+        config = ControlConfig(host="127.0.0.1", port=0, internal_port=0, drain_seconds=1.0,
+                               security=Security(token=TOKEN))  # fmt: skip
+        server = ControlServer(config)
         await server.start()
         return server
 
@@ -94,8 +102,12 @@ def test_workers_register_serve_and_drain(
     llm = LLM(str(svc_model_dir), num_kv_blocks=48, max_model_len=256, num_threads=1)
     expected = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6))
     procs = [
-        spawn("prefill_svc.main", svc_model_dir, control.address, "--transfer-backend", "shm"),
-        spawn("decode_svc.main", svc_model_dir, control.address, "--transfer-backend", "shm"),
+        spawn(
+            "prefill_svc.main", svc_model_dir, control.internal_address, "--transfer-backend", "shm"
+        ),
+        spawn(
+            "decode_svc.main", svc_model_dir, control.internal_address, "--transfer-backend", "shm"
+        ),
     ]
     try:
         infos = [ready_line(p) for p in procs]

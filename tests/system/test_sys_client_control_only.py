@@ -18,7 +18,8 @@ from kvmesh.client import AsyncClient, Client, InvalidArgument, NotFound, Unavai
 def endpoint() -> Iterator[str]:
     supervisor = Supervisor(grace=3.0)
     try:
-        argv = [*kvmesh_argv(), "serve", "control", "--port", "0", "--drain-seconds", "1"]
+        argv = [*kvmesh_argv(), "serve", "control", "--port", "0", "--internal-port", "0",
+                "--insecure-no-auth", "--drain-seconds", "1"]  # fmt: skip
         child = supervisor.start("control", argv)
         yield supervisor.wait_for(child, CONTROL_READY, time.monotonic() + 60).group(1)
     finally:

@@ -1,0 +1,65 @@
+"""TLS and mutual TLS from PEM files, for grpc servers and channels.
+
+A process with `cert` and `key` serves TLS on every port. With `ca`, internal ports require a
+client certificate signed by it (mutual TLS), and the process's own channels verify servers
+against it and present `cert` as their client certificate. The public door requires client
+certificates only with `public_client_auth`. Without `ca`, channels verify servers against the
+system roots. Certificates must name the address callers dial (an IP or DNS subjectAltName).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from kvmesh.security.credentials import CredentialError
+
+
+def _read(path: str | None, flag: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise CredentialError(f"{flag}: cannot read {path}: {error}") from None
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    cert: str | None = None  # PEM certificate chain (server, and client for mutual TLS)
+    key: str | None = None  # its PEM private key
+    ca: str | None = None  # PEM roots that verify peers; enables mutual TLS on internal ports
+    public_client_auth: bool = False  # the public door requires client certificates too
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise CredentialError("--tls-cert and --tls-key go together")
+        files = ((self.cert, "--tls-cert"), (self.key, "--tls-key"), (self.ca, "--tls-ca"))
+        for path, flag in files:
+            _read(path, flag)  # a missing file fails at startup, naming its flag
+        if self.public_client_auth and self.ca is None:
+            raise CredentialError("--tls-public-client-auth needs --tls-ca")
+
+    def server_credentials(self, *, public: bool = False) -> grpc.ServerCredentials:
+        """Credentials of a server port; client certificates required on internal ports when a
+        CA is set (on the public one only with `public_client_auth`)."""
+        cert, key = _read(self.cert, "--tls-cert"), _read(self.key, "--tls-key")
+        if cert is None or key is None:
+            raise CredentialError("serving TLS needs --tls-cert and --tls-key")
+        require = self.ca is not None and (self.public_client_auth or not public)
+        return grpc.ssl_server_credentials(
+            [(key, cert)],
+            root_certificates=_read(self.ca, "--tls-ca") if require else None,
+            require_client_auth=require,
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Credentials of a channel: verify the server against `ca` (system roots without it),
+        present `cert` as the client certificate when set."""
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca, "--tls-ca"),
+            private_key=_read(self.key, "--tls-key"),
+            certificate_chain=_read(self.cert, "--tls-cert"),
+        )
