@@ -9,8 +9,11 @@ to the rows whose logits are sampled (the last token of each chunk with `sample_
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate, chain, compress
+from operator import attrgetter
 from typing import Any, Protocol
 
 import torch
@@ -119,24 +122,10 @@ class ModelRunner:
     def prepare(self, chunks: Sequence[ChunkPlan]) -> FlatBatch:
         """Flatten chunks into one varlen batch (single-token chunks first, as scheduled) and
         build the step's AttentionPlan (ValueError on inconsistent chunks, before any write)."""
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        for chunk in chunks:
-            count = len(chunk.token_ids)
-            assert count > 0, "empty chunk"
-            token_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_pos, chunk.start_pos + count))
-            slots.extend(chunk.slot_mapping)
-            query_start_loc.append(query_start_loc[-1] + count)
-            seq_lens.append(chunk.start_pos + count)
-            if chunk.sample_seq_ids:
-                sample_rows.append(query_start_loc[-1] - 1)
+        flat = flatten_chunks(chunks)
+        query_start_loc, seq_lens = flat.query_start_loc, flat.seq_lens
         tables = self.block_tables.gather(
-            [c.seq_id for c in chunks], [c.block_table for c in chunks]
+            list(map(_SEQ_ID, chunks)), list(map(_BLOCK_TABLE, chunks))
         )  # [batch, width] int32, rows updated by diffs
         num_paged = len(chunks)
         if self.device.type == "cpu":
@@ -147,7 +136,7 @@ class ModelRunner:
             block_tables=tables,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            slot_mapping=torch.tensor(flat.slots, dtype=torch.int64),
         )  # host tensors, validated once, moved to the cache's device by the plan
         context = ForwardContext(
             kv_cache=self.kv_cache,
@@ -161,14 +150,63 @@ class ModelRunner:
             plan=plan,
         )
         return FlatBatch(
-            self._tensor(token_ids, torch.int64),
-            self._tensor(positions, torch.int64),
-            self._tensor(sample_rows, torch.int64),
+            self._tensor(flat.token_ids, torch.int64),
+            self._tensor(flat.positions, torch.int64),
+            self._tensor(flat.sample_rows, torch.int64),
             context,
         )
 
     def _tensor(self, values: Any, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
+
+
+_SEQ_ID, _TOKEN_IDS, _START_POS = (
+    attrgetter("seq_id"),
+    attrgetter("token_ids"),
+    attrgetter("start_pos"),
+)
+_BLOCK_TABLE, _SLOTS, _SAMPLES = (
+    attrgetter("block_table"),
+    attrgetter("slot_mapping"),
+    attrgetter("sample_seq_ids"),
+)
+
+
+@dataclass(frozen=True)
+class FlatLists:
+    """A step's chunks as flat host lists (see `flatten_chunks`)."""
+
+    token_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slots: list[int]  # [T]
+    query_start_loc: list[int]  # [B + 1]
+    seq_lens: list[int]  # [B] context incl. this step's tokens
+    sample_rows: list[int]  # [S] last row of each chunk that samples
+
+
+def flatten_chunks(chunks: Sequence[ChunkPlan]) -> FlatLists:
+    """Column-wise flattening (C-level map/chain, no per-token Python loop); a step of decodes
+    only (one token per chunk) takes positions straight from the start positions."""
+    token_tuples = list(map(_TOKEN_IDS, chunks))
+    starts = list(map(_START_POS, chunks))
+    counts = list(map(len, token_tuples))
+    assert all(counts), "empty chunk"
+    token_ids = list(chain.from_iterable(token_tuples))
+    seq_lens = list(map(operator.add, starts, counts))
+    if len(token_ids) == len(chunks):
+        positions = starts
+    else:
+        positions = list(chain.from_iterable(map(range, starts, seq_lens)))
+    query_start_loc = [0, *accumulate(counts)]
+    last_rows = [end - 1 for end in query_start_loc[1:]]
+    return FlatLists(
+        token_ids,
+        positions,
+        list(chain.from_iterable(map(_SLOTS, chunks))),
+        query_start_loc,
+        seq_lens,
+        list(compress(last_rows, map(_SAMPLES, chunks))),
+    )
 
 
 def kv_cache_spec(
