@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kvmesh_kernels.cpu_norm import rms_norm_bf16, rms_norm_supported
+from kvmesh_kernels import cpu_fused
 from torch import nn
 
 from kvmesh.engine.cpu_linear import PackedLinear
-from kvmesh.engine.cpu_norm import fused_norm_applies
 
 
 class PlainLinear(nn.Module):
@@ -46,17 +45,21 @@ def merged_linear(parts: list[nn.Module], pack: bool) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm formula: x [..., D] -> [..., D] (float32 statistics)."""
+    """transformers' LlamaRMSNorm formula: x [..., D] -> [..., D] (float32 statistics).
+
+    On CPU in float32 and bfloat16 one fused kernel pass per row (`kvmesh_kernels.cpu_fused`,
+    transformers' roundings); elsewhere transformers' formula verbatim.
+    """
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # [D]
+        self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)  # [D]
         self.eps = eps
-        self.fused = fused_norm_applies(weight.dtype, weight.device)  # CPU bfloat16 kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and rms_norm_supported(x, self.weight):
-            return rms_norm_bf16(x, self.weight, self.eps)
+        rows = _as_rows(x)
+        if rows is not None and cpu_fused.fused_supported(rows, self.weight):
+            return cpu_fused.rms_norm(rows, self.weight, self.eps).view(x.shape)
         input_dtype = x.dtype
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)
@@ -66,12 +69,30 @@ class RMSNorm(nn.Module):
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the decoder layer's residual add, then norm."""
+        """(norm(x + residual), x + residual): the decoder layer's residual add, then norm.
+        The fused path updates `residual` in place (the caller's residual stream)."""
+        if (
+            x.dim() == 2
+            and residual.is_contiguous()
+            and cpu_fused.fused_supported(x, residual, self.weight)
+        ):
+            return cpu_fused.add_rms_norm(x, residual, self.weight, self.eps), residual
         total = x + residual
         return self(total), total
 
 
+def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x as [rows, D] without a copy (2-D, or contiguous), else None."""
+    if x.dim() == 2:
+        return x
+    if x.is_contiguous():
+        return x.view(-1, x.shape[-1])
+    return None
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 * I] (gate | up) -> silu(gate) * up [T, I]."""
+    if gate_up.dim() == 2 and cpu_fused.fused_supported(gate_up):
+        return cpu_fused.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -23,7 +23,7 @@ from torch import nn
 
 from kvmesh.engine.attention import ForwardContext, attend
 from kvmesh.engine.native.layers import RMSNorm, silu_and_mul
-from kvmesh.engine.native.rope import RotaryTable, apply_rotary
+from kvmesh.engine.native.rope import RotaryTable, StepRotary
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class NativeDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        rotary: tuple[torch.Tensor, torch.Tensor],
+        rotary: StepRotary,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] (the previous layer's output), residual [T, hidden] or None (first
@@ -81,9 +81,7 @@ class NativeDecoderLayer(nn.Module):
         h, residual = self.post_attention_norm.add_forward(x, residual)
         return self.down(silu_and_mul(self.gate_up(h))), residual
 
-    def attention(
-        self, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
-    ) -> torch.Tensor:
+    def attention(self, h: torch.Tensor, rotary: StepRotary, ctx: ForwardContext) -> torch.Tensor:
         shape = self.shape
         tokens = h.shape[0]
         q, k, v = self.qkv(h).split(self.split, dim=-1)  # [T, Hq * D], [T, Hkv * D] x 2
@@ -92,8 +90,7 @@ class NativeDecoderLayer(nn.Module):
         v = v.view(tokens, shape.num_kv_heads, shape.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rotary
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotary.apply(q, k)  # in place on the fresh qkv output where fused
         out = attend(
             ctx, self.index, q, k, v, scale=shape.scale, sliding_window=shape.sliding_window
         )  # [T, Hq, D]
@@ -123,7 +120,7 @@ class NativeCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)  # [T, hidden]
-        rotary = self.rotary.lookup(positions)  # cos, sin [T, 1, D]
+        rotary = self.rotary.at(positions)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, rotary, ctx)

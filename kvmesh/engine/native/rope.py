@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from kvmesh_kernels import cpu_fused
 
 from kvmesh.engine.errors import UnsupportedModelError
 
@@ -55,9 +56,31 @@ class RotaryTable:
         self.sin = (emb.sin() * scaling).to(dtype).to(device)  # [P, D]
         self.max_positions = max_positions
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] for positions [T] int64 (broadcast over heads)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def at(self, positions: torch.Tensor) -> StepRotary:
+        """The rotation of one step's tokens at positions [T] int64."""
+        return StepRotary(self, positions)
+
+
+class StepRotary:
+    """Rotates q [T, Hq, D] and k [T, Hkv, D] of one step: in place by the fused CPU kernel
+    (float32, bfloat16), else with table rows looked up once per step."""
+
+    def __init__(self, table: RotaryTable, positions: torch.Tensor):
+        self.table = table
+        self.positions = positions  # [T] int64
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.table
+        if cpu_fused.fused_supported(q, k, table.cos):
+            cpu_fused.rope_(q, table.cos, table.sin, self.positions)
+            cpu_fused.rope_(k, table.cos, table.sin, self.positions)
+            return q, k
+        if self._rows is None:
+            cos = table.cos[self.positions].unsqueeze(1)  # [T, 1, D]
+            self._rows = (cos, table.sin[self.positions].unsqueeze(1))
+        cos, sin = self._rows
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,130 @@
+"""The native executor's fused elementwise ops on CPU (`csrc/cpu_fused_ops.cpp`).
+
+float32 and bfloat16 tensors on the CPU with unit inner stride, library built
+(`fused_supported`); the functions assert that and otherwise raise RuntimeError on a kernel
+refusal. Each computes what transformers' Llama-family modules compute in that dtype, with the
+same roundings (see the C source); only float32 sums and transcendental functions may differ
+in the last bit.
+
+    add_rms_norm(x, residual, w, eps) -> y       residual <- x + residual (in place), y = norm
+    rms_norm(x, w, eps) -> y                     x [rows, n] (row-strided), y contiguous
+    silu_mul(gate_up) -> y                       [rows, 2n] -> [rows, n]
+    rope_(x, cos, sin, positions)                x [T, H, D] (token/head strided) in place
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvmesh_kernels.cpu_build import library
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+
+
+def fused_supported(*tensors: torch.Tensor) -> bool:
+    """CPU tensors of one supported dtype with unit last stride, and the library built."""
+    first = tensors[0]
+    return (
+        first.dtype in _DTYPE_CODES
+        and all(
+            t.device.type == "cpu" and t.dtype == first.dtype and t.stride(-1) == 1 for t in tensors
+        )
+        and library() is not None
+    )
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """x [rows, n] (rows strided), residual [rows, n] contiguous (updated to x + residual),
+    weight [n] -> norm(x + residual) [rows, n]."""
+    rows, n = residual.shape
+    assert residual.is_contiguous() and x.shape == residual.shape and weight.shape == (n,)
+    out = torch.empty_like(residual)  # [rows, n]
+    _call(
+        "kvmesh_cpu_add_rms_norm",
+        ctypes.c_int(_DTYPE_CODES[x.dtype]),
+        _P(x.data_ptr()),
+        _I(x.stride(0)),
+        _P(residual.data_ptr()),
+        _P(weight.data_ptr()),
+        _P(out.data_ptr()),
+        _I(rows),
+        _I(n),
+        _D(eps),
+        _I(torch.get_num_threads()),
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [rows, n] (rows strided) -> norm(x) [rows, n] contiguous."""
+    rows, n = x.shape
+    assert weight.shape == (n,) and weight.is_contiguous()
+    out = torch.empty((rows, n), dtype=x.dtype)  # [rows, n]
+    _call(
+        "kvmesh_cpu_rms_norm",
+        ctypes.c_int(_DTYPE_CODES[x.dtype]),
+        _P(x.data_ptr()),
+        _I(x.stride(0)),
+        _P(weight.data_ptr()),
+        _P(out.data_ptr()),
+        _I(rows),
+        _I(n),
+        _D(eps),
+        _I(torch.get_num_threads()),
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [rows, 2n] (rows strided) -> silu(gate) * up [rows, n]."""
+    rows, width = gate_up.shape
+    n = width // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype)  # [rows, n]
+    _call(
+        "kvmesh_cpu_silu_mul",
+        ctypes.c_int(_DTYPE_CODES[gate_up.dtype]),
+        _P(gate_up.data_ptr()),
+        _I(gate_up.stride(0)),
+        _P(out.data_ptr()),
+        _I(rows),
+        _I(n),
+        _I(torch.get_num_threads()),
+    )
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
+    """Rotate x [T, H, D] in place with cos/sin [P, D] rows at positions [T] int64."""
+    tokens, heads, dim = x.shape
+    assert cos.shape == sin.shape and cos.shape[1] == dim and cos.is_contiguous()
+    assert sin.is_contiguous() and cos.dtype == x.dtype == sin.dtype
+    assert positions.dtype == torch.int64 and positions.is_contiguous()
+    assert positions.shape == (tokens,)
+    _call(
+        "kvmesh_cpu_rope",
+        ctypes.c_int(_DTYPE_CODES[x.dtype]),
+        _P(x.data_ptr()),
+        _I(tokens),
+        _I(heads),
+        _I(x.stride(0)),
+        _I(x.stride(1)),
+        _I(dim),
+        _P(cos.data_ptr()),
+        _P(sin.data_ptr()),
+        _P(positions.data_ptr()),
+        _I(cos.shape[0]),
+        _I(torch.get_num_threads()),
+    )
+
+
+def _call(name: str, *args: object) -> None:
+    lib = library()
+    assert lib is not None, "fused CPU library unavailable (check fused_supported first)"
+    rc = getattr(lib, name)(*args)
+    if rc != 0:
+        raise RuntimeError(f"{name} rejected its arguments (code {rc})")
