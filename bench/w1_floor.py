@@ -8,7 +8,11 @@ bfloat16, `F.linear` in float32): per layer q, k, v, o, gate, up, down on [token
 weight traffic set for this schedule on this machine; the engine's wall time over it says how
 much goes elsewhere (attention, elementwise ops, Python).
 
-Run: `.venv/bin/python bench/w1_floor.py --dtype bfloat16` (prints one JSON line).
+The replayed linears are the executor's: q, k, v, o, gate, up, down for transformers' modules,
+the merged qkv, o, gate_up, down for the native executor (fewer, larger GEMMs raise the floor).
+
+Run: `.venv/bin/python bench/w1_floor.py --dtype bfloat16 [--model DIR] [--executor E]`
+(prints one JSON line).
 """
 
 from __future__ import annotations
@@ -50,20 +54,23 @@ def record_w1(engine: LLMEngine) -> tuple[list[tuple[int, int]], float, int]:
     return shapes, seconds, generated
 
 
-def layer_shapes(config: Any) -> list[tuple[int, int]]:
-    """(out, in) of one decoder layer's linears, in call order."""
+def layer_shapes(config: Any, merged: bool) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's linears, in call order: q, k, v, o, gate, up, down
+    (transformers' modules) or qkv, o, gate_up, down (`merged`: the native executor)."""
     hidden, inter = int(config.hidden_size), int(config.intermediate_size)
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
     q, kv = heads * head_dim, kv_heads * head_dim
+    if merged:
+        return [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
     attention = [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q)]
     return [*attention, (inter, hidden), (inter, hidden), (hidden, inter)]
 
 
-def replay(shapes: list[tuple[int, int]], config: Any, dtype: torch.dtype) -> float:
+def replay(shapes: list[tuple[int, int]], config: Any, dtype: torch.dtype, merged: bool) -> float:
     """Seconds for the recorded steps' matmuls alone."""
     packed = packing_applies(dtype, torch.device("cpu"))
-    layers = [layer_shapes(config) for _ in range(int(config.num_hidden_layers))]
+    layers = [layer_shapes(config, merged) for _ in range(int(config.num_hidden_layers))]
     weights = [[torch.randn(o, i, dtype=dtype) for o, i in layer] for layer in layers]
     head = torch.randn(int(config.vocab_size), int(config.hidden_size), dtype=dtype)
     if packed:
@@ -93,16 +100,22 @@ def main() -> None:
     parser.add_argument("--model", default=str(MODEL))
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--executor", default="auto", choices=("auto", "native", "transformers"))
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads))
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, num_threads=args.threads, executor=args.executor
+    )
+    engine = LLMEngine(config)
     run_all_at_once(engine, [WARMUP_PROMPT])
     shapes, engine_seconds, generated = record_w1(engine)
-    config = engine.runner.loaded.hf_config
-    floor = min(replay(shapes, config, engine.runner.loaded.dtype) for _ in range(2))
+    loaded = engine.runner.loaded
+    merged = loaded.executor == "native"
+    floor = min(replay(shapes, loaded.hf_config, loaded.dtype, merged) for _ in range(2))
     print(
         json.dumps(
             {
                 "dtype": args.dtype,
+                "executor": loaded.executor,
                 "steps": len(shapes),
                 "generated_tokens": generated,
                 "engine_seconds": round(engine_seconds, 3),
