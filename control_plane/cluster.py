@@ -63,7 +63,7 @@ class Cluster:
             clock, config.history_size, reservation_lease=config.reservation_lease_seconds
         )
         self.metrics = metrics or ControlMetrics()
-        self.channels = ChannelPool(config.max_message_bytes)
+        self.channels = ChannelPool(config.worker_max_message_bytes)
         self._lost_listeners: list[WorkerLostListener] = []
         self._serving_listeners: list[ServingListener] = []
         self._serving = False

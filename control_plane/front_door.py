@@ -28,6 +28,10 @@ MAX_TRIES = 2
 ABORT_WAIT_SECONDS = 1.0
 
 
+def invalid(error: FieldError) -> RpcFailure:
+    return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(error), field=error.field)
+
+
 class FrontDoor:
     """The transport-neutral request path; the gRPC servicer and the HTTP app adapt it."""
 
@@ -91,9 +95,9 @@ class FrontDoor:
         if self.draining:
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the control plane is shutting down")
         try:
-            request_id = check_generate_request(request)
+            request_id = check_generate_request(request, self._cluster.config.limits)
         except FieldError as error:
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+            raise invalid(error) from None
         if request_id in self._runs or self._cluster.ledger.is_live(request_id):
             raise RpcFailure(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running"
@@ -265,10 +269,10 @@ class FrontDoor:
         INVALID_ARGUMENT for a bad id, NOT_FOUND for an id never seen or forgotten."""
         try:
             if not request_id:
-                raise FieldError("request_id must not be empty")
+                raise FieldError("request_id", "must not be empty")
             check_request_id(request_id)
         except FieldError as error:
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+            raise invalid(error) from None
         run = self._runs.get(request_id)
         if run is not None:
             run.aborted = True

@@ -22,7 +22,7 @@ from control_plane.front_door import FrontDoor
 from control_plane.generation_service import GenerationServicer
 from control_plane.openai_http.app import openai_app
 from control_plane.openai_http.server import HttpServer
-from kvmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import generation_pb2, generation_pb2_grpc, wire, worker_pb2, worker_pb2_grpc
 
 LOG = logging.getLogger("kvmesh.control_plane")
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -51,7 +51,9 @@ class ControlServer:
         self.front_door = FrontDoor(self.cluster)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self._reaper = Reaper(self.cluster)
-        self._server = grpc.aio.server(options=server_options(config))
+        self._server = grpc.aio.server(
+            options=server_options(config), interceptors=(wire.DecodeCheck(),)
+        )
         self.port = 0
         self.http: HttpServer | None = None
         self.cluster.on_serving_change(self._serving_changed)
@@ -83,7 +85,8 @@ class ControlServer:
         await server.start()
         self._reaper.start()
         if self.config.http_port is not None:
-            app = openai_app(self.front_door, self.cluster.metrics.registry)
+            registry = self.cluster.metrics.registry
+            app = openai_app(self.front_door, registry, self.config.max_http_body_bytes)
             self.http = HttpServer(app, self.config.host, self.config.http_port)
             self.http.start()
             LOG.info("OpenAI-compatible API on %s/v1", self.http.url)
