@@ -68,7 +68,12 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
     async def serve(runtime: WorkerRuntime, stop: asyncio.Event) -> None:
         metrics = WorkerMetrics()
         bind_load_gauges(metrics, runtime.engine.load)
-        server = WorkerServer(args.host, args.port, reflection=args.reflection)
+        server = WorkerServer(
+            args.host,
+            args.port,
+            reflection=args.reflection,
+            max_message_bytes=args.max_message_bytes,
+        )
         services = await install(runtime, server, args, metrics)
         await server.start()
         metrics_address = ""

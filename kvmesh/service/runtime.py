@@ -25,6 +25,7 @@ from kvmesh.engine.sampling_params import (
 from kvmesh.engine.sequence import Request
 from kvmesh.models.resolve import model_name
 from kvmesh.service.convert import sampling_from_proto
+from kvmesh.service.limits import check_prompt_ids_size, check_prompt_size, check_sampling_size
 from kvmesh.service.status import abort_with
 from kvmesh.v1 import generation_pb2, worker_pb2
 
@@ -134,17 +135,24 @@ class WorkerRuntime:
         naming the field. Rendering and tokenizing (bounded in size) run in a thread, so the
         event loop (heartbeats, streams) never waits for them."""
         try:
+            self.check_size(request.request)  # refused at once, before any thread is taken
             prepared = await asyncio.to_thread(self.prepare, request.request)
             return worker_pb2.PrepareResponse(request=prepared)
         except Exception as exc:
             await abort_with(context, exc)
             raise
 
+    def check_size(self, message: generation_pb2.GenerateRequest) -> None:
+        """The size bounds of a client request (cheap: lengths only; InvalidParameterError)."""
+        check_prompt_size(message, self.model.max_model_len)
+        check_sampling_size(message.sampling)
+
     def prepare(self, message: generation_pb2.GenerateRequest) -> worker_pb2.EngineRequest:
         """Validate and tokenize a client request (InvalidParameterError names the field).
         Safe to call from any thread: it only reads the engine's fixed parts."""
         if not message.request_id:
             raise InvalidParameterError("request_id", "must not be empty")
+        self.check_size(message)
         params = sampling_from_proto(message.sampling)
         ids = self.prompt_ids(message)
         self.build(message.request_id, ids, params, message.cache_salt)
@@ -177,9 +185,12 @@ class WorkerRuntime:
         raise InvalidParameterError("prompt", "set text, token_ids or chat")
 
     def request_from(self, message: worker_pb2.EngineRequest, prefill_only: bool) -> Request:
-        """The engine Request of a prepared request, re-validated (a worker trusts no caller)."""
+        """The engine Request of a prepared request, re-validated (a worker trusts no caller);
+        its sizes are checked before anything is converted."""
         if not message.request_id:
             raise InvalidParameterError("request_id", "must not be empty")
+        check_prompt_ids_size(len(message.prompt_ids), self.model.max_model_len, "prompt.token_ids")
+        check_sampling_size(message.sampling)
         params = sampling_from_proto(message.sampling)
         return self.build(
             message.request_id, message.prompt_ids, params, message.cache_salt, prefill_only

@@ -1,5 +1,8 @@
 """grpc.aio server bootstrap for a worker: message limits, health, optional reflection, drain.
 
+Every unary request is parsed by `wire.DecodeCheck`: an undecodable one (or one with a string
+that is not UTF-8) is INVALID_ARGUMENT naming the field, never UNKNOWN.
+
 Health: "" and every added service are SERVING once started and NOT_SERVING while draining.
 `serve_until_signal` runs a worker on uvloop until SIGTERM/SIGINT, then drains: health goes
 NOT_SERVING, in-flight calls get `drain_seconds` to finish, the rest are cancelled.
@@ -23,7 +26,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
-DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+from kvmesh.v1 import wire
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a worker port's largest message (prepared prompts)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 READY_PREFIX = "KVMESH_READY "
 LOG = logging.getLogger("kvmesh.service")
@@ -54,7 +59,9 @@ class WorkerServer:
         self.host = host
         self.requested_port = port
         self.reflection = reflection
-        self.server = grpc.aio.server(options=server_options(max_message_bytes))
+        self.server = grpc.aio.server(
+            options=server_options(max_message_bytes), interceptors=(wire.DecodeCheck(),)
+        )
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.service_names: list[str] = []
         self.port = 0
