@@ -90,8 +90,15 @@ class FrontDoor:
     def open_run(
         self, request: generation_pb2.GenerateRequest, client_left: float | None = None
     ) -> Run:
-        """Admission and structural checks (RpcFailure when refused); the caller must
-        `finish` the returned run."""
+        """Admission and structural checks (RpcFailure when refused, counted by status); the
+        caller must `finish` the returned run."""
+        try:
+            return self._admit(request, client_left)
+        except RpcFailure as failure:
+            self._cluster.metrics.requests.labels(failure.code.name).inc()
+            raise
+
+    def _admit(self, request: generation_pb2.GenerateRequest, client_left: float | None) -> Run:
         if self.draining:
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the control plane is shutting down")
         try:

@@ -237,7 +237,9 @@ def _check_chunk(
     index = seen.get(number, 0)
     seen[number] = index + 1
     repeated = bool(field.is_repeated)
-    name = f"{prefix}{field.name}" + (f"[{index}]" if repeated else "")
+    oneof = field.containing_oneof  # named as the front door names it: prompt.text
+    group = f"{oneof.name}." if oneof is not None and not oneof.name.startswith("_") else ""
+    name = f"{prefix}{group}{field.name}" + (f"[{index}]" if repeated else "")
     if field.type == descriptor.FieldDescriptor.TYPE_STRING:
         try:
             bytes(chunk).decode("utf-8")
