@@ -63,6 +63,7 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
         try:
             await serve(runtime, stop)
         finally:
+            runtime.prepare_pool.close()
             await runtime.engine.shutdown()
 
     async def serve(runtime: WorkerRuntime, stop: asyncio.Event) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import os
@@ -26,6 +25,7 @@ from kvmesh.engine.sequence import Request
 from kvmesh.models.resolve import model_name
 from kvmesh.service.convert import sampling_from_proto
 from kvmesh.service.limits import check_prompt_ids_size, check_prompt_size, check_sampling_size
+from kvmesh.service.prepare_pool import PreparePool, prompt_bytes
 from kvmesh.service.status import abort_with
 from kvmesh.v1 import generation_pb2, worker_pb2
 
@@ -105,6 +105,7 @@ class WorkerRuntime:
     layout: worker_pb2.KVCacheLayout
     model: generation_pb2.ModelInfo
     warmup: dict[str, Any] = dataclasses.field(default_factory=dict)  # WarmupReport.as_dict
+    prepare_pool: PreparePool = dataclasses.field(default_factory=PreparePool)
 
     @property
     def core(self) -> LLMEngine:
@@ -132,11 +133,15 @@ class WorkerRuntime:
         self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrepareResponse:
         """PrefillService.Prepare of every role: the prepared request, or INVALID_ARGUMENT
-        naming the field. Rendering and tokenizing (bounded in size) run in a thread, so the
-        event loop (heartbeats, streams) never waits for them."""
+        naming the field. Rendering and tokenizing (bounded in size) run in a thread of the
+        prepare pool, so the event loop (heartbeats, streams) never waits for them; when its
+        lane for large prompts is full, RESOURCE_EXHAUSTED with a retry delay."""
         try:
-            self.check_size(request.request)  # refused at once, before any thread is taken
-            prepared = await asyncio.to_thread(self.prepare, request.request)
+            message = request.request
+            self.check_size(message)  # refused at once, before any thread is taken
+            prepared = await self.prepare_pool.run(
+                prompt_bytes(message), lambda: self.prepare(message)
+            )
             return worker_pb2.PrepareResponse(request=prepared)
         except Exception as exc:
             await abort_with(context, exc)
@@ -155,6 +160,8 @@ class WorkerRuntime:
         self.check_size(message)
         params = sampling_from_proto(message.sampling)
         ids = self.prompt_ids(message)
+        # before build_request walks the ids in Python (holding the GIL the event loop needs)
+        check_prompt_ids_size(len(ids), self.model.max_model_len, "prompt")
         self.build(message.request_id, ids, params, message.cache_salt)
         return worker_pb2.EngineRequest(
             request_id=message.request_id,
