@@ -195,7 +195,7 @@ class FrontDoor:
         if isinstance(error, LedgerError):
             raise RpcFailure(grpc.StatusCode.ALREADY_EXISTS, str(error))
         LOG.error("request %s failed", run.request_id, exc_info=error)
-        raise RpcFailure(grpc.StatusCode.INTERNAL, f"control plane error: {error!r}")
+        raise RpcFailure(grpc.StatusCode.INTERNAL, f"control plane error: {error}")  # logged above
 
     async def finish(self, run: Run) -> None:
         """Stop the attempt, close the ledger entry, release every holder (once)."""
