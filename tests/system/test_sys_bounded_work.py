@@ -19,7 +19,7 @@ from grpc_status import rpc_status
 from sys_harness import idle, live_workers, local_system, wait_until
 
 from kvmesh.cli.up import LocalSystem
-from kvmesh.client import Client, InvalidArgument, ResourceExhausted
+from kvmesh.client import Client, InvalidArgument, Prompt, ResourceExhausted
 
 LONG_CONTEXT = 65536  # 1 MiB of text passes the worker's size bound and is tokenized
 MIB = 1 << 20
@@ -29,12 +29,14 @@ MIB = 1 << 20
 def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny test model with a 64 Ki-token context (the weights are position-free)."""
     from kvmesh.models.tiny import tiny_model_path
+    from kvmesh.models.tokenizer import set_chat_template
 
     model = tmp_path_factory.mktemp("long") / "model"
     shutil.copytree(tiny_model_path(), model)
     config = json.loads((model / "config.json").read_text())
     config["max_position_embeddings"] = LONG_CONTEXT
     (model / "config.json").write_text(json.dumps(config))
+    set_chat_template(model)
     return model
 
 
@@ -100,7 +102,7 @@ class Registered:
             self.lowest = min(self.lowest, live_workers(self.system, "prefill"))
 
 
-def refuse_many(endpoint: str, prompt: str, count: int) -> list[tuple[type, str, float]]:
+def refuse_many(endpoint: str, prompt: Prompt, count: int) -> list[tuple[type, str, float]]:
     """Send `count` copies of a prompt at once; each outcome (error type, message, seconds)."""
     results: list[tuple[type, str, float]] = []
 
@@ -134,9 +136,11 @@ def test_huge_and_large_prompts_are_refused_while_streams_go_on(
             assert time.monotonic() - started < 2.0
         # Allowed by the byte bounds, tokenized (in a thread), refused by the token limit.
         outcomes = refuse_many(endpoint, "hello world " * (MIB // 12), 2)
+        chat = [{"role": "user", "content": "hello world " * (MIB // 12)}]
+        outcomes += refuse_many(endpoint, chat, 1)  # rendered with the template, tokenized
         before = streams.completed
         wait_until(lambda: streams.completed >= before + 3, 30, "streams still running")
-    assert [kind for kind, _, _ in outcomes] == [InvalidArgument] * 2, outcomes
+    assert [kind for kind, _, _ in outcomes] == [InvalidArgument] * 3, outcomes
     assert all("prompt" in message and "exceed" in message for _, message, _ in outcomes)
     assert max(seconds for _, _, seconds in outcomes) < 45  # seconds of tokenizing each
     assert streams.errors == []
