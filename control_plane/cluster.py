@@ -66,7 +66,7 @@ class Cluster:
             clock, config.history_size, reservation_lease=config.reservation_lease_seconds
         )
         self.metrics = metrics or ControlMetrics()
-        self.channels = ChannelPool(config.max_message_bytes, config.security)
+        self.channels = ChannelPool(config.worker_max_message_bytes, config.security)
         self._lost_listeners: list[WorkerLostListener] = []
         self._serving_listeners: list[ServingListener] = []
         self._serving = False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from control_plane.limits import MIB, RequestLimits
 from control_plane.routing import DEFAULT_TRANSFER_BACKENDS, RoutingConfig
 from kvmesh.security import Security
 
@@ -29,7 +30,7 @@ class ControlConfig:
     reservation_lease_seconds: float = 30.0
     # Upper bound of any request's deadline, whatever the client asked.
     max_request_seconds: float = 600.0
-    # Hint sent in the `retry-after-ms` trailer with RESOURCE_EXHAUSTED.
+    # Retry delay sent with RESOURCE_EXHAUSTED (RetryInfo, grpc-retry-pushback-ms, retry-after-ms).
     retry_after_ms: int = 200
     # Bounded wait for in-flight requests at shutdown.
     drain_seconds: float = 10.0
@@ -46,7 +47,14 @@ class ControlConfig:
     http_port: int | None = None
     # Prometheus text endpoint port; 0 disables it.
     metrics_port: int = 0
-    max_message_bytes: int = 64 * 1024 * 1024
+    # Largest gRPC message the front door port takes or sends (beyond: RESOURCE_EXHAUSTED).
+    max_message_bytes: int = 4 * MIB
+    # Largest message on the control plane's channels to workers (prepared requests).
+    worker_max_message_bytes: int = 16 * MIB
+    # Largest HTTP request body (beyond: 413).
+    max_http_body_bytes: int = 4 * MIB
+    # Per-request size bounds checked before any worker call.
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     @property
     def routing(self) -> RoutingConfig:
@@ -64,6 +72,10 @@ class ControlConfig:
             "port": 0 <= self.port < 65536,
             "internal_port": 0 <= self.internal_port < 65536,
             "http_port": self.http_port is None or 0 <= self.http_port < 65536,
+            "retry_after_ms": self.retry_after_ms >= 0,
+            "max_message_bytes": self.max_message_bytes >= 1024,
+            "worker_max_message_bytes": self.worker_max_message_bytes >= 1024,
+            "max_http_body_bytes": self.max_http_body_bytes >= 1024,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

@@ -18,7 +18,7 @@ from control_plane.ledger import WorkerRef
 from control_plane.registry import WorkerRecord
 from control_plane.routing import NoRouteError, common_backend, order_pairs
 from control_plane.run import RpcFailure, Run, WorkerLost
-from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import wire, worker_pb2, worker_pb2_grpc
 
 TRACER = trace.get_tracer("kvmesh.control_plane")
 DECODE_SKIP_CODES = (
@@ -42,7 +42,9 @@ def map_error(error: grpc.aio.AioRpcError, worker: WorkerRecord, what: str) -> E
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return WorkerLost(worker.worker_id, f"{where} failed: {details}")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return RpcFailure(code, details)
+        return RpcFailure(code, details, field=wire.field_of(error))
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return RpcFailure(code, f"{where}: {details}", wire.retry_delay_ms(error))
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return RpcFailure(code, f"{where} exceeded the request deadline")
     return RpcFailure(code, f"{where}: {details}")

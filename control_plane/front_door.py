@@ -28,6 +28,10 @@ MAX_TRIES = 2
 ABORT_WAIT_SECONDS = 1.0
 
 
+def invalid(error: FieldError) -> RpcFailure:
+    return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(error), field=error.field)
+
+
 class FrontDoor:
     """The transport-neutral request path; the gRPC servicer and the HTTP app adapt it."""
 
@@ -86,14 +90,21 @@ class FrontDoor:
     def open_run(
         self, request: generation_pb2.GenerateRequest, client_left: float | None = None
     ) -> Run:
-        """Admission and structural checks (RpcFailure when refused); the caller must
-        `finish` the returned run."""
+        """Admission and structural checks (RpcFailure when refused, counted by status); the
+        caller must `finish` the returned run."""
+        try:
+            return self._admit(request, client_left)
+        except RpcFailure as failure:
+            self._cluster.metrics.requests.labels(failure.code.name).inc()
+            raise
+
+    def _admit(self, request: generation_pb2.GenerateRequest, client_left: float | None) -> Run:
         if self.draining:
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the control plane is shutting down")
         try:
-            request_id = check_generate_request(request)
+            request_id = check_generate_request(request, self._cluster.config.limits)
         except FieldError as error:
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+            raise invalid(error) from None
         if request_id in self._runs or self._cluster.ledger.is_live(request_id):
             raise RpcFailure(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running"
@@ -184,7 +195,7 @@ class FrontDoor:
         if isinstance(error, LedgerError):
             raise RpcFailure(grpc.StatusCode.ALREADY_EXISTS, str(error))
         LOG.error("request %s failed", run.request_id, exc_info=error)
-        raise RpcFailure(grpc.StatusCode.INTERNAL, f"control plane error: {error!r}")
+        raise RpcFailure(grpc.StatusCode.INTERNAL, f"control plane error: {error}")  # logged above
 
     async def finish(self, run: Run) -> None:
         """Stop the attempt, close the ledger entry, release every holder (once)."""
@@ -265,10 +276,10 @@ class FrontDoor:
         INVALID_ARGUMENT for a bad id, NOT_FOUND for an id never seen or forgotten."""
         try:
             if not request_id:
-                raise FieldError("request_id must not be empty")
+                raise FieldError("request_id", "must not be empty")
             check_request_id(request_id)
         except FieldError as error:
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+            raise invalid(error) from None
         run = self._runs.get(request_id)
         if run is not None:
             run.aborted = True

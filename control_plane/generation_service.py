@@ -9,14 +9,17 @@ import grpc
 
 from control_plane.front_door import FrontDoor
 from control_plane.run import RpcFailure
-from kvmesh.v1 import generation_pb2, generation_pb2_grpc
+from kvmesh.v1 import generation_pb2, generation_pb2_grpc, wire
 
 
 async def abort_with(context: grpc.aio.ServicerContext, failure: RpcFailure) -> NoReturn:
-    """End the call with the failure's status (and its `retry-after-ms` trailer)."""
-    if failure.retry_after_ms is not None:
-        context.set_trailing_metadata((("retry-after-ms", str(failure.retry_after_ms)),))
-    await context.abort(failure.code, failure.message)
+    """End the call with the failure's status: a BadRequest detail naming its field, and with
+    a retry delay a RetryInfo detail plus the `grpc-retry-pushback-ms` and `retry-after-ms`
+    trailers."""
+    status = wire.failure_status(
+        failure.code, failure.message, field=failure.field, retry_after_ms=failure.retry_after_ms
+    )
+    await wire.abort(context, status)
     raise AssertionError("unreachable")
 
 

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from control_plane.config import ControlConfig
+from control_plane.limits import RequestLimits
 from control_plane.server import ControlServer
 from kvmesh.security.flags import add_security_flags, security_from_args
 
@@ -24,7 +25,16 @@ TUNABLES: dict[str, tuple[str, str]] = {
     ),
     "--max-request-seconds": ("max_request_seconds", "upper bound of any request's deadline"),
     "--drain-seconds": ("drain_seconds", "bounded wait for in-flight requests at shutdown"),
+    "--retry-after-ms": ("retry_after_ms", "retry delay sent with RESOURCE_EXHAUSTED"),
+    "--max-message-bytes": ("max_message_bytes", "largest gRPC message of the front door"),
+    "--worker-max-message-bytes": (
+        "worker_max_message_bytes",
+        "largest message on the channels to workers",
+    ),
+    "--max-http-body-bytes": ("max_http_body_bytes", "largest HTTP request body (beyond: 413)"),
 }
+# flag -> RequestLimits field: every per-request bound, named as its field.
+LIMIT_FLAGS = {"--" + name.replace("_", "-"): name for name in RequestLimits.__dataclass_fields__}
 
 
 def build_parser(prog: str = "kvmesh serve control") -> argparse.ArgumentParser:
@@ -46,6 +56,9 @@ def build_parser(prog: str = "kvmesh serve control") -> argparse.ArgumentParser:
         add(flag, type=type(default), default=default, dest=name,
             metavar=flag[2:].upper().replace("-", "_"),
             help=f"{text} (default %(default)s)")  # fmt: skip
+    for flag, name in LIMIT_FLAGS.items():
+        add(flag, type=int, default=getattr(defaults.limits, name), dest=f"limit_{name}",
+            metavar="N", help=f"per-request bound {name} (default %(default)s)")  # fmt: skip
     add("--transfer-backends", default=",".join(defaults.transfer_backends),
         help="KV transfer backends in order of preference (default %(default)s)")  # fmt: skip
     add("--metrics-port", type=int, default=0, help="Prometheus endpoint port (0: off)")
@@ -70,6 +83,7 @@ def config_from_args(
         reap_interval_seconds=min(0.5, args.lease_seconds),
         transfer_backends=tuple(b for b in args.transfer_backends.split(",") if b),
         metrics_port=args.metrics_port,
+        limits=RequestLimits(**{n: getattr(args, f"limit_{n}") for n in LIMIT_FLAGS.values()}),
         **{name: getattr(args, name) for name, _ in TUNABLES.values()},
     )
 

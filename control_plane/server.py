@@ -28,7 +28,7 @@ from control_plane.front_door import FrontDoor
 from control_plane.generation_service import GenerationServicer
 from control_plane.openai_http.app import openai_app
 from control_plane.openai_http.server import HttpServer
-from kvmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import generation_pb2, generation_pb2_grpc, wire, worker_pb2, worker_pb2_grpc
 
 LOG = logging.getLogger("kvmesh.control_plane")
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -60,11 +60,15 @@ class ControlServer:
         self._reaper = Reaper(self.cluster)
         security = config.security
         refused = self.cluster.metrics.auth_refused
+        # Authentication first: a refused call's bytes are never parsed; then the decode check.
+        decode = wire.DecodeCheck()
         self.public_auth = security.public_interceptors(refused.labels("public").inc)
         self.internal_auth = security.internal_interceptors(refused.labels("internal").inc)
         options = server_options(config)
-        self._server = grpc.aio.server(options=options, interceptors=self.public_auth)
-        self._internal = grpc.aio.server(options=options, interceptors=self.internal_auth)
+        self._server = grpc.aio.server(options=options, interceptors=[*self.public_auth, decode])
+        self._internal = grpc.aio.server(
+            options=options, interceptors=[*self.internal_auth, decode]
+        )
         self.port = 0
         self.internal_port = 0
         self.http: HttpServer | None = None
@@ -122,7 +126,13 @@ class ControlServer:
         if c.http_port is not None:
             metrics = self.cluster.metrics
             refused = metrics.auth_refused.labels("http").inc
-            app = openai_app(self.front_door, metrics.registry, c.security.api_keys, refused)
+            app = openai_app(
+                self.front_door,
+                metrics.registry,
+                c.security.api_keys,
+                refused,
+                max_body_bytes=c.max_http_body_bytes,
+            )
             self.http = HttpServer(app, c.host, c.http_port, tls=c.security.tls)
             self.http.start()
             LOG.info("OpenAI-compatible API on %s/v1", self.http.url)

@@ -1,59 +1,128 @@
 """Structural checks of a GenerateRequest the control plane makes before any worker call.
 
 Model-dependent checks (vocabulary, context length, sampling ranges) are the prefill worker's
-(Prepare); these are the ones needing no model.
+(Prepare); these are the ones needing no model, including the size bounds of RequestLimits.
 """
 
 from __future__ import annotations
 
 import uuid
 
+from control_plane.limits import RequestLimits
 from kvmesh.v1 import generation_pb2
 
 MAX_REQUEST_ID_CHARS = 128
-MAX_CACHE_SALT_BYTES = 256
+DEFAULT_LIMITS = RequestLimits()
 
 
 class FieldError(ValueError):
-    """A request field is invalid; the message starts with the field's name."""
+    """A request field is invalid; `.field` names it and the message starts with it."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
 
 
 def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise FieldError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+        raise FieldError("request_id", f"is longer than {MAX_REQUEST_ID_CHARS} characters")
     if not all(" " <= ch <= "~" for ch in request_id):
-        raise FieldError("request_id must be printable ASCII")
+        raise FieldError("request_id", "must be printable ASCII")
 
 
-def check_chat(chat: generation_pb2.ChatMessages) -> None:
-    """At least one message, each with a non-empty role (the template's checks are the
-    worker's)."""
-    if not chat.messages:
-        raise FieldError("prompt.chat.messages must contain at least one message")
-    for i, message in enumerate(chat.messages):
+def utf8_size(text: str) -> int:
+    """Bytes of `text` in UTF-8 (without encoding it when it is ASCII)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_text(text: str, limits: RequestLimits) -> None:
+    if not text:
+        raise FieldError("prompt.text", "must not be empty")
+    if len(text) > limits.max_prompt_bytes or utf8_size(text) > limits.max_prompt_bytes:
+        raise FieldError(
+            "prompt.text",
+            f"is {utf8_size(text)} bytes; at most {limits.max_prompt_bytes} are accepted",
+        )
+
+
+def check_chat(chat: generation_pb2.ChatMessages, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+    """At least one message and at most `max_messages`, each with a non-empty role, the
+    contents together within `max_prompt_bytes` (the template's checks are the worker's)."""
+    messages = chat.messages
+    if not messages:
+        raise FieldError("prompt.chat.messages", "must contain at least one message")
+    if len(messages) > limits.max_messages:
+        raise FieldError(
+            "prompt.chat.messages",
+            f"{len(messages)} messages; at most {limits.max_messages} accepted",
+        )
+    total = 0
+    for i, message in enumerate(messages):
         if not message.role:
-            raise FieldError(f"prompt.chat.messages[{i}].role must not be empty")
+            raise FieldError(f"prompt.chat.messages[{i}].role", "must not be empty")
+        if utf8_size(message.role) > limits.max_role_bytes:
+            raise FieldError(
+                f"prompt.chat.messages[{i}].role", f"is longer than {limits.max_role_bytes} bytes"
+            )
+        total += utf8_size(message.content)
+        if total > limits.max_prompt_bytes:
+            raise FieldError(
+                f"prompt.chat.messages[{i}].content",
+                f"the contents so far are {total} bytes; at most {limits.max_prompt_bytes} "
+                "are accepted",
+            )
 
 
-def check_generate_request(request: generation_pb2.GenerateRequest) -> str:
-    """Validate structure; returns the request id to use (assigned when empty)."""
+def check_prompt(request: generation_pb2.GenerateRequest, limits: RequestLimits) -> None:
+    which = request.WhichOneof("prompt")
+    if which is None:
+        raise FieldError("prompt", "set text, token_ids or chat")
+    if which == "text":
+        check_text(request.text, limits)
+    elif which == "token_ids":
+        count = len(request.token_ids.ids)
+        if not count:
+            raise FieldError("prompt.token_ids.ids", "must not be empty")
+        if count > limits.max_prompt_tokens:
+            raise FieldError(
+                "prompt.token_ids.ids",
+                f"{count} ids; at most {limits.max_prompt_tokens} are accepted",
+            )
+    else:
+        check_chat(request.chat, limits)
+
+
+def check_sampling(sampling: generation_pb2.SamplingParams, limits: RequestLimits) -> None:
+    if sampling.HasField("max_tokens") and not 1 <= sampling.max_tokens <= limits.max_tokens:
+        raise FieldError("sampling.max_tokens", f"must be in [1, {limits.max_tokens}]")
+    if sampling.HasField("n") and not 1 <= sampling.n <= limits.max_n:
+        raise FieldError("sampling.n", f"must be in [1, {limits.max_n}]")
+    if len(sampling.stop) > limits.max_stop_strings:
+        raise FieldError(
+            "sampling.stop", f"{len(sampling.stop)} strings; at most {limits.max_stop_strings}"
+        )
+    for i, stop in enumerate(sampling.stop):
+        if utf8_size(stop) > limits.max_stop_string_bytes:
+            raise FieldError(
+                f"sampling.stop[{i}]", f"is longer than {limits.max_stop_string_bytes} bytes"
+            )
+    if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+        raise FieldError(
+            "sampling.stop_token_ids",
+            f"{len(sampling.stop_token_ids)} ids; at most {limits.max_stop_token_ids}",
+        )
+
+
+def check_generate_request(
+    request: generation_pb2.GenerateRequest, limits: RequestLimits = DEFAULT_LIMITS
+) -> str:
+    """Validate structure and size (FieldError naming the field); returns the request id to
+    use (assigned when empty)."""
     request_id = request.request_id
     if request_id:
         check_request_id(request_id)
-    which = request.WhichOneof("prompt")
-    if which is None:
-        raise FieldError("prompt: set text, token_ids or chat")
-    if which == "text" and not request.text:
-        raise FieldError("text must not be empty")
-    if which == "token_ids" and not request.token_ids.ids:
-        raise FieldError("token_ids.ids must not be empty")
-    if which == "chat":
-        check_chat(request.chat)
-    if len(request.cache_salt) > MAX_CACHE_SALT_BYTES:
-        raise FieldError(f"cache_salt is longer than {MAX_CACHE_SALT_BYTES} bytes")
-    sampling = request.sampling
-    if sampling.HasField("max_tokens") and sampling.max_tokens < 1:
-        raise FieldError("sampling.max_tokens must be >= 1")
-    if sampling.HasField("n") and sampling.n < 1:
-        raise FieldError("sampling.n must be >= 1")
+    check_prompt(request, limits)
+    if len(request.cache_salt) > limits.max_cache_salt_bytes:
+        raise FieldError("cache_salt", f"is longer than {limits.max_cache_salt_bytes} bytes")
+    check_sampling(request.sampling, limits)
     return request_id or f"req-{uuid.uuid4().hex}"

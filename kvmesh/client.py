@@ -10,7 +10,10 @@
 Sampling keywords are the fields of `kvmesh.v1.SamplingParams` (vLLM's names); unset ones take
 the server's defaults. `timeout` (seconds) is the gRPC deadline of the call, i.e. the request's
 deadline. Every gRPC failure is raised as a `KvmeshError` subclass carrying the status code and
-the server's message. `AsyncClient` has the same methods as coroutines / async iterators.
+the server's message. A call refused before any response arrived — RESOURCE_EXHAUSTED with the
+server's retry delay (admission full), or UNAVAILABLE — is retried within bounds (`retry`, a
+`RetryPolicy`: 2 retries, 5 s of waiting, never past the call's deadline; `NO_RETRY` turns it
+off). `AsyncClient` has the same methods as coroutines / async iterators.
 Importing this module never imports torch.
 
 Security: `api_key=` sends `authorization: Bearer KEY` on every call (the front door's
@@ -22,9 +25,12 @@ with TLS against the system roots; `cert=` and `key=` present a client certifica
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import threading
+import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -32,7 +38,8 @@ from typing import Any, cast
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.v1 import generation_pb2, generation_pb2_grpc
+from kvmesh.client_retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
+from kvmesh.v1 import generation_pb2, generation_pb2_grpc, wire
 
 GENERATION_SERVICE = "kvmesh.v1.GenerationService"
 SERVING_CHECK = health_pb2.HealthCheckRequest(service=GENERATION_SERVICE)
@@ -103,11 +110,7 @@ _ERRORS: dict[grpc.StatusCode, type[KvmeshError]] = {
 def error_from_rpc(error: grpc.RpcError) -> KvmeshError:
     """The typed exception for a failed call (KvmeshError itself for other codes)."""
     code = error.code()  # type: ignore[attr-defined]
-    retry = None
-    metadata: Any = error.trailing_metadata() or ()  # type: ignore[attr-defined]
-    for key, value in metadata:
-        if key == "retry-after-ms":
-            retry = int(value)
+    retry = wire.retry_delay_ms(error)
     message = error.details() or ""  # type: ignore[attr-defined]
     return _ERRORS.get(code, KvmeshError)(code, message, retry)
 
@@ -298,9 +301,9 @@ class _CallOptions:
         auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._metadata = (*auth, *metadata)
 
-    def call(self, timeout: float | None, metadata: Metadata | None) -> dict[str, Any]:
-        return {"timeout": timeout or self.timeout,
-                "metadata": (*self._metadata, *(metadata or ()))}  # fmt: skip
+    def metadata(self, metadata: Metadata | None) -> tuple[tuple[str, str], ...]:
+        """The client's metadata followed by one call's own."""
+        return (*self._metadata, *(metadata or ()))
 
 
 def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, int]]:
@@ -311,19 +314,74 @@ def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str
 
 
 class Stream:
-    """Iterator of Chunks of one Generate call; `cancel()` cancels the request."""
+    """Iterator of Chunks of one Generate call; `cancel()` cancels the request. The call is
+    started by `start(timeout)`, again (bounded by `retry`) when it is refused before any
+    response arrived."""
 
-    def __init__(self, request_id: str, call: Any) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        start: Callable[[float | None], Any],
+        timeout: float | None = None,
+        retry: RetryPolicy = NO_RETRY,
+    ) -> None:
         self.request_id = request_id
-        self._call = call
+        self._retries = retry.start(timeout)
+        self._start = start
+        self._cancelled = threading.Event()
+        self._call = start(timeout)
 
     def __iter__(self) -> Iterator[Chunk]:
-        with typed_errors():
-            for response in self._call:
-                yield Chunk.from_proto(response)
+        while True:
+            received = False
+            try:
+                for response in self._call:
+                    received = True
+                    yield Chunk.from_proto(response)
+                return
+            except grpc.RpcError as error:
+                delay = None if received else self._retries.delay(error)
+                if delay is None or self._cancelled.wait(delay):
+                    raise error_from_rpc(error) from None
+            self._call = self._start(self._retries.timeout())
 
     def cancel(self) -> None:
+        self._cancelled.set()
         self._call.cancel()
+
+
+def _retrying(
+    method: Any, request: Any, timeout: float | None, retry: RetryPolicy, metadata: Metadata = ()
+) -> Any:
+    """A unary call (each attempt with `metadata`), retried within `retry`'s bounds;
+    KvmeshError when it fails."""
+    retries = retry.start(timeout)
+    while True:
+        try:
+            return method(request, timeout=retries.timeout(), metadata=metadata)
+        except grpc.RpcError as error:
+            delay = retries.delay(error)
+            if delay is None:
+                raise error_from_rpc(error) from None
+        time.sleep(delay)
+
+
+async def _retrying_async(
+    method: Callable[..., Awaitable[Any]],
+    request: Any,
+    timeout: float | None,
+    retry: RetryPolicy,
+    metadata: Metadata = (),
+) -> Any:
+    retries = retry.start(timeout)
+    while True:
+        try:
+            return await method(request, timeout=retries.timeout(), metadata=metadata)
+        except grpc.RpcError as error:
+            delay = retries.delay(error)
+            if delay is None:
+                raise error_from_rpc(error) from None
+        await asyncio.sleep(delay)
 
 
 class Client:
@@ -332,10 +390,11 @@ class Client:
     def __init__(
         self, target: str, *, timeout: float | None = None, api_key: str | None = None,
         metadata: Metadata = (), tls: bool = False, ca: str | None = None,
-        cert: str | None = None, key: str | None = None,
+        cert: str | None = None, key: str | None = None, retry: RetryPolicy = DEFAULT_RETRY,
     ) -> None:  # fmt: skip
         self.target = target
         self._options = _CallOptions(timeout, api_key, metadata)
+        self.retry = retry
         credentials = channel_credentials(tls, ca, cert, key)
         self._channel = (
             grpc.insecure_channel(target, options=channel_options())
@@ -364,8 +423,13 @@ class Client:
         """Start a request (text, token ids, or a conversation as chat takes it); iterate the
         returned Stream for its chunks."""
         request = build_request(prompt, request_id, cache_salt, **sampling)
-        call = self._stub.Generate(request, **self._options.call(timeout, metadata))
-        return Stream(request.request_id, call)
+        deadline = timeout or self.timeout
+        call_metadata = self._options.metadata(metadata)
+
+        def start(left: float | None) -> Any:
+            return self._stub.Generate(request, timeout=left, metadata=call_metadata)
+
+        return Stream(request.request_id, start, deadline, self.retry)
 
     def complete(self, prompt: Prompt, **kwargs: Any) -> Result:
         """Run a request to the end and return its completions (same arguments as generate)."""
@@ -387,16 +451,27 @@ class Client:
     ) -> bool:
         """Abort a request; False when it had already finished (NotFound when unknown)."""
         request = generation_pb2.AbortRequest(request_id=request_id)
-        with typed_errors():
-            response = self._stub.Abort(request, **self._options.call(timeout, metadata))
+        response = _retrying(
+            self._stub.Abort,
+            request,
+            timeout or self.timeout,
+            self.retry,
+            self._options.metadata(metadata),
+        )
         return bool(response.aborted)
 
     def model_info(
         self, *, timeout: float | None = None, metadata: Metadata | None = None
     ) -> generation_pb2.ModelInfo:
         request = generation_pb2.GetModelInfoRequest()
-        with typed_errors():
-            return self._stub.GetModelInfo(request, **self._options.call(timeout, metadata))
+        info = _retrying(
+            self._stub.GetModelInfo,
+            request,
+            timeout or self.timeout,
+            self.retry,
+            self._options.metadata(metadata),
+        )
+        return cast(generation_pb2.ModelInfo, info)
 
     def serving(self, *, timeout: float = 1.0) -> bool:
         """Whether the front door reports GenerationService SERVING (workers registered)."""
@@ -414,10 +489,11 @@ class AsyncClient:
     def __init__(
         self, target: str, *, timeout: float | None = None, api_key: str | None = None,
         metadata: Metadata = (), tls: bool = False, ca: str | None = None,
-        cert: str | None = None, key: str | None = None,
+        cert: str | None = None, key: str | None = None, retry: RetryPolicy = DEFAULT_RETRY,
     ) -> None:  # fmt: skip
         self.target = target
         self._options = _CallOptions(timeout, api_key, metadata)
+        self.retry = retry
         credentials = channel_credentials(tls, ca, cert, key)
         self._channel = (
             grpc.aio.insecure_channel(target, options=channel_options())
@@ -443,15 +519,26 @@ class AsyncClient:
         self, prompt: Prompt, *, request_id: str | None = None, timeout: float | None = None,
         cache_salt: bytes = b"", metadata: Metadata | None = None, **sampling: Any,
     ) -> AsyncIterator[Chunk]:  # fmt: skip
-        """Async iterator of a request's chunks; closing it early cancels the request."""
+        """Async iterator of a request's chunks; closing it early cancels the request. A call
+        refused before its first response is retried within `retry`'s bounds."""
         request = build_request(prompt, request_id, cache_salt, **sampling)
-        call = self._stub.Generate(request, **self._options.call(timeout, metadata))
-        try:
-            with typed_errors():
+        retries = self.retry.start(timeout or self.timeout)
+        call_metadata = self._options.metadata(metadata)
+        while True:
+            call = self._stub.Generate(request, timeout=retries.timeout(), metadata=call_metadata)
+            received = False
+            try:
                 async for response in call:
+                    received = True
                     yield Chunk.from_proto(response)
-        finally:
-            call.cancel()
+                return
+            except grpc.RpcError as error:
+                delay = None if received else retries.delay(error)
+                if delay is None:
+                    raise error_from_rpc(error) from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(delay)
 
     async def complete(self, prompt: Prompt, **kwargs: Any) -> Result:
         request_id = kwargs.pop("request_id", None) or f"cli-{uuid.uuid4().hex}"
@@ -469,17 +556,21 @@ class AsyncClient:
         self, request_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
     ) -> bool:
         request = generation_pb2.AbortRequest(request_id=request_id)
-        with typed_errors():
-            response = await self._stub.Abort(request, **self._options.call(timeout, metadata))
+        abort, call_metadata = self._stub.Abort, self._options.metadata(metadata)
+        response = await _retrying_async(
+            abort, request, timeout or self.timeout, self.retry, call_metadata
+        )
         return bool(response.aborted)
 
     async def model_info(
         self, *, timeout: float | None = None, metadata: Metadata | None = None
     ) -> generation_pb2.ModelInfo:
         request = generation_pb2.GetModelInfoRequest()
-        with typed_errors():
-            call = self._stub.GetModelInfo(request, **self._options.call(timeout, metadata))
-            return await call
+        get, call_metadata = self._stub.GetModelInfo, self._options.metadata(metadata)
+        info = await _retrying_async(
+            get, request, timeout or self.timeout, self.retry, call_metadata
+        )
+        return cast(generation_pb2.ModelInfo, info)
 
     async def serving(self, *, timeout: float = 1.0) -> bool:
         """Whether the front door reports GenerationService SERVING (workers registered)."""

@@ -40,6 +40,8 @@ LOG = logging.getLogger("kvmesh.control_plane.http")
 T = TypeVar("T")
 Responses = AsyncGenerator[generation_pb2.GenerateResponse, None]
 ID_PREFIX: dict[Kind, str] = {"completion": "cmpl", "chat": "chatcmpl"}
+DEFAULT_BODY_BYTES = 4 << 20
+INLINE_BODY_BYTES = 64 << 10  # larger bodies are decoded off the event loop
 
 
 class ClientGone(Exception):
@@ -53,11 +55,13 @@ class OpenAIApp:
         registry: CollectorRegistry,
         api_keys: Sequence[str] = (),
         on_refused: Callable[[], object] | None = None,
+        max_body_bytes: int = DEFAULT_BODY_BYTES,
     ) -> None:
         self.door = door
         self.registry = registry
         self.api_keys = tuple(api_keys)
         self.on_refused = on_refused
+        self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
 
     def asgi(self) -> Starlette:
@@ -130,11 +134,11 @@ class OpenAIApp:
     async def accept(self, request: Request, kind: Kind) -> tuple[ParsedRequest, Answer]:
         """The parsed body (ApiError 400/404/503 before any run starts) and its answer,
         whose id is the request id."""
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            raise ApiError(400, "the request body is not valid JSON") from None
-        parsed = parse(body, kind)
+        raw = await read_body(request, self.max_body_bytes)
+        if len(raw) > INLINE_BODY_BYTES:  # decoding a large body would hold up the loop
+            parsed = await asyncio.to_thread(parse_body, raw, kind)
+        else:
+            parsed = parse_body(raw, kind)
         served = self.model_info().model_name
         if parsed.model is not None and parsed.model != served:
             raise ApiError(404, f"model {parsed.model!r} is not served (serving {served!r})",
@@ -145,6 +149,55 @@ class OpenAIApp:
         if parsed.user:
             LOG.debug("request %s from user %r", answer.id, parsed.user)
         return parsed, answer
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, read up to `limit` bytes (ApiError 413 beyond it, before reading it all)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes",
+                    code="request_too_large")  # fmt: skip
+
+
+def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
+    """The ParsedRequest of a raw body: ApiError 400 for invalid JSON, invalid UTF-8, too deep
+    nesting, an unpaired surrogate escape, or a bad param (named). Safe in any thread."""
+    try:
+        body = json.loads(raw)
+    except ValueError:  # includes UnicodeDecodeError: the body is not UTF-8
+        raise ApiError(400, "the request body is not valid JSON (UTF-8)") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    try:
+        return parse(body, kind)
+    except UnicodeEncodeError:  # a lone surrogate escape ("\ud800") in some string
+        raise not_unicode(body) from None
+
+
+def not_unicode(body: object) -> ApiError:
+    """400 naming the top-level param holding a string that cannot be encoded as UTF-8."""
+    param = None
+    if isinstance(body, dict):
+        for key, value in body.items():
+            try:
+                json.dumps(value, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                param = str(key)
+                break
+    where = f"{param}: " if param else ""
+    return ApiError(400, f"{where}a string is not valid Unicode (an unpaired surrogate)",
+                    param=param, code="invalid_value")  # fmt: skip
 
 
 class RunStream(StreamingResponse):
@@ -234,7 +287,8 @@ def openai_app(
     registry: CollectorRegistry,
     api_keys: Sequence[str] = (),
     on_refused: Callable[[], object] | None = None,
+    max_body_bytes: int = DEFAULT_BODY_BYTES,
 ) -> Starlette:
     """The HTTP door's app; with `api_keys`, every /v1 route requires one of them
-    (`on_refused` is called for each request refused)."""
-    return OpenAIApp(door, registry, api_keys, on_refused).asgi()
+    (`on_refused` is called for each request refused); bodies over `max_body_bytes` get 413."""
+    return OpenAIApp(door, registry, api_keys, on_refused, max_body_bytes).asgi()

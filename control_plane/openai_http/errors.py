@@ -73,7 +73,7 @@ def from_failure(failure: RpcFailure, prompt_param: str = "prompt") -> ApiError:
     if failure.retry_after_ms is not None:
         headers["Retry-After"] = str(max(1, math.ceil(failure.retry_after_ms / 1000)))
     if failure.code == grpc.StatusCode.INVALID_ARGUMENT:
-        match = _FIELD.match(failure.message)
+        match = _FIELD.match(failure.field or failure.message)
         if match:
             param = match.group(1)
             if param in _PROMPT_FIELDS:

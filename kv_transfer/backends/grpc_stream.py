@@ -47,6 +47,7 @@ from kv_transfer.state import TransferRecord, TransferState
 from kvmesh.security import Security
 from kvmesh.v1 import kv_transfer_pb2 as pb
 from kvmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
+from kvmesh.v1 import wire
 
 # Frame payloads are read-only `bytes`; the receiver only reads them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -167,7 +168,10 @@ class Receiver(KVReceiver):
     def _run(self, bind: str, max_bytes: int, ready: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
         self.auth = self.security.internal_interceptors()
-        self._server = grpc.aio.server(options=_options(max_bytes), interceptors=self.auth)
+        # The token check first (a refused call is never parsed), then the unary requests'
+        # decode check (INVALID_ARGUMENT, not UNKNOWN); PushFrames is raw bytes either way.
+        interceptors = [*self.auth, wire.DecodeCheck()]
+        self._server = grpc.aio.server(options=_options(max_bytes), interceptors=interceptors)
         servicer = _Servicer(self)
         pb_grpc.add_KVTransferServiceServicer_to_server(servicer, self._server)
         raw = grpc.stream_unary_rpc_method_handler(  # bytes in (no deserializer), PushResult out

@@ -20,6 +20,7 @@ from kvmesh.service.engine_flags import (
     engine_flags,
     engine_values,
 )
+from kvmesh.service.server import DEFAULT_MAX_MESSAGE_BYTES
 from kvmesh.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -71,6 +72,12 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = pick)")
     p.add_argument("--reflection", action="store_true", help="serve gRPC server reflection")
     p.add_argument("--drain-seconds", type=float, default=10.0)
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest gRPC message of the worker port (default %(default)s)",
+    )
     add_security_flags(p)
     return p
 

@@ -70,13 +70,20 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
         try:
             await serve(runtime, stop)
         finally:
+            runtime.prepare_pool.close()
             await runtime.engine.shutdown()
 
     async def serve(runtime: WorkerRuntime, stop: asyncio.Event) -> None:
         metrics = WorkerMetrics()
         bind_load_gauges(metrics, runtime.engine.load)
-        server = WorkerServer(args.host, args.port, reflection=args.reflection, security=security,
-                              on_refused=metrics.auth_refused.inc)  # fmt: skip
+        server = WorkerServer(
+            args.host,
+            args.port,
+            reflection=args.reflection,
+            max_message_bytes=args.max_message_bytes,
+            security=security,
+            on_refused=metrics.auth_refused.inc,
+        )
         services = await install(runtime, server, args, metrics)
         await server.start()
         metrics_address = ""

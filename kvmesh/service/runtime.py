@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import os
@@ -25,6 +24,8 @@ from kvmesh.engine.sampling_params import (
 from kvmesh.engine.sequence import Request
 from kvmesh.models.resolve import model_name
 from kvmesh.service.convert import sampling_from_proto
+from kvmesh.service.limits import check_prompt_ids_size, check_prompt_size, check_sampling_size
+from kvmesh.service.prepare_pool import PreparePool, prompt_bytes
 from kvmesh.service.status import abort_with
 from kvmesh.v1 import generation_pb2, worker_pb2
 
@@ -104,6 +105,7 @@ class WorkerRuntime:
     layout: worker_pb2.KVCacheLayout
     model: generation_pb2.ModelInfo
     warmup: dict[str, Any] = dataclasses.field(default_factory=dict)  # WarmupReport.as_dict
+    prepare_pool: PreparePool = dataclasses.field(default_factory=PreparePool)
 
     @property
     def core(self) -> LLMEngine:
@@ -131,22 +133,35 @@ class WorkerRuntime:
         self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrepareResponse:
         """PrefillService.Prepare of every role: the prepared request, or INVALID_ARGUMENT
-        naming the field. Rendering and tokenizing (bounded in size) run in a thread, so the
-        event loop (heartbeats, streams) never waits for them."""
+        naming the field. Rendering and tokenizing (bounded in size) run in a thread of the
+        prepare pool, so the event loop (heartbeats, streams) never waits for them; when its
+        lane for large prompts is full, RESOURCE_EXHAUSTED with a retry delay."""
         try:
-            prepared = await asyncio.to_thread(self.prepare, request.request)
+            message = request.request
+            self.check_size(message)  # refused at once, before any thread is taken
+            prepared = await self.prepare_pool.run(
+                prompt_bytes(message), lambda: self.prepare(message)
+            )
             return worker_pb2.PrepareResponse(request=prepared)
         except Exception as exc:
             await abort_with(context, exc)
             raise
+
+    def check_size(self, message: generation_pb2.GenerateRequest) -> None:
+        """The size bounds of a client request (cheap: lengths only; InvalidParameterError)."""
+        check_prompt_size(message, self.model.max_model_len)
+        check_sampling_size(message.sampling)
 
     def prepare(self, message: generation_pb2.GenerateRequest) -> worker_pb2.EngineRequest:
         """Validate and tokenize a client request (InvalidParameterError names the field).
         Safe to call from any thread: it only reads the engine's fixed parts."""
         if not message.request_id:
             raise InvalidParameterError("request_id", "must not be empty")
+        self.check_size(message)
         params = sampling_from_proto(message.sampling)
         ids = self.prompt_ids(message)
+        # before build_request walks the ids in Python (holding the GIL the event loop needs)
+        check_prompt_ids_size(len(ids), self.model.max_model_len, "prompt")
         self.build(message.request_id, ids, params, message.cache_salt)
         return worker_pb2.EngineRequest(
             request_id=message.request_id,
@@ -177,9 +192,12 @@ class WorkerRuntime:
         raise InvalidParameterError("prompt", "set text, token_ids or chat")
 
     def request_from(self, message: worker_pb2.EngineRequest, prefill_only: bool) -> Request:
-        """The engine Request of a prepared request, re-validated (a worker trusts no caller)."""
+        """The engine Request of a prepared request, re-validated (a worker trusts no caller);
+        its sizes are checked before anything is converted."""
         if not message.request_id:
             raise InvalidParameterError("request_id", "must not be empty")
+        check_prompt_ids_size(len(message.prompt_ids), self.model.max_model_len, "prompt.token_ids")
+        check_sampling_size(message.sampling)
         params = sampling_from_proto(message.sampling)
         return self.build(
             message.request_id, message.prompt_ids, params, message.cache_salt, prefill_only

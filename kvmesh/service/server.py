@@ -1,5 +1,9 @@
 """grpc.aio server bootstrap for a worker: message limits, health, optional reflection, drain.
 
+Every unary request is parsed by `wire.DecodeCheck`: an undecodable one (or one with a string
+that is not UTF-8) is INVALID_ARGUMENT naming the field, never UNKNOWN. With a cluster token
+the token check runs first: an unauthenticated call is refused before its bytes are parsed.
+
 Health: "" and every added service are SERVING once started and NOT_SERVING while draining.
 `serve_until_signal` runs a worker on uvloop until SIGTERM/SIGINT, then drains: health goes
 NOT_SERVING, in-flight calls get `drain_seconds` to finish, the rest are cancelled.
@@ -24,8 +28,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
 from kvmesh.security import Security
+from kvmesh.v1 import wire
 
-DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a worker port's largest message (prepared prompts)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 READY_PREFIX = "KVMESH_READY "
 LOG = logging.getLogger("kvmesh.service")
@@ -62,8 +67,10 @@ class WorkerServer:
         self.reflection = reflection
         self.security = security or Security()
         self.auth = self.security.internal_interceptors(on_refused)
+        # The token check first (a refused call's bytes are never parsed), then the decode check.
         self.server = grpc.aio.server(
-            options=server_options(max_message_bytes), interceptors=self.auth
+            options=server_options(max_message_bytes),
+            interceptors=[*self.auth, wire.DecodeCheck()],
         )
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.service_names: list[str] = []

@@ -7,16 +7,28 @@
 | kv_transfer errors (matched by `.code`)      | see TRANSFER_CODES  |
 | EngineDeadError (the engine thread stopped) | UNAVAILABLE         |
 | TimeoutError (an engine wait ran out)       | DEADLINE_EXCEEDED   |
-| anything else                               | INTERNAL            |
+| anything else                               | INTERNAL (logged)   |
+
+INVALID_ARGUMENT carries a `google.rpc.BadRequest` detail naming the field (sampling fields as
+`sampling.<name>`), RESOURCE_EXHAUSTED a `RetryInfo` and the retry trailers (see kvmesh.v1.wire).
 """
 
 from __future__ import annotations
+
+import logging
+import re
 
 import grpc
 
 from kvmesh.engine.async_engine import EngineDeadError
 from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.memory.errors import CapacityError
+from kvmesh.v1 import generation_pb2, wire
+
+LOG = logging.getLogger("kvmesh.service")
+SAMPLING_FIELDS = frozenset(generation_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
+CAPACITY_RETRY_MS = 200  # retry delay suggested with a worker's RESOURCE_EXHAUSTED
+_LEADING_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 # kv_transfer.errors.TransferError.code -> status (matched by name: kvmesh never imports it)
 TRANSFER_CODES = {
@@ -60,10 +72,29 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.ABORTED, f"kv transfer: {error}"
     if isinstance(error, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
-    return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
+    return grpc.StatusCode.INTERNAL, f"internal error in the worker: {error}"
+
+
+def field_of(error: BaseException, code: grpc.StatusCode, message: str) -> str | None:
+    """The request field an INVALID_ARGUMENT names (None for other codes)."""
+    if code != grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    if isinstance(error, InvalidParameterError):
+        name = error.field
+    else:
+        match = _LEADING_FIELD.match(message)
+        if match is None:
+            return None
+        name = match.group(1)
+    return f"sampling.{name}" if name in SAMPLING_FIELDS else name
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) -> None:
-    """End the call with the status for `error` (raises, as context.abort does)."""
+    """End the call with the status for `error`, with its BadRequest / RetryInfo detail
+    (raises, as context.abort does)."""
     code, message = status_of(error)
-    await context.abort(code, message)
+    if code == grpc.StatusCode.INTERNAL:
+        LOG.error("a call failed: %s", message, exc_info=error)
+    retry = CAPACITY_RETRY_MS if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    field = field_of(error, code, message)
+    await wire.abort(context, wire.failure_status(code, message, field=field, retry_after_ms=retry))

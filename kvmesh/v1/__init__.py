@@ -1,1 +1,3 @@
-"""Generated protobuf and gRPC code for package kvmesh.v1 (do not edit; `make protos`)."""
+"""The kvmesh.v1 wire contract: protobuf and gRPC code generated from protos/kvmesh/v1 (the
+`*_pb2*` modules: do not edit; `make protos`) and `wire`, the handwritten request decoding
+and rich-status helpers every server and client shares."""

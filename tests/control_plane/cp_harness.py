@@ -1,4 +1,8 @@
-"""A real control-plane server on a loopback port with client stubs, for async tests."""
+"""A real control-plane server on loopback ports with client stubs, for async tests.
+
+As in production the internal door requires a cluster token (`TEST_TOKEN`) unless a test
+configures other security; the harness's internal channel and its fake workers use the
+server's token (and TLS), so every test runs through the authentication interceptors."""
 
 from __future__ import annotations
 
@@ -14,9 +18,17 @@ from grpc_health.v1 import health_pb2_grpc
 
 from control_plane.config import ControlConfig
 from control_plane.server import ControlServer
+from kvmesh.security import Security
 from kvmesh.v1 import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
 
-TEST_CONFIG = ControlConfig(host="127.0.0.1", port=0, internal_port=0, drain_seconds=2.0)
+TEST_TOKEN = "control-plane-test-cluster-token"
+TEST_CONFIG = ControlConfig(
+    host="127.0.0.1",
+    port=0,
+    internal_port=0,
+    drain_seconds=2.0,
+    security=Security(token=TEST_TOKEN),
+)
 
 
 def run_async(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
@@ -32,17 +44,24 @@ def run_async(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[],
 
 @dataclass
 class Harness:
-    """`generation` and `health` on the public door; `control` on the internal one."""
+    """`channel`, `generation` and `health` on the public door; `internal` (presenting the
+    cluster token) and `control` on the internal one."""
 
     server: ControlServer
     channel: grpc.aio.Channel
     generation: generation_pb2_grpc.GenerationServiceStub
     control: worker_pb2_grpc.ControlServiceStub
     health: health_pb2_grpc.HealthStub
+    internal: grpc.aio.Channel
     workers: list[FakeWorker] = field(default_factory=list)
 
     async def add(self, worker_id: str, role: str, **kwargs: Any) -> FakeWorker:
-        """Start a worker peer and register it (stopped when the harness closes)."""
+        """Start a worker peer and register it (stopped when the harness closes). By default
+        it requires the server's cluster token and serves its TLS, as a real worker does."""
+        server_security = self.server.config.security
+        kwargs.setdefault(
+            "security", Security(token=server_security.token, tls=server_security.tls)
+        )
         worker = await FakeWorker(worker_id, role, **kwargs).start()
         self.workers.append(worker)
         await worker.register(self.control)
@@ -61,6 +80,7 @@ async def control_plane(**overrides: Any) -> AsyncIterator[Harness]:
         generation_pb2_grpc.GenerationServiceStub(channel),
         worker_pb2_grpc.ControlServiceStub(internal),
         health_pb2_grpc.HealthStub(channel),
+        internal,
     )
     try:
         yield harness

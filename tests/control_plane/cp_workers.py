@@ -153,6 +153,8 @@ class FakeWorker(
             ids = list(req.text.encode())
         elif req.HasField("chat"):  # a template-free rendering: the contents' bytes
             ids = list("".join(m.content for m in req.chat.messages).encode())
+        if not ids:  # as a real worker: nothing to condition the first token on
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: no tokens")
         for i, token in enumerate(ids):
             if not 0 <= token < VOCAB:
                 await context.abort(

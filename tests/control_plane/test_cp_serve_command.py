@@ -12,6 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from control_plane.limits import RequestLimits
 from control_plane.main import TUNABLES, build_parser, config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +54,10 @@ def test_every_flag_sets_its_config_field() -> None:
             "--reflection", "--metrics-port", "9100", "--insecure-no-auth",
             "--transfer-backends", "shm,,grpc", "--max-inflight", "3", "--lease-seconds", "2",
             "--heartbeat-interval", "0.25", "--reservation-lease", "7",
-            "--max-request-seconds", "60", "--drain-seconds", "4"]  # fmt: skip
+            "--max-request-seconds", "60", "--drain-seconds", "4", "--retry-after-ms", "50",
+            "--max-message-bytes", "2048", "--worker-max-message-bytes", "4096",
+            "--max-http-body-bytes", "8192", "--max-prompt-bytes", "100",
+            "--max-n", "2"]  # fmt: skip
     config = config_from_args(build_parser().parse_args(argv))
     assert (config.host, config.port, config.reflection, config.metrics_port) == (
         "0.0.0.0", 7000, True, 9100
@@ -64,7 +68,11 @@ def test_every_flag_sets_its_config_field() -> None:
     assert tunables == {
         "max_inflight": 3, "lease_seconds": 2.0, "heartbeat_interval_seconds": 0.25,
         "reservation_lease_seconds": 7.0, "max_request_seconds": 60.0, "drain_seconds": 4.0,
+        "retry_after_ms": 50, "max_message_bytes": 2048, "worker_max_message_bytes": 4096,
+        "max_http_body_bytes": 8192,
     }  # fmt: skip
+    assert (config.limits.max_prompt_bytes, config.limits.max_n) == (100, 2)
+    assert config.limits.max_messages == RequestLimits().max_messages
     assert config.reap_interval_seconds == 0.5
 
 
@@ -73,3 +81,5 @@ def test_out_of_range_flag_exits_2_naming_the_field(capsys: pytest.CaptureFixtur
 
     assert run(["--heartbeat-interval", "5", "--insecure-no-auth"]) == 2
     assert "heartbeat_interval_seconds is out of range" in capsys.readouterr().err
+    assert run(["--max-n", "0", "--insecure-no-auth"]) == 2
+    assert "max_n must be at least 1" in capsys.readouterr().err

@@ -64,6 +64,7 @@ class RunningWorker:
         self.channel.close()
         self.loop.run(self.server.drain(0.5))
         self.loop.run(self.role.close())
+        self.runtime.prepare_pool.close()
         self.runtime.engine.stop()
 
 

@@ -72,3 +72,33 @@ def test_forged_worker_calls_are_refused_and_leave_the_engine_untouched(
     token = (("authorization", f"Bearer {TOKEN}"),)
     responses = list(colocated.Generate(engine_request(), metadata=token, timeout=60))
     assert sum(len(r.token_ids) for r in responses) == 4
+
+
+def test_token_is_checked_before_the_bytes_and_bounds_hold_with_it(worker: RunningWorker) -> None:
+    """Undecodable or oversized bytes without the token are UNAUTHENTICATED (never parsed);
+    with it they get the bounds' answers: INVALID_ARGUMENT naming `request` or the field."""
+    from kvmesh.v1 import wire
+
+    raw = worker.channel.unary_stream("/kvmesh.v1.ColocatedService/Generate")
+    colocated = worker_pb2_grpc.ColocatedServiceStub(worker.channel)
+    token = (("authorization", f"Bearer {TOKEN}"),)
+    refused_before = worker.server.auth[0].refused  # type: ignore[attr-defined]
+    with pytest.raises(grpc.RpcError) as caught:
+        list(raw(b"\xff\xff garbage", timeout=5))
+    error: Any = caught.value
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert worker.server.auth[0].refused == refused_before + 1  # type: ignore[attr-defined]
+    with pytest.raises(grpc.RpcError) as caught:
+        list(raw(b"\xff\xff garbage", metadata=token, timeout=5))
+    error = caught.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert wire.field_of(error) == "request"
+    wide = engine_request()
+    wide.sampling.n = 1000
+    with pytest.raises(grpc.RpcError) as caught:
+        list(colocated.Generate(wide, metadata=token, timeout=5))
+    error = caught.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert wire.field_of(error) == "sampling.n"
+    load = worker.runtime.engine.load()
+    assert (load.free_blocks, load.running, load.waiting) == (48, 0, 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +100,38 @@ def test_cancel_mid_stream_frees_blocks(colocated: RunningWorker) -> None:
     assert colocated.free_blocks() < 48
     call.cancel()
     wait_until(lambda: colocated.free_blocks() == 48, 1.0, "blocks freed after cancel")
+
+
+def test_sizes_are_bounded_before_any_conversion(colocated: RunningWorker) -> None:
+    """Millions of ids, n = 1000, 1 MiB of text, an undecodable or oversized message: each is
+    refused at once, naming the field, with the BadRequest detail."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    def refused(call: Any, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> str:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert time.monotonic() - started < 2.0
+        assert info.value.code() == code, info.value.details()
+        if code != grpc.StatusCode.INVALID_ARGUMENT:
+            return ""
+        status = rpc_status.from_call(info.value)
+        bad = error_details_pb2.BadRequest()
+        assert status is not None and status.details[0].Unpack(bad)
+        return str(bad.field_violations[0].field)
+
+    many = engine_request("many", [1] * 2_000_000)
+    assert refused(lambda: generate(colocated, many)) == "prompt.token_ids"
+    wide = engine_request("wide", [1, 2], n=1000)
+    assert refused(lambda: generate(colocated, wide)) == "sampling.n"
+    prepare = worker_pb2_grpc.PrefillServiceStub(colocated.channel).Prepare
+    text = worker_pb2.PrepareRequest(
+        request=generation_pb2.GenerateRequest(request_id="t", text="x" * (1 << 20))
+    )
+    assert refused(lambda: prepare(text, timeout=10)) == "prompt.text"
+    raw = colocated.channel.unary_stream("/kvmesh.v1.ColocatedService/Generate")
+    assert refused(lambda: list(raw(b"\xff\xff garbage", timeout=10))) == "request"
+    huge = engine_request("huge", [1 << 28] * 4_000_000)  # 20 MB: beyond the 16 MiB limit
+    refused(lambda: generate(colocated, huge), grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert colocated.free_blocks() == 48

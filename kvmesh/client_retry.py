@@ -1,0 +1,80 @@
+"""Bounded client-side retries of kvmesh calls refused before any response arrived.
+
+A call is retried only when nothing of it reached the client and the server said a retry may
+help: RESOURCE_EXHAUSTED that carries a retry delay (the `grpc-retry-pushback-ms` trailer, a
+`google.rpc.RetryInfo` detail, or the older `retry-after-ms` trailer: the server's admission
+was full), or UNAVAILABLE (no usable worker at that moment, the server restarting), after a
+short exponential backoff. Retries are bounded three ways: their number, their total waiting
+time, and the call's own deadline (a retry that could not start before it is not made; each
+retry gets only the time left).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from kvmesh.v1 import wire
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How many retries (0: none), the most time spent waiting between them, and the first
+    backoff of an UNAVAILABLE retry (doubled each time)."""
+
+    max_retries: int = 2
+    max_wait_seconds: float = 5.0
+    unavailable_backoff_seconds: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0 or self.max_wait_seconds < 0:
+            raise ValueError("max_retries and max_wait_seconds must be non-negative")
+
+    def start(self, timeout: float | None) -> Retries:
+        """The retry state of one call with this deadline (seconds from now, None: none)."""
+        return Retries(self, None if timeout is None else time.monotonic() + timeout)
+
+
+NO_RETRY = RetryPolicy(max_retries=0)
+DEFAULT_RETRY = RetryPolicy()
+
+
+class Retries:
+    """One call's retries: `delay(error)` says how long to wait before the next attempt, or
+    None to give up; `timeout()` is the time left for that attempt."""
+
+    def __init__(self, policy: RetryPolicy, deadline: float | None) -> None:
+        self.policy, self.deadline = policy, deadline
+        self.attempts = 0  # retries granted so far
+        self.waited = 0.0
+
+    def timeout(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return max(self.deadline - time.monotonic(), 0.001)
+
+    def delay(self, error: grpc.RpcError) -> float | None:
+        """Seconds to wait before retrying the failed call, or None (not retryable, or a
+        bound would be passed); a granted retry is counted."""
+        policy = self.policy
+        if self.attempts >= policy.max_retries:
+            return None
+        code = error.code()  # type: ignore[attr-defined]
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            pushback = wire.retry_delay_ms(error)
+            if pushback is None:
+                return None
+            seconds = pushback / 1000
+        elif code == grpc.StatusCode.UNAVAILABLE:
+            seconds = policy.unavailable_backoff_seconds * 2**self.attempts
+        else:
+            return None
+        if self.waited + seconds > policy.max_wait_seconds:
+            return None
+        if self.deadline is not None and time.monotonic() + seconds >= self.deadline:
+            return None
+        self.attempts += 1
+        self.waited += seconds
+        return seconds

@@ -1,0 +1,274 @@
+"""Wire-level contract shared by every kvmesh gRPC server and client (handwritten).
+
+- `DecodeCheck`: a server interceptor that parses each unary request itself, so a request that
+  is not a valid protobuf message, or has a string field that is not UTF-8, ends with
+  INVALID_ARGUMENT and a plain message naming the field where it can be found (grpc's own
+  deserialization failure is UNKNOWN, with a Python class name in the message).
+- Rich status: `failure_status` builds the `grpc.Status` of a failure with the standard
+  `google.rpc` details — `BadRequest` naming the field, `RetryInfo` with the retry delay — and
+  the `grpc-retry-pushback-ms` / `retry-after-ms` trailers; `field_of` and `retry_delay_ms`
+  read them back from a failed call.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2, descriptor, duration_pb2
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRFC A6: the client-side retry pushback trailer
+RETRY_AFTER_KEY = "retry-after-ms"  # kvmesh's original trailer, kept for older clients
+MAX_SCANNED_FIELDS = 10_000  # bound of the walk that locates a string with bad UTF-8
+Metadata = Sequence[tuple[str, str | bytes]]
+
+
+# -- rich status -------------------------------------------------------------------------------
+
+
+def failure_status(
+    code: grpc.StatusCode,
+    message: str,
+    *,
+    field: str | None = None,
+    retry_after_ms: int | None = None,
+) -> grpc.Status:
+    """The status of a failed call: code and message, a `BadRequest` field violation when
+    `field` is given, a `RetryInfo` plus the pushback trailers when `retry_after_ms` is."""
+    details = []
+    metadata: list[tuple[str, str | bytes]] = []
+    if field is not None:
+        violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=message)
+        details.append(error_details_pb2.BadRequest(field_violations=[violation]))
+    if retry_after_ms is not None:
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(retry_after_ms)
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+        metadata += [(PUSHBACK_KEY, str(retry_after_ms)), (RETRY_AFTER_KEY, str(retry_after_ms))]
+    packed = []
+    for detail in details:
+        holder = any_pb2.Any()
+        holder.Pack(detail)
+        packed.append(holder)
+    proto = status_pb2.Status(code=code.value[0], message=message, details=packed)
+    status = rpc_status.to_status(proto)
+    return _Status(status.code, status.details, (*status.trailing_metadata, *metadata))
+
+
+class _Status(grpc.Status):
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: Metadata) -> None:
+        self.code, self.details = code, details
+        self.trailing_metadata = tuple(trailing_metadata)
+
+
+async def abort(context: grpc.aio.ServicerContext, status: grpc.Status) -> None:
+    """End the call with `status` (raises, as `context.abort` does)."""
+    await context.abort(status.code, status.details, status.trailing_metadata)
+
+
+def status_details(error: grpc.RpcError) -> list[any_pb2.Any]:
+    """The `google.rpc.Status` details of a failed call ([] when it carries none)."""
+    try:
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    except ValueError:  # details that disagree with the call's code or message
+        return []
+    return list(status.details) if status is not None else []
+
+
+def field_of(error: grpc.RpcError) -> str | None:
+    """The first field a failed call's `BadRequest` detail names, or None."""
+    for holder in status_details(error):
+        if holder.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            holder.Unpack(bad)
+            if bad.field_violations:
+                return str(bad.field_violations[0].field)
+    return None
+
+
+def retry_delay_ms(error: grpc.RpcError) -> int | None:
+    """The server's retry delay of a failed call: the pushback trailer, else `RetryInfo`,
+    else the `retry-after-ms` trailer; None when it gave none (a negative pushback means
+    "do not retry", also None)."""
+    metadata: Any = error.trailing_metadata() or ()  # type: ignore[attr-defined]
+    found: dict[str, str] = {}
+    for key, value in metadata:
+        if key in (PUSHBACK_KEY, RETRY_AFTER_KEY) and isinstance(value, str):
+            found[key] = value
+    if PUSHBACK_KEY in found:
+        return _non_negative(found[PUSHBACK_KEY])
+    for holder in status_details(error):
+        if holder.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            holder.Unpack(info)
+            return int(info.retry_delay.ToMilliseconds())
+    return _non_negative(found[RETRY_AFTER_KEY]) if RETRY_AFTER_KEY in found else None
+
+
+def _non_negative(text: str) -> int | None:
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+# -- request decoding ----------------------------------------------------------------------------
+
+
+class DecodeCheck(grpc.aio.ServerInterceptor):
+    """Parse unary requests in the handler, answering undecodable ones INVALID_ARGUMENT."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        if handler.response_streaming:
+            return handler._replace(
+                request_deserializer=None, unary_stream=_streaming(parse, handler.unary_stream)
+            )
+        return handler._replace(
+            request_deserializer=None, unary_unary=_unary(parse, handler.unary_unary)
+        )
+
+
+def _unary(parse: Callable[[bytes], Any], behaviour: Any) -> Any:
+    async def checked(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await behaviour(await decoded(parse, raw, context), context)
+
+    return checked
+
+
+def _streaming(parse: Callable[[bytes], Any], behaviour: Any) -> Any:
+    async def checked(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        result = behaviour(await decoded(parse, raw, context), context)
+        if inspect.isasyncgen(result):
+            async for response in result:
+                yield response
+        else:  # a coroutine writing with context.write
+            await result
+
+    return checked
+
+
+async def decoded(
+    parse: Callable[[bytes], Any], raw: bytes, context: grpc.aio.ServicerContext
+) -> Any:
+    """The request parsed from `raw`, or the call ended with INVALID_ARGUMENT."""
+    try:
+        return parse(raw)
+    except DecodeError as error:
+        message_type = _descriptor_of(parse)
+        name = message_type.full_name if message_type is not None else "request message"
+        field = bad_utf8_field(message_type, raw) if "UTF-8" in str(error) else None
+        if field is not None:
+            text = f"{field}: not valid UTF-8"
+        else:
+            field, text = "request", f"request: not a valid {name} (the wire format is corrupt)"
+    await abort(context, failure_status(grpc.StatusCode.INVALID_ARGUMENT, text, field=field))
+    raise AssertionError("unreachable")
+
+
+def _descriptor_of(parse: Callable[[bytes], Any]) -> descriptor.Descriptor | None:
+    owner = getattr(parse, "__self__", None)
+    found = getattr(owner, "DESCRIPTOR", None)
+    return found if isinstance(found, descriptor.Descriptor) else None
+
+
+def bad_utf8_field(message_type: descriptor.Descriptor | None, data: bytes) -> str | None:
+    """The path (`chat.messages[1].content`) of the first string field of `data` that is not
+    valid UTF-8, or None (also for input too malformed to walk)."""
+    if message_type is None:
+        return None
+    budget = [MAX_SCANNED_FIELDS]
+    try:
+        return _walk(message_type, memoryview(data), "", budget)
+    except (IndexError, ValueError):
+        return None
+
+
+def _walk(
+    message_type: descriptor.Descriptor, data: memoryview, prefix: str, budget: list[int]
+) -> str | None:
+    pos = 0
+    seen: dict[int, int] = {}
+    while pos < len(data):
+        budget[0] -= 1
+        if budget[0] < 0:
+            return None
+        key, pos = _varint(data, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, pos = _varint(data, pos)
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+        elif wire_type == 2:
+            size, pos = _varint(data, pos)
+            chunk, pos = data[pos : pos + size], pos + size
+            found = _check_chunk(message_type, number, chunk, prefix, seen, budget)
+            if found is not None:
+                return found
+        else:
+            return None
+    return None
+
+
+def _check_chunk(
+    message_type: descriptor.Descriptor,
+    number: int,
+    chunk: memoryview,
+    prefix: str,
+    seen: dict[int, int],
+    budget: list[int],
+) -> str | None:
+    field = message_type.fields_by_number.get(number)
+    if field is None:
+        return None
+    index = seen.get(number, 0)
+    seen[number] = index + 1
+    repeated = bool(field.is_repeated)
+    oneof = field.containing_oneof  # named as the front door names it: prompt.text
+    group = f"{oneof.name}." if oneof is not None and not oneof.name.startswith("_") else ""
+    name = f"{prefix}{group}{field.name}" + (f"[{index}]" if repeated else "")
+    if field.type == descriptor.FieldDescriptor.TYPE_STRING:
+        try:
+            bytes(chunk).decode("utf-8")
+        except UnicodeDecodeError:
+            return name
+    elif field.type == descriptor.FieldDescriptor.TYPE_MESSAGE and field.message_type:
+        return _walk(field.message_type, chunk, f"{name}.", budget)
+    return None
+
+
+def _varint(data: memoryview, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+__all__ = [
+    "PUSHBACK_KEY",
+    "RETRY_AFTER_KEY",
+    "DecodeCheck",
+    "abort",
+    "failure_status",
+    "field_of",
+    "retry_delay_ms",
+]

@@ -1,0 +1,86 @@
+"""Bad bodies at the HTTP door of a real control plane: too large (413, before it is read),
+not UTF-8, unpaired surrogates, nesting too deep, and 429 with Retry-After when full."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from cp_harness import Harness, control_plane, run_async, text_request
+
+
+def lower(headers: object) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}  # type: ignore[attr-defined]
+
+
+def post(cp: Harness, body: bytes, path: str = "/v1/completions") -> tuple[int, dict, dict]:  # type: ignore[type-arg]
+    """(status, headers, JSON body) of a POST (blocking; run it in a thread)."""
+    assert cp.server.http is not None
+    request = urllib.request.Request(
+        f"{cp.server.http.url}{path}", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, lower(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, lower(error.headers), json.loads(error.read())
+
+
+async def answer(cp: Harness, body: bytes, path: str = "/v1/completions") -> tuple[int, dict]:  # type: ignore[type-arg]
+    status, _, payload = await asyncio.to_thread(post, cp, body, path)
+    return status, payload["error"] if status >= 400 else payload
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "text"),
+    [
+        (b'{"prompt": "' + b"x" * 5000 + b'"}', 413, None, "larger than 4096 bytes"),
+        (b'{"prompt": "\xff\xfe"}', 400, None, "not valid JSON"),
+        (b'{"prompt": "a\\ud800b"}', 400, "prompt", "not valid Unicode"),
+        (b'{"prompt": "a", "stop": ["\\udfff"]}', 400, "stop", "not valid Unicode"),
+        (b"[" * 100_000, 413, None, "larger than"),  # beyond the body limit first
+        (b'{"prompt": "hi", "n": 1000}', 400, "n", "n"),
+    ],
+)
+def test_bad_bodies_are_refused_naming_the_param(
+    body: bytes, status: int, param: str | None, text: str
+) -> None:
+    async def scenario() -> None:
+        async with control_plane(http_port=0, max_http_body_bytes=4096) as cp:
+            prefill = await cp.add("p0", "prefill")
+            await cp.add("d0", "decode")
+            got, error = await answer(cp, body)
+            assert got == status, error
+            assert text in error["message"] and error["param"] == param
+            assert prefill.calls == []
+
+    run_async(scenario)()
+
+
+@run_async
+async def test_deep_nesting_within_the_limit_is_400() -> None:
+    async with control_plane(http_port=0) as cp:
+        await cp.add("c0", "colocated")
+        got, error = await answer(cp, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+        assert got == 400 and "nested too deeply" in error["message"]
+        got, payload = await answer(cp, json.dumps({"prompt": "x" * 100_000}).encode())
+        assert got == 200 and payload["choices"][0]["text"]  # a large body decoded in a thread
+
+
+@run_async
+async def test_full_admission_is_429_with_retry_after() -> None:
+    async with control_plane(http_port=0, max_inflight=1, retry_after_ms=1500) as cp:
+        await cp.add("p0", "prefill")
+        decode = await cp.add("d0", "decode")
+        decode.gate = asyncio.Event()
+        holder = cp.generation.Generate(text_request(request_id="holder"), timeout=10)
+        await asyncio.wait_for(decode.stream_started.wait(), 5)
+        status, headers, payload = await asyncio.to_thread(post, cp, b'{"prompt": "hi"}')
+        assert status == 429 and headers["retry-after"] == "2"
+        assert payload["error"]["type"] == "rate_limit_error"
+        decode.gate.set()
+        async for _ in holder:
+            pass
