@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from kvmesh_kernels.cpu_build import available
-from kvmesh_kernels.cpu_fused import add_rms_norm, fused_supported, rms_norm, rope_, silu_mul
+from kvmesh_kernels.cpu_fused import add_rms_norm, fused_supported, rms_norm, rope_
 
 pytestmark = pytest.mark.skipif(not available(), reason="fused CPU library not built")
 
@@ -56,18 +55,6 @@ def test_rms_norm_of_strided_rows(dtype: torch.dtype) -> None:
     x = randn(33, 256, dtype=dtype, seed=5)[:, :128]
     weight = randn(128, dtype=dtype, seed=6)
     assert close(hf_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
-    gate_up = randn(65, 2 * 1536, dtype=dtype, seed=7)
-    gate, up = gate_up.chunk(2, dim=-1)
-    expected = F.silu(gate) * up
-    got = silu_mul(gate_up)
-    if dtype == torch.bfloat16:
-        assert torch.equal(expected, got)
-    else:
-        assert close(expected, got)
 
 
 def hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,6 @@
 //
 //   add_rms_norm:  s = x + r (rounded);  r <- s;  y = w * round(s * rsqrt(mean(s^2) + eps))
 //   rms_norm:      the same without the add (y from x)
-//   silu_mul:      y = round(round(silu(g)) * u) over rows of [g | u]
 //   rope:          x1' = round(round(x1 c) - round(x2 s)), x2' = round(round(x2 c) + round(x1 s))
 //                  in place over heads of rows, cos/sin rows picked by position ("rotate half")
 //
@@ -100,31 +99,6 @@ int rms_norm(const void* x, int64_t x_stride, const void* w, void* y, int64_t ro
 }
 
 template <class D>
-KVF_CLONES void silu_mul_row(const typename D::T* g, const typename D::T* u, typename D::T* y,
-                             int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = D::load(g[i]);
-    const float act = D::round(v / (1.f + std::exp(-v)));
-    y[i] = D::store(act * D::load(u[i]));
-  }
-}
-
-template <class D>
-int silu_mul(const void* gate_up, int64_t row_stride, void* y, int64_t rows, int64_t n,
-             int64_t threads) {
-  using T = typename D::T;
-  if (rows < 0 || n <= 0 || row_stride < 2 * n || threads < 1) return 1;
-  const T* gu = static_cast<const T*>(gate_up);
-  const bool parallel = rows * n >= kParallelElements && threads > 1;
-#pragma omp parallel for num_threads(static_cast<int>(threads)) if (parallel) schedule(static)
-  for (int64_t row = 0; row < rows; ++row) {
-    const T* g = gu + row * row_stride;
-    silu_mul_row<D>(g, g + n, static_cast<T*>(y) + row * n, n);
-  }
-  return 0;
-}
-
-template <class D>
 KVF_CLONES void rope_head(typename D::T* x, const typename D::T* c, const typename D::T* s,
                           int64_t half) {
 #pragma omp simd
@@ -173,13 +147,6 @@ extern "C" int kvmesh_cpu_rms_norm(int dtype, const void* x, int64_t x_stride, c
                                    void* y, int64_t rows, int64_t n, double eps, int64_t threads) {
   if (dtype == 0) return rms_norm<F32>(x, x_stride, w, y, rows, n, eps, threads);
   if (dtype == 1) return rms_norm<BF16>(x, x_stride, w, y, rows, n, eps, threads);
-  return 3;
-}
-
-extern "C" int kvmesh_cpu_silu_mul(int dtype, const void* gate_up, int64_t row_stride, void* y,
-                                   int64_t rows, int64_t n, int64_t threads) {
-  if (dtype == 0) return silu_mul<F32>(gate_up, row_stride, y, rows, n, threads);
-  if (dtype == 1) return silu_mul<BF16>(gate_up, row_stride, y, rows, n, threads);
   return 3;
 }
 

@@ -92,7 +92,5 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 * I] (gate | up) -> silu(gate) * up [T, I]."""
-    if gate_up.dim() == 2 and cpu_fused.fused_supported(gate_up):
-        return cpu_fused.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
