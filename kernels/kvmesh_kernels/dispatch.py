@@ -12,7 +12,7 @@ reference. KVMESH_CPU_KERNEL=0 turns the C library off.
 from __future__ import annotations
 
 import importlib
-import itertools
+import operator
 import os
 from collections.abc import Callable
 from typing import Any
@@ -165,12 +165,14 @@ def _check_lengths(
 def _check_host_lengths(lens: list[int], capacity: int, q_lens: list[int] | None) -> None:
     """Every context fits its table row (capacity tokens); every chunk fits its context."""
     _check(
-        all(0 <= n <= capacity for n in lens),
+        not lens or (min(lens) >= 0 and max(lens) <= capacity),
         f"seq_lens must lie in [0, max_blocks * block_size = {capacity}]",
     )
     if q_lens is not None:
         _check(
-            all(0 <= q <= n for q, n in zip(q_lens, lens, strict=True)),
+            len(q_lens) == len(lens)
+            and (not q_lens or min(q_lens) >= 0)
+            and all(map(operator.le, q_lens, lens)),
             "query_start_loc gives a query chunk longer than its seq_lens context",
         )
 
@@ -195,8 +197,8 @@ def _host_q_lens(num_tokens: int | None, batch: int, query_start_loc: torch.Tens
         starts[0] == 0 and starts[-1] == num_tokens,
         f"query_start_loc must run from 0 to num_tokens={num_tokens}",
     )
-    q_lens = [hi - lo for lo, hi in itertools.pairwise(starts)]
-    _check(all(q >= 0 for q in q_lens), "query_start_loc must be non-decreasing")
+    q_lens = list(map(operator.sub, starts[1:], starts[:-1]))
+    _check(not q_lens or min(q_lens) >= 0, "query_start_loc must be non-decreasing")
     return q_lens
 
 

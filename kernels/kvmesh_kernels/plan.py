@@ -54,7 +54,9 @@ class AttentionPlan:
         q_lens = dispatch._host_q_lens(None, seq_lens.shape[0], query_start_loc)
         self.num_tokens = sum(q_lens)
         dispatch._check_slots(slot_mapping, self.num_tokens)
-        _check(all(q >= 1 for q in q_lens), "paged_attention needs q_len >= 1 for every sequence")
+        _check(
+            not q_lens or min(q_lens) >= 1, "paged_attention needs q_len >= 1 for every sequence"
+        )
         capacity = block_tables.shape[1] * spec.block_size
         dispatch._check_host_lengths(seq_lens.tolist(), capacity, q_lens)
         dispatch._check_slot_range(slot_mapping, spec.num_blocks * spec.block_size)
