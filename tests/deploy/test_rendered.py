@@ -10,6 +10,7 @@ kvmesh CLI.
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 from pathlib import Path
@@ -49,6 +50,7 @@ def renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[r.Obj]]:
         return out
     gpu = r.merge(CHART_AS_BASE, r.helm_values_file("values-gpu.yaml"))
     production = r.merge(gpu, {"mesh": {"enabled": True}, "autoscaling": {"enabled": True}})
+    out["helm-defaults"] = r.helm_template({})
     out["helm"] = r.helm_template(CHART_AS_BASE)
     out["helm-gpu"] = r.helm_template(gpu)
     out["helm-production"] = r.helm_template(production)
@@ -266,13 +268,17 @@ def test_the_chart_values_reach_the_objects(renders: dict[str, list[r.Obj]]) -> 
     assert claim["storageClassName"] == "nfs"
 
 
-def test_the_chart_requires_a_token() -> None:
-    helm = pytest.importorskip("helm_python", reason="dev extra helm-python-sdk")
-    with pytest.raises(helm.HelmError, match=r"auth\.token"):
-        r.helm_template({})
+def test_without_a_token_the_chart_makes_a_random_one() -> None:
+    def token() -> str:
+        objects = {r.key(o): o for o in r.helm_template({})}
+        return str(objects[("Secret", "kvmesh", r.TOKEN_SECRET)]["data"]["token"])
+
+    first, second = token(), token()
+    assert first != second
+    assert len(base64.b64decode(first)) == 64
 
 
 def test_the_chart_lints_clean() -> None:
     helm = pytest.importorskip("helm_python", reason="dev extra helm-python-sdk")
-    report: dict[str, Any] = helm.lint(str(r.CHART), values={"auth": {"token": "t"}})
+    report: dict[str, Any] = helm.lint(str(r.CHART), strict=True)
     assert report["errors"] == [], report
