@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -273,6 +274,19 @@ def test_without_a_token_the_chart_makes_a_random_one() -> None:
     first, second = token(), token()
     assert first != second
     assert len(base64.b64decode(first)) == 64
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [({"transferBackend": "shm"}, "/transferBackend"),
+     ({"prefil": {"replicas": 3}}, "prefil"),
+     ({"decode": {"replicas": "two"}}, "/decode/replicas"),
+     ({"model": {"name": "../etc"}}, "/model/name")],
+)  # fmt: skip
+def test_the_chart_refuses_bad_values_naming_the_field(values: dict[str, Any], field: str) -> None:
+    helm = pytest.importorskip("helm_python", reason="dev extra helm-python-sdk")
+    with pytest.raises(helm.HelmError, match=re.escape(field)):
+        r.helm_template(values)
 
 
 def test_the_chart_lints_clean() -> None:
