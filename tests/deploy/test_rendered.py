@@ -11,7 +11,6 @@ kvmesh CLI.
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -46,7 +45,7 @@ def renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[r.Obj]]:
     for folder in r.kustomizations():
         name = str(folder.relative_to(r.DEPLOY))
         out[name] = r.kustomize(work / name)
-    if importlib.util.find_spec("helm_python") is None:
+    if not r.have_helm():
         return out
     gpu = r.merge(CHART_AS_BASE, r.helm_values_file("values-gpu.yaml"))
     production = r.merge(gpu, {"mesh": {"enabled": True}, "autoscaling": {"enabled": True}})
@@ -64,7 +63,7 @@ def renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[r.Obj]]:
 
 def chart_render(renders: dict[str, list[r.Obj]], name: str) -> list[r.Obj]:
     if name not in renders:
-        pytest.skip("Helm's engine is not installed (dev extra helm-python-sdk)")
+        r.require_helm()
     return renders[name]
 
 
@@ -284,12 +283,17 @@ def test_without_a_token_the_chart_makes_a_random_one() -> None:
      ({"model": {"name": "../etc"}}, "/model/name")],
 )  # fmt: skip
 def test_the_chart_refuses_bad_values_naming_the_field(values: dict[str, Any], field: str) -> None:
-    helm = pytest.importorskip("helm_python", reason="dev extra helm-python-sdk")
-    with pytest.raises(helm.HelmError, match=re.escape(field)):
+    with pytest.raises(r.ChartError, match=re.escape(field)):
         r.helm_template(values)
 
 
 def test_the_chart_lints_clean() -> None:
-    helm = pytest.importorskip("helm_python", reason="dev extra helm-python-sdk")
-    report: dict[str, Any] = helm.lint(str(r.CHART), strict=True)
-    assert report["errors"] == [], report
+    r.helm_lint()
+
+
+def test_the_helm_binary_and_helms_library_render_alike() -> None:
+    if r.helm_binary() is None or r.helm_engine() is None:
+        pytest.skip("needs both the helm binary and helm-python-sdk")
+    cli = r.comparable(r.helm_template(CHART_AS_BASE, engine="cli"))
+    sdk = r.comparable(r.helm_template(CHART_AS_BASE, engine="sdk"))
+    assert cli == sdk
