@@ -61,9 +61,9 @@ def kind_of(folder: Path) -> str:
 
 
 def workspace(tmp: Path, token: bool = True) -> Path:
-    """A copy of deploy/ (Helm chart aside) with a sample token file; returns the copy."""
+    """A copy of deploy/ with a sample token file (or none); returns the copy."""
     out = tmp / "deploy"
-    shutil.copytree(DEPLOY, out, ignore=shutil.ignore_patterns("helm", "cluster-token"))
+    shutil.copytree(DEPLOY, out, ignore=shutil.ignore_patterns("cluster-token"))
     if token:
         (out / "k8s" / "base" / "cluster-token").write_text(SAMPLE_TOKEN)
     return out

