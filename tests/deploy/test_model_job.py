@@ -8,6 +8,7 @@ and checks it with `kvmesh model path`. Here the fetch reads a file:// URL.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +76,13 @@ def test_a_failed_fetch_leaves_no_model(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert not (models / "checkpoints" / "m").exists()
     assert not (models / "incoming" / "m.gguf").exists()
+
+
+def test_without_a_url_the_job_converts_the_image_default_gguf(tmp_path: Path) -> None:
+    # The whole default conversion takes minutes; the script's source line is run on its own.
+    script = manifest("model.yaml", "ConfigMap")["data"]["prepare.sh"]
+    (line,) = re.findall(r"python -c '(from kvmesh\.models\.default [^']*)'", script)
+    done = run_sh(f"python -c '{line}'", {})
+    assert done.returncode == 0, done.stderr
+    default = Path(done.stdout.strip())
+    assert default.suffix == ".gguf" and default.is_file()
