@@ -48,7 +48,11 @@ def renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[r.Obj]]:
     if not r.have_helm():
         return out
     gpu = r.merge(CHART_AS_BASE, r.helm_values_file("values-gpu.yaml"))
-    production = r.merge(gpu, {"mesh": {"enabled": True}, "autoscaling": {"enabled": True}})
+    production = r.merge(
+        gpu,
+        {"mesh": {"enabled": True}, "autoscaling": {"enabled": True},
+         "networkPolicy": {"enabled": True}},
+    )  # fmt: skip
     out["helm-defaults"] = r.helm_template({})
     out["helm"] = r.helm_template(CHART_AS_BASE)
     out["helm-gpu"] = r.helm_template(gpu)
@@ -101,7 +105,7 @@ def test_every_kustomization_renders_and_every_component_is_used(
         doc = r.yaml.safe_load((folder / "kustomization.yaml").read_text())
         used |= {(folder / c).resolve() for c in doc.get("components", [])}
     components = {f.resolve() for f in r.kustomizations() if r.kind_of(f) == "Component"}
-    assert len(components) >= 2, "mesh and autoscaling are components"
+    assert len(components) >= 3, "mesh, autoscaling and network policies are components"
     assert components <= used, f"components no overlay uses: {components - used}"
     assert {"k8s/base", "k8s/overlays/cpu", "k8s/overlays/gpu"} <= set(renders)
 
@@ -212,6 +216,28 @@ def test_the_mesh_keeps_the_model_job_out_of_the_sidecar(
         job = {r.key(o): o for o in objects}[("Job", "kvmesh", "kvmesh-model")]
         labels = job["spec"]["template"]["metadata"]["labels"]
         assert (labels.get("sidecar.istio.io/inject") == "false") == meshed, name
+
+
+def test_only_prefill_pods_reach_the_decode_kv_receivers(renders: dict[str, list[r.Obj]]) -> None:
+    policies = {
+        o["metadata"]["name"]: o["spec"]
+        for o in renders["k8s/components/network-policy"]
+        if o["kind"] == "NetworkPolicy"
+    }
+    assert set(policies) == {"kvmesh-control", "kvmesh-prefill", "kvmesh-decode"}
+    for spec in policies.values():
+        assert spec["policyTypes"] == ["Ingress"]
+    any_port = [rule for rule in policies["kvmesh-decode"]["ingress"] if "ports" not in rule]
+    (only,) = any_port
+    (peer,) = only["from"]
+    assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kvmesh-prefill"}
+    internal = [
+        rule for rule in policies["kvmesh-control"]["ingress"]
+        if {"port": 50052} in rule.get("ports", [])
+    ]  # fmt: skip
+    sources = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+               for peer in internal[0]["from"]}  # fmt: skip
+    assert sources == {"kvmesh-prefill", "kvmesh-decode"}
 
 
 def test_scaled_objects_use_metrics_the_code_defines(renders: dict[str, list[r.Obj]]) -> None:
