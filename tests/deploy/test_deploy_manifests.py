@@ -36,8 +36,15 @@ TOKEN_FILE = "/var/run/secrets/kvmesh/token"
 INTERNAL_PORT = 50052  # the control plane's internal door (ControlService)
 
 
+HELM_TEMPLATES = DEPLOY / "helm" / "kvmesh" / "templates"  # Go templates, not YAML
+
+
 def yaml_files() -> list[Path]:
-    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml"))
+    return sorted(
+        p
+        for p in DEPLOY.rglob("*")
+        if p.suffix in (".yaml", ".yml") and HELM_TEMPLATES not in p.parents
+    )
 
 
 def load(path: Path) -> list[Any]:
@@ -75,7 +82,10 @@ def kvmesh_containers() -> list[tuple[str, dict[str, Any], dict[str, Any], dict[
         for patch in pod.get("containers", []):
             container = {**base.get((obj["metadata"]["name"], patch["name"]), {}), **patch}
             args = container.get("args") or []
-            if args[:1] == ["serve"] or container.get("image", "").startswith("kvmesh"):
+            runs_cli = container.get("image", "").startswith("kvmesh") and not container.get(
+                "command"
+            )
+            if args[:1] == ["serve"] or runs_cli:
                 label = f"{path.relative_to(ROOT)}:{obj['metadata']['name']}/{container['name']}"
                 found.append((label, obj, pod, container))
     return found
@@ -161,7 +171,9 @@ def test_kustomizations_name_existing_files() -> None:
     for path in DEPLOY.rglob("kustomization.yaml"):
         (kustomization,) = load(path)
         listed = list(kustomization.get("resources", []))
-        listed += [p if isinstance(p, str) else p["path"] for p in kustomization.get("patches", [])]
+        listed += kustomization.get("components", [])
+        patches = kustomization.get("patches", [])
+        listed += [p if isinstance(p, str) else p["path"] for p in patches if "patch" not in p]
         for gen in kustomization.get("configMapGenerator", []):
             listed += gen.get("files", [])
         for entry in listed:
@@ -301,10 +313,10 @@ def test_every_pod_mounts_the_cluster_token_secret() -> None:
 
 
 def test_the_token_secret_is_generated_from_an_ignored_file() -> None:
-    (kustomization,) = load(DEPLOY / "k8s" / "kustomization.yaml")
+    (kustomization,) = load(DEPLOY / "k8s" / "base" / "kustomization.yaml")
     (generator,) = kustomization["secretGenerator"]
     assert generator["name"] == TOKEN_SECRET and generator["files"] == ["token=cluster-token"]
-    assert "deploy/k8s/cluster-token" in (ROOT / ".gitignore").read_text().split()
+    assert "deploy/k8s/base/cluster-token" in (ROOT / ".gitignore").read_text().split()
 
 
 def test_only_worker_accounts_reach_the_internal_door() -> None:

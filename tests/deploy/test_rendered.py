@@ -1,0 +1,325 @@
+"""deploy/ as a user applies it: rendered by `kubectl kustomize` and by Helm's engine, validated.
+
+Every kustomization renders (components alone and in the overlays that use them); every core object
+passes `kubernetes-validate --strict` against Kubernetes 1.30 and the newest schema the package
+ships; Istio and KEDA objects pass models generated from their published CRD schemas, with no
+field those schemas lack. The Helm chart renders the same objects as the kustomize base, the GPU
+overlay and the production overlay. Every kvmesh container of every render is accepted by the
+kvmesh CLI.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.deploy import rendering as r
+from tests.deploy.test_deploy_manifests import METRIC, metric_names_in_code, parsed_command
+
+OLDEST_K8S = "1.30.0"
+OTEL_KINDS = {("ServiceAccount", "otel-collector"), ("Role", "otel-collector-pod-discovery"),
+              ("RoleBinding", "otel-collector-pod-discovery"), ("Deployment", "otel-collector"),
+              ("Service", "otel-collector")}  # fmt: skip
+# apiVersion/kind -> the model generated from the project's published CRD schema.
+CRD_MODELS = {
+    ("security.istio.io/v1", "PeerAuthentication"): "cloudcoil.models.istio.security.v1",
+    ("security.istio.io/v1", "AuthorizationPolicy"): "cloudcoil.models.istio.security.v1",
+    ("networking.istio.io/v1", "DestinationRule"): "cloudcoil.models.istio.networking.v1",
+    ("networking.istio.io/v1", "VirtualService"): "cloudcoil.models.istio.networking.v1",
+    ("keda.sh/v1alpha1", "ScaledObject"): "cloudcoil.models.keda.v1alpha1",
+}
+CHART_AS_BASE = {"auth": {"token": r.SAMPLE_TOKEN}, "namespace": {"create": True}}
+
+
+@pytest.fixture(scope="module")
+def renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[r.Obj]]:
+    """Every renderable kustomization (by path under deploy/) and, where Helm's engine is
+    installed, the chart's variants (by name, `helm...`)."""
+    work = r.workspace(tmp_path_factory.mktemp("render"))
+    out = {}
+    for folder in r.kustomizations():
+        name = str(folder.relative_to(r.DEPLOY))
+        out[name] = r.kustomize(work / name)
+    if not r.have_helm():
+        return out
+    gpu = r.merge(CHART_AS_BASE, r.helm_values_file("values-gpu.yaml"))
+    production = r.merge(
+        gpu,
+        {"mesh": {"enabled": True}, "autoscaling": {"enabled": True},
+         "networkPolicy": {"enabled": True}},
+    )  # fmt: skip
+    out["helm-defaults"] = r.helm_template({})
+    out["helm"] = r.helm_template(CHART_AS_BASE)
+    out["helm-gpu"] = r.helm_template(gpu)
+    out["helm-production"] = r.helm_template(production)
+    out["helm-options"] = r.helm_template(
+        {"auth": {"existingSecret": "my-token"}, "transferBackend": "gloo",
+         "model": {"url": "https://models.example/m.gguf", "name": "m",
+                   "storage": {"storageClassName": "nfs"}}}
+    )  # fmt: skip
+    return out
+
+
+def chart_render(renders: dict[str, list[r.Obj]], name: str) -> list[r.Obj]:
+    if name not in renders:
+        r.require_helm()
+    return renders[name]
+
+
+def unique_objects(renders: dict[str, list[r.Obj]]) -> list[tuple[str, r.Obj]]:
+    seen: dict[str, tuple[str, r.Obj]] = {}
+    for name, objects in renders.items():
+        for obj in objects:
+            seen.setdefault(json.dumps(obj, sort_keys=True), (name, obj))
+    return list(seen.values())
+
+
+def label(name: str, obj: r.Obj) -> str:
+    return f"{name}: {obj['kind']}/{obj['metadata']['name']}"
+
+
+def without_otel(objects: list[r.Obj]) -> list[r.Obj]:
+    """The objects of deploy/otel removed (the overlays add the collector; the chart does not)."""
+    return [
+        o
+        for o in objects
+        if (o["kind"], o["metadata"]["name"]) not in OTEL_KINDS
+        and not o["metadata"]["name"].startswith("otel-collector-config")
+    ]
+
+
+# -- kustomize -------------------------------------------------------------------------------
+
+
+def test_every_kustomization_renders_and_every_component_is_used(
+    renders: dict[str, list[r.Obj]],
+) -> None:
+    used: set[Path] = set()
+    for folder in r.kustomizations():
+        assert renders[str(folder.relative_to(r.DEPLOY))], f"{folder}: renders nothing"
+        doc = r.yaml.safe_load((folder / "kustomization.yaml").read_text())
+        used |= {(folder / c).resolve() for c in doc.get("components", [])}
+    components = {f.resolve() for f in r.kustomizations() if r.kind_of(f) == "Component"}
+    assert len(components) >= 3, "mesh, autoscaling and network policies are components"
+    assert components <= used, f"components no overlay uses: {components - used}"
+    assert {"k8s/base", "k8s/overlays/cpu", "k8s/overlays/gpu"} <= set(renders)
+
+
+def test_without_the_token_file_kustomize_stops_naming_it(tmp_path: Path) -> None:
+    work = r.workspace(tmp_path, token=False)
+    done = r.subprocess.run(
+        [r.kubectl(), "kustomize", str(work / "k8s" / "overlays" / "cpu")],
+        capture_output=True, text=True, timeout=r.RENDER_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode != 0 and "cluster-token" in done.stderr
+
+
+def test_core_objects_validate_strictly(renders: dict[str, list[r.Obj]]) -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="dev extra kubernetes-validate")
+    newest = kv.latest_version()
+    checked = 0
+    for name, obj in unique_objects(renders):
+        if (obj["apiVersion"], obj["kind"]) in CRD_MODELS:
+            continue
+        for version in (OLDEST_K8S, newest):
+            try:
+                kv.validate(obj, version, strict=True)
+            except kv.ValidationError as error:
+                pytest.fail(f"{label(name, obj)} against {version}: {error}")
+            checked += 1
+    assert checked >= 40
+
+
+def test_istio_and_keda_objects_match_their_crd_schemas(renders: dict[str, list[r.Obj]]) -> None:
+    checked = set()
+    for name, obj in unique_objects(renders):
+        module_name = CRD_MODELS.get((obj["apiVersion"], obj["kind"]))
+        if module_name is None:
+            assert "istio.io" not in obj["apiVersion"] and "keda.sh" not in obj["apiVersion"], (
+                f"{label(name, obj)}: no schema model for {obj['apiVersion']}"
+            )
+            continue
+        module = pytest.importorskip(module_name, reason="dev extras cloudcoil-models-*")
+        model = getattr(module, obj["kind"]).model_validate(obj)
+        # The models keep only the fields the schema has: a lost field was a field too many.
+        back = model.model_dump(by_alias=True, exclude_unset=True, mode="json")
+        difference = r.first_difference(back, obj)
+        assert difference is None, f"{label(name, obj)}: not in the CRD schema: {difference}"
+        checked.add(obj["kind"])
+    assert checked == {kind for _v, kind in CRD_MODELS}
+
+
+def test_peer_authentication_port_keys_are_strings(renders: dict[str, list[r.Obj]]) -> None:
+    policies = [o for _n, o in unique_objects(renders) if o["kind"] == "PeerAuthentication"]
+    ports = [p for o in policies for p in o["spec"].get("portLevelMtls", {})]
+    assert ports and all(isinstance(p, str) and p.isdigit() for p in ports)
+
+
+def containers(renders: dict[str, list[r.Obj]]) -> list[tuple[str, r.Obj]]:
+    out = []
+    for name, obj in unique_objects(renders):
+        pod = obj.get("spec", {}).get("template", {}).get("spec")
+        for container in (pod or {}).get("containers", []):
+            if container.get("args", [])[:1] == ["serve"]:
+                out.append((f"{label(name, obj)}/{container['name']}", container))
+    return out
+
+
+def test_every_rendered_kvmesh_container_is_accepted_by_the_cli(
+    renders: dict[str, list[r.Obj]],
+) -> None:
+    found = containers(renders)
+    roles = set()
+    for where, container in found:
+        top, role_args = parsed_command(where, container)
+        roles.add(top.role)
+        if top.role in ("prefill", "decode"):
+            env = {e["name"]: e for e in container["env"]}
+            source = env["KVMESH_MODEL"]["valueFrom"]["configMapKeyRef"]
+            assert source == {"name": "kvmesh-model", "key": f"{top.role}-model"}, where
+            assert role_args is not None and role_args.model == "x", f"{where}: --model"
+    assert roles == {"control", "prefill", "decode"}
+
+
+def kvmesh_renders(renders: dict[str, list[r.Obj]]) -> dict[str, list[r.Obj]]:
+    """The renders that deploy kvmesh (deploy/otel alone does not)."""
+    return {n: objs for n, objs in renders.items() if any(o["kind"] == "Job" for o in objs)}
+
+
+def test_workers_mount_the_model_read_only(renders: dict[str, list[r.Obj]]) -> None:
+    for name, objects in kvmesh_renders(renders).items():
+        by_key = {r.key(o): o for o in objects}
+        for role in ("prefill", "decode"):
+            pod = by_key[("Deployment", "kvmesh", f"kvmesh-{role}")]["spec"]["template"]["spec"]
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            claim = volumes["models"]["persistentVolumeClaim"]
+            assert claim == {"claimName": "kvmesh-model", "readOnly": True}, name
+            for c in pod["containers"] + pod["initContainers"]:
+                mount = {m["name"]: m for m in c["volumeMounts"]}["models"]
+                assert mount["readOnly"] is True, f"{name}: {role}/{c['name']}"
+        job = by_key[("Job", "kvmesh", "kvmesh-model")]
+        assert job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"] == {
+            "claimName": "kvmesh-model"
+        }, name
+
+
+def test_the_mesh_keeps_the_model_job_out_of_the_sidecar(
+    renders: dict[str, list[r.Obj]],
+) -> None:
+    for name, objects in kvmesh_renders(renders).items():
+        meshed = any(o["kind"] == "PeerAuthentication" for o in objects)
+        job = {r.key(o): o for o in objects}[("Job", "kvmesh", "kvmesh-model")]
+        labels = job["spec"]["template"]["metadata"]["labels"]
+        assert (labels.get("sidecar.istio.io/inject") == "false") == meshed, name
+
+
+def test_only_prefill_pods_reach_the_decode_kv_receivers(renders: dict[str, list[r.Obj]]) -> None:
+    policies = {
+        o["metadata"]["name"]: o["spec"]
+        for o in renders["k8s/components/network-policy"]
+        if o["kind"] == "NetworkPolicy"
+    }
+    assert set(policies) == {"kvmesh-control", "kvmesh-prefill", "kvmesh-decode"}
+    for spec in policies.values():
+        assert spec["policyTypes"] == ["Ingress"]
+    any_port = [rule for rule in policies["kvmesh-decode"]["ingress"] if "ports" not in rule]
+    (only,) = any_port
+    (peer,) = only["from"]
+    assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kvmesh-prefill"}
+    internal = [
+        rule for rule in policies["kvmesh-control"]["ingress"]
+        if {"port": 50052} in rule.get("ports", [])
+    ]  # fmt: skip
+    sources = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+               for peer in internal[0]["from"]}  # fmt: skip
+    assert sources == {"kvmesh-prefill", "kvmesh-decode"}
+
+
+def test_scaled_objects_use_metrics_the_code_defines(renders: dict[str, list[r.Obj]]) -> None:
+    known = metric_names_in_code()
+    scaled = [o for _n, o in unique_objects(renders) if o["kind"] == "ScaledObject"]
+    assert {o["spec"]["scaleTargetRef"]["name"] for o in scaled} == {
+        "kvmesh-prefill",
+        "kvmesh-decode",
+    }
+    for obj in scaled:
+        for trigger in obj["spec"]["triggers"]:
+            query = trigger["metadata"]["query"]
+            for metric in METRIC.findall(query):
+                assert metric.removesuffix("_bucket") in known, f"{trigger['name']}: {metric}"
+            role = obj["spec"]["scaleTargetRef"]["name"].removeprefix("kvmesh-")
+            if "role=" in query:
+                assert f'role="{role}"' in query, f"{trigger['name']}: another role's pods"
+
+
+# -- Helm ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("chart", "kustomization"),
+    [("helm", "k8s/base"), ("helm-gpu", "k8s/overlays/gpu"),
+     ("helm-production", "k8s/overlays/production")],
+)  # fmt: skip
+def test_the_chart_renders_what_kustomize_renders(
+    renders: dict[str, list[r.Obj]], chart: str, kustomization: str
+) -> None:
+    ours = r.comparable(chart_render(renders, chart))
+    theirs = r.comparable(without_otel(renders[kustomization]))
+    assert sorted(ours) == sorted(theirs), f"{chart} vs {kustomization}: objects differ"
+    for obj_key, obj in theirs.items():
+        difference = r.first_difference(ours[obj_key], obj)
+        assert difference is None, f"{chart} vs {kustomization} {obj_key}: {difference}"
+
+
+def test_the_chart_values_reach_the_objects(renders: dict[str, list[r.Obj]]) -> None:
+    objects = {r.key(o): o for o in chart_render(renders, "helm-options")}
+    assert ("Secret", "kvmesh", r.TOKEN_SECRET) not in objects, "existingSecret: none made"
+    assert ("Namespace", "", "kvmesh") not in objects, "namespace.create defaults to false"
+    pod = objects[("Deployment", "kvmesh", "kvmesh-decode")]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["cluster-token"]["secret"]["secretName"] == "my-token"
+    assert "--transfer-backend=gloo" in pod["containers"][0]["args"]
+    model = objects[("ConfigMap", "kvmesh", "kvmesh-model")]["data"]
+    assert model["decode-model"] == "/models/checkpoints/m"
+    assert model["url"] == "https://models.example/m.gguf"
+    claim = objects[("PersistentVolumeClaim", "kvmesh", "kvmesh-model")]["spec"]
+    assert claim["storageClassName"] == "nfs"
+
+
+def test_without_a_token_the_chart_makes_a_random_one() -> None:
+    def token() -> str:
+        objects = {r.key(o): o for o in r.helm_template({})}
+        return str(objects[("Secret", "kvmesh", r.TOKEN_SECRET)]["data"]["token"])
+
+    first, second = token(), token()
+    assert first != second
+    assert len(base64.b64decode(first)) == 64
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [({"transferBackend": "shm"}, "/transferBackend"),
+     ({"prefil": {"replicas": 3}}, "prefil"),
+     ({"decode": {"replicas": "two"}}, "/decode/replicas"),
+     ({"model": {"name": "../etc"}}, "/model/name")],
+)  # fmt: skip
+def test_the_chart_refuses_bad_values_naming_the_field(values: dict[str, Any], field: str) -> None:
+    with pytest.raises(r.ChartError, match=re.escape(field)):
+        r.helm_template(values)
+
+
+def test_the_chart_lints_clean() -> None:
+    r.helm_lint()
+
+
+def test_the_helm_binary_and_helms_library_render_alike() -> None:
+    if r.helm_binary() is None or r.helm_engine() is None:
+        pytest.skip("needs both the helm binary and helm-python-sdk")
+    cli = r.comparable(r.helm_template(CHART_AS_BASE, engine="cli"))
+    sdk = r.comparable(r.helm_template(CHART_AS_BASE, engine="sdk"))
+    assert cli == sdk
