@@ -2,8 +2,8 @@
 or Helm's Go library through helm-python-sdk where the binary is missing).
 
 The tools come with `scripts/install.sh dev`; a test that needs one that this installation lacks
-skips, naming the package. Renders happen in a copy of deploy/ holding a
-sample cluster token, so the repository is never written.
+skips, naming the package. Neither tool writes the folder it renders; `fresh_copy` gives deploy/
+as a fresh clone has it (the files git tracks, nothing ignored or untracked).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import copy
 import importlib
 import io
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -32,10 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 CHART = DEPLOY / "helm" / "kvmesh"
-SAMPLE_TOKEN = "0123456789abcdef0123456789abcdef\n"
+SAMPLE_TOKEN = "0123456789abcdef0123456789abcdef\n"  # for the chart's auth.token only
 TOKEN_SECRET = "kvmesh-cluster-token"
-# kustomize names a generated Secret NAME-<10 character content hash>.
-HASHED_TOKEN_SECRET = re.compile(rf"^{TOKEN_SECRET}-[a-z0-9]{{10}}$")
+TOKEN_KEY = "token"
 RENDER_TIMEOUT_S = 60
 UNORDERED = ("volumes", "volumeMounts")
 Obj = dict[str, Any]
@@ -60,13 +58,28 @@ def kind_of(folder: Path) -> str:
     return str(doc.get("kind", "Kustomization"))
 
 
-def workspace(tmp: Path, token: bool = True) -> Path:
-    """A copy of deploy/ with a sample token file (or none); returns the copy."""
-    out = tmp / "deploy"
-    shutil.copytree(DEPLOY, out, ignore=shutil.ignore_patterns("cluster-token"))
-    if token:
-        (out / "k8s" / "base" / "cluster-token").write_text(SAMPLE_TOKEN)
-    return out
+def tracked_files(folder: Path = DEPLOY) -> list[Path]:
+    """The files under FOLDER that git tracks, relative to the repository root; skips the test
+    outside a git checkout."""
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: no tracked files to copy")
+    done = subprocess.run(
+        [git, "-C", str(ROOT), "ls-files", "-z", "--cached", "--", str(folder.relative_to(ROOT))],
+        capture_output=True, text=True, timeout=RENDER_TIMEOUT_S, check=True,
+    )  # fmt: skip
+    return [Path(name) for name in done.stdout.split("\0") if name]
+
+
+def fresh_copy(tmp: Path) -> Path:
+    """deploy/ as a fresh clone has it, under TMP: only the files git tracks (their working-tree
+    content), no ignored or untracked file. Returns the copy's deploy/."""
+    for name in tracked_files():
+        source = ROOT / name
+        if source.is_file():  # a tracked file deleted in the working tree is not copied
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, tmp / name)
+    return tmp / "deploy"
 
 
 def kustomize(folder: Path) -> list[Obj]:
@@ -208,15 +221,21 @@ def key(obj: Obj) -> tuple[str, str, str]:
     return obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
 
 
+def token_secret_key() -> tuple[str, str, str]:
+    return "Secret", "kvmesh", TOKEN_SECRET
+
+
 def comparable(objects: Iterable[Obj]) -> dict[tuple[str, str, str], Obj]:
     """Objects by (kind, namespace, name), with the ways the renderers differ by design
-    removed: kustomize's content hash on the token Secret's name, the chart's token checksum
-    annotation (its way to roll the pods when the token changes), and the order of volumes
-    and mounts (a strategic merge puts patched ones first; the order means nothing)."""
+    removed: the token Secret (the chart makes one; with kustomize the operator creates it),
+    the chart's token checksum annotation (its way to roll the pods when the token changes),
+    and the order of volumes and mounts (a strategic merge puts patched ones first; the order
+    means nothing)."""
     out = {}
     for original in objects:
+        if key(original) == token_secret_key():
+            continue
         obj = copy.deepcopy(original)
-        _unhash_token_secret(obj)
         _sort_named(obj)
         template = obj.get("spec", {}).get("template", {}).get("metadata", {})
         template.get("annotations", {}).pop("checksum/cluster-token", None)
@@ -233,18 +252,6 @@ def _sort_named(node: Any) -> None:
     elif isinstance(node, list):
         for item in node:
             _sort_named(item)
-
-
-def _unhash_token_secret(node: Any) -> None:
-    if isinstance(node, dict):
-        for name, value in node.items():
-            if isinstance(value, str) and HASHED_TOKEN_SECRET.match(value):
-                node[name] = TOKEN_SECRET
-            else:
-                _unhash_token_secret(value)
-    elif isinstance(node, list):
-        for item in node:
-            _unhash_token_secret(item)
 
 
 def first_difference(a: Any, b: Any, path: str = "") -> str | None:

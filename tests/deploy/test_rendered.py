@@ -1,11 +1,13 @@
 """deploy/ as a user applies it: rendered by `kubectl kustomize` and by Helm's engine, validated.
 
-Every kustomization renders (components alone and in the overlays that use them); every core object
-passes `kubernetes-validate --strict` against Kubernetes 1.30 and the newest schema the package
-ships; Istio and KEDA objects pass models generated from their published CRD schemas, with no
+Every kustomization renders (components alone and in the overlays that use them), from a fresh
+clone as from this checkout, and none holds a Secret: the pods mount the cluster-token Secret
+the operator creates, so no render ships a token. Every core object passes
+`kubernetes-validate --strict` against Kubernetes 1.30 and the newest schema the package ships;
+Istio and KEDA objects pass models generated from their published CRD schemas, with no
 field those schemas lack. The Helm chart renders the same objects as the kustomize base, the GPU
-overlay and the production overlay. Every kvmesh container of every render is accepted by the
-kvmesh CLI.
+overlay and the production overlay, plus the token Secret the pods mount. Every kvmesh
+container of every render is accepted by the kvmesh CLI.
 """
 
 from __future__ import annotations
@@ -40,11 +42,9 @@ CHART_AS_BASE = {"auth": {"token": r.SAMPLE_TOKEN}, "namespace": {"create": True
 def renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[r.Obj]]:
     """Every renderable kustomization (by path under deploy/) and, where Helm's engine is
     installed, the chart's variants (by name, `helm...`)."""
-    work = r.workspace(tmp_path_factory.mktemp("render"))
     out = {}
     for folder in r.kustomizations():
-        name = str(folder.relative_to(r.DEPLOY))
-        out[name] = r.kustomize(work / name)
+        out[str(folder.relative_to(r.DEPLOY))] = r.kustomize(folder)
     if not r.have_helm():
         return out
     gpu = r.merge(CHART_AS_BASE, r.helm_values_file("values-gpu.yaml"))
@@ -110,13 +110,40 @@ def test_every_kustomization_renders_and_every_component_is_used(
     assert {"k8s/base", "k8s/overlays/cpu", "k8s/overlays/gpu"} <= set(renders)
 
 
-def test_without_the_token_file_kustomize_stops_naming_it(tmp_path: Path) -> None:
-    work = r.workspace(tmp_path, token=False)
-    done = r.subprocess.run(
-        [r.kubectl(), "kustomize", str(work / "k8s" / "overlays" / "cpu")],
-        capture_output=True, text=True, timeout=r.RENDER_TIMEOUT_S,
-    )  # fmt: skip
-    assert done.returncode != 0 and "cluster-token" in done.stderr
+def test_every_kustomization_renders_the_same_from_a_fresh_clone(
+    renders: dict[str, list[r.Obj]], tmp_path: Path
+) -> None:
+    fresh = r.fresh_copy(tmp_path)
+    copied = {p.relative_to(tmp_path) for p in fresh.rglob("*") if p.is_file()}
+    tracked = {p for p in r.tracked_files() if (r.ROOT / p).is_file()}
+    assert copied == tracked, "the copy holds exactly the tracked files"
+    folders = sorted(p.parent for p in fresh.rglob("kustomization.yaml"))
+    assert len(folders) >= 9
+    for folder in folders:
+        name = str(folder.relative_to(fresh))
+        assert r.kustomize(folder) == renders[name], f"{name}: differs in a fresh clone"
+
+
+def test_no_kustomization_ships_a_secret_and_the_pods_need_the_operators(
+    renders: dict[str, list[r.Obj]],
+) -> None:
+    for folder in r.kustomizations():
+        doc = r.yaml.safe_load((folder / "kustomization.yaml").read_text())
+        assert "secretGenerator" not in doc, f"{folder}: generates a Secret"
+    checked = 0
+    for name, objects in kvmesh_renders(renders).items():
+        if name.startswith("helm"):
+            continue  # the chart makes the Secret: test_the_chart_makes_the_secret_the_pods_mount
+        assert [o for o in objects if o["kind"] == "Secret"] == [], f"{name}: ships a Secret"
+        for obj in objects:
+            pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+            for volume in pod.get("volumes", []):
+                if volume["name"] == "cluster-token":
+                    secret = volume["secret"]
+                    assert secret["secretName"] == r.TOKEN_SECRET, label(name, obj)
+                    assert not secret.get("optional", False), f"{label(name, obj)}: optional"
+                    checked += 1
+    assert checked >= 3 * 5, "control, prefill and decode in base and every overlay"
 
 
 def test_core_objects_validate_strictly(renders: dict[str, list[r.Obj]]) -> None:
@@ -274,6 +301,25 @@ def test_the_chart_renders_what_kustomize_renders(
     for obj_key, obj in theirs.items():
         difference = r.first_difference(ours[obj_key], obj)
         assert difference is None, f"{chart} vs {kustomization} {obj_key}: {difference}"
+
+
+@pytest.mark.parametrize("chart", ["helm", "helm-defaults", "helm-production"])
+def test_the_chart_makes_the_secret_the_pods_mount(
+    renders: dict[str, list[r.Obj]], chart: str
+) -> None:
+    objects = {r.key(o): o for o in chart_render(renders, chart)}
+    secret = objects[r.token_secret_key()]
+    assert secret["type"] == "Opaque" and set(secret["data"]) == {r.TOKEN_KEY}, chart
+    if chart == "helm":
+        assert base64.b64decode(secret["data"][r.TOKEN_KEY]).decode() == r.SAMPLE_TOKEN
+    mounted = 0
+    for obj in objects.values():
+        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        if "cluster-token" in volumes:
+            assert volumes["cluster-token"]["secret"]["secretName"] == r.TOKEN_SECRET, chart
+            mounted += 1
+    assert mounted == 3, f"{chart}: control, prefill and decode mount the token"
 
 
 def test_the_chart_values_reach_the_objects(renders: dict[str, list[r.Obj]]) -> None:
