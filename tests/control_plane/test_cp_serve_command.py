@@ -48,7 +48,8 @@ def test_every_flag_sets_its_config_field() -> None:
     argv = ["--host", "0.0.0.0", "--port", "7000", "--reflection", "--metrics-port", "9100",
             "--transfer-backends", "shm,,grpc", "--max-inflight", "3", "--lease-seconds", "2",
             "--heartbeat-interval", "0.25", "--reservation-lease", "7",
-            "--max-request-seconds", "60", "--drain-seconds", "4"]  # fmt: skip
+            "--max-request-seconds", "60", "--drain-seconds", "4",
+            "--drain-token-seconds", "0.1"]  # fmt: skip
     config = config_from_args(build_parser().parse_args(argv))
     assert (config.host, config.port, config.reflection, config.metrics_port) == (
         "0.0.0.0", 7000, True, 9100
@@ -58,6 +59,7 @@ def test_every_flag_sets_its_config_field() -> None:
     assert tunables == {
         "max_inflight": 3, "lease_seconds": 2.0, "heartbeat_interval_seconds": 0.25,
         "reservation_lease_seconds": 7.0, "max_request_seconds": 60.0, "drain_seconds": 4.0,
+        "drain_token_seconds": 0.1,
     }  # fmt: skip
     assert config.reap_interval_seconds == 0.5
 
