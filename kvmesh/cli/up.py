@@ -6,6 +6,8 @@ on URL/v1" line when the HTTP door is on), then every worker (its
 SERVING, all before `--startup-timeout`. Stop order: the control plane first (it drains in-flight
 requests, bounded), then the workers (SIGTERM, SIGKILL after a bound). Children run under
 `kvmesh.cli.supervisor`, so none outlives `kvmesh up`, even when it is killed with SIGKILL.
+With a restart policy (`kvmesh up` has one unless `--no-restart`), a background thread
+restarts dead or wedged children with backoff (`kvmesh.cli.restarts`).
 `LocalSystem` is the same thing as a context manager for tests and benchmarks.
 """
 
@@ -18,11 +20,13 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.cli.restarts import POLL_SECONDS, Keeper, RestartPolicy
 from kvmesh.cli.supervisor import Child, ChildFailed, Supervisor
 from kvmesh.service.engine_flags import (
     add_engine_flags,
@@ -55,7 +59,8 @@ class UpConfig:
     transfer_backend: str = "shm"
     threads: int | None = None  # torch threads per worker
     startup_timeout: float = 180.0
-    drain_seconds: float = 5.0
+    drain_seconds: float = 30.0  # the control plane's drain cap (its bound is sized per request)
+    restart: RestartPolicy | None = None  # restart dead or wedged children (None: never)
     control_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()  # passed to every worker
     role_args: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # role -> extra args
@@ -90,6 +95,9 @@ class LocalSystem:
         self.model_dir = ""
         self.control: Child | None = None
         self.workers: list[Worker] = []
+        self.keeper: Keeper | None = None
+        self._keeping = threading.Event()
+        self._keeper_thread: threading.Thread | None = None
 
     def __enter__(self) -> LocalSystem:
         try:
@@ -111,7 +119,31 @@ class LocalSystem:
         for worker in self.workers:
             self._wait_ready(worker, deadline)
         wait_serving(self.endpoint, deadline)
+        if self.config.restart is not None:
+            self.start_keeping(self.config.restart)
         return self.endpoint
+
+    def start_keeping(self, policy: RestartPolicy) -> Keeper:
+        """Restart dead or wedged children from a background thread until `stop`."""
+        self.keeper = Keeper(self, policy)
+        self._keeping.set()
+        self._keeper_thread = threading.Thread(target=self._keep, name="kvmesh-up-keeper",
+                                               daemon=True)  # fmt: skip
+        self._keeper_thread.start()
+        return self.keeper
+
+    def _keep(self) -> None:
+        assert self.keeper is not None
+        while self._keeping.is_set():
+            self.keeper.check()
+            time.sleep(POLL_SECONDS)
+
+    def stop_keeping(self) -> None:
+        self._keeping.clear()
+        if self._keeper_thread is not None:
+            self._keeper_thread.join(timeout=30.0)
+        if self.keeper is not None:
+            self.keeper.probe.close()
 
     def start_control(self, deadline: float) -> str:
         """(Re)start the control plane; returns its address."""
@@ -130,10 +162,13 @@ class LocalSystem:
         self.endpoint = self.supervisor.wait_for(self.control, CONTROL_READY, deadline).group(1)
         return self.endpoint
 
-    def start_worker(self, role: str, deadline: float | None = None) -> Worker:
-        """Start one worker; with a deadline, also wait for its ready line."""
+    def start_worker(
+        self, role: str, deadline: float | None = None, name: str | None = None
+    ) -> Worker:
+        """Start one worker (a new slot, or the slot `name` again); with a deadline, also
+        wait for its ready line."""
         c = self.config
-        name = f"{role}-{sum(w.role == role for w in self.workers)}"
+        name = name or f"{role}-{sum(w.role == role for w in self.workers)}"
         argv = [*kvmesh_argv(), "serve", role, "--control", self.endpoint,
                 "--model", self.model_dir, "--host", c.host, "--port", "0",
                 "--metrics-port", "0", *c.worker_args, *c.role_args.get(role, ())]  # fmt: skip
@@ -143,10 +178,33 @@ class LocalSystem:
             argv += ["--num-threads", str(c.threads)]
         env = {} if c.threads is None else {"OMP_NUM_THREADS": str(c.threads)}
         worker = Worker(role, self.supervisor.start(name, argv, env))
-        self.workers.append(worker)
+        slots = [i for i, w in enumerate(self.workers) if w.child.name == name]
+        if slots:
+            self.workers[slots[0]] = worker
+        else:
+            self.workers.append(worker)
         if deadline is not None:
             self._wait_ready(worker, deadline)
         return worker
+
+    def worker(self, name: str) -> Worker | None:
+        return next((w for w in self.workers if w.child.name == name), None)
+
+    def restart_worker(self, name: str) -> Worker:
+        """Start the worker slot `name` again (its old process must be gone); not waiting."""
+        old = self.worker(name)
+        assert old is not None, name
+        return self.start_worker(old.role, name=name)
+
+    def poll_ready(self, name: str) -> bool:
+        """Whether worker `name` printed its ready line (ChildFailed when it exited first)."""
+        worker = self.worker(name)
+        assert worker is not None, name
+        if not worker.ready:
+            ready = self.supervisor.poll(worker.child, WORKER_READY)
+            if ready is not None:
+                worker.ready = json.loads(ready.group(1))
+        return bool(worker.ready)
 
     def _wait_ready(self, worker: Worker, deadline: float) -> None:
         ready = self.supervisor.wait_for(worker.child, WORKER_READY, deadline)
@@ -154,6 +212,7 @@ class LocalSystem:
 
     def stop(self) -> None:
         """Drain the control plane, then stop the workers; bounded, idempotent."""
+        self.stop_keeping()
         if self.control is not None and self.control.alive():
             self.supervisor.stop(self.control, grace=self.config.drain_seconds + 3.0)
         self.supervisor.close()
@@ -210,6 +269,18 @@ def register(subparsers: Any) -> None:
     add("--threads", "--num-threads", type=int, default=None,
         help="torch (and OpenMP) threads per worker process")  # fmt: skip
     add("--startup-timeout", type=float, default=180.0, help="seconds (default %(default)s)")
+    add("--drain-seconds", type=float, default=30.0,
+        help="at most this long for in-flight requests at Ctrl-C; the wait is sized from the "
+             "longest of them (default %(default)s)")  # fmt: skip
+    add("--no-restart", action="store_true", help="do not restart dead or wedged children")
+    add("--wedged-seconds", type=float, default=RestartPolicy.wedged_seconds,
+        help="restart a child not SERVING health this long (default %(default)s)")  # fmt: skip
+    add(
+        "--crash-loop-limit",
+        type=int,
+        default=RestartPolicy.crash_loop_limit,
+        help="give up on a child after this many failures in a row (default %(default)s)",
+    )
     add("--verbose", action="store_true", help="show the children's logs")
     add("--demo", action="store_true", help="send one request, print it, then stop everything")
     add("--prompt", default=DEMO_PROMPT, help="prompt of the --demo request")
@@ -230,7 +301,10 @@ def run_up(args: argparse.Namespace) -> int:
             port=(0 if args.demo else 50051) if args.port is None else args.port,
             http_port=http_port(args),
             transfer_backend=args.transfer_backend, threads=args.threads,
-            startup_timeout=args.startup_timeout,
+            startup_timeout=args.startup_timeout, drain_seconds=args.drain_seconds,
+            restart=None if args.no_restart else RestartPolicy(
+                wedged_seconds=args.wedged_seconds, crash_loop_limit=args.crash_loop_limit,
+                startup_seconds=args.startup_timeout),
             worker_args=worker_argv(engine, args.served_model_name),
         )  # fmt: skip
         # Resolved once here: a bad --model fails in one line before any child starts.
@@ -310,10 +384,16 @@ def print_banner(system: LocalSystem, endpoint: str) -> None:
 
 
 def serve_until_stopped(system: LocalSystem) -> int:
-    """Wait for Ctrl-C/SIGTERM (KeyboardInterrupt); exit 1 early if the control plane dies."""
+    """Wait for Ctrl-C/SIGTERM (KeyboardInterrupt); exit 1 early if the control plane dies
+    for good (with restarts: once they were given up)."""
     reported: set[str] = set()
     while True:
-        time.sleep(0.5)
+        time.sleep(POLL_SECONDS)
+        if system.keeper is not None:
+            control = system.keeper.watches.get("control")
+            if control is not None and control.given_up:
+                return 1
+            continue
         for child in system.dead_children():
             if child.name not in reported:
                 reported.add(child.name)

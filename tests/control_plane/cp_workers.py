@@ -4,8 +4,8 @@ It keeps block sets in a dict, so tests can see exactly what a worker holds and 
 plane released. Blocks are freed only by Release or by finishing a stream, never by a cancelled
 call, so tests observe the control plane's own cleanup. Knobs: `gate` (Decode/Generate wait for
 it before their first response), `after_first_gate`, `prefill_gate`, `reserve_error`, `tokens`
-(responses after the first token), `jitter` (each call first sleeps up to this many
-seconds, drawn from `rng`, so cancels land at random points).
+(responses after the first token), `pace` (seconds between them), `jitter` (each call first
+sleeps up to this many seconds, drawn from `rng`, so cancels land at random points).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class FakeWorker(
         self.changed = asyncio.Event()
         self.reserve_error: grpc.StatusCode | None = None
         self.tokens = 3
+        self.pace = 0.0  # seconds between the responses after the first
         self.jitter = 0.0
         self.rng = random.Random(0)
         self.address = ""
@@ -241,6 +242,8 @@ class FakeWorker(
             await self.after_first_gate.wait()
         for i in range(self.tokens):
             await self._pause()
+            if self.pace:
+                await asyncio.sleep(self.pace)
             last = i == self.tokens - 1
             yield worker_pb2.DecodeResponse(
                 index=0, token_ids=[i], text="b",
