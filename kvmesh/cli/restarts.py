@@ -124,7 +124,8 @@ class Keeper:
             self.watches[name] = Watch(name, started_at=now, ready_at=now)
 
     def _names(self) -> list[str]:
-        return ["control", *(w.child.name for w in self.system.workers)]
+        control = ["control"] if self.system.control is not None else []
+        return [*control, *(w.child.name for w in self.system.workers)]
 
     def check(self) -> None:
         """One pass over every child: notice deaths and wedges, restart the due ones."""
