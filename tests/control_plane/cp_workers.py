@@ -49,6 +49,7 @@ class FakeWorker(
         self.changed = asyncio.Event()
         self.reserve_error: grpc.StatusCode | None = None
         self.tokens = 3
+        self.finish_reason = LENGTH  # of the last response
         self.pace = 0.0  # seconds between the responses after the first
         self.jitter = 0.0
         self.rng = random.Random(0)
@@ -247,7 +248,7 @@ class FakeWorker(
             last = i == self.tokens - 1
             yield worker_pb2.DecodeResponse(
                 index=0, token_ids=[i], text="b",
-                finish_reason=LENGTH if last else UNFINISHED,
+                finish_reason=self.finish_reason if last else UNFINISHED,
                 completion_tokens=self.tokens + 1 if last else 0,
             )  # fmt: skip
         self._free(request_id, generation)

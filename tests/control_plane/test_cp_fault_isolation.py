@@ -120,6 +120,22 @@ async def test_the_served_streams_end_when_their_decode_worker_dies() -> None:
         assert len(cp.server.cluster.ledger) == 0
 
 
+@run_async
+async def test_a_completion_the_worker_aborted_ends_the_stream_aborted() -> None:
+    """A worker ending a completion with FINISH_REASON_ABORT (released there, e.g. a colocated
+    worker's Release) is not a success: ABORTED naming the worker, nothing left held."""
+    async with control_plane() as cp:
+        await cp.add("p0", "prefill")
+        decode = await cp.add("d0", "decode")
+        decode.finish_reason = generation_pb2.FINISH_REASON_ABORT
+        code, details, responses = await status_of(
+            cp.generation.Generate(text_request(request_id="r"), timeout=5)
+        )
+        assert code == grpc.StatusCode.ABORTED and "d0" in details
+        assert responses[-1].finish_reason == generation_pb2.FINISH_REASON_ABORT
+        assert len(cp.server.cluster.ledger) == 0 and decode.held == {}
+
+
 async def status_or_cancelled(
     call: grpc.aio.UnaryStreamCall,  # type: ignore[type-arg]
 ) -> tuple[grpc.StatusCode, str, list[generation_pb2.GenerateResponse]]:

@@ -50,6 +50,25 @@ def running(system: LocalSystem, role: str = "decode") -> dict[str, float]:
     }
 
 
+def admitted(system: LocalSystem) -> dict[str, float]:
+    """Requests each live decode worker took so far (running + waiting + finished): it only
+    grows while nothing fails, even when a stream ends as another starts."""
+    finished = {
+        w.child.name: sample(w.ready["metrics_address"], "kvmesh_requests_total", status="ok")
+        for w in system.workers
+        if w.role == "decode" and w.ready and w.child.alive()
+    }
+    waiting = {
+        w.child.name: sample(w.ready["metrics_address"], "kvmesh_waiting_sequences")
+        for w in system.workers
+        if w.role == "decode" and w.ready and w.child.alive()
+    }
+    return {
+        name: n + waiting.get(name, 0.0) + finished.get(name, 0.0)
+        for name, n in running(system).items()
+    }
+
+
 def busiest(system: LocalSystem, role: str) -> Worker:
     """The live worker of `role` that finished the most requests (the one streams used)."""
     workers = [w for w in system.workers if w.role == role and w.ready and w.child.alive()]
@@ -85,13 +104,13 @@ def spread_streams(
     (so the router alternates decode workers); each knows the decode worker serving it."""
     streams = []
     for i in range(count):
-        before = running(system)
+        before = admitted(system)
         stream = start_stream(endpoint, i, max_tokens, **extra)
         assert stream.first.wait(60), f"stream {i} got no token"
         assert stream.error is None, stream.error
         deadline = time.monotonic() + 10
         while not stream.worker and time.monotonic() < deadline:
-            now = running(system)
+            now = admitted(system)
             grown = [name for name, n in now.items() if n > before.get(name, 0)]
             stream.worker = grown[0] if len(grown) == 1 else ""
             time.sleep(0.05)
