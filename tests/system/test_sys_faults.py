@@ -30,7 +30,7 @@ from fault_harness import (
 from sys_harness import idle, live_workers, local_system, used_blocks, wait_until
 
 from kvmesh.cli.restarts import RestartPolicy
-from kvmesh.cli.up import LocalSystem
+from kvmesh.cli.up import LocalSystem, Worker
 from kvmesh.client import Client
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
@@ -90,8 +90,25 @@ def assert_only_the_victims_lost(
     return sum(stream.error is not None for stream in streams)
 
 
+def settled(local: LocalSystem) -> bool:
+    """Every child slot holds a live, ready process and no restart is pending."""
+    keeper = local.keeper
+    assert keeper is not None
+    pending = any(w.restart_at is not None or w.ready_at is None for w in keeper.watches.values())
+    return not pending and all(w.child.alive() and w.ready for w in local.workers)
+
+
+def replaced(local: LocalSystem, old: Worker) -> None:
+    """Wait until the supervisor started `old`'s slot again and the new process is ready."""
+    name = old.child.name
+    wait_until(lambda: local.worker(name) is not old and bool(worker_of(local, name).ready),
+               RESTART_BOUND, f"{name} restarted")  # fmt: skip
+
+
 def recovered(local: LocalSystem, endpoint: str) -> None:
-    """Back to 2 + 2, nothing held anywhere, and a request succeeds."""
+    """Back to 2 + 2 ready processes the control plane counts live, nothing held anywhere,
+    and a request succeeds."""
+    wait_until(lambda: settled(local), RESTART_BOUND, "every child up and ready")
     wait_for_workers(local, "decode", 2, RESTART_BOUND)
     wait_for_workers(local, "prefill", 2, RESTART_BOUND)
     wait_until(lambda: idle(local), LEASE_BOUND, "no blocks and no ledger entry left")
@@ -143,6 +160,7 @@ def test_decode_worker_fault_fails_only_its_streams(
     lost = assert_only_the_victims_lost(streams, {victim_name}, struck)
     assert lost >= 1
     assert live_workers(local, "decode") >= 1
+    replaced(local, victim)
     recovered(local, endpoint)
     report(f"decode {fault}", lost=lost, collateral=0, leaked=0, outage_s=outage,
            victims_ended_s=victims_ended, recover_s=time.monotonic() - struck)  # fmt: skip
@@ -167,6 +185,8 @@ def test_prefill_worker_fault_after_its_transfers_loses_no_stream(
     finish(streams, 60)
     lost = assert_only_the_victims_lost(streams, set())
     assert lost == 0
+    if fault == "kill -9":
+        replaced(local, victim)
     recovered(local, endpoint)
     report(f"prefill {fault} (after transfer)", lost=0, collateral=0, leaked=0,
            outage_s=outage, recover_s=time.monotonic() - struck)  # fmt: skip
@@ -201,7 +221,8 @@ def test_control_plane_fault_is_restarted_and_workers_reregister(
     finish(streams, LEASE_BOUND + POLICY.wedged_seconds)
     ended = [s for s in streams if s.ended_at > struck]  # it carried every running stream
     assert ended and all(s.error is not None and s.error.code in ENDED for s in ended), streams
-    outage = first_success(endpoint, RESTART_BOUND)
+    first_success(endpoint, RESTART_BOUND)
+    outage = time.monotonic() - struck  # its clients had no front door until now
     recovered(local, endpoint)
     report(f"control plane {fault}", lost=len(ended), collateral=0, leaked=0,
            outage_s=outage, recover_s=time.monotonic() - struck)  # fmt: skip
