@@ -16,6 +16,7 @@ Every decision is printed on one `kvmesh up:` line.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,10 +119,30 @@ class Keeper:
         self.clock = clock
         self.log = log or _print
         self.probe = HealthProbe(policy.probe_timeout)
+        self._running = threading.Event()
+        self._thread: threading.Thread | None = None
         now = clock()
         self.watches: dict[str, Watch] = {}
         for name in self._names():
             self.watches[name] = Watch(name, started_at=now, ready_at=now)
+
+    def start(self) -> None:
+        """Run `check` every POLL_SECONDS on a daemon thread until `stop`."""
+        self._running.set()
+        self._thread = threading.Thread(target=self._loop, name="kvmesh-up-keeper", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread (a restart under way finishes first, bounded) and its probes."""
+        self._running.clear()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.probe.close()
+
+    def _loop(self) -> None:
+        while self._running.is_set():
+            self.check()
+            time.sleep(POLL_SECONDS)
 
     def _names(self) -> list[str]:
         control = ["control"] if self.system.control is not None else []

@@ -20,7 +20,6 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -96,8 +95,6 @@ class LocalSystem:
         self.control: Child | None = None
         self.workers: list[Worker] = []
         self.keeper: Keeper | None = None
-        self._keeping = threading.Event()
-        self._keeper_thread: threading.Thread | None = None
 
     def __enter__(self) -> LocalSystem:
         try:
@@ -126,24 +123,8 @@ class LocalSystem:
     def start_keeping(self, policy: RestartPolicy) -> Keeper:
         """Restart dead or wedged children from a background thread until `stop`."""
         self.keeper = Keeper(self, policy)
-        self._keeping.set()
-        self._keeper_thread = threading.Thread(target=self._keep, name="kvmesh-up-keeper",
-                                               daemon=True)  # fmt: skip
-        self._keeper_thread.start()
+        self.keeper.start()
         return self.keeper
-
-    def _keep(self) -> None:
-        assert self.keeper is not None
-        while self._keeping.is_set():
-            self.keeper.check()
-            time.sleep(POLL_SECONDS)
-
-    def stop_keeping(self) -> None:
-        self._keeping.clear()
-        if self._keeper_thread is not None:
-            self._keeper_thread.join(timeout=30.0)
-        if self.keeper is not None:
-            self.keeper.probe.close()
 
     def start_control(self, deadline: float) -> str:
         """(Re)start the control plane; returns its address."""
@@ -212,7 +193,8 @@ class LocalSystem:
 
     def stop(self) -> None:
         """Drain the control plane, then stop the workers; bounded, idempotent."""
-        self.stop_keeping()
+        if self.keeper is not None:
+            self.keeper.stop()
         if self.control is not None and self.control.alive():
             self.supervisor.stop(self.control, grace=self.config.drain_seconds + 3.0)
         self.supervisor.close()
