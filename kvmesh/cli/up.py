@@ -271,24 +271,8 @@ def register(subparsers: Any) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    pair_default = 0 if args.colocated else 1
-    prefill = pair_default if args.prefill is None else args.prefill
-    decode = pair_default if args.decode is None else args.decode
     try:
-        engine = worker_engine_values(args)
-        model = engine.pop("model", None)  # resolved once here, then passed to every worker
-        config = UpConfig(
-            model=model, prefill=prefill, decode=decode,
-            colocated=args.colocated, host=args.host,
-            port=(0 if args.demo else 50051) if args.port is None else args.port,
-            http_port=http_port(args),
-            transfer_backend=args.transfer_backend, threads=args.threads,
-            startup_timeout=args.startup_timeout, drain_seconds=args.drain_seconds,
-            restart=None if args.no_restart else RestartPolicy(
-                wedged_seconds=args.wedged_seconds, crash_loop_limit=args.crash_loop_limit,
-                startup_seconds=args.startup_timeout),
-            worker_args=worker_argv(engine, args.served_model_name),
-        )  # fmt: skip
+        config = config_from_args(args)
         # Resolved once here: a bad --model fails in one line before any child starts.
         config = dataclasses.replace(config, model=resolve_model(config.model))
     except ValueError as error:
@@ -313,6 +297,29 @@ def run_up(args: argparse.Namespace) -> int:
         print("kvmesh up: stopping (draining the control plane, then the workers)", flush=True)
         system.stop()
         print("kvmesh up: stopped", flush=True)
+
+
+def config_from_args(args: argparse.Namespace) -> UpConfig:
+    """The UpConfig the parsed flags name, the model not resolved yet (ValueError naming the
+    flag or field of a bad value)."""
+    pair_default = 0 if args.colocated else 1
+    engine = worker_engine_values(args)
+    restart = None
+    if not args.no_restart:
+        restart = RestartPolicy(wedged_seconds=args.wedged_seconds,
+                                crash_loop_limit=args.crash_loop_limit,
+                                startup_seconds=args.startup_timeout)  # fmt: skip
+    return UpConfig(
+        model=engine.pop("model", None),  # resolved once, then passed to every worker
+        prefill=pair_default if args.prefill is None else args.prefill,
+        decode=pair_default if args.decode is None else args.decode,
+        colocated=args.colocated, host=args.host,
+        port=(0 if args.demo else 50051) if args.port is None else args.port,
+        http_port=http_port(args),
+        transfer_backend=args.transfer_backend, threads=args.threads,
+        startup_timeout=args.startup_timeout, drain_seconds=args.drain_seconds,
+        restart=restart, worker_args=worker_argv(engine, args.served_model_name),
+    )  # fmt: skip
 
 
 def worker_engine_values(args: argparse.Namespace) -> dict[str, Any]:
