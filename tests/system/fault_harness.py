@@ -144,11 +144,18 @@ def sigcont(worker: Worker) -> None:
 def wait_for_workers(system: LocalSystem, role: str, count: int, seconds: float) -> float:
     """Seconds until the control plane counts `count` live workers of `role`."""
     start = time.monotonic()
-    while live_workers(system, role) != count:
+    while not _counts(system, role, count):
         if time.monotonic() - start > seconds:
             raise AssertionError(f"{count} live {role} workers: not within {seconds} s")
         time.sleep(0.1)
     return time.monotonic() - start
+
+
+def _counts(system: LocalSystem, role: str, count: int) -> bool:
+    try:
+        return live_workers(system, role) == count
+    except OSError:  # the control plane is down or restarting: not yet
+        return False
 
 
 def first_success(endpoint: str, seconds: float) -> float:

@@ -43,13 +43,16 @@ LEASE_BOUND = 10.0  # worker lease (2 s) + reaper + margin: a lost stream ends w
 RESTART_BOUND = 90.0  # backoff + a worker's start on a loaded 2-core machine
 STREAM_SECONDS = 9.0  # how long each stream of a case lasts when nothing fails
 DRAIN_CAP = 1.5  # the control plane's --drain-seconds
-MAX_STREAM_TOKENS = 900  # four such streams fit one decode worker's 256 blocks (no preemption)
+DECODE_BLOCKS = 1024  # the last flag wins over the harness's 256
+MAX_STREAM_TOKENS = 2000  # four such streams fit one decode worker (no preemption)
 
 
 @pytest.fixture(scope="module")
 def system() -> Iterator[tuple[LocalSystem, str]]:
     with local_system(transfer_backend="shm", prefill=2, decode=2, restart=POLICY,
-                      drain_seconds=DRAIN_CAP) as started:  # fmt: skip
+                      drain_seconds=DRAIN_CAP,
+                      role_args={"decode": ("--num-kv-blocks", str(DECODE_BLOCKS))},
+                      ) as started:  # fmt: skip
         yield started
 
 
