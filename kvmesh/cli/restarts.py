@@ -3,10 +3,10 @@
 Contract (`Keeper.check`, called every `POLL_SECONDS` by `kvmesh up`):
 - A child that exited is started again after a delay of `backoff_initial` x 2^(failures - 1)
   (at most `backoff_max`); the worker keeps its name (`decode-0`), gets a new id and epoch.
-- A child whose gRPC health is not SERVING (or does not answer within `probe_timeout`) for
-  longer than `wedged_seconds` (SIGSTOP, a hung event loop) is killed (SIGKILL), then restarted
-  like a dead one. A restarted worker that prints no ready line within `startup_seconds` is
-  killed too.
+- A child whose gRPC health does not answer within `probe_timeout` for longer than
+  `wedged_seconds` (SIGSTOP, a hung event loop), or answers NOT_SERVING (it drains) for longer
+  than `draining_seconds`, is killed (SIGKILL), then restarted like a dead one. A restarted
+  worker that prints no ready line within `startup_seconds` is killed too.
 - A child up and healthy for `stable_seconds` has its failure count reset; after
   `crash_loop_limit` failures in a row it is given up on (logged, never started again).
 - The control plane is restarted on its own address (workers re-register by themselves).
@@ -42,6 +42,7 @@ class RestartPolicy:
     crash_loop_limit: int = 5
     stable_seconds: float = 60.0
     wedged_seconds: float = 10.0
+    draining_seconds: float = 45.0  # > the default 30 s drain cap plus the exit
     probe_timeout: float = 1.0
     startup_seconds: float = 180.0
 
@@ -50,6 +51,7 @@ class RestartPolicy:
             "backoff_initial": 0 < self.backoff_initial <= self.backoff_max,
             "crash_loop_limit": self.crash_loop_limit >= 1,
             "wedged_seconds": self.wedged_seconds > 0,
+            "draining_seconds": self.draining_seconds >= self.wedged_seconds,
             "probe_timeout": self.probe_timeout > 0,
             "startup_seconds": self.startup_seconds > 0,
         }
@@ -70,7 +72,8 @@ class Watch:
     failures: int = 0
     started_at: float = 0.0
     ready_at: float | None = None  # None while a restarted worker has not printed ready
-    unhealthy_since: float | None = None
+    unhealthy_since: float | None = None  # since when it has not answered SERVING
+    draining: bool = False  # its last answer was NOT_SERVING (alive, draining)
     restart_at: float | None = None  # set while dead and waiting for its restart
     given_up: bool = False
     restarts: int = 0
@@ -83,7 +86,9 @@ class HealthProbe:
         self.timeout = timeout
         self._channels: dict[str, grpc.Channel] = {}
 
-    def serving(self, address: str) -> bool:
+    def check(self, address: str) -> bool | None:
+        """True: SERVING; False: answered otherwise (NOT_SERVING while draining); None: no
+        answer within the timeout (or refused)."""
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = grpc.insecure_channel(address)
@@ -91,7 +96,7 @@ class HealthProbe:
         try:
             response = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout)
         except grpc.RpcError:
-            return False
+            return None
         return bool(response.status == SERVING)
 
     def forget(self, address: str) -> None:
@@ -199,13 +204,18 @@ class Keeper:
 
     def _check_health(self, watch: Watch, child: Child, now: float) -> None:
         address = self._address(watch.name)
-        if not address or self.probe.serving(address):
+        status = self.probe.check(address) if address else True
+        if status is True:
             watch.unhealthy_since = None
             return
+        watch.draining = status is False
         if watch.unhealthy_since is None:
             watch.unhealthy_since = now
-        elif now - watch.unhealthy_since > self.policy.wedged_seconds:
-            self._kill(watch, f"not serving health for {now - watch.unhealthy_since:.1f} s")
+            return
+        bound = self.policy.draining_seconds if watch.draining else self.policy.wedged_seconds
+        if now - watch.unhealthy_since > bound:
+            what = "NOT_SERVING" if watch.draining else "not answering its health check"
+            self._kill(watch, f"{what} for {now - watch.unhealthy_since:.1f} s")
 
     def _kill(self, watch: Watch, why: str) -> None:
         child = self._child(watch.name)

@@ -256,7 +256,7 @@ def register(subparsers: Any) -> None:
              "longest of them (default %(default)s)")  # fmt: skip
     add("--no-restart", action="store_true", help="do not restart dead or wedged children")
     add("--wedged-seconds", type=float, default=RestartPolicy.wedged_seconds,
-        help="restart a child not SERVING health this long (default %(default)s)")  # fmt: skip
+        help="restart a child not answering health this long (default %(default)s)")  # fmt: skip
     add(
         "--crash-loop-limit",
         type=int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -111,6 +112,24 @@ SERVES = 'import time; print("KVMESH_READY {}", flush=True); time.sleep(600)'
 CRASHES = 'print("boom", flush=True); raise SystemExit(3)'
 
 
+HEALTH = textwrap.dedent(
+    """
+    import sys, time
+    from concurrent import futures
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    servicer.set("", health_pb2.HealthCheckResponse.%s)
+    print('KVMESH_READY {"address": "127.0.0.1:%%d"}' %% port, flush=True)
+    time.sleep(600)
+    """
+)
+
+
 class ScriptSystem:
     """The part of LocalSystem the Keeper uses, with scripts for workers (no health address:
     only deaths count)."""
@@ -139,7 +158,16 @@ class ScriptSystem:
 
     def poll_ready(self, name: str) -> bool:
         worker = self.worker(name)
-        return self.supervisor.poll(worker.child, "KVMESH_READY") is not None
+        ready = self.supervisor.poll(worker.child, r"KVMESH_READY (\{.*\})")
+        if ready is not None:
+            worker.ready = json.loads(ready.group(1))
+        return ready is not None
+
+    def wait_ready(self) -> None:
+        for worker in self.workers:
+            line = self.supervisor.wait_for(worker.child, r"KVMESH_READY (\{.*\})",
+                                            time.monotonic() + 30)  # fmt: skip
+            worker.ready = json.loads(line.group(1))
 
 
 def keep(system: ScriptSystem, policy: object, until: object, seconds: float) -> list[str]:
@@ -148,9 +176,12 @@ def keep(system: ScriptSystem, policy: object, until: object, seconds: float) ->
     lines: list[str] = []
     keeper = Keeper(system, policy, log=lines.append)  # type: ignore[arg-type]
     end = time.monotonic() + seconds
-    while not until(keeper) and time.monotonic() < end:  # type: ignore[operator]
-        keeper.check()
-        time.sleep(0.05)
+    try:
+        while not until(keeper) and time.monotonic() < end:  # type: ignore[operator]
+            keeper.check()
+            time.sleep(0.05)
+    finally:
+        keeper.probe.close()
     assert until(keeper), lines  # type: ignore[operator]
     return lines
 
@@ -197,5 +228,29 @@ def test_a_crash_looping_worker_is_given_up_after_the_limit() -> None:
         assert system.started == ["decode-0"] * 4  # the first start and 3 restarts
         assert time.monotonic() - start >= 0.05 + 0.1 + 0.2  # the backoffs were waited
         assert "crash loop" in lines[-1] and "not restarting" in lines[-1]
+    finally:
+        supervisor.close()
+
+
+def test_a_draining_child_gets_its_bound_and_a_silent_one_the_wedge_bound() -> None:
+    """NOT_SERVING (draining) is left alone for `draining_seconds`; no answer at all (SIGSTOP)
+    only for `wedged_seconds`; both are then killed and restarted."""
+    from kvmesh.cli.restarts import RestartPolicy
+
+    supervisor = Supervisor(grace=1.0)
+    try:
+        system = ScriptSystem(supervisor, {"draining": HEALTH % "NOT_SERVING",
+                                           "stopped": HEALTH % "SERVING"})  # fmt: skip
+        system.wait_ready()
+        os.killpg(system.worker("stopped").child.pid, signal.SIGSTOP)
+        policy = RestartPolicy(wedged_seconds=0.5, draining_seconds=3.0, probe_timeout=0.3,
+                               backoff_initial=0.1)  # fmt: skip
+        start = time.monotonic()
+        lines = keep(system, policy, lambda k: k.watches["stopped"].restarts == 1, 20)
+        assert time.monotonic() - start < 3.0
+        assert any("stopped not answering its health check" in line for line in lines)
+        lines = keep(system, policy, lambda k: k.watches["draining"].restarts >= 1, 20)
+        assert time.monotonic() - start >= 3.0
+        assert any("draining NOT_SERVING for" in line for line in lines)
     finally:
         supervisor.close()
