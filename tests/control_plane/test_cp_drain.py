@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import grpc
+import pytest
 from cp_harness import Harness, control_plane, run_async, status_of, text_request
 from cp_workers import FakeWorker
 
@@ -73,3 +74,25 @@ async def test_new_requests_during_a_drain_are_refused_with_retry_after() -> Non
         code, _, _ = await status_of(running)
         assert code == grpc.StatusCode.OK
         await drain
+
+
+@run_async
+async def test_an_http_stream_cut_by_the_drain_ends_with_a_draining_error() -> None:
+    """The OpenAI client reading an SSE stream the drain cut raises APIError saying why."""
+    import openai
+
+    async with control_plane(drain_seconds=0.5, http_port=0) as cp:
+        await paced_pair(cp, tokens=1000, pace=0.05)
+        assert cp.server.http is not None
+        api = openai.AsyncOpenAI(base_url=f"{cp.server.http.url}/v1", api_key="unused",
+                                 max_retries=0)  # fmt: skip
+        stream = await api.completions.create(model="tiny", prompt="hi", max_tokens=1001,
+                                              stream=True)  # fmt: skip
+        chunks = aiter(stream)
+        assert (await anext(chunks)).choices[0].text
+        drain = asyncio.create_task(cp.server.drain())
+        with pytest.raises(openai.APIError, match=r"draining.*retry"):
+            async for _ in chunks:
+                pass
+        await drain
+        assert len(cp.server.cluster.ledger) == 0
