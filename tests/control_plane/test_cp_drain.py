@@ -10,8 +10,23 @@ import grpc
 import pytest
 from cp_harness import Harness, control_plane, run_async, status_of, text_request
 from cp_workers import FakeWorker
+from google.rpc.error_details_pb2 import RetryInfo
 
-from kvmesh.v1 import generation_pb2
+from kvmesh.v1 import generation_pb2, wire
+
+
+def retry_delay(trailers: grpc.aio.Metadata | None, details: str) -> int | None:
+    """The retry delay of a failed call's trailers, as a client reads it; the pushback
+    trailer, the legacy one and the RetryInfo detail must all say the same."""
+    metadata = dict(trailers or ())
+    error = grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), trailers or grpc.aio.Metadata(), details
+    )
+    pushback, legacy = metadata.get("grpc-retry-pushback-ms"), metadata.get("retry-after-ms")
+    assert pushback == legacy, metadata
+    details = [d for d in wire.status_details(error) if d.Is(RetryInfo.DESCRIPTOR)]
+    assert len(details) == 1, metadata
+    return wire.retry_delay_ms(error)
 
 
 async def paced_pair(cp: Harness, tokens: int, pace: float) -> FakeWorker:
@@ -55,6 +70,8 @@ async def test_a_stream_longer_than_the_cap_is_cut_with_draining_retry() -> None
         code, details, _ = await reader
         assert code == grpc.StatusCode.UNAVAILABLE
         assert "draining" in details and "retry" in details
+        trailers = await call.trailing_metadata()
+        assert retry_delay(trailers, details) == cp.server.config.retry_after_ms
         assert decode.held == {} and len(cp.server.cluster.ledger) == 0
 
 
@@ -68,9 +85,9 @@ async def test_new_requests_during_a_drain_are_refused_with_retry_after() -> Non
         await asyncio.sleep(0.1)
         call = cp.generation.Generate(request(4), timeout=5)
         code, details, _ = await status_of(call)
-        metadata = dict(await call.trailing_metadata() or ())
+        metadata = await call.trailing_metadata()
         assert code == grpc.StatusCode.UNAVAILABLE and "draining" in details
-        assert "retry-after-ms" in metadata
+        assert retry_delay(metadata, details) == cp.server.config.retry_after_ms
         code, _, _ = await status_of(running)
         assert code == grpc.StatusCode.OK
         await drain
