@@ -2,12 +2,13 @@
 
 The C++ sources (`csrc/*.cpp`: paged attention, KV write, RMSNorm, the native executor's fused
 elementwise ops; plain C ABI + OpenMP, no torch headers) are compiled into one library with
-`torch.utils.cpp_extension.load` and published as `$KVMESH_CACHE_DIR/torch_extensions/<key>/kvmesh_cpu.so` (default
-`~/.cache/kvmesh`). The key hashes the sources and headers, the compiler flags, the torch and
-Python versions and the machine architecture, which with the flags fixes the ISA the code is
-compiled for (the baseline of the architecture: the AVX2/AVX-512 paths are chosen at run time
-by the CPU's features), so one build serves every CPU of the architecture and a cache built
-into an image works on any host; the compiler's version is not part of it.
+`torch.utils.cpp_extension.load` and published as
+`$KVMESH_CACHE_DIR/torch_extensions/<key>/kvmesh_cpu.so` (default `~/.cache/kvmesh`). The key hashes
+the sources and headers, the compiler flags, the torch and Python versions and the machine
+architecture, which with the flags fixes the ISA the code is compiled for (the baseline of the
+architecture: the AVX2/AVX-512 paths are chosen at run time by the CPU's features), so one build
+serves every CPU of the architecture and a cache built into an image works on any host; the
+compiler's version is not part of it.
 
 A published library is complete: it is compiled in `<key>/build/`, loaded and checked there,
 copied to a temporary name and renamed into place, so a reader never sees a half-written file
