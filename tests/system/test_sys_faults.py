@@ -32,6 +32,7 @@ from sys_harness import idle, live_workers, local_system, used_blocks, wait_unti
 from kvmesh.cli.restarts import RestartPolicy
 from kvmesh.cli.up import LocalSystem, Worker
 from kvmesh.client import Client
+from kvmesh.security.credentials import bearer_metadata
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -132,7 +133,8 @@ def test_release_of_a_decoding_request_ends_its_stream_at_once(
         stub = worker_pb2_grpc.DecodeServiceStub(channel)
         released_at = time.monotonic()
         request = worker_pb2.ReleaseRequest(request_id="released-mid-stream", reason="operator")
-        assert stub.Release(request, timeout=5).released
+        token = bearer_metadata(local.env["KVMESH_CLUSTER_TOKEN"])  # an internal port
+        assert stub.Release(request, timeout=5, metadata=token).released
     stream.join(5)
     assert stream.error is not None and stream.error.code == grpc.StatusCode.ABORTED
     assert "released" in stream.error.message
