@@ -32,8 +32,11 @@ class ControlConfig:
     max_request_seconds: float = 600.0
     # Retry delay sent with RESOURCE_EXHAUSTED (RetryInfo, grpc-retry-pushback-ms, retry-after-ms).
     retry_after_ms: int = 200
-    # Bounded wait for in-flight requests at shutdown.
-    drain_seconds: float = 10.0
+    # Upper bound of the wait for in-flight requests at shutdown; the wait itself is sized
+    # from the longest of them (FrontDoor.drain_bound).
+    drain_seconds: float = 30.0
+    # Per-token time assumed for a request that has not streamed two tokens yet (drain bound).
+    drain_token_seconds: float = 0.05
     # Bound of each Release call.
     release_timeout_seconds: float = 1.0
     # Finished request ids remembered for idempotent Abort.
@@ -69,6 +72,7 @@ class ControlConfig:
             "reservation_lease_seconds": self.reservation_lease_seconds > 0,
             "max_request_seconds": self.max_request_seconds > 0,
             "drain_seconds": self.drain_seconds >= 0,
+            "drain_token_seconds": self.drain_token_seconds > 0,
             "port": 0 <= self.port < 65536,
             "internal_port": 0 <= self.internal_port < 65536,
             "http_port": self.http_port is None or 0 <= self.http_port < 65536,

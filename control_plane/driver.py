@@ -16,8 +16,9 @@ from opentelemetry import trace
 from control_plane.cluster import Cluster
 from control_plane.ledger import WorkerRef
 from control_plane.registry import WorkerRecord
+from control_plane.releases import BackgroundReleases
 from control_plane.routing import NoRouteError, common_backend, order_pairs
-from control_plane.run import RpcFailure, Run, WorkerLost
+from control_plane.run import DEFAULT_MAX_TOKENS, RpcFailure, Run, WorkerLost
 from kvmesh.v1 import wire, worker_pb2, worker_pb2_grpc
 
 TRACER = trace.get_tracer("kvmesh.control_plane")
@@ -53,6 +54,7 @@ def map_error(error: grpc.aio.AioRpcError, worker: WorkerRecord, what: str) -> E
 class Driver:
     def __init__(self, cluster: Cluster) -> None:
         self._cluster = cluster
+        self._releases = BackgroundReleases(cluster)
 
     async def attempt(self, run: Run) -> None:
         live = self._cluster.registry.alive_by_role()
@@ -76,8 +78,10 @@ class Driver:
         self, run: Run, worker: WorkerRecord, what: str, method: Any, request: Any
     ) -> Any:
         """A unary worker call under the run's deadline and trace context (raw gRPC errors)."""
-        run.workers.add(ref(worker))
-        with TRACER.start_as_current_span(what, context=run.trace_context()):
+        with (
+            run.calling(ref(worker)),
+            TRACER.start_as_current_span(what, context=run.trace_context()),
+        ):
             return await method(request, timeout=run.timeout(), metadata=run.metadata())
 
     async def _call(
@@ -119,7 +123,8 @@ class Driver:
             order_pairs(prefills, decodes, [], 1, b"", config.routing)  # raises the precise error
         by_load = sorted(compatible, key=lambda w: (w.load.queue, w.worker_id))
         engine = await self._prepare(run, avoid_last(by_load, run.avoid)[0])
-        max_tokens = engine.sampling.max_tokens if engine.sampling.HasField("max_tokens") else 16
+        sampling = engine.sampling
+        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
         pairs = order_pairs(
             prefills, decodes, engine.prompt_ids, max_tokens, engine.cache_salt, config.routing
         )
@@ -154,9 +159,11 @@ class Driver:
                     raise map_error(error, decode, "reserve") from None
                 exhausted |= error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 refused.append(f"{decode.worker_id}: {error.details()}")
+                self._releases.send([ledger.refused(run.request_id, generation, ref(decode))])
                 continue
             if response.epoch != decode.epoch:
                 refused.append(f"{decode.worker_id}: epoch {response.epoch} is not registered")
+                self._releases.send([ledger.refused(run.request_id, generation, ref(decode))])
                 continue
             ledger.reserved(run.request_id, generation, ref(decode), len(response.block_ids))
             return decode, response
@@ -240,8 +247,10 @@ class Driver:
         colocated: bool = False,
     ) -> None:
         """Relay a worker's token stream into the run's queue until every completion ended."""
-        run.workers.add(ref(worker))
-        with TRACER.start_as_current_span(what, context=run.trace_context()):
+        with (
+            run.calling(ref(worker)),
+            TRACER.start_as_current_span(what, context=run.trace_context()),
+        ):
             call = method(request, timeout=run.timeout(), metadata=run.metadata())
             try:
                 async for response in call:
@@ -254,6 +263,11 @@ class Driver:
                 raise map_error(error, worker, what) from None
             finally:
                 call.cancel()
+        if run.worker_aborted:
+            raise RpcFailure(
+                grpc.StatusCode.ABORTED,
+                f"{worker.role} worker {worker.worker_id!r} aborted the request (released there)",
+            )
         missing = set(range(run.expected_completions())) - run.finished_indexes
         if missing:
             raise RpcFailure(

@@ -18,14 +18,18 @@ import grpc
 from control_plane.cluster import Cluster
 from control_plane.driver import TRACER, Driver
 from control_plane.ledger import LedgerError, Release, WorkerRef
+from control_plane.releases import send_releases
 from control_plane.routing import NoRouteError
 from control_plane.run import RpcFailure, Run, WorkerLost
 from control_plane.validation import FieldError, check_generate_request, check_request_id
-from kvmesh.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import generation_pb2
 
 LOG = logging.getLogger("kvmesh.control_plane")
 MAX_TRIES = 2
 ABORT_WAIT_SECONDS = 1.0
+DRAIN_MARGIN = 1.25  # drain bound = margin x the longest run's estimate + slack, capped
+DRAIN_SLACK_SECONDS = 1.0
+DRAINING = "the control plane is draining; retry on another replica or after it restarts"
 
 
 def invalid(error: FieldError) -> RpcFailure:
@@ -53,8 +57,20 @@ class FrontDoor:
             await asyncio.wait_for(self._idle.wait(), timeout)
         return self._idle.is_set()
 
-    def cancel_all(self) -> None:
+    def drain_bound(self, cap: float) -> float:
+        """How long a drain waits: the longest in-flight run's estimate (`Run.drain_estimate`
+        at `drain_token_seconds` per token until it streams) x 1.25 + 1 s, at most `cap`."""
+        token_seconds = self._cluster.config.drain_token_seconds
+        estimates = [run.drain_estimate(token_seconds) for run in self._runs.values()]
+        if not estimates:
+            return 0.0
+        return min(cap, DRAIN_MARGIN * max(estimates) + DRAIN_SLACK_SECONDS)
+
+    def cut_all(self, reason: str) -> None:
+        """End every run still in flight with UNAVAILABLE naming `reason` (its blocks are
+        released as for any other failure)."""
         for run in list(self._runs.values()):
+            run.cut = reason
             if run.attempt is not None:
                 run.attempt.cancel()
 
@@ -100,7 +116,9 @@ class FrontDoor:
 
     def _admit(self, request: generation_pb2.GenerateRequest, client_left: float | None) -> Run:
         if self.draining:
-            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the control plane is shutting down")
+            raise RpcFailure(
+                grpc.StatusCode.UNAVAILABLE, DRAINING, self._cluster.config.retry_after_ms
+            )
         try:
             request_id = check_generate_request(request, self._cluster.config.limits)
         except FieldError as error:
@@ -132,8 +150,9 @@ class FrontDoor:
             if run.aborted:
                 raise RpcFailure(grpc.StatusCode.ABORTED, f"request {run.request_id!r} was aborted")
             run.tries += 1
-            run.workers.clear()
+            run.calls.clear()
             run.lost = None
+            run.worker_aborted = False
             run.attempt = asyncio.create_task(self._driver.attempt(run))
             async for response in self._drain(run):
                 yield response
@@ -182,6 +201,10 @@ class FrontDoor:
                 raise RpcFailure(grpc.StatusCode.ABORTED, f"request {run.request_id!r} was aborted")
             if run.lost is not None:
                 return WorkerLost(run.lost, f"worker {run.lost!r} stopped heartbeating")
+            if run.cut is not None:
+                raise RpcFailure(
+                    grpc.StatusCode.UNAVAILABLE, run.cut, self._cluster.config.retry_after_ms
+                )
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the control plane is shutting down")
         error = attempt.exception()
         if error is None:
@@ -240,32 +263,17 @@ class FrontDoor:
             metrics.ttft_phase.labels(phase).observe(getattr(t, phase))
 
     async def _release(self, releases: list[Release]) -> None:
-        await asyncio.gather(*(self._release_one(r) for r in releases))
-
-    async def _release_one(self, release: Release) -> None:
-        """Best effort, bounded: a worker that misses it is told again by its next heartbeat."""
-        record = self._cluster.registry.get(release.worker.worker_id)
-        if record is None or record.epoch != release.worker.epoch:
-            return
-        channel = self._cluster.channels.get(record.address)
-        stub: worker_pb2_grpc.DecodeServiceStub | worker_pb2_grpc.PrefillServiceStub
-        if record.role == "decode":
-            stub = worker_pb2_grpc.DecodeServiceStub(channel)
-        else:
-            stub = worker_pb2_grpc.PrefillServiceStub(channel)
-        request = worker_pb2.ReleaseRequest(
-            request_id=release.request_id, generation=release.generation, reason="closed"
-        )
-        try:
-            await stub.Release(request, timeout=self._cluster.config.release_timeout_seconds)
-        except grpc.aio.AioRpcError as error:
-            LOG.warning(
-                "release of %s on %s failed: %s", release.request_id, record.worker_id, error.code()
-            )
+        await send_releases(self._cluster, releases)
 
     def _worker_lost(self, worker: WorkerRef) -> None:
+        """Cancel the attempts that depend on `worker` now: a call to it is in flight, or it
+        holds the request's blocks. A worker the run no longer needs (a prefill worker whose
+        transfer completed, a decode worker that refused the reservation) ends nothing."""
+        ledger = self._cluster.ledger
         for run in self._runs.values():
-            if worker in run.workers and run.attempt is not None and not run.attempt.done():
+            if run.attempt is None or run.attempt.done():
+                continue
+            if run.depends_on(worker, ledger.holders(run.request_id)):
                 run.lost = worker.worker_id
                 run.attempt.cancel()
 

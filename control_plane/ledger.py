@@ -7,6 +7,10 @@ docs/PROTOCOL.md:
        └──────────────────────── (colocated) ─────────────────▶ DECODING
     any live state ──▶ CLOSED
 
+Holders change with the state: a decode worker that refused its Reserve leaves the entry at
+once (`refused`), the prefill worker leaves it at TRANSFERRED, so the holders are always the
+workers whose loss can hurt the request now.
+
 Every transition names the entry's generation; another generation raises `StaleGeneration`.
 A worker is recorded as a holder *before* the call that may make it allocate, so a Release
 reaches it even when that call is cancelled half-way. `close` returns every (worker,
@@ -165,6 +169,12 @@ class Ledger:
     def entries(self) -> list[LedgerEntry]:
         return list(self._entries.values())
 
+    def holders(self, request_id: str) -> frozenset[WorkerRef]:
+        """Worker incarnations that hold (or may hold) blocks of the live entry; empty when
+        the request has no live entry."""
+        entry = self._entries.get(request_id)
+        return frozenset(entry.holdings) if entry is not None else frozenset()
+
     def entries_of(self, worker_id: str) -> list[LedgerEntry]:
         """Live entries in which any incarnation of `worker_id` holds (or may hold) blocks."""
         return [
@@ -192,6 +202,21 @@ class Ledger:
         entry.holdings.setdefault(
             worker, Holding(HoldState.REQUESTED, 0, self._lease_deadline(entry))
         )
+
+    def refused(self, request_id: str, generation: int, worker: WorkerRef) -> Release:
+        """`worker` refused the call it was expected for and leaves the entry.
+
+        Only a REQUESTED holding may leave this way (IllegalTransition otherwise). The returned
+        Release is best effort: a set the worker holds anyway (a reply lost on the way) is no
+        longer live here, so its next heartbeat is told to free it.
+        """
+        entry = self._checked(request_id, generation)
+        holding = entry.holdings.get(worker)
+        if holding is None or holding.state is not HoldState.REQUESTED:
+            state = "no holding" if holding is None else holding.state.value
+            raise IllegalTransition(f"{request_id!r}: {worker} cannot refuse ({state})")
+        del entry.holdings[worker]
+        return Release(worker, request_id, generation)
 
     def reserved(self, request_id: str, generation: int, decode: WorkerRef, blocks: int) -> None:
         entry = self._advance(request_id, generation, EntryState.RESERVED)

@@ -24,7 +24,15 @@ TUNABLES: dict[str, tuple[str, str]] = {
         "seconds a decode reservation waits for Decode",
     ),
     "--max-request-seconds": ("max_request_seconds", "upper bound of any request's deadline"),
-    "--drain-seconds": ("drain_seconds", "bounded wait for in-flight requests at shutdown"),
+    "--drain-seconds": (
+        "drain_seconds",
+        "at most this long for in-flight requests at shutdown (the wait is sized from the "
+        "longest of them)",
+    ),
+    "--drain-token-seconds": (
+        "drain_token_seconds",
+        "per-token time assumed by the drain bound for a request not streaming yet",
+    ),
     "--retry-after-ms": ("retry_after_ms", "retry delay sent with RESOURCE_EXHAUSTED"),
     "--max-message-bytes": ("max_message_bytes", "largest gRPC message of the front door"),
     "--worker-max-message-bytes": (

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -13,6 +15,8 @@ from opentelemetry import propagate, trace
 
 from control_plane.ledger import WorkerRef
 from kvmesh.v1 import generation_pb2, worker_pb2
+
+DEFAULT_MAX_TOKENS = 16  # what a worker generates when the request leaves max_tokens unset
 
 
 class RpcFailure(Exception):
@@ -65,18 +69,38 @@ class Run:
     attempt: asyncio.Task[None] | None = None
     tries: int = 0
     generation: int | None = None
-    # Worker incarnations the current attempt called; worker ids to avoid on a retry.
-    workers: set[WorkerRef] = field(default_factory=set)
+    # Calls of the current attempt in flight, per worker incarnation; worker ids to avoid on
+    # a retry.
+    calls: Counter[WorkerRef] = field(default_factory=Counter)
     avoid: set[str] = field(default_factory=set)
     lost: str | None = None
     aborted: bool = False
+    worker_aborted: bool = False  # a worker ended a completion with FINISH_REASON_ABORT
     streamed: bool = False
     status: grpc.StatusCode | None = None
     timings: Timings = field(default_factory=Timings)
     finished_indexes: set[int] = field(default_factory=set)
+    tokens_streamed: int = 0  # tokens relayed to the client, all completions together
+    cut: str | None = None  # why the server cut the run (drain), when it did
     span: trace.Span = field(default_factory=lambda: trace.INVALID_SPAN)
     finishing: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def depends_on(self, worker: WorkerRef, holders: frozenset[WorkerRef]) -> bool:
+        """Whether losing `worker` ends the current attempt: a call to it is in flight, or
+        it is among the ledger's `holders` of the request's blocks."""
+        return self.calls[worker] > 0 or worker in holders
+
+    @contextlib.contextmanager
+    def calling(self, worker: WorkerRef) -> Iterator[None]:
+        """Count a call to `worker` as in flight while the block runs."""
+        self.calls[worker] += 1
+        try:
+            yield
+        finally:
+            self.calls[worker] -= 1
+            if self.calls[worker] <= 0:
+                del self.calls[worker]
 
     def remaining(self) -> float:
         return self.deadline - self.clock()
@@ -103,6 +127,7 @@ class Run:
     def response(self, worker: worker_pb2.DecodeResponse) -> generation_pb2.GenerateResponse:
         """A client response from a decode (or colocated) worker's response."""
         now = self.clock()
+        self.tokens_streamed += len(worker.token_ids)
         if worker.token_ids and self.timings.ttft is None:
             self.timings.ttft = now - self.arrival
             self.timings.first_decode = worker.first_decode_seconds
@@ -119,6 +144,8 @@ class Run:
             out.stop_token_id = worker.stop_token_id
         elif which == "stop_string":
             out.stop_string = worker.stop_string
+        if worker.finish_reason == generation_pb2.FINISH_REASON_ABORT:
+            self.worker_aborted = True
         if worker.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
             self.finished_indexes.add(worker.index)
             out.usage.CopyFrom(self.usage(worker, now))
@@ -139,6 +166,21 @@ class Run:
             ),
             e2e_seconds=now - self.arrival,
         )
+
+    def max_tokens(self) -> int:
+        sampling = self.request.sampling
+        return sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+
+    def drain_estimate(self, token_seconds: float) -> float:
+        """Seconds this run still needs: its tokens left (max_tokens of every completion less
+        those streamed) at its own observed pace once it streamed two tokens, else at
+        `token_seconds` each; never past its deadline."""
+        left = max(0, self.max_tokens() * self.expected_completions() - self.tokens_streamed)
+        per_token = token_seconds
+        if self.tokens_streamed >= 2 and self.timings.ttft is not None:
+            decoding = self.clock() - (self.arrival + self.timings.ttft)
+            per_token = max(per_token / 10, decoding / (self.tokens_streamed - 1))
+        return max(0.0, min(self.remaining(), left * per_token))
 
     def expected_completions(self) -> int:
         sampling = self.request.sampling

@@ -143,14 +143,21 @@ class ControlServer:
             await self.health.set(GENERATION_SERVICE, SERVING if serving else NOT_SERVING)
 
     async def drain(self, grace: float | None = None) -> None:
-        """Refuse new requests, wait for in-flight ones (bounded), then stop."""
-        grace = self.config.drain_seconds if grace is None else grace
-        self.front_door.draining = True
+        """Refuse new requests, let in-flight ones finish within the drain bound (sized from
+        the longest of them, at most `grace`, default `--drain-seconds`), cut the rest with
+        UNAVAILABLE "draining; retry", then stop."""
+        cap = self.config.drain_seconds if grace is None else grace
+        door = self.front_door
+        door.draining = True
         await self.health.enter_graceful_shutdown()
-        if not await self.front_door.wait_idle(grace):
-            LOG.warning("drain: cancelling %d requests still in flight", self.front_door.inflight)
-            self.front_door.cancel_all()
-            await self.front_door.wait_idle(1.0)
+        bound = door.drain_bound(cap)
+        if door.inflight:
+            LOG.info("drain: %d requests in flight, waiting up to %.1f s", door.inflight, bound)
+        if not await door.wait_idle(bound):
+            LOG.warning("drain: cutting %d requests still in flight", door.inflight)
+            door.cut_all(f"the control plane is draining: the stream was cut after the "
+                         f"{bound:.1f} s drain bound; retry")  # fmt: skip
+            await door.wait_idle(2.0)
         await self.stop()
 
     async def stop(self) -> None:

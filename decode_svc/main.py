@@ -34,7 +34,7 @@ class DecodeRole:
         return self.table.held()
 
     async def release(self, request_id: str, reason: str) -> bool:
-        return self.servicer.release(request_id)
+        return self.servicer.release(request_id, reason=reason)
 
     async def close(self) -> None:
         await self.table.close()

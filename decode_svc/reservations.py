@@ -24,7 +24,7 @@ from kv_transfer.interface import KVReceiver
 from kv_transfer.receiver_core import ReceiveHandle, ReceiverCore
 from kv_transfer.state import TransferRequest, TransferState
 from kvmesh.engine import disagg
-from kvmesh.engine.async_engine import AsyncLLMEngine, abort_request
+from kvmesh.engine.async_engine import AsyncLLMEngine, RequestStream, abort_request
 from kvmesh.engine.sequence import Request
 from kvmesh.security import Security
 from kvmesh.service.server import close_within
@@ -44,6 +44,8 @@ class Reservation:
     deadline: float  # monotonic end of the lease while not decoding
     decoding: bool = False
     task: asyncio.Task[Any] | None = None  # the Decode call serving it
+    stream: RequestStream | None = None  # its engine stream once it joined the batch
+    released: str | None = None  # why it was released while its Decode call was open
 
     @property
     def request_id(self) -> str:

@@ -124,10 +124,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             ]
             finished = False
             try:
+                raise_if_released(res)
                 stream = await self.runtime.engine.open_stream(
                     res.request_id,
                     lambda e: disagg.join_prefilled(e, res.request, tokens, logprobs),
                 )
+                res.stream = stream
+                if res.released is not None:
+                    stream.fail(released_error(res))
                 try:
                     tokenizer = self.runtime.core.tokenizer
                     async for response in responses(stream, started, tokenizer=tokenizer):
@@ -188,6 +192,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             if remaining is not None:
                 limit = min(limit, remaining)
             result = await asyncio.to_thread(res.handle.wait, max(0.0, limit))
+            raise_if_released(res)  # a Release cancels the receive, which ends the wait
             check_transfer(result)
             return tokens
         except BaseException:
@@ -199,17 +204,33 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseResponse:
         with span(TRACER, "decode.release", context):
-            released = self.release(request.request_id, request.generation)
+            reason = request.reason or "released"
+            released = self.release(request.request_id, request.generation, reason)
             return worker_pb2.ReleaseResponse(released=released)
 
-    def release(self, request_id: str, generation: int = 0) -> bool:
-        """Free whatever is held for the request (generation 0: any); idempotent."""
+    def release(self, request_id: str, generation: int = 0, reason: str = "released") -> bool:
+        """Free whatever is held for the request (generation 0: any); idempotent. An open
+        Decode call for it ends at once with ABORTED naming `reason` (its wait for the KV
+        ends with the cancelled receive; its stream with the error)."""
         res = self.table.get(request_id)
         if res is None or generation not in (0, res.generation):
             return False
         if res.task is not None and res.task is not asyncio.current_task():
-            res.task.cancel()
+            res.released = reason
+            if res.stream is not None:
+                res.stream.fail(released_error(res))
         return self.table.drop(res)
+
+
+def released_error(res: Reservation) -> ServiceError:
+    return ServiceError(
+        grpc.StatusCode.ABORTED, f"request_id: {res.request_id!r} was released ({res.released})"
+    )
+
+
+def raise_if_released(res: Reservation) -> None:
+    if res.released is not None:
+        raise released_error(res)
 
 
 def check_first_tokens(tokens: Sequence[worker_pb2.FirstToken], n: int, vocab: int) -> None:

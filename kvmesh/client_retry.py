@@ -1,12 +1,12 @@
 """Bounded client-side retries of kvmesh calls refused before any response arrived.
 
-A call is retried only when nothing of it reached the client and the server said a retry may
-help: RESOURCE_EXHAUSTED that carries a retry delay (the `grpc-retry-pushback-ms` trailer, a
-`google.rpc.RetryInfo` detail, or the older `retry-after-ms` trailer: the server's admission
-was full), or UNAVAILABLE (no usable worker at that moment, the server restarting), after a
-short exponential backoff. Retries are bounded three ways: their number, their total waiting
-time, and the call's own deadline (a retry that could not start before it is not made; each
-retry gets only the time left).
+A call is retried only when nothing of it reached the client and the server said a retry may help:
+RESOURCE_EXHAUSTED that carries a retry delay (the `grpc-retry-pushback-ms` trailer, a
+`google.rpc.RetryInfo` detail, or the older `retry-after-ms` trailer: the server's admission was
+full), or UNAVAILABLE (no usable worker at that moment, the server restarting or draining), after a
+short exponential backoff, or the server's retry delay when it sent a longer one. Retries are
+bounded three ways: their number, their total waiting time, and the call's own deadline (a retry
+that could not start before it is not made; each retry gets only the time left).
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ class Retries:
             seconds = pushback / 1000
         elif code == grpc.StatusCode.UNAVAILABLE:
             seconds = policy.unavailable_backoff_seconds * 2**self.attempts
+            pushback = wire.retry_delay_ms(error)  # a draining server says when to come back
+            if pushback is not None:
+                seconds = max(seconds, pushback / 1000)
         else:
             return None
         if self.waited + seconds > policy.max_wait_seconds:

@@ -10,6 +10,7 @@ Contract:
   So no child outlives its supervisor.
 - `wait_for(child, pattern, deadline)` returns the first output line matching `pattern`, or
   raises ChildFailed when the child exits or the deadline passes first (with its output tail).
+- `poll(child, pattern)` is the same without waiting (None when no such line came yet).
 - `stop(child, grace)` sends SIGTERM to the group, waits at most `grace` seconds, then SIGKILL.
 """
 
@@ -109,6 +110,22 @@ class Supervisor:
             if line is None:
                 code = child.process.wait()
                 raise ChildFailed(f"{child.name} exited with {code}\n{child.output_tail()}")
+            match = regex.search(line)
+            if match is not None:
+                return match
+
+    def poll(self, child: Child, pattern: str | re.Pattern[str]) -> re.Match[str] | None:
+        """The first line already printed by `child` matching `pattern`, else None (never
+        blocks); ChildFailed when its output ended (it exited) without one."""
+        regex = re.compile(pattern)
+        while True:
+            try:
+                line = child.lines.get_nowait()
+            except queue.Empty:
+                return None
+            if line is None:
+                child.lines.put(None)  # keep the end visible to the next reader
+                raise ChildFailed(f"{child.name} exited\n{child.output_tail()}")
             match = regex.search(line)
             if match is not None:
                 return match

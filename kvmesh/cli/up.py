@@ -7,6 +7,8 @@ the address workers register with), then every worker (its
 SERVING, all before `--startup-timeout`. Stop order: the control plane first (it drains in-flight
 requests, bounded), then the workers (SIGTERM, SIGKILL after a bound). Children run under
 `kvmesh.cli.supervisor`, so none outlives `kvmesh up`, even when it is killed with SIGKILL.
+With a restart policy (`kvmesh up` has one unless `--no-restart`), a background thread
+restarts dead or wedged children with backoff (`kvmesh.cli.restarts`).
 `LocalSystem` is the same thing as a context manager for tests and benchmarks.
 
 Security: every run makes a fresh random cluster token and hands it to the children in their
@@ -29,8 +31,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
+from kvmesh.cli.restarts import POLL_SECONDS, Keeper, RestartPolicy
 from kvmesh.cli.supervisor import Child, ChildFailed, Supervisor
 from kvmesh.security.credentials import new_token
+from kvmesh.security.tls import TlsConfig
 from kvmesh.service.engine_flags import (
     add_engine_flags,
     engine_argv,
@@ -65,7 +71,8 @@ class UpConfig:
     transfer_backend: str = "shm"
     threads: int | None = None  # torch threads per worker
     startup_timeout: float = 180.0
-    drain_seconds: float = 5.0
+    drain_seconds: float = 30.0  # the control plane's drain cap (its bound is sized per request)
+    restart: RestartPolicy | None = None  # restart dead or wedged children (None: never)
     control_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()  # passed to every worker
     role_args: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # role -> extra args
@@ -96,6 +103,14 @@ class UpConfig:
         return {"tls": tls, "ca": self.tls_ca, "cert": self.tls_cert if self.tls_ca else None,
                 "key": self.tls_key if self.tls_ca else None, "api_key": key}  # fmt: skip
 
+    def probe_credentials(self) -> grpc.ChannelCredentials | None:
+        """Channel credentials of health checks on every child's port (None: plaintext):
+        TLS verifying against `tls_ca` and presenting the node certificate, which the internal
+        ports require under mutual TLS."""
+        if self.tls_cert is None:
+            return None
+        return TlsConfig(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca).channel_credentials()
+
     def roles(self) -> list[str]:
         return (
             ["prefill"] * self.prefill + ["decode"] * self.decode + (["colocated"] * self.colocated)
@@ -123,6 +138,7 @@ class LocalSystem:
         self.model_dir = ""
         self.control: Child | None = None
         self.workers: list[Worker] = []
+        self.keeper: Keeper | None = None
 
     def __enter__(self) -> LocalSystem:
         try:
@@ -144,7 +160,15 @@ class LocalSystem:
         for worker in self.workers:
             self._wait_ready(worker, deadline)
         wait_serving(self.endpoint, deadline, **self.config.client_options())
+        if self.config.restart is not None:
+            self.start_keeping(self.config.restart)
         return self.endpoint
+
+    def start_keeping(self, policy: RestartPolicy) -> Keeper:
+        """Restart dead or wedged children from a background thread until `stop`."""
+        self.keeper = Keeper(self, policy, credentials=self.config.probe_credentials())
+        self.keeper.start()
+        return self.keeper
 
     def start_control(self, deadline: float) -> str:
         """(Re)start the control plane; returns its address."""
@@ -169,10 +193,13 @@ class LocalSystem:
         self.endpoint = self.supervisor.wait_for(self.control, CONTROL_READY, deadline).group(1)
         return self.endpoint
 
-    def start_worker(self, role: str, deadline: float | None = None) -> Worker:
-        """Start one worker; with a deadline, also wait for its ready line."""
+    def start_worker(
+        self, role: str, deadline: float | None = None, name: str | None = None
+    ) -> Worker:
+        """Start one worker (a new slot, or the slot `name` again); with a deadline, also
+        wait for its ready line."""
         c = self.config
-        name = f"{role}-{sum(w.role == role for w in self.workers)}"
+        name = name or f"{role}-{sum(w.role == role for w in self.workers)}"
         argv = [*kvmesh_argv(), "serve", role, "--control", self.internal_endpoint,
                 "--model", self.model_dir, "--host", c.host, "--port", "0",
                 "--metrics-port", "0", *c.tls_args(), *c.worker_args,
@@ -185,10 +212,33 @@ class LocalSystem:
         if c.threads is not None:
             env["OMP_NUM_THREADS"] = str(c.threads)
         worker = Worker(role, self.supervisor.start(name, argv, env))
-        self.workers.append(worker)
+        slots = [i for i, w in enumerate(self.workers) if w.child.name == name]
+        if slots:
+            self.workers[slots[0]] = worker
+        else:
+            self.workers.append(worker)
         if deadline is not None:
             self._wait_ready(worker, deadline)
         return worker
+
+    def worker(self, name: str) -> Worker | None:
+        return next((w for w in self.workers if w.child.name == name), None)
+
+    def restart_worker(self, name: str) -> Worker:
+        """Start the worker slot `name` again (its old process must be gone); not waiting."""
+        old = self.worker(name)
+        assert old is not None, name
+        return self.start_worker(old.role, name=name)
+
+    def poll_ready(self, name: str) -> bool:
+        """Whether worker `name` printed its ready line (ChildFailed when it exited first)."""
+        worker = self.worker(name)
+        assert worker is not None, name
+        if not worker.ready:
+            ready = self.supervisor.poll(worker.child, WORKER_READY)
+            if ready is not None:
+                worker.ready = json.loads(ready.group(1))
+        return bool(worker.ready)
 
     def _wait_ready(self, worker: Worker, deadline: float) -> None:
         ready = self.supervisor.wait_for(worker.child, WORKER_READY, deadline)
@@ -196,6 +246,8 @@ class LocalSystem:
 
     def stop(self) -> None:
         """Drain the control plane, then stop the workers; bounded, idempotent."""
+        if self.keeper is not None:
+            self.keeper.stop()
         if self.control is not None and self.control.alive():
             self.supervisor.stop(self.control, grace=self.config.drain_seconds + 3.0)
         self.supervisor.close()
@@ -258,6 +310,18 @@ def register(subparsers: Any) -> None:
         help="CA of every certificate: mutual TLS on the internal ports")  # fmt: skip
     add("--api-key-file", default=None, metavar="PATH",
         help="API keys the front door requires, one a line (default: open)")  # fmt: skip
+    add("--drain-seconds", type=float, default=30.0,
+        help="at most this long for in-flight requests at Ctrl-C; the wait is sized from the "
+             "longest of them (default %(default)s)")  # fmt: skip
+    add("--no-restart", action="store_true", help="do not restart dead or wedged children")
+    add("--wedged-seconds", type=float, default=RestartPolicy.wedged_seconds,
+        help="restart a child not answering health this long (default %(default)s)")  # fmt: skip
+    add(
+        "--crash-loop-limit",
+        type=int,
+        default=RestartPolicy.crash_loop_limit,
+        help="give up on a child after this many failures in a row (default %(default)s)",
+    )
     add("--verbose", action="store_true", help="show the children's logs")
     add("--demo", action="store_true", help="send one request, print it, then stop everything")
     add("--prompt", default=DEMO_PROMPT, help="prompt of the --demo request")
@@ -266,23 +330,8 @@ def register(subparsers: Any) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    pair_default = 0 if args.colocated else 1
-    prefill = pair_default if args.prefill is None else args.prefill
-    decode = pair_default if args.decode is None else args.decode
     try:
-        engine = worker_engine_values(args)
-        model = engine.pop("model", None)  # resolved once here, then passed to every worker
-        config = UpConfig(
-            model=model, prefill=prefill, decode=decode,
-            colocated=args.colocated, host=args.host,
-            port=(0 if args.demo else 50051) if args.port is None else args.port,
-            http_port=http_port(args),
-            transfer_backend=args.transfer_backend, threads=args.threads,
-            startup_timeout=args.startup_timeout,
-            worker_args=worker_argv(engine, args.served_model_name),
-            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-            api_key_file=args.api_key_file,
-        )  # fmt: skip
+        config = config_from_args(args)
         # Resolved once here: a bad --model fails in one line before any child starts.
         config = dataclasses.replace(config, model=resolve_model(config.model))
         config.client_options()  # an unreadable --api-key-file fails here, in one line
@@ -308,6 +357,31 @@ def run_up(args: argparse.Namespace) -> int:
         print("kvmesh up: stopping (draining the control plane, then the workers)", flush=True)
         system.stop()
         print("kvmesh up: stopped", flush=True)
+
+
+def config_from_args(args: argparse.Namespace) -> UpConfig:
+    """The UpConfig the parsed flags name, the model not resolved yet (ValueError naming the
+    flag or field of a bad value)."""
+    pair_default = 0 if args.colocated else 1
+    engine = worker_engine_values(args)
+    restart = None
+    if not args.no_restart:
+        restart = RestartPolicy(wedged_seconds=args.wedged_seconds,
+                                crash_loop_limit=args.crash_loop_limit,
+                                startup_seconds=args.startup_timeout)  # fmt: skip
+    return UpConfig(
+        model=engine.pop("model", None),  # resolved once, then passed to every worker
+        prefill=pair_default if args.prefill is None else args.prefill,
+        decode=pair_default if args.decode is None else args.decode,
+        colocated=args.colocated, host=args.host,
+        port=(0 if args.demo else 50051) if args.port is None else args.port,
+        http_port=http_port(args),
+        transfer_backend=args.transfer_backend, threads=args.threads,
+        startup_timeout=args.startup_timeout, drain_seconds=args.drain_seconds,
+        restart=restart, worker_args=worker_argv(engine, args.served_model_name),
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+        api_key_file=args.api_key_file,
+    )  # fmt: skip
 
 
 def worker_engine_values(args: argparse.Namespace) -> dict[str, Any]:
@@ -362,10 +436,16 @@ def print_banner(system: LocalSystem, endpoint: str) -> None:
 
 
 def serve_until_stopped(system: LocalSystem) -> int:
-    """Wait for Ctrl-C/SIGTERM (KeyboardInterrupt); exit 1 early if the control plane dies."""
+    """Wait for Ctrl-C/SIGTERM (KeyboardInterrupt); exit 1 early if the control plane dies
+    for good (with restarts: once they were given up)."""
     reported: set[str] = set()
     while True:
-        time.sleep(0.5)
+        time.sleep(POLL_SECONDS)
+        if system.keeper is not None:
+            control = system.keeper.watches.get("control")
+            if control is not None and control.given_up:
+                return 1
+            continue
         for child in system.dead_children():
             if child.name not in reported:
                 reported.add(child.name)

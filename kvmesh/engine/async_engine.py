@@ -106,6 +106,12 @@ class RequestStream:
         self.finished = item.finished
         return item
 
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error`: the next read after the outputs already queued raises
+        it. Call on the stream's event loop."""
+        if not self._closed:
+            self._sink.put_nowait(error)
+
     def close(self) -> None:
         """Stop listening; an unfinished request is cleaned up on the engine thread. Returns at
         once (safe in `finally` of a cancelled task); idempotent."""

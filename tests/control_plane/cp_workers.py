@@ -4,13 +4,15 @@ It keeps block sets in a dict, so tests can see exactly what a worker holds and 
 plane released. Blocks are freed only by Release or by finishing a stream, never by a cancelled
 call, so tests observe the control plane's own cleanup. Knobs: `gate` (Decode/Generate wait for
 it before their first response), `after_first_gate`, `prefill_gate`, `reserve_error`, `tokens`
-(responses after the first token).
+(responses after the first token), `pace` (seconds between them), `jitter` (each call first
+sleeps up to this many seconds, drawn from `rng`, so cancels land at random points).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from collections.abc import AsyncIterator
 
 import grpc
@@ -55,6 +57,10 @@ class FakeWorker(
         self.changed = asyncio.Event()
         self.reserve_error: grpc.StatusCode | None = None
         self.tokens = 3
+        self.finish_reason = LENGTH  # of the last response
+        self.pace = 0.0  # seconds between the responses after the first
+        self.jitter = 0.0
+        self.rng = random.Random(0)
         self.address = ""
         self._server: grpc.aio.Server | None = None
 
@@ -141,12 +147,17 @@ class FakeWorker(
         self.calls.append(name)
         self.metadata.append({k: str(v) for k, v in context.invocation_metadata() or ()})
 
+    async def _pause(self) -> None:
+        if self.jitter:
+            await asyncio.sleep(self.rng.uniform(0, self.jitter))
+
     # -- PrefillService --------------------------------------------------------------------
 
     async def Prepare(
         self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrepareResponse:
         self._record("Prepare", context)
+        await self._pause()
         req = request.request
         ids = list(req.token_ids.ids)
         if req.HasField("text"):
@@ -175,6 +186,7 @@ class FakeWorker(
         blocks = len(target.block_ids)
         self._hold(req.request_id, target.generation, worker_pb2.BLOCK_SET_STATE_FILLING, blocks)
         self.prefill_started.set()
+        await self._pause()
         if self.prefill_gate is not None:
             await self.prefill_gate.wait()
         self._free(req.request_id, target.generation)  # acknowledged by the decode side
@@ -203,6 +215,7 @@ class FakeWorker(
         req = request.request
         blocks = -(-len(req.prompt_ids) // self.block_size)
         self._hold(req.request_id, request.generation, worker_pb2.BLOCK_SET_STATE_RESERVED, blocks)
+        await self._pause()
         return worker_pb2.ReserveResponse(
             block_ids=list(range(blocks)), transfer_id=f"t-{req.request_id}", epoch=self.epoch,
             layout=layout(block_size=self.block_size),
@@ -239,10 +252,13 @@ class FakeWorker(
         if self.after_first_gate is not None:
             await self.after_first_gate.wait()
         for i in range(self.tokens):
+            await self._pause()
+            if self.pace:
+                await asyncio.sleep(self.pace)
             last = i == self.tokens - 1
             yield worker_pb2.DecodeResponse(
                 index=0, token_ids=[i], text="b",
-                finish_reason=LENGTH if last else UNFINISHED,
+                finish_reason=self.finish_reason if last else UNFINISHED,
                 completion_tokens=self.tokens + 1 if last else 0,
             )  # fmt: skip
         self._free(request_id, generation)

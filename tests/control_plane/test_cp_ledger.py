@@ -185,3 +185,36 @@ def test_entries_of_finds_every_incarnation_of_a_worker() -> None:
     ledger.open("c", 1e9)
     assert sorted(e.request_id for e in ledger.entries_of("d0")) == ["a", "b"]
     assert ledger.entries_of("p0") == []  # transferred: the prefill side holds nothing
+
+
+def test_a_refusing_decode_worker_leaves_the_entry_and_is_released() -> None:
+    ledger = Ledger()
+    other = WorkerRef("d1", 33)
+    gen = ledger.open("r", 1e9).generation
+    ledger.expect("r", gen, D)
+    assert ledger.refused("r", gen, D) == Release(D, "r", gen)
+    assert ledger.holders("r") == frozenset()
+    ledger.expect("r", gen, other)
+    ledger.reserved("r", gen, other, 2)
+    ledger.prefilling("r", gen, P)
+    assert ledger.holders("r") == {other, P}
+    ledger.transferred("r", gen, P)
+    assert ledger.holders("r") == {other}  # a finished prefill worker is no longer a holder
+    assert ledger.close("r", "finished") == [Release(other, "r", gen)]
+    assert ledger.holders("r") == frozenset()
+    # A set the refusing worker holds anyway (its answer was lost) is released by heartbeat.
+    assert ledger.reconcile(D, [HeldReport("r", gen)]) == ["r"]
+
+
+def test_only_a_requested_holding_may_refuse() -> None:
+    ledger = Ledger()
+    gen = ledger.open("r", 1e9).generation
+    with pytest.raises(IllegalTransition):
+        ledger.refused("r", gen, D)  # never expected
+    ledger.expect("r", gen, D)
+    ledger.reserved("r", gen, D, 2)
+    with pytest.raises(IllegalTransition):
+        ledger.refused("r", gen, D)  # it holds the reservation now
+    with pytest.raises(StaleGeneration):
+        ledger.refused("r", gen + 1, D)
+    assert ledger.holders("r") == {D} and ledger.get("r").state is EntryState.RESERVED

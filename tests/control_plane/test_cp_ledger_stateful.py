@@ -18,6 +18,7 @@ from control_plane.ledger import (
     IllegalTransition,
     Ledger,
     LedgerEntry,
+    Release,
     StaleGeneration,
     WorkerRef,
 )
@@ -69,6 +70,22 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger.expect(rid, entry.generation, worker)
         self._hold(worker, rid, entry.generation)
         self.ledger.reserved(rid, entry.generation, worker, blocks)
+
+    @rule(rid=IDS, worker=DECODES, allocated=st.booleans(), deliver=st.booleans())
+    def reserve_refused(self, rid: str, worker: WorkerRef, allocated: bool, deliver: bool) -> None:
+        """A decode worker refuses the Reserve (maybe after allocating: its answer was lost)
+        and leaves the entry; its Release may be lost too."""
+        entry = self._live(rid, EntryState.ROUTED)
+        if entry is None or worker in entry.holdings:
+            return
+        self.ledger.expect(rid, entry.generation, worker)
+        if allocated:
+            self._hold(worker, rid, entry.generation)
+        release = self.ledger.refused(rid, entry.generation, worker)
+        assert release == Release(worker, rid, entry.generation)
+        assert worker not in self.ledger.holders(rid)
+        if deliver:
+            self.world.discard((worker, rid, entry.generation))
 
     @rule(rid=IDS, worker=PREFILLS)
     def prefill(self, rid: str, worker: WorkerRef) -> None:
@@ -167,6 +184,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def holders_match_the_state(self) -> None:
         for entry in self.ledger.entries():
             roles = {w.worker_id[0] for w in entry.holdings}
+            assert self.ledger.holders(entry.request_id) == set(entry.holdings)
             if entry.state in (EntryState.RESERVED, EntryState.TRANSFERRED, EntryState.DECODING):
                 assert roles == {"d"}
             if entry.state is EntryState.PREFILLING:

@@ -54,7 +54,8 @@ def test_every_flag_sets_its_config_field() -> None:
             "--reflection", "--metrics-port", "9100", "--insecure-no-auth",
             "--transfer-backends", "shm,,grpc", "--max-inflight", "3", "--lease-seconds", "2",
             "--heartbeat-interval", "0.25", "--reservation-lease", "7",
-            "--max-request-seconds", "60", "--drain-seconds", "4", "--retry-after-ms", "50",
+            "--max-request-seconds", "60", "--drain-seconds", "4",
+            "--drain-token-seconds", "0.1", "--retry-after-ms", "50",
             "--max-message-bytes", "2048", "--worker-max-message-bytes", "4096",
             "--max-http-body-bytes", "8192", "--max-prompt-bytes", "100",
             "--max-n", "2"]  # fmt: skip
@@ -68,6 +69,7 @@ def test_every_flag_sets_its_config_field() -> None:
     assert tunables == {
         "max_inflight": 3, "lease_seconds": 2.0, "heartbeat_interval_seconds": 0.25,
         "reservation_lease_seconds": 7.0, "max_request_seconds": 60.0, "drain_seconds": 4.0,
+        "drain_token_seconds": 0.1,
         "retry_after_ms": 50, "max_message_bytes": 2048, "worker_max_message_bytes": 4096,
         "max_http_body_bytes": 8192,
     }  # fmt: skip

@@ -57,3 +57,8 @@ def test_retries_stop_at_each_bound() -> None:
     )
     backoff = RetryPolicy(unavailable_backoff_seconds=0.1).start(None)
     assert [backoff.delay(gone), backoff.delay(gone), backoff.delay(gone)] == [0.1, 0.2, None]
+    draining = failed_call(
+        wire.failure_status(grpc.StatusCode.UNAVAILABLE, "draining; retry", retry_after_ms=300)
+    )
+    paced = RetryPolicy(unavailable_backoff_seconds=0.1).start(None)
+    assert [paced.delay(draining), paced.delay(draining)] == [0.3, 0.3]  # the server's delay

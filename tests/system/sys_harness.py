@@ -33,10 +33,10 @@ def local_system(**overrides: Any) -> Iterator[tuple[LocalSystem, str]]:
 
     metrics_port = free_port()
     overrides.setdefault("model", str(tiny_model_path()))
+    overrides.setdefault("drain_seconds", 2.0)
     config = UpConfig(
         port=0,
         startup_timeout=240.0,
-        drain_seconds=2.0,
         control_args=(*CONTROL_ARGS, "--metrics-port", str(metrics_port)),
         worker_args=WORKER_ARGS,
         **overrides,
@@ -62,11 +62,11 @@ def sample(address: str, name: str, **labels: str) -> float:
 
 
 def used_blocks(system: LocalSystem) -> dict[str, float]:
-    """KV blocks in use (held by requests) on every live worker."""
+    """KV blocks in use (held by requests) on every live, ready worker."""
     return {
         w.child.name: sample(w.ready["metrics_address"], "kvmesh_kv_blocks", state="used")
         for w in system.workers
-        if w.child.alive()
+        if w.child.alive() and w.ready
     }
 
 

@@ -2,7 +2,9 @@
 mutual TLS everywhere (a CA made in the test), API keys on the public door, KV over the gRPC
 stream. The official `openai` client and kvmesh's Client get answers with a key and 401 /
 UNAUTHENTICATED without; every forged internal call (Register, Heartbeat, Prepare, Prefill,
-Reserve, Decode, Release, the KV stream) is refused even over mutual TLS, and nothing changed."""
+Reserve, Decode, Release, the KV stream) is refused even over mutual TLS, and nothing changed.
+The supervisor's health checks pass mutual TLS, and what it restarts comes back with the token,
+the certificates and the same addresses."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from typing import Any
 import grpc
 import openai
 import pytest
-from sys_harness import idle, live_workers, local_system, sample
+from sys_harness import idle, live_workers, local_system, sample, wait_until
 
+from kvmesh.cli.restarts import HealthProbe, RestartPolicy
 from kvmesh.cli.up import LocalSystem, kvmesh_argv
 from kvmesh.client import Client, KvmeshError, channel_credentials
 from kvmesh.v1 import (
@@ -33,6 +36,9 @@ from tests.pki import Pki, make_pki
 KEY = "system-test-api-key-0123456789"
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 WRONG = [(), (("authorization", "Bearer forged-cluster-token-0123456789"),)]
+RESTARTS = RestartPolicy(backoff_initial=0.5, backoff_max=2.0, wedged_seconds=5.0,
+                         startup_seconds=120.0)  # fmt: skip
+RESTART_BOUND = 90.0  # backoff + a process's start on a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +59,7 @@ def system(pki: Pki, key_file: Path) -> Iterator[LocalSystem]:
     keys = key_file
     tls = {"tls_cert": pki.cert, "tls_key": pki.key, "tls_ca": pki.ca}
     with local_system(transfer_backend="grpc", http_port=0, api_key_file=str(keys),
-                      **tls) as (started, _):  # fmt: skip
+                      restart=RESTARTS, **tls) as (started, _):  # fmt: skip
         yield started
 
 
@@ -185,3 +191,59 @@ def test_kvmesh_generate_takes_the_key_and_certificates(
     assert len(json.loads(good.stdout.splitlines()[-1])["token_ids"]) == 3
     bad = subprocess.run(base, capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 1 and "UNAUTHENTICATED: missing API key" in bad.stderr
+
+
+def test_supervisor_probes_over_mutual_tls_and_restarts_with_token_and_certificates(
+    system: LocalSystem, pki: Pki
+) -> None:
+    """Health checks pass mutual TLS (no healthy child is taken for wedged); a killed control
+    plane comes back on its public and internal ports and the workers re-register with the
+    token; a killed decode worker comes back, registers and serves. Runs last: it restarts."""
+    keeper = system.keeper
+    assert keeper is not None
+    addresses = [system.endpoint, *(w.ready["address"] for w in system.workers)]
+    assert [keeper.probe.check(a) for a in addresses] == [True] * len(addresses)
+    plaintext = HealthProbe(timeout=1.0)
+    try:  # the worker ports require a client certificate: a plaintext probe gets no answer
+        assert [plaintext.check(w.ready["address"]) for w in system.workers] == [None, None]
+    finally:
+        plaintext.close()
+    assert all(w.restarts == 0 and w.unhealthy_since is None for w in keeper.watches.values())
+    public, internal, http = system.endpoint, system.internal_endpoint, system.http_url
+
+    old_control = system.control
+    assert old_control is not None
+    system.supervisor.kill(old_control)
+    wait_until(lambda: keeper.watches["control"].restarts == 1 and system.control is not None
+               and system.control is not old_control and system.control.alive(),
+               RESTART_BOUND, "control plane restarted")  # fmt: skip
+    assert (system.endpoint, system.internal_endpoint, system.http_url) == (public, internal, http)
+    wait_until(lambda: _live(system, "decode") == 1 and _live(system, "prefill") == 1,
+               RESTART_BOUND, "workers re-registered with the restarted control plane")  # fmt: skip
+
+    decode = next(w for w in system.workers if w.role == "decode")
+    system.supervisor.kill(decode.child)
+    name = decode.child.name
+    wait_until(lambda: _restarted(system, name, decode.child.pid), RESTART_BOUND,
+               f"{name} restarted")  # fmt: skip
+    wait_until(lambda: _live(system, "decode") == 1, RESTART_BOUND, f"{name} registered")
+    with client(system, pki, api_key=KEY) as good:
+        assert good.complete([5, 9, 2, 44], max_tokens=4, temperature=0.0).token_ids
+    restarted = system.worker(name)
+    assert restarted is not None and keeper.probe.check(restarted.ready["address"]) is True
+    assert {n: w.restarts for n, w in keeper.watches.items() if w.restarts} == {
+        "control": 1,
+        name: 1,
+    }
+
+
+def _live(system: LocalSystem, role: str) -> float:
+    try:
+        return live_workers(system, role)
+    except OSError:  # the control plane's metrics port is not up yet
+        return -1.0
+
+
+def _restarted(system: LocalSystem, name: str, old_pid: int) -> bool:
+    worker = system.worker(name)
+    return worker is not None and worker.child.pid != old_pid and bool(worker.ready)

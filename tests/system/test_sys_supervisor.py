@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -103,3 +104,153 @@ def test_children_die_when_the_supervisor_is_killed() -> None:
         for pid in pids:
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# -- restarts (kvmesh.cli.restarts) ---------------------------------------------------------
+
+SERVES = 'import time; print("KVMESH_READY {}", flush=True); time.sleep(600)'
+CRASHES = 'print("boom", flush=True); raise SystemExit(3)'
+
+
+HEALTH = textwrap.dedent(
+    """
+    import sys, time
+    from concurrent import futures
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    servicer.set("", health_pb2.HealthCheckResponse.%s)
+    print('KVMESH_READY {"address": "127.0.0.1:%%d"}' %% port, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+class ScriptSystem:
+    """The part of LocalSystem the Keeper uses, with scripts for workers (no health address:
+    only deaths count)."""
+
+    def __init__(self, supervisor: Supervisor, scripts: dict[str, str]) -> None:
+        from kvmesh.cli.up import Worker
+
+        self.supervisor, self.scripts = supervisor, scripts
+        self.control = None
+        self.endpoint = ""
+        self.workers = [Worker("decode", self._start(name)) for name in scripts]
+        self.started: list[str] = list(scripts)
+
+    def _start(self, name: str):  # type: ignore[no-untyped-def]
+        return self.supervisor.start(name, [sys.executable, "-c", self.scripts[name]])
+
+    def worker(self, name: str):  # type: ignore[no-untyped-def]
+        return next((w for w in self.workers if w.child.name == name), None)
+
+    def restart_worker(self, name: str) -> None:
+        from kvmesh.cli.up import Worker
+
+        self.started.append(name)
+        self.workers = [Worker("decode", self._start(name)) if w.child.name == name else w
+                        for w in self.workers]  # fmt: skip
+
+    def poll_ready(self, name: str) -> bool:
+        worker = self.worker(name)
+        ready = self.supervisor.poll(worker.child, r"KVMESH_READY (\{.*\})")
+        if ready is not None:
+            worker.ready = json.loads(ready.group(1))
+        return ready is not None
+
+    def wait_ready(self) -> None:
+        for worker in self.workers:
+            line = self.supervisor.wait_for(worker.child, r"KVMESH_READY (\{.*\})",
+                                            time.monotonic() + 30)  # fmt: skip
+            worker.ready = json.loads(line.group(1))
+
+
+def keep(system: ScriptSystem, policy: object, until: object, seconds: float) -> list[str]:
+    from kvmesh.cli.restarts import Keeper
+
+    lines: list[str] = []
+    keeper = Keeper(system, policy, log=lines.append)  # type: ignore[arg-type]
+    end = time.monotonic() + seconds
+    try:
+        while not until(keeper) and time.monotonic() < end:  # type: ignore[operator]
+            keeper.check()
+            time.sleep(0.05)
+    finally:
+        keeper.probe.close()
+    assert until(keeper), lines  # type: ignore[operator]
+    return lines
+
+
+def test_restart_policy_backs_off_exponentially_up_to_its_bound() -> None:
+    from kvmesh.cli.restarts import RestartPolicy
+
+    policy = RestartPolicy(backoff_initial=0.5, backoff_max=3.0)
+    assert [policy.delay(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    with pytest.raises(ValueError, match="crash_loop_limit"):
+        RestartPolicy(crash_loop_limit=0)
+
+
+def test_a_killed_worker_is_restarted_under_its_name_and_logged() -> None:
+    from kvmesh.cli.restarts import RestartPolicy
+
+    supervisor = Supervisor(grace=1.0)
+    try:
+        system = ScriptSystem(supervisor, {"decode-0": SERVES, "decode-1": SERVES})
+        first = system.worker("decode-0").child
+        supervisor.wait_for(first, "KVMESH_READY", time.monotonic() + 30)
+        supervisor.kill(first)
+        policy = RestartPolicy(backoff_initial=0.2)
+        lines = keep(system, policy, lambda k: k.watches["decode-0"].ready_at is not None
+                     and k.watches["decode-0"].restarts == 1, 30)  # fmt: skip
+        assert system.started == ["decode-0", "decode-1", "decode-0"]
+        assert system.worker("decode-0").child.pid != first.pid
+        assert any("decode-0 exited with -9; restarting it in 0.2 s" in line for line in lines)
+        assert any("decode-0 is back" in line for line in lines)
+        assert system.worker("decode-1").child.alive()  # untouched
+    finally:
+        supervisor.close()
+
+
+def test_a_crash_looping_worker_is_given_up_after_the_limit() -> None:
+    from kvmesh.cli.restarts import RestartPolicy
+
+    supervisor = Supervisor(grace=1.0)
+    try:
+        system = ScriptSystem(supervisor, {"decode-0": CRASHES})
+        policy = RestartPolicy(backoff_initial=0.05, backoff_max=0.2, crash_loop_limit=3)
+        start = time.monotonic()
+        lines = keep(system, policy, lambda k: k.watches["decode-0"].given_up, 30)
+        assert system.started == ["decode-0"] * 4  # the first start and 3 restarts
+        assert time.monotonic() - start >= 0.05 + 0.1 + 0.2  # the backoffs were waited
+        assert "crash loop" in lines[-1] and "not restarting" in lines[-1]
+    finally:
+        supervisor.close()
+
+
+def test_a_draining_child_gets_its_bound_and_a_silent_one_the_wedge_bound() -> None:
+    """NOT_SERVING (draining) is left alone for `draining_seconds`; no answer at all (SIGSTOP)
+    only for `wedged_seconds`; both are then killed and restarted."""
+    from kvmesh.cli.restarts import RestartPolicy
+
+    supervisor = Supervisor(grace=1.0)
+    try:
+        system = ScriptSystem(supervisor, {"draining": HEALTH % "NOT_SERVING",
+                                           "stopped": HEALTH % "SERVING"})  # fmt: skip
+        system.wait_ready()
+        os.killpg(system.worker("stopped").child.pid, signal.SIGSTOP)
+        policy = RestartPolicy(wedged_seconds=0.5, draining_seconds=3.0, probe_timeout=0.3,
+                               backoff_initial=0.1)  # fmt: skip
+        start = time.monotonic()
+        lines = keep(system, policy, lambda k: k.watches["stopped"].restarts == 1, 20)
+        assert time.monotonic() - start < 3.0
+        assert any("stopped not answering its health check" in line for line in lines)
+        lines = keep(system, policy, lambda k: k.watches["draining"].restarts >= 1, 20)
+        assert time.monotonic() - start >= 3.0
+        assert any("draining NOT_SERVING for" in line for line in lines)
+    finally:
+        supervisor.close()

@@ -1,0 +1,30 @@
+"""`kvmesh up` flags for restarts and drain: defaults, --no-restart, bad values exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.cli.main import build_parser, main
+from kvmesh.cli.restarts import RestartPolicy
+from kvmesh.cli.up import config_from_args
+
+
+def test_restarts_are_on_by_default_with_the_documented_policy() -> None:
+    config = config_from_args(build_parser().parse_args(["up"]))
+    assert config.restart == RestartPolicy(startup_seconds=180.0)
+    assert (config.restart.wedged_seconds, config.restart.crash_loop_limit) == (10.0, 5)
+    assert config.drain_seconds == 30.0
+
+
+def test_restart_and_drain_flags_set_the_config() -> None:
+    argv = ["up", "--wedged-seconds", "4", "--crash-loop-limit", "2", "--drain-seconds", "7"]
+    config = config_from_args(build_parser().parse_args(argv))
+    assert config.restart is not None
+    assert (config.restart.wedged_seconds, config.restart.crash_loop_limit) == (4.0, 2)
+    assert config.drain_seconds == 7.0
+    assert config_from_args(build_parser().parse_args(["up", "--no-restart"])).restart is None
+
+
+def test_a_bad_restart_value_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--crash-loop-limit", "0"]) == 2
+    assert "crash_loop_limit is out of range" in capsys.readouterr().err
