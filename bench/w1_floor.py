@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kvmesh.cli.bench_throughput import WARMUP_PROMPT, run_all_at_once, w1_requests  # noqa: E402
 from kvmesh.engine.config import EngineConfig  # noqa: E402
-from kvmesh.engine.cpu_linear import packing_applies  # noqa: E402
+from kvmesh.engine.cpu_linear import PackedLinear  # noqa: E402
 from kvmesh.engine.engine import LLMEngine  # noqa: E402
 
 MODEL = Path.home() / ".cache" / "kvmesh" / "models" / "tiny-llama-bench-seed0"
@@ -67,9 +67,10 @@ def layer_shapes(config: Any, merged: bool) -> list[tuple[int, int]]:
     return [*attention, (inter, hidden), (inter, hidden), (hidden, inter)]
 
 
-def replay(shapes: list[tuple[int, int]], config: Any, dtype: torch.dtype, merged: bool) -> float:
-    """Seconds for the recorded steps' matmuls alone."""
-    packed = packing_applies(dtype, torch.device("cpu"))
+def replay(
+    shapes: list[tuple[int, int]], config: Any, dtype: torch.dtype, merged: bool, packed: bool
+) -> float:
+    """Seconds for the recorded steps' matmuls alone (oneDNN-packed or `F.linear`)."""
     layers = [layer_shapes(config, merged) for _ in range(int(config.num_hidden_layers))]
     weights = [[torch.randn(o, i, dtype=dtype) for o, i in layer] for layer in layers]
     head = torch.randn(int(config.vocab_size), int(config.hidden_size), dtype=dtype)
@@ -110,12 +111,14 @@ def main() -> None:
     shapes, engine_seconds, generated = record_w1(engine)
     loaded = engine.runner.loaded
     merged = loaded.executor == "native"
-    floor = min(replay(shapes, loaded.hf_config, loaded.dtype, merged) for _ in range(2))
+    packed = any(isinstance(m, PackedLinear) for m in loaded.model.modules())
+    floor = min(replay(shapes, loaded.hf_config, loaded.dtype, merged, packed) for _ in range(2))
     print(
         json.dumps(
             {
                 "dtype": args.dtype,
                 "executor": loaded.executor,
+                "packed_linears": packed,
                 "steps": len(shapes),
                 "generated_tokens": generated,
                 "engine_seconds": round(engine_seconds, 3),

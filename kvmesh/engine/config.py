@@ -16,6 +16,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_DTYPES = ("auto", "int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("auto", "native", "transformers")
+FLOAT32_PACKINGS = ("auto", "on", "off")
 
 
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -51,6 +52,12 @@ class EngineConfig:
         EXECUTORS,
     )
     kv_dtype: str = _setting("auto", "KV cache storage dtype (auto: the model's)", KV_DTYPES)
+    float32_packing: str = _setting(
+        "auto",
+        "native executor, float32 on CPU: oneDNN-packed linears (on), MKL's F.linear (off), or "
+        "auto (packed when a load-time measurement finds it 10 percent faster)",
+        FLOAT32_PACKINGS,
+    )
     block_size: int = _setting(16, "tokens per KV block")
     kv_cache_memory: int | None = _setting(None, "KV pool budget in bytes, e.g. 256MiB")
     memory_utilization: float = _setting(0.9, "fraction of GPU memory for weights and KV")
@@ -77,6 +84,7 @@ class EngineConfig:
         _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         _choice("device", self.device, DEVICES)
         _choice("executor", self.executor, EXECUTORS)
+        _choice("float32_packing", self.float32_packing, FLOAT32_PACKINGS)
         _choice("policy", self.policy, POLICIES)
         _choice("allocation", self.allocation, ALLOCATIONS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)

@@ -17,7 +17,7 @@ from kvmesh_kernels.cache import HEAD_DIMS
 
 from kvmesh.engine.attention import register_attention
 from kvmesh.engine.config import EngineConfig
-from kvmesh.engine.cpu_linear import pack_linear_layers, packing_applies
+from kvmesh.engine.cpu_linear import float32_packing_wins, pack_linear_layers, packing_applies
 from kvmesh.engine.cpu_norm import fuse_rms_norms, fused_norm_applies
 from kvmesh.engine.errors import InvalidParameterError, UnsupportedModelError
 from kvmesh.engine.executor import choose_executor
@@ -113,7 +113,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     executor = choose_executor(config.executor, model, hf_config)
     if executor == "native":
         generation_config = getattr(model, "generation_config", None)
-        model = build_native(model, hf_config, pack=packing_applies(dtype, device))
+        model = build_native(
+            model, hf_config, pack=native_packing(config, hf_config, dtype, device)
+        )
         model.generation_config = generation_config
     else:
         if packing_applies(dtype, device):
@@ -122,6 +124,23 @@ def load_model(config: EngineConfig) -> LoadedModel:
             fuse_rms_norms(model)
     logger.info("executor: %s for %s (%s)", executor, hf_config.model_type, dtype)
     return LoadedModel(path, model, hf_config, load_tokenizer(path), dtype, device, executor)
+
+
+def native_packing(
+    config: EngineConfig, hf_config: Any, dtype: torch.dtype, device: torch.device
+) -> bool:
+    """oneDNN-packed linears for the native executor: always for CPU bf16/fp16; for CPU float32
+    as `float32_packing` says (auto: measured at load on the model's widest GEMM)."""
+    if packing_applies(dtype, device):
+        return True
+    if dtype != torch.float32 or device.type != "cpu" or config.float32_packing == "off":
+        return False
+    if config.float32_packing == "on":
+        return torch.backends.mkldnn.is_available()
+    hidden = int(hf_config.hidden_size)
+    wins = float32_packing_wins(hidden, 2 * int(hf_config.intermediate_size))
+    logger.info("float32 linears: %s (measured at load)", "oneDNN-packed" if wins else "MKL")
+    return wins
 
 
 def load_tokenizer(path: Path) -> Any | None:

@@ -171,3 +171,17 @@ def test_bfloat16_native_packs_merged_linears(checkpoint: Path) -> None:
     loaded = load_model(EngineConfig(model=str(checkpoint), dtype="bfloat16", executor="native"))
     packed = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 4 * loaded.hf_config.num_hidden_layers + 1  # qkv, o, gate_up, down; head
+
+
+def test_float32_packed_linears_keep_greedy_parity(checkpoint: Path) -> None:
+    """float32_packing="on" (oneDNN-packed float32 linears, chosen at load where they measure
+    faster) still gives transformers' greedy tokens."""
+    from kvmesh.engine.cpu_linear import PackedLinear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    llm = LLM(str(checkpoint), num_kv_blocks=64, dtype="float32", float32_packing="on")
+    model = llm.engine.runner.loaded.model
+    assert any(isinstance(m, PackedLinear) for m in model.modules())
+    (output,) = llm.generate([PROMPT], GREEDY)
+    assert output.outputs[0].token_ids == hf_greedy(checkpoint, PROMPT, GREEDY.max_tokens)
