@@ -4,8 +4,10 @@
 into its blocked AMX/AVX-512 format on every call. A decode step's matmuls are small (one row
 per running sequence), so that re-layout is a large share of each call: packing the weight once
 at load runs the same matmuls 1.03-1.89x faster, bit-identical (`bench/micro_choices.py`,
-docs/BENCHMARKS.md "Implementation choices"). float32 keeps MKL's sgemm: oneDNN's packed
-float32 path showed no consistent gain there (slower at one row) and rounds differently.
+docs/BENCHMARKS.md "Implementation choices"). In float32 the gain depends on the machine
+(none measured on one Intel host, 1.5-2.4x on an AMD AVX-512 host, where MKL's sgemm is slow),
+so transformers' modules keep MKL's sgemm and the native executor measures both at load
+(`float32_packing_wins`).
 
 Only the module class changes: transformers' model code still calls `self.q_proj(x)` and so
 on. The plain weight is dropped after packing (a tied `lm_head` keeps the embedding's copy).
