@@ -7,16 +7,20 @@
 4. bfloat16/float16 linear layers on CPU run on oneDNN-prepacked weights
    (`kvmesh.engine.cpu_linear.PackedLinear`): vs `F.linear` on the plain weight, and float32
    stays on `F.linear` (MKL): vs oneDNN's packed float32 path. Shapes are the bench model's
-   (hidden 512, MLP 1376, vocab 32000) at decode and prefill row counts.
+   (hidden 512, MLP 1376, vocab 32000) at decode and prefill row counts, plus SmolLM2-135M's
+   merged native GEMMs at 64 rows. In float32 the winner depends on the machine, so the native
+   executor measures it at load (`float32_packing`).
 5. Greedy sampling picks `logits.max(dim=-1).indices` (`kvmesh.engine.sampler.greedy_ids`): vs
    `argmax(dim=-1)` on float32 logits [rows, 32000]; the indices are checked equal.
 
-Run: `.venv/bin/python bench/micro_choices.py` (prints one line per comparison, with ratios).
+Run: `.venv/bin/python bench/micro_choices.py [--linear-only]` (one line per comparison, with
+ratios).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 import timeit
 from collections.abc import Callable
@@ -130,6 +134,8 @@ def fresh_chunk(dtype: torch.dtype, num_tokens: int) -> None:
 
 LINEAR_SHAPES = ((1, 512, 1376), (16, 512, 512), (64, 512, 1376), (64, 1376, 512))
 LINEAR_SHAPES += ((64, 512, 32000), (2048, 512, 1376))
+# SmolLM2-135M's merged native GEMMs at a decode batch of 64: qkv, gate_up, down
+LINEAR_SHAPES += ((64, 576, 960), (64, 576, 3072), (64, 1536, 576))
 
 
 def linear_pair(rows: int, k: int, n: int, dtype: torch.dtype) -> tuple[float, float]:
@@ -182,6 +188,10 @@ def greedy_pick(rows: int, vocab: int = 32000) -> None:
 
 def main() -> None:
     torch.set_num_threads(2)
+    if "--linear-only" in sys.argv[1:]:
+        for dtype in (torch.bfloat16, torch.float32):
+            packed_linear(dtype)
+        return
     for rows in (1, 16, 64):
         greedy_pick(rows)
     for dtype in (torch.bfloat16, torch.float32):

@@ -43,7 +43,6 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_paged_attention.cpp"
 SOURCES = (
     SOURCE,
     SOURCE.with_name("cpu_cache_ops.cpp"),
-    SOURCE.with_name("cpu_rms_norm.cpp"),
     SOURCE.with_name("cpu_fused_ops.cpp"),
 )  # compiled into one library
 HEADERS = (SOURCE.with_name("dtype_convert.h"),)  # included by the sources; part of the key

@@ -4,7 +4,7 @@ float32 and bfloat16 tensors on the CPU with unit inner stride, library built
 (`fused_supported`); the functions assert that and otherwise raise RuntimeError on a kernel
 refusal. Each computes what transformers' Llama-family modules compute in that dtype, with the
 same roundings (see the C source); only float32 sums and the rsqrt may differ in the last bit.
-SiLU-and-mul stays with torch: its vectorized `exp` beat a scalar fused loop 5x (measured).
+SiLU-and-mul stays with torch's vectorized kernels (a scalar fused loop was slower).
 
     add_rms_norm(x, residual, w, eps) -> y       residual <- x + residual (in place), y = norm
     rms_norm(x, w, eps) -> y                     x [rows, n] (row-strided), y contiguous

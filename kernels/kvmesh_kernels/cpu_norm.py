@@ -1,4 +1,4 @@
-"""Fused bfloat16 RMSNorm on CPU (`csrc/cpu_rms_norm.cpp`, built into the fused CPU library).
+"""Fused bfloat16 RMSNorm on CPU for transformers' norm modules (`csrc/cpu_fused_ops.cpp`).
 
 `rms_norm_bf16(x, weight, eps)` computes, in one pass per row, what transformers' Llama-family
 RMSNorm computes in bfloat16 with eight tensor operations: upcast, normalise in float32, round
@@ -7,13 +7,10 @@ to bfloat16, multiply by the weight, round again.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
+from kvmesh_kernels import cpu_fused
 from kvmesh_kernels.cpu_build import library
-
-NORM_ENTRY = "kvmesh_cpu_rms_norm_bf16"
 
 
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -34,28 +31,13 @@ def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] bf16, weight [D] bf16 -> [..., D] bf16 contiguous (check rms_norm_supported)."""
-    lib = library()
-    assert lib is not None, "fused CPU library unavailable (check rms_norm_supported first)"
+    """x [..., D] bf16, weight [D] bf16 -> [..., D] bf16 contiguous (check rms_norm_supported).
+    One row pass of `cpu_fused.rms_norm`, the kernel the native executor's norms use."""
     dim = x.shape[-1]
-    rows = x.numel() // dim if dim else 0
-    out = torch.empty(x.shape, dtype=x.dtype)  # [..., D]
-    if rows == 0:
-        return out
-    row_stride = x.stride(-2) if x.dim() >= 2 else dim
-    rc = getattr(lib, NORM_ENTRY)(
-        ctypes.c_void_p(x.data_ptr()),
-        ctypes.c_int64(rows),
-        ctypes.c_int64(row_stride),
-        ctypes.c_void_p(weight.data_ptr()),
-        ctypes.c_void_p(out.data_ptr()),
-        ctypes.c_int64(dim),
-        ctypes.c_double(eps),
-        ctypes.c_int64(torch.get_num_threads()),
-    )
-    if rc != 0:
-        raise RuntimeError(f"fused RMSNorm kernel rejected its arguments (code {rc})")
-    return out
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=x.dtype)
+    rows = x.view(-1, dim) if x.is_contiguous() else x  # [rows, D] (a 2-D view otherwise)
+    return cpu_fused.rms_norm(rows, weight, eps).view(x.shape)
 
 
 def _rows_are_evenly_strided(x: torch.Tensor) -> bool:

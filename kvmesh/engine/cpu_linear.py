@@ -5,7 +5,7 @@ into its blocked AMX/AVX-512 format on every call. A decode step's matmuls are s
 per running sequence), so that re-layout is a large share of each call: packing the weight once
 at load runs the same matmuls 1.03-1.89x faster, bit-identical (`bench/micro_choices.py`,
 docs/BENCHMARKS.md "Implementation choices"). In float32 the gain depends on the machine
-(none measured on one Intel host, 1.5-2.4x on an AMD AVX-512 host, where MKL's sgemm is slow),
+(none measured on one Intel host, 1.3-2.2x on an AMD AVX-512 host, where MKL's sgemm is slow),
 so transformers' modules keep MKL's sgemm and the native executor measures both at load
 (`float32_packing_wins`).
 
@@ -75,7 +75,7 @@ def packing_applies(dtype: torch.dtype, device: torch.device) -> bool:
 def float32_packing_wins(in_features: int, out_features: int, rows: int = 64) -> bool:
     """Whether oneDNN's packed float32 linear beats `F.linear` (MKL) by 10% on this CPU for a
     decode-sized GEMM [rows, in] x [out, in]^T (a few milliseconds, measured once at load).
-    Machines differ: MKL's float32 GEMM ran 1.5-2.4x slower than the packed one on an AMD
+    Machines differ: MKL's float32 GEMM ran 1.3-2.2x slower than the packed one on an AMD
     AVX-512 host and no faster elsewhere (docs/BENCHMARKS.md)."""
     if not torch.backends.mkldnn.is_available():
         return False

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from kvmesh.engine.errors import UnsupportedModelError
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.native.llama import NativeCausalLM
 from kvmesh.engine.runner import ModelRunner
+from kvmesh.engine.warmup import WarmupChunk, WarmupStep
 from kvmesh.models.tiny import build_tiny_model
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -33,22 +33,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module", params=ARCHS)
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, "test", seed=0)
-
-
-@dataclass(frozen=True)
-class Chunk:
-    seq_id: str
-    token_ids: tuple[int, ...]
-    start_pos: int
-    block_table: tuple[int, ...]
-    slot_mapping: tuple[int, ...]
-    sample_seq_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Plan:
-    chunks: tuple[Chunk, ...]
-    copy_pairs: tuple[tuple[int, int], ...] = ()
 
 
 def with_config(path: Path, out: Path, **changes: Any) -> Path:
@@ -90,8 +74,8 @@ def native_last_logits(path: Path, prompt: list[int], dtype: str) -> torch.Tenso
     runner = ModelRunner(loaded, 64, 4, "auto")
     slots = tuple(range(len(prompt)))
     table = tuple(range(-(-len(prompt) // 4)))
-    chunk = Chunk("0", tuple(prompt), 0, table, slots, ("0",))
-    return runner.execute(Plan((chunk,)))[0]  # [vocab] float32
+    chunk = WarmupChunk("0", tuple(prompt), 0, table, slots, ("0",))
+    return runner.execute(WarmupStep((chunk,)))[0]  # [vocab] float32
 
 
 def test_auto_picks_native_and_transformers_on_request(checkpoint: Path) -> None:

@@ -37,10 +37,12 @@ def merged_linear(parts: list[nn.Module], pack: bool) -> nn.Module:
     biases = [getattr(p, "bias", None) for p in parts]
     if all(b is None for b in biases):
         return make_linear(weight, None, pack)
-    zeros = [torch.zeros(p.get_parameter("weight").shape[0], dtype=weight.dtype) for p in parts]
     bias = torch.cat(
-        [b.detach() if b is not None else z for b, z in zip(biases, zeros, strict=True)]
-    )
+        [
+            b.detach() if b is not None else weight.new_zeros(p.get_parameter("weight").shape[0])
+            for p, b in zip(parts, biases, strict=True)
+        ]
+    )  # [sum out], zeros where a part has no bias, on the weight's device
     return make_linear(weight, bias, pack)
 
 
@@ -55,10 +57,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)  # [D]
         self.eps = eps
+        self.fused = cpu_fused.fused_supported(self.weight)  # decided once: dtype, device, library
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _as_rows(x)
-        if rows is not None and cpu_fused.fused_supported(rows, self.weight):
+        if self.fused and rows is not None and rows.stride(-1) == 1:
             return cpu_fused.rms_norm(rows, self.weight, self.eps).view(x.shape)
         input_dtype = x.dtype
         h = x.to(torch.float32)
@@ -71,11 +74,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the decoder layer's residual add, then norm.
         The fused path updates `residual` in place (the caller's residual stream)."""
-        if (
-            x.dim() == 2
-            and residual.is_contiguous()
-            and cpu_fused.fused_supported(x, residual, self.weight)
-        ):
+        if self.fused and x.dim() == 2 and x.stride(-1) == 1 and residual.is_contiguous():
             return cpu_fused.add_rms_norm(x, residual, self.weight, self.eps), residual
         total = x + residual
         return self(total), total

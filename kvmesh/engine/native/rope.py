@@ -42,7 +42,7 @@ def check_rope(hf_config: Any) -> None:
 
 
 class RotaryTable:
-    """cos/sin [max_positions, head_dim] in the model dtype; `rotate` applies them in place."""
+    """cos/sin [max_positions, head_dim] in the model dtype; `at(positions)` rotates a step."""
 
     def __init__(
         self, rotary_module: Any, max_positions: int, dtype: torch.dtype, device: torch.device
@@ -55,6 +55,7 @@ class RotaryTable:
         self.cos = (emb.cos() * scaling).to(dtype).to(device)  # [P, D]
         self.sin = (emb.sin() * scaling).to(dtype).to(device)  # [P, D]
         self.max_positions = max_positions
+        self.fused = cpu_fused.fused_supported(self.cos)  # in-place CPU kernel, decided once
 
     def at(self, positions: torch.Tensor) -> StepRotary:
         """The rotation of one step's tokens at positions [T] int64."""
@@ -72,7 +73,7 @@ class StepRotary:
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         table = self.table
-        if cpu_fused.fused_supported(q, k, table.cos):
+        if table.fused and q.stride(-1) == 1 and k.stride(-1) == 1:
             cpu_fused.rope_(q, table.cos, table.sin, self.positions)
             cpu_fused.rope_(k, table.cos, table.sin, self.positions)
             return q, k
