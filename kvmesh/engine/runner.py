@@ -79,7 +79,6 @@ class ModelRunner:
     ):
         """`max_blocks_per_seq` (default: the whole pool) bounds one sequence's block table."""
         self.loaded = loaded
-        self.model = loaded.model
         self.executor = executor_for(loaded.model)
         self.device = loaded.device
         self.kv_cache: PagedKVCache = allocate_kv_cache(
