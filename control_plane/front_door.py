@@ -21,6 +21,7 @@ from control_plane.ledger import LedgerError, Release, WorkerRef
 from control_plane.releases import send_releases
 from control_plane.routing import NoRouteError
 from control_plane.run import RpcFailure, Run, WorkerLost
+from control_plane.run_metrics import record_run
 from control_plane.validation import FieldError, check_generate_request, check_request_id
 from kvmesh.v1 import generation_pb2
 
@@ -111,8 +112,12 @@ class FrontDoor:
         try:
             return self._admit(request, client_left)
         except RpcFailure as failure:
-            self._cluster.metrics.requests.labels(failure.code.name).inc()
+            self.count_rejected(failure.code)
             raise
+
+    def count_rejected(self, code: grpc.StatusCode) -> None:
+        """Count a request refused before it ran (either door)."""
+        self._cluster.metrics.requests.labels(code.name).inc()
 
     def _admit(self, request: generation_pb2.GenerateRequest, client_left: float | None) -> Run:
         if self.draining:
@@ -243,24 +248,13 @@ class FrontDoor:
         )
         await self._release(self._cluster.ledger.close(run.request_id, status.name))
         self._runs.pop(run.request_id, None)
-        metrics = self._cluster.metrics
-        metrics.requests.labels(status.name).inc()
-        metrics.inflight.set(len(self._runs))
-        metrics.ledger_entries.set(len(self._cluster.ledger))
-        if status == grpc.StatusCode.OK and run.timings.ttft is not None:
-            self._observe_ttft(run)
+        record_run(self._cluster.metrics, run, status, self._cluster.model_name())
+        self._cluster.metrics.inflight.set(len(self._runs))
         run.span.set_attribute("rpc.grpc.status_code", status.value[0])
         run.span.end()
         run.done.set()
         if not self._runs:
             self._idle.set()
-
-    def _observe_ttft(self, run: Run) -> None:
-        t, metrics = run.timings, self._cluster.metrics
-        assert t.ttft is not None
-        metrics.ttft.observe(t.ttft)
-        for phase in ("queue", "prefill", "transfer", "first_decode"):  # Timings field = label
-            metrics.ttft_phase.labels(phase).observe(getattr(t, phase))
 
     async def _release(self, releases: list[Release]) -> None:
         await send_releases(self._cluster, releases)
