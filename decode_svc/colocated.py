@@ -116,12 +116,12 @@ class ColocatedRole:
 
 
 async def install(
-    runtime: WorkerRuntime, server: WorkerServer, args: object, metrics: WorkerMetrics
+    runtime: WorkerRuntime, server: WorkerServer, args: object, metrics: WorkerMetrics | None
 ) -> ColocatedRole:
     """Add the colocated worker's services to `server`."""
     server.add(
         worker_pb2_grpc.add_ColocatedServiceServicer_to_server,
-        ColocatedServicer(runtime, metrics),
+        ColocatedServicer(runtime, metrics or WorkerMetrics("colocated")),
         COLOCATED_SERVICE,
     )
     server.add(
