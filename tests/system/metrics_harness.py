@@ -93,13 +93,15 @@ def moved(name: str, kind: str, scrapes: list[Scrape]) -> bool:
     )
 
 
-def dead_families(history: dict[str, list[Scrape]], exempt: set[str]) -> list[str]:
+def dead_families(
+    history: dict[str, list[Scrape]], exempt: set[str], kinds: tuple[str, ...] = ()
+) -> list[str]:
     """`process/family` for every family an endpoint exports that never moved (`exempt`:
-    family names, or `process/family`)."""
+    family names, or `process/family`; `kinds`: only families of these types)."""
     dead = []
     for process, scrapes in history.items():
         for name, kind in scrapes[-1].families.items():
-            if exempt & {name, f"{process}/{name}"}:
+            if exempt & {name, f"{process}/{name}"} or (kinds and kind not in kinds):
                 continue
             if not moved(name, kind, scrapes):
                 dead.append(f"{process}/{name}")

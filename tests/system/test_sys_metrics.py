@@ -8,8 +8,8 @@ be dead (never moved over the run).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from metrics_harness import (
@@ -166,26 +166,23 @@ def test_colocated_metrics_match_the_responses_and_none_is_dead(colocated: Local
 
 def pressure(system: LocalSystem) -> dict[str, list[Scrape]]:
     """Three long requests on two sequence slots and 12 blocks: one waits, two preempt each
-    other; the scrapes taken until the waiting gauge moved."""
+    other; the scrapes taken until every gauge of every process moved."""
     client = Client(system.endpoint, timeout=120)
-    threads = [
-        threading.Thread(
-            target=client.complete,
-            args=([100 + 20 * i + j for j in range(16)],),
-            kwargs={"max_tokens": 150, "ignore_eos": True, "temperature": 0.0},
-        )
-        for i in range(3)
-    ]
-    for thread in threads:
-        thread.start()
+    pool = ThreadPoolExecutor(3)
+    greedy = {"max_tokens": 150, "ignore_eos": True, "temperature": 0.0}
+    prompts = [[100 + 20 * i + j for j in range(16)] for i in range(3)]
+    results = [pool.submit(client.complete, prompt, **greedy) for prompt in prompts]
     history: dict[str, list[Scrape]] = {}
 
-    def waiting() -> bool:
+    def every_gauge_moved() -> bool:
         for process, s in scrape_all(system).items():
             history.setdefault(process, []).append(s)
-        return history["colocated"][-1].total("kvmesh:num_requests_waiting") >= 1
+        return not dead_families(history, set(), ("gauge",))
 
-    wait_until(waiting, 30, "a request waiting for a sequence slot")
-    for thread in threads:
-        thread.join(120)
+    try:
+        wait_until(every_gauge_moved, 30, "every gauge moved (a request waiting for a slot)")
+    finally:
+        tokens = [len(future.result(timeout=120).token_ids) for future in results]
+        pool.shutdown()
+    assert tokens == [150] * 3
     return history
