@@ -94,7 +94,6 @@ class WorkerMetrics:
         self.blocks = Gauge(
             "kvmesh_kv_blocks", "KV blocks by state (free, used, cached).", ["state"], registry=r
         )
-        self.iteration_tokens: Histogram | None = None
         if role == "prefill":
             self._transfer_families(r)
         if role == "decode":
@@ -132,10 +131,10 @@ class WorkerMetrics:
             buckets=ITERATION_TOKEN_BUCKETS,
             registry=self.registry,
         )
-        self.iteration_tokens = histogram
         return histogram.labels(model_name).observe
 
     def request_done(self, code: grpc.StatusCode) -> None:
+        """Count one finished call of the request path under its gRPC status."""
         self.requests.labels(status_name(code)).inc()
 
 
