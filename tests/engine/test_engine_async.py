@@ -195,3 +195,22 @@ def test_step_hook_sees_each_chunk_on_the_engine_thread(checkpoint: Path) -> Non
             await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_step_observers_see_every_scheduled_token(checkpoint: Path) -> None:
+    """What `kvmesh:iteration_tokens_total` observes: each step's scheduled tokens, so the sum
+    is the prompt tokens computed (not cached) plus one per decode step."""
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), num_kv_blocks=64))
+    seen: list[int] = []
+    engine.step_observers.append(seen.append)
+    prefix = list(range(30, 62))  # two full 16-token blocks
+    finals = []
+    for i, prompt in enumerate(([*prefix, 5], [*prefix, 6, 7])):
+        engine.add_request(f"r{i}", prompt, PARAMS)
+        while engine.has_unfinished():
+            finals += [out for out in engine.step() if out.finished]
+    cached = [out.num_cached_tokens for out in finals]
+    assert cached == [0, 32]
+    computed = sum(len(out.prompt_token_ids) for out in finals) - sum(cached)
+    assert sum(seen) == computed + 2 * (PARAMS.max_tokens - 1)
+    assert engine.scheduler.block_manager.metrics().prefix_hit_tokens == 32
