@@ -9,7 +9,7 @@ the client side with `kvmesh.client.AsyncClient`.
   with the prefill worker's `--transfer-overlap` (each chunk's blocks sent while the next chunk
   computes) and `--no-transfer-overlap`, and prints them side by side; `--prefill-chunk` is the
   prefill worker's `--max-num-batched-tokens`.
-- w4 (docs/BENCHMARKS.md, Workloads): 16 steady decoders (prompt 128, output 512) while
+- w4 (docs/WORKLOADS.md): 16 steady decoders (prompt 128, output 512) while
   2048-token prompts arrive
   every 2 s (output 16), for colocated without chunked prefill, colocated with chunked prefill at
   each `--chunks` size, and disaggregated; every worker uses `--threads` torch threads (1).
