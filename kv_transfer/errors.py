@@ -104,6 +104,7 @@ _BY_CODE: dict[str, type[TransferError]] = {
         DeadlineExpiredError,
         PeerError,
         AuthenticationError,
+        BackendUnavailableError,
     )
 }
 
