@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvmesh.v1 import worker_pb2
+from kvmesh.v1.transfer import WORKER_BACKENDS
 
 if TYPE_CHECKING:
     from decode_svc.reservations import ReservationTable
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
     from kvmesh.telemetry.metrics import WorkerMetrics
 
 DECODE_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
-DEFAULT_BACKENDS = ["shm", "grpc", "gloo"]
 
 
 class DecodeRole:
@@ -54,7 +54,7 @@ async def install(
     from kvmesh.telemetry.metrics import WorkerMetrics
     from kvmesh.v1 import worker_pb2_grpc
 
-    backends = list(getattr(args, "transfer_backend", None) or DEFAULT_BACKENDS)
+    backends = list(getattr(args, "transfer_backend", None) or WORKER_BACKENDS)
     region = await share_kv_cache(runtime) if "shm" in backends else None
     cache, scales = runtime.kv_cache_tensors()
     store = BlockStore(cache, scales, model_id=runtime.layout.model_fingerprint, region=region)

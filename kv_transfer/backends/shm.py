@@ -71,6 +71,7 @@ HANDSHAKE_SECONDS = 10.0
 IDLE_SECONDS = 600.0  # an idle connection is closed; the sender reconnects on its next send
 SEGMENT_PREFIX = "kvmesh_"
 MODES = ("auto", "registered", "staging")
+COMMIT_BYTES = 16 << 20  # registered mode: bytes one commit covers unless frame_bytes is set
 CHECKSUM_DEFAULT = False  # same-host memory: headers checked, payload hashing on request
 
 
@@ -221,32 +222,40 @@ class _Attached:
 
 class Sender(KVSender):
     """`mode`: "registered" (one copy into the receiver's cache; fails unless it is shared),
-    "staging" (slots), or "auto" (registered when the receiver offers it, else staging)."""
+    "staging" (slots), or "auto" (registered when the receiver offers it, else staging).
+    `frame_bytes`: the staging slot size, and in registered mode how many bytes one commit
+    covers (default 16 MiB there: a commit moves no bytes, fewer wake the receiver less)."""
 
     def __init__(
         self,
         store: BlockStore,
         address: str,
         *,
-        frame_bytes: int = DEFAULT_FRAME_BYTES,
+        frame_bytes: int | None = None,
         slots: int = 4,
         checksum: bool = CHECKSUM_DEFAULT,
         mode: str = "auto",
     ) -> None:
-        super().__init__(store, frame_bytes)
+        super().__init__(store, frame_bytes or DEFAULT_FRAME_BYTES)
+        self._commit_bytes = frame_bytes or COMMIT_BYTES
         if mode not in MODES:
             raise FrameError("mode", f"must be one of {MODES}, got {mode!r}")
         self._path = unix_path(address)
         self._slots = slots
         self.checksum = checksum
         self.mode = mode
-        self._slot_bytes = self.max_frame_bytes
         self._conn: socket.socket | None = None
         self._segment: shared_memory.SharedMemory | None = None
         self._ring: torch.Tensor | None = None
         self._window: torch.Tensor | None = None  # registered: the receiver's mapped cache
+        self._slot_bytes = self.max_frame_bytes
         self._close_lock = threading.Lock()  # close() runs on the caller's and transfer threads
         self._connect(time.monotonic() + HANDSHAKE_SECONDS)
+
+    @property
+    def blocks_per_frame(self) -> int:
+        size = self.frame_bytes if self._window is None else self._commit_bytes
+        return max(1, size // self.layout.bytes_per_block)
 
     @property
     def registered(self) -> bool:
