@@ -45,13 +45,13 @@ from kvmesh.service.engine_flags import (
     env_values,
     validate,
 )
+from kvmesh.v1.transfer import DEFAULT_BACKEND, WORKER_BACKENDS
 
 CONTROL_READY = re.compile(r"listening on (\S+)")
 INTERNAL_READY = re.compile(r"internal ControlService on (\S+)")
 INTERNAL_HOST = "127.0.0.1"  # every worker runs on this host: the internal door stays local
 HTTP_READY = re.compile(r"OpenAI-compatible API on (\S+)/v1")
 WORKER_READY = re.compile(r"KVMESH_READY (\{.*\})")
-TRANSFER_BACKENDS = ("shm", "grpc", "gloo")
 UP_OWN_FIELDS = ("num_threads",)  # `--threads` also sets OMP_NUM_THREADS
 DEMO_PROMPT = "What is the capital of France?"
 
@@ -68,7 +68,7 @@ class UpConfig:
     port: int = 50051  # 0 picks a free port
     internal_port: int = 0  # the control plane's internal door (0 picks a free port)
     http_port: int | None = None  # OpenAI-compatible HTTP API (0 picks a free port; None: off)
-    transfer_backend: str = "shm"
+    transfer_backend: str = DEFAULT_BACKEND
     threads: int | None = None  # torch threads per worker
     startup_timeout: float = 180.0
     drain_seconds: float = 30.0  # the control plane's drain cap (its bound is sized per request)
@@ -299,7 +299,7 @@ def register(subparsers: Any) -> None:
     add("--port", type=int, default=None, help="front door port (default 50051; --demo: any)")
     add("--http-port", type=int, default=None,
         help="OpenAI-compatible HTTP API port (default 8000; --demo: any; -1: off)")  # fmt: skip
-    add("--transfer-backend", choices=TRANSFER_BACKENDS, default="shm",
+    add("--transfer-backend", choices=WORKER_BACKENDS, default=DEFAULT_BACKEND,
         help="KV transfer backend between prefill and decode (default %(default)s)")  # fmt: skip
     add("--threads", "--num-threads", type=int, default=None,
         help="torch (and OpenMP) threads per worker process")  # fmt: skip

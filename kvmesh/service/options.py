@@ -22,6 +22,7 @@ from kvmesh.service.engine_flags import (
 )
 from kvmesh.service.server import DEFAULT_MAX_MESSAGE_BYTES
 from kvmesh.v1 import worker_pb2
+from kvmesh.v1.transfer import BACKENDS, WORKER_BACKENDS
 
 if TYPE_CHECKING:
     from kvmesh.service.runtime import WorkerRuntime
@@ -51,8 +52,8 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
         p.add_argument(
             "--transfer-backend",
             action="append",
-            choices=("shm", "gloo", "grpc", "cuda_ipc", "fake"),
-            help="KV transfer backend(s) (repeatable; default shm and grpc)",
+            choices=BACKENDS,
+            help=f"KV transfer backend(s) (repeatable; default {', '.join(WORKER_BACKENDS)})",
         )
         p.add_argument(
             "--transfer-port",
