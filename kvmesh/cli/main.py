@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvmesh.cli.up",
     "kvmesh.cli.generate",
     "kvmesh.cli.kernels",
+    "kvmesh.cli.tune",
 )
 
 
@@ -60,7 +61,7 @@ def package_version() -> str:
 # OpenMP (commands import torch only when they run); an explicit OMP_WAIT_POLICY or
 # GOMP_SPINCOUNT wins.
 OMP_SPIN_DEFAULT = "20000"
-SHARED_CORE_COMMANDS = ("up",)
+SHARED_CORE_COMMANDS = ("up", "tune")
 
 
 def apply_omp_defaults(shares_cores: bool = False) -> None:
