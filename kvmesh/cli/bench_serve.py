@@ -220,7 +220,14 @@ def print_table(results: Sequence[dict[str, Any]]) -> None:
             table.add_row(result["label"], run["arrival"], f"{s['completed']}/{s['failed']}",
                           f"{s['request_throughput']:.2f}", f"{s['output_throughput']:.1f}",
                           f"{s['goodput']:.2f}", *(_pair(s[k]) for k in LATENCIES))  # fmt: skip
-    Console(width=160).print(table)
+    console = Console(width=160)
+    console.print(table)
+    for result in results:
+        for run in result["runs"]:
+            failed, errors = run["summary"]["failed"], "; ".join(run["summary"]["errors"])
+            if failed:
+                line = f"{result['label']} {run['arrival']}: {failed} failed, e.g. {errors}"
+                console.print(line, markup=False)
 
 
 def _pair(d: dict[str, float] | None) -> str:
