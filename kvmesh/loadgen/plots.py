@@ -14,6 +14,7 @@ from kvmesh.loadgen.metrics import LATENCIES
 
 TITLES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "end-to-end"}
 DPI = 72
+FLOOR_MS = 1e-3  # latencies on a log axis start here (a 0 ms gap: two events in one read)
 
 
 def _pyplot() -> Any:
@@ -30,19 +31,20 @@ def rate_label(rate: Any) -> str:
 
 
 def latency_cdfs(results: list[dict[str, Any]], path: Path) -> Path:
-    """One panel per latency, a CDF line per (result, rate)."""
+    """One panel per latency, a CDF line per (result, rate), log-scaled milliseconds."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(LATENCIES), figsize=(12, 3), dpi=DPI)
     for ax, name in zip(axes, LATENCIES, strict=True):
         for result in results:
             for run in result["runs"]:
-                values = sorted(run["samples"].get(name) or [])
+                values = sorted(max(v, FLOOR_MS) for v in run["samples"].get(name) or [])
                 if values:
                     ys = [(i + 1) / len(values) for i in range(len(values))]
                     ax.step(values, ys, where="post",
                             label=f"{result['label']} @ {rate_label(run['rate'])}")  # fmt: skip
         ax.set_title(TITLES[name], fontsize=9)
-        ax.set_xlabel("ms", fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlabel("ms (log)", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of samples", fontsize=8)
@@ -51,7 +53,8 @@ def latency_cdfs(results: list[dict[str, Any]], path: Path) -> Path:
 
 
 def rate_sweep(results: list[dict[str, Any]], path: Path) -> Path:
-    """Output throughput, p99 TTFT and p99 ITL against request rate, a line per result."""
+    """Output throughput, p99 TTFT and p99 ITL (log scale) and goodput against request rate,
+    a line per result."""
     plt = _pyplot()
     panels = (("output_throughput", None, "output tokens/s"), ("ttft_ms", "p99", "p99 TTFT (ms)"),
               ("itl_ms", "p99", "p99 ITL (ms)"), ("goodput", None, "goodput (req/s)"))  # fmt: skip
@@ -62,6 +65,8 @@ def rate_sweep(results: list[dict[str, Any]], path: Path) -> Path:
             xs = [r["rate"] for r in runs]
             ys = [_value(r["summary"], key, stat) for r in runs]
             ax.plot(xs, ys, marker="o", markersize=3, label=result["label"])
+        if stat is not None:
+            ax.set_yscale("log")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("request rate (req/s)", fontsize=8)
         ax.tick_params(labelsize=7)
