@@ -66,6 +66,10 @@ class EngineConfig:
     max_num_seqs: int = _setting(256, "most sequences in one step")
     max_num_batched_tokens: int = _setting(2048, "most tokens in one step")
     enable_chunked_prefill: bool = _setting(True, "split long prompts over several steps")
+    long_prefill_token_threshold: int | None = _setting(
+        None,
+        "chunked prefill: most prompt tokens of one sequence in one step (default: the budget)",
+    )
     enable_prefix_caching: bool = _setting(True, "reuse cached KV blocks of equal prefixes")
     policy: str = _setting("continuous", "batching (static: a benchmark baseline)", POLICIES)
     allocation: str = _setting("paged", "KV allocation (contiguous: a baseline)", ALLOCATIONS)
@@ -95,7 +99,9 @@ class EngineConfig:
             "max_decode_stall_tokens",
         ):
             _positive(name, getattr(self, name))
-        for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads"):
+        optional = ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads",
+                    "long_prefill_token_threshold")  # fmt: skip
+        for name in optional:
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if not 0.0 < self.memory_utilization <= 1.0:

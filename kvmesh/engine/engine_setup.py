@@ -60,6 +60,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_chunked_prefill=config.enable_chunked_prefill,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
         enable_prefix_caching=config.enable_prefix_caching,
         policy=config.policy,
         allocation=config.allocation,

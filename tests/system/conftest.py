@@ -1,9 +1,11 @@
-"""Shared by the system tests: one disaggregated system (1 prefill + 1 decode, shared memory)
-and the offline engine on the same tiny test model, for greedy parity."""
+"""Shared by the system tests: one disaggregated system (1 prefill + 1 decode, shared memory),
+the offline engine on the same tiny test model, for greedy parity, and a tiny model with a chat
+template."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +18,18 @@ from kvmesh.cli.up import LocalSystem
 def shm_system() -> Iterator[tuple[LocalSystem, str]]:
     with local_system(transfer_backend="shm") as started:
         yield started
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny test checkpoint (random weights, byte tokenizer, a simple chat template)."""
+    from kvmesh.models.tiny import build_tiny_model
+    from kvmesh.models.tokenizer import set_chat_template
+
+    folder: Path = tmp_path_factory.mktemp("tiny-llama")
+    build_tiny_model(folder, "llama", "test", 0)
+    set_chat_template(folder)
+    return str(folder)
 
 
 @pytest.fixture(scope="session")
