@@ -65,6 +65,11 @@ class EngineConfig:
         "(on; compiles during warm-up) or eager with the fused kernels (off)",
         COMPILE_MODES,
     )
+    cuda_graphs: bool = _setting(
+        True,
+        "CUDA, native executor: decode steps replay CUDA graphs captured at start for "
+        "batch-size buckets up to max_num_seqs (prompt and mixed steps run eagerly)",
+    )
     block_size: int = _setting(16, "tokens per KV block")
     kv_cache_memory: int | None = _setting(None, "KV pool budget in bytes, e.g. 256MiB")
     memory_utilization: float = _setting(0.9, "fraction of GPU memory for weights and KV")
