@@ -17,6 +17,7 @@ KV_DTYPES = ("auto", "int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("auto", "native", "transformers")
 FLOAT32_PACKINGS = ("auto", "on", "off")
+COMPILE_MODES = ("off", "on")
 
 
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -58,6 +59,17 @@ class EngineConfig:
         "auto (packed when a load-time measurement finds it 10 percent faster)",
         FLOAT32_PACKINGS,
     )
+    compile: str = _setting(
+        "off",
+        "native executor: torch.compile (inductor) of the per-layer math around attention "
+        "(on; compiles during warm-up) or eager with the fused kernels (off)",
+        COMPILE_MODES,
+    )
+    cuda_graphs: bool = _setting(
+        True,
+        "CUDA, native executor: decode steps replay CUDA graphs captured at start for "
+        "batch-size buckets up to max_num_seqs (prompt and mixed steps run eagerly)",
+    )
     block_size: int = _setting(16, "tokens per KV block")
     kv_cache_memory: int | None = _setting(None, "KV pool budget in bytes, e.g. 256MiB")
     memory_utilization: float = _setting(0.9, "fraction of GPU memory for weights and KV")
@@ -89,6 +101,7 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("executor", self.executor, EXECUTORS)
         _choice("float32_packing", self.float32_packing, FLOAT32_PACKINGS)
+        _choice("compile", self.compile, COMPILE_MODES)
         _choice("policy", self.policy, POLICIES)
         _choice("allocation", self.allocation, ALLOCATIONS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
