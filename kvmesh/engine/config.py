@@ -17,6 +17,7 @@ KV_DTYPES = ("auto", "int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("auto", "native", "transformers")
 FLOAT32_PACKINGS = ("auto", "on", "off")
+PREEMPTIONS = ("auto", "swap", "recompute")
 
 
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -76,6 +77,21 @@ class EngineConfig:
         SCHEDULING_POLICIES,
     )
     max_decode_stall_tokens: int = _setting(512, "prefill-first: prompt tokens decodes may wait")
+    host_kv_gib: float | None = _setting(
+        None, "host-memory KV tier below the device cache, GiB (pinned on CUDA; default: none)"
+    )
+    disk_kv_dir: str | None = _setting(
+        None, "folder of the disk KV tier below the host tier (needs --host-kv-gib)"
+    )
+    disk_kv_gib: float = _setting(4.0, "disk KV tier capacity, GiB")
+    disk_kv_persist: bool = _setting(
+        False, "keep (and verify) the disk tier's blocks across restarts"
+    )
+    preemption: str = _setting(
+        "auto",
+        "preempted sequences: swap (to the host tier), recompute, or auto (by estimated cost)",
+        PREEMPTIONS,
+    )
     num_threads: int | None = _setting(None, "torch CPU threads (default: torch's)")
     show_progress: bool = _setting(False, "print the KV capacity line at start")
 
@@ -88,6 +104,8 @@ class EngineConfig:
         _choice("policy", self.policy, POLICIES)
         _choice("allocation", self.allocation, ALLOCATIONS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _choice("preemption", self.preemption, PREEMPTIONS)
+        self._check_tiers()
         for name in (
             "block_size",
             "max_num_seqs",
@@ -100,6 +118,18 @@ class EngineConfig:
                 _positive(name, getattr(self, name))
         if not 0.0 < self.memory_utilization <= 1.0:
             raise InvalidParameterError("memory_utilization", "must be in (0, 1]")
+
+    def _check_tiers(self) -> None:
+        for name in ("host_kv_gib", "disk_kv_gib"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise InvalidParameterError(name, f"must be a positive number; got {value!r}")
+        if self.disk_kv_dir is not None and self.host_kv_gib is None:
+            raise InvalidParameterError(
+                "disk_kv_dir", "the disk tier sits below the host tier: set host_kv_gib too"
+            )
+        if self.preemption == "swap" and self.host_kv_gib is None:
+            raise InvalidParameterError("preemption", "swap needs the host tier (host_kv_gib)")
 
 
 DEFAULT_CPU_KV_BYTES = 1024**3

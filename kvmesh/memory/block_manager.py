@@ -204,6 +204,13 @@ class BlockManager:
             parent_hash, parent_ref = block_hash, ref
         return parent_hash, parent_ref
 
+    def evict_all(self) -> None:
+        """Evict every unreferenced cached block (each spills to the tiers, if any): what a
+        persistent disk tier needs at shutdown."""
+        taken = self._take_blocks(self._pool.num_free)
+        for block in taken or ():
+            self._pool.decref(block)
+
     def _evicted(self, block: int) -> None:
         entry = self._cache.forget(block)
         if self.tiers is not None:

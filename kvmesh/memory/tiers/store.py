@@ -56,9 +56,18 @@ class TieredStore:
         self._in_flight: list[tuple[torch.cuda.Event | None, list[int], float]] = []
         self._reads: dict[int, Future[bytes | None]] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-tier-read")
+        self.closed = False
 
     def close(self) -> None:
+        """Stop the reader; a persistent disk tier first receives the host's cached blocks
+        (so a restart finds chains whole: their heads stay on the host longest)."""
+        self.closed = True
         self._reader.shutdown(wait=True, cancel_futures=True)
+        self._reads.clear()
+        if self.disk is not None and self.disk.persist:
+            self.flush_spills()
+            self._release_done()
+            self._shed_host(self.host.num_cached)
 
     # -- spill (device -> host -> disk) ------------------------------------------------------
     def spill(self, block_id: int, meta: BlockMeta) -> None:
@@ -66,6 +75,8 @@ class TieredStore:
         assert meta.block_hash not in self.host and not self._on_disk(meta.block_hash), (
             "an evicted device block's hash already has a lower copy"
         )
+        if not self.host.num_free and not self.host.num_cached:
+            self.flush_spills()  # queued spills become demotable host blocks
         slot = self._free_host_slot()
         if slot is None:
             self.host_stats.dropped += 1
@@ -85,6 +96,9 @@ class TieredStore:
         self._shed_host(self.host.watermarks.excess(self.host.num_used, self.host.capacity))
 
     def _free_host_slot(self) -> int | None:
+        if not self.host.num_free and self._reloads:
+            self._run_reloads()  # their device blocks are allocated: landing early is safe
+            self._release_done()
         if not self.host.num_free:
             self._shed_host(1)
         slots = self.host.take_free(1)
@@ -189,7 +203,7 @@ class TieredStore:
     def prefetch(self, block_hashes: Iterable[int]) -> int:
         """Start background reads of the disk blocks among `block_hashes`; how many started.
         A finished read moves its block to the host tier at the next lookup or step."""
-        if self.disk is None:
+        if self.disk is None or self.closed:
             return 0
         started = 0
         for block_hash in block_hashes:
@@ -233,6 +247,9 @@ class TieredStore:
         self.flush_spills()
         self._release_done()
         self._collect_reads()
+        self._run_reloads()
+
+    def _run_reloads(self) -> None:
         if not self._reloads:
             return
         reloads, self._reloads = self._reloads, []
