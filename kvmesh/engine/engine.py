@@ -133,7 +133,11 @@ class LLMEngine:
         if self.parts.tiers is not None:
             self.parts.tiers.prepare_step()  # reloads land before any write or read
         self.runner.copy_blocks(plan.copy_pairs)
+        started = time.perf_counter()
         logits = self.runner.execute(plan)  # [sampling chunks, vocab]
+        tokens = sum(len(chunk.token_ids) for chunk in plan.chunks)
+        if self.parts.tiers is not None and tokens > 2 * len(plan.chunks):  # mostly prompt
+            self.parts.tiers.rates.observe_compute(tokens, time.perf_counter() - started)
         sampled = self._sample(plan, logits)
         changed = self.scheduler.update(plan, sampled)
         now = time.monotonic()

@@ -68,6 +68,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         allocation=config.allocation,
         scheduling_policy=config.scheduling_policy,
         max_decode_stall_tokens=config.max_decode_stall_tokens,
+        preemption=config.preemption,
         eos_token_id=eos,
     )
     tiers = build_tiers(config, runner, str(loaded.path))

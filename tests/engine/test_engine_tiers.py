@@ -94,3 +94,23 @@ def test_persistent_disk_tier_serves_hits_after_restart(
     tokens, cached = run_each(again, [make_prompts()[1]])
     assert tokens == [expected[1]] and cached[0] > 0
     assert tiers_of(again)["disk"].hits >= 1
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_swap_preemption_keeps_greedy_output(
+    checkpoint: Path, expected: list[list[int]], mode: str
+) -> None:
+    llm = LLM(
+        str(checkpoint), num_kv_blocks=9, host_kv_gib=gib(32), preemption=mode,
+        max_num_batched_tokens=64,
+    )  # fmt: skip
+    outputs = llm.generate(make_prompts(), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    chooser = llm.engine.scheduler.state.chooser
+    assert chooser is not None and llm.engine.scheduler.num_preemptions > 0
+    assert chooser.num_swap + chooser.num_recompute == llm.engine.scheduler.num_preemptions
+    store = llm.engine.parts.tiers
+    assert store is not None
+    if mode == "swap":
+        assert chooser.num_swap > 0 and store.swap_stats.swapped_in == store.swap_stats.swapped_out
+    llm.engine.scheduler.block_manager.check_integrity()

@@ -27,6 +27,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from kvmesh.memory.tiers.blockfile import BlockMeta
+from kvmesh.memory.tiers.costs import Rates
 from kvmesh.memory.tiers.device import DeviceBlocks
 from kvmesh.memory.tiers.disk import DiskTier
 from kvmesh.memory.tiers.host import HostTier
@@ -48,6 +49,7 @@ class TieredStore:
         self.reload_deadline_s = reload_deadline_s
         self.host_stats, self.disk_stats = TierCounters(), TierCounters()
         self.swap_stats = SwapCounters()
+        self.rates = Rates()
         if disk is not None:
             self.disk_stats.corrupt = disk.num_corrupt
         self._spills: list[tuple[int, int, BlockMeta]] = []  # (device block, host slot, meta)
@@ -88,12 +90,17 @@ class TieredStore:
         if not self._spills:
             return
         spills, self._spills = self._spills, []
-        self.device.to_host([s[0] for s in spills], self.host, [s[1] for s in spills])
+        self._to_host([s[0] for s in spills], [s[1] for s in spills])
         for _, slot, meta in spills:
             self.host.add(meta, slot)
         self.host_stats.spills += len(spills)
         self.host_stats.bytes_in += len(spills) * self.device.block_bytes
         self._shed_host(self.host.watermarks.excess(self.host.num_used, self.host.capacity))
+
+    def _to_host(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        started = time.perf_counter()
+        self.device.to_host(block_ids, self.host, slots)
+        self.rates.observe_copy(len(slots) * self.device.block_bytes, time.perf_counter() - started)
 
     def _free_host_slot(self) -> int | None:
         if not self.host.num_free and self._reloads:
@@ -264,7 +271,9 @@ class TieredStore:
         for event, slots, started in self._in_flight:
             if event is not None:
                 event.synchronize()
-            self.host_stats.reload_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.rates.observe_copy(len(slots) * self.device.block_bytes, seconds)
+            self.host_stats.reload_seconds += seconds
             self.host_stats.reload_batches += 1
             self.host_stats.reloads += len(slots)
             self.host_stats.bytes_out += len(slots) * self.device.block_bytes
@@ -282,7 +291,7 @@ class TieredStore:
         slots = self.host.take_free(count)
         if slots is None:
             return False
-        self.device.to_host(block_ids, self.host, slots)
+        self._to_host(block_ids, slots)
         self.host.park(seq_id, slots)
         self.swap_stats.swapped_out += 1
         self.swap_stats.swap_bytes += count * self.device.block_bytes
