@@ -114,3 +114,19 @@ def test_swap_preemption_keeps_greedy_output(
     if mode == "swap":
         assert chooser.num_swap > 0 and store.swap_stats.swapped_in == store.swap_stats.swapped_out
     llm.engine.scheduler.block_manager.check_integrity()
+
+
+def test_tier_metrics_export(checkpoint: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvmesh.telemetry.tier_metrics import register_tier_metrics
+
+    llm = LLM(str(checkpoint), num_kv_blocks=5, host_kv_gib=gib(8))
+    run_each(llm, [make_prompts()[0], make_prompts()[2], make_prompts()[1]])
+    registry = CollectorRegistry()
+    register_tier_metrics(registry, lambda: llm.engine)
+    text = generate_latest(registry).decode()
+    assert f'kvmesh_kv_tier_capacity_bytes{{tier="host"}} {8 * BLOCK_BYTES}.0' in text
+    host = tiers_of(llm)["host"]
+    assert host.hits >= 3 and f'kvmesh_kv_tier_hits_total{{tier="host"}} {float(host.hits)}' in text
+    assert 'kvmesh_preemptions_total{mode="swap"} 0.0' in text
