@@ -128,5 +128,5 @@ def test_tier_metrics_export(checkpoint: Path) -> None:
     text = generate_latest(registry).decode()
     assert f'kvmesh_kv_tier_capacity_bytes{{tier="host"}} {8 * BLOCK_BYTES}.0' in text
     host = tiers_of(llm)["host"]
-    assert host.hits >= 3 and f'kvmesh_kv_tier_hits_total{{tier="host"}} {float(host.hits)}' in text
+    assert host.hits >= 1 and f'kvmesh_kv_tier_hits_total{{tier="host"}} {float(host.hits)}' in text
     assert 'kvmesh_preemptions_total{mode="swap"} 0.0' in text
