@@ -81,7 +81,9 @@ class EngineConfig:
         None, "host-memory KV tier below the device cache, GiB (pinned on CUDA; default: none)"
     )
     disk_kv_dir: str | None = _setting(
-        None, "folder of the disk KV tier below the host tier (needs --host-kv-gib)"
+        None,
+        "folder of the disk KV tier below the host tier (which defaults to 1 GiB when "
+        "--host-kv-gib is not set)",
     )
     disk_kv_gib: float = _setting(4.0, "disk KV tier capacity, GiB")
     disk_kv_persist: bool = _setting(
@@ -89,7 +91,8 @@ class EngineConfig:
     )
     preemption: str = _setting(
         "auto",
-        "preempted sequences: swap (to the host tier), recompute, or auto (by estimated cost)",
+        "preempted sequences: swap (to the host tier), recompute, or auto (by estimated "
+        "cost); without a host tier always recompute",
         PREEMPTIONS,
     )
     num_threads: int | None = _setting(None, "torch CPU threads (default: torch's)")
@@ -124,15 +127,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not value > 0):
                 raise InvalidParameterError(name, f"must be a positive number; got {value!r}")
-        if self.disk_kv_dir is not None and self.host_kv_gib is None:
-            raise InvalidParameterError(
-                "disk_kv_dir", "the disk tier sits below the host tier: set host_kv_gib too"
-            )
-        if self.preemption == "swap" and self.host_kv_gib is None:
-            raise InvalidParameterError("preemption", "swap needs the host tier (host_kv_gib)")
 
 
 DEFAULT_CPU_KV_BYTES = 1024**3
+DEFAULT_HOST_KV_GIB = 1.0  # the host tier under a disk tier when host_kv_gib is not set
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvmesh.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from kvmesh.engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_HOST_KV_GIB, EngineConfig
 from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.loader import LoadedModel, load_model
 from kvmesh.engine.runner import ModelRunner
@@ -84,11 +84,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 
 def build_tiers(config: EngineConfig, runner: ModelRunner, model_id: str) -> TieredStore | None:
-    """The host/disk tiers of `config` (None without host_kv_gib)."""
-    if config.host_kv_gib is None:
+    """The host/disk tiers of `config` (None with neither host_kv_gib nor disk_kv_dir)."""
+    if config.host_kv_gib is None and config.disk_kv_dir is None:
         return None
     settings = TierSettings(
-        int(config.host_kv_gib * GIB),
+        int((config.host_kv_gib or DEFAULT_HOST_KV_GIB) * GIB),
         config.disk_kv_dir,
         int(config.disk_kv_gib * GIB),
         config.disk_kv_persist,
