@@ -22,6 +22,7 @@ from kvmesh.service.options import ROLES, build_runtime, engine_config, parse
 from kvmesh.service.runtime import WorkerRuntime
 from kvmesh.service.server import WorkerServer, print_ready, run_until_signal
 from kvmesh.telemetry.metrics import WorkerMetrics, serve_metrics
+from kvmesh.telemetry.tier_metrics import register_tier_metrics
 from kvmesh.v1 import worker_pb2
 
 LOG = logging.getLogger("kvmesh.service")
@@ -76,6 +77,7 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
     async def serve(runtime: WorkerRuntime, stop: asyncio.Event) -> None:
         metrics = WorkerMetrics()
         bind_load_gauges(metrics, runtime.engine.load)
+        register_tier_metrics(metrics.registry, lambda: runtime.engine.engine)
         server = WorkerServer(
             args.host,
             args.port,
