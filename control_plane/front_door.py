@@ -164,7 +164,8 @@ class FrontDoor:
             run.calls.clear()
             run.lost = None
             run.worker_aborted = False
-            run.attempt = asyncio.create_task(self._driver.attempt(run))
+            with run.traced():  # the attempt's calls and background releases run under it
+                run.attempt = asyncio.create_task(self._driver.attempt(run))
             async for response in self._drain(run):
                 yield response
             lost = self._outcome(run)

@@ -41,15 +41,18 @@ async def responses(
         async for output in stream:
             yield output
 
-    async for output in outputs():
-        for response in decode_responses(output, tokenizer):
-            if not timed:
-                response.first_decode_seconds = time.monotonic() - started
-                response.queue_seconds = queue_seconds
-                response.prefill_seconds = prefill_seconds
-                timed = True
-            if response.token_ids and not tokens:
-                span.add_event("first_token", {"kvmesh.completion.index": response.index})
-            tokens += len(response.token_ids)
+    try:
+        async for output in outputs():
+            for response in decode_responses(output, tokenizer):
+                if not timed:
+                    response.first_decode_seconds = time.monotonic() - started
+                    response.queue_seconds = queue_seconds
+                    response.prefill_seconds = prefill_seconds
+                    timed = True
+                if response.token_ids and not tokens:
+                    span.add_event("first_token", {"kvmesh.completion.index": response.index})
+                tokens += len(response.token_ids)
+                yield response
+    finally:
+        if span.is_recording():  # not when the call's span already ended (a cancelled call)
             span.set_attribute(TOKENS_GENERATED, tokens)
-            yield response

@@ -44,8 +44,10 @@ def request_spans(exporter: InMemorySpanExporter) -> list[ReadableSpan]:
     ]  # fmt: skip
 
 
-def run_request(exporter: InMemorySpanExporter, capture: bool) -> generation_pb2.Usage:
-    """One request through fake workers; the usage it reported."""
+def run_request(
+    exporter: InMemorySpanExporter, capture: bool, chat: bool = False
+) -> generation_pb2.Usage:
+    """One request (a prompt text, or a conversation) through fake workers; its usage."""
     exporter.clear()
 
     async def run() -> generation_pb2.Usage:
@@ -53,6 +55,9 @@ def run_request(exporter: InMemorySpanExporter, capture: bool) -> generation_pb2
             await cp.add("p0", "prefill")
             await cp.add("d0", "decode")
             request = text_request("secret prompt", request_id="traced-1")
+            if chat:
+                message = generation_pb2.ChatMessage(role="user", content="secret prompt")
+                request.chat.messages.append(message)
             call = cp.generation.Generate(request, timeout=5, metadata=METADATA)
             code, _, responses = await status_of(call)
             assert code == grpc.StatusCode.OK
@@ -89,8 +94,9 @@ def test_request_span_continues_the_caller_trace_without_text(
 
 
 def test_message_capture_records_prompt_and_output_text(exporter: InMemorySpanExporter) -> None:
-    run_request(exporter, capture=True)
+    run_request(exporter, capture=True, chat=True)
     (span,) = request_spans(exporter)
+    assert span.name == "chat tiny"
     attributes = dict(span.attributes or {})
     inputs = json.loads(str(attributes["gen_ai.input.messages"]))
     assert inputs == [{"role": "user", "parts": [{"type": "text", "content": "secret prompt"}]}]

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from otlp_receiver import Receiver, Span, SpanKind, StatusCode, otlp_receiver
-from sys_harness import local_system
+from otlp_receiver import Receiver, Span, SpanKind, StatusCode
 
 from kvmesh.cli.up import LocalSystem
 from kvmesh.client import Client, KvmeshError
@@ -26,26 +23,11 @@ def traceparent(span_id: str, trace_id: str = CALLER_TRACE) -> str:
     return f"00-{trace_id}-{span_id}-01"
 
 
-@pytest.fixture(scope="module")
-def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSystem, Receiver]]:
-    from kvmesh.models.tiny import build_tiny_model
-    from kvmesh.models.tokenizer import set_chat_template
-
-    folder: Path = tmp_path_factory.mktemp("tiny-chat")
-    build_tiny_model(folder, "llama", "test", 0)
-    set_chat_template(folder)
-    env = {
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-        "OTEL_BSP_SCHEDULE_DELAY": "100",
-        "KVMESH_LOG_FORMAT": "json",
-    }
-    with otlp_receiver() as (receiver, endpoint), pytest.MonkeyPatch.context() as patch:
-        for key, value in {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}.items():
-            patch.setenv(key, value)
-        patch.delenv("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", raising=False)
-        with local_system(model=str(folder), http_port=0, transfer_backend="shm") as (system, _):
-            yield system, receiver
+@pytest.fixture
+def traced(
+    shm_system: tuple[LocalSystem, str], otlp: tuple[Receiver, dict[str, str]]
+) -> tuple[LocalSystem, Receiver]:
+    return shm_system[0], otlp[0]
 
 
 def request_span(spans: list[Span], parent: str) -> Span:
@@ -63,8 +45,20 @@ def one(spans: list[Span], name: str, kind: int) -> Span:
 
 
 def wait_trace(receiver: Receiver, trace_id: str, names: set[str]) -> list[Span]:
-    receiver.wait(lambda: names <= {s.name for s in receiver.trace(trace_id)})
+    """The trace once it has a span of each of `names` ("NAME" or "NAME KIND", kinds as
+    CLIENT / SERVER) and every worker call's SERVER span."""
+
+    def complete() -> bool:
+        spans = receiver.trace(trace_id)
+        have = {s.name for s in spans} | {f"{s.name} {KINDS.get(s.kind)}" for s in spans}
+        calls = {s.name for s in spans if s.kind == SpanKind.SPAN_KIND_CLIENT}
+        return names <= have and all(f"{c} SERVER" in have for c in calls)
+
+    receiver.wait(complete)
     return receiver.trace(trace_id)
+
+
+KINDS = {SpanKind.SPAN_KIND_CLIENT: "CLIENT", SpanKind.SPAN_KIND_SERVER: "SERVER"}
 
 
 def no_text(spans: list[Span], text: str) -> None:
@@ -78,24 +72,25 @@ def test_grpc_request_is_one_trace_from_the_caller_span(traced: Any) -> None:
     system, receiver = traced
     caller = "00f067aa0ba902b7"
     with Client(system.endpoint) as client:
-        result = client.complete_chat(
-            [{"role": "user", "content": SECRET}], max_tokens=6, temperature=0.0, top_p=0.5,
-            ignore_eos=True, metadata=(("traceparent", traceparent(caller)),),
+        result = client.complete(
+            SECRET, max_tokens=6, temperature=0.0, top_p=0.5, ignore_eos=True,
+            metadata=(("traceparent", traceparent(caller)),),
         )  # fmt: skip
     model = client_model(system)
     release = {"/kvmesh.v1.DecodeService/Release", "/kvmesh.v1.PrefillService/Release"}
-    spans = wait_trace(receiver, CALLER_TRACE, {"kv_transfer shm", f"chat {model}"})
+    decode = "/kvmesh.v1.DecodeService/Decode CLIENT"
+    expected = {"kv_transfer shm", f"text_completion {model}", decode}
     receiver.wait(lambda: bool(release & {s.name for s in receiver.trace(CALLER_TRACE)}))
-    spans = receiver.trace(CALLER_TRACE)
+    spans = wait_trace(receiver, CALLER_TRACE, expected)
     assert {"kvmesh-control", "kvmesh-prefill", "kvmesh-decode"} <= {s.service for s in spans}
 
     root = request_span(spans, caller)  # the caller's span is the parent of our root
     assert (root.service, root.kind, root.name) == ("kvmesh-control", SpanKind.SPAN_KIND_SERVER,
-                                                   f"chat {model}")  # fmt: skip
+                                                   f"text_completion {model}")  # fmt: skip
     completion = result.completions[0]
     usage = completion.usage
     assert usage is not None
-    assert root.attributes["gen_ai.operation.name"] == "chat"
+    assert root.attributes["gen_ai.operation.name"] == "text_completion"
     assert root.attributes["gen_ai.request.model"] == model
     assert root.attributes["gen_ai.request.max_tokens"] == 6
     assert root.attributes["gen_ai.request.temperature"] == 0.0

@@ -65,3 +65,18 @@ def test_otlp_protocol_picks_the_grpc_or_http_exporter() -> None:
 def test_unknown_protocol_names_the_variable() -> None:
     with pytest.raises(TracingConfigError, match="OTEL_EXPORTER_OTLP_PROTOCOL"):
         TracingConfig.from_env("k", env={"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+
+
+def test_health_checks_and_heartbeats_are_not_traced() -> None:
+    import grpc
+
+    from kvmesh.telemetry.tracing import _traced
+
+    def call(method: str) -> grpc.aio.ClientCallDetails:
+        return grpc.aio.ClientCallDetails(method.encode(), None, None, None, None)
+
+    traced = _traced()
+    assert not traced(call("/grpc.health.v1.Health/Check"))
+    assert not traced(call("/kvmesh.v1.ControlService/Heartbeat"))
+    assert traced(call("/kvmesh.v1.ControlService/Register"))
+    assert traced(call("/kvmesh.v1.DecodeService/Decode"))
