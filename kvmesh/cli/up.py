@@ -185,7 +185,7 @@ class LocalSystem:
         if c.http_port is not None:  # a restart keeps the HTTP address too
             port = self.http_url.rsplit(":", 1)[1] if self.http_url else str(c.http_port)
             argv += ["--http-port", port]
-        self.control = self.supervisor.start("control", argv, self.env)
+        self.control = self.supervisor.start("control", argv, {**self.env, **role_env("control")})
         if c.http_port is not None:  # printed before the gRPC lines
             self.http_url = self.supervisor.wait_for(self.control, HTTP_READY, deadline).group(1)
         internal = self.supervisor.wait_for(self.control, INTERNAL_READY, deadline)
@@ -208,7 +208,7 @@ class LocalSystem:
             argv += ["--transfer-backend", c.transfer_backend]
         if c.threads is not None:
             argv += ["--num-threads", str(c.threads)]
-        env = dict(self.env)
+        env = {**self.env, **role_env(role)}
         if c.threads is not None:
             env["OMP_NUM_THREADS"] = str(c.threads)
         worker = Worker(role, self.supervisor.start(name, argv, env))
@@ -257,6 +257,11 @@ class LocalSystem:
         if self.control is not None:
             children.append(self.control)
         return [c for c in children if not c.alive()]
+
+
+def role_env(role: str) -> dict[str, str]:
+    """A child's tracing service name: `OTEL_SERVICE_NAME` (default "kvmesh") + "-ROLE"."""
+    return {"OTEL_SERVICE_NAME": f"{os.environ.get('OTEL_SERVICE_NAME') or 'kvmesh'}-{role}"}
 
 
 def kvmesh_argv() -> list[str]:

@@ -21,6 +21,7 @@ from kvmesh.service.engine_flags import (
     engine_values,
 )
 from kvmesh.service.server import DEFAULT_MAX_MESSAGE_BYTES
+from kvmesh.telemetry.logs import add_log_flags
 from kvmesh.v1 import worker_pb2
 from kvmesh.v1.transfer import BACKENDS, WORKER_BACKENDS
 
@@ -80,6 +81,7 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
         help="largest gRPC message of the worker port (default %(default)s)",
     )
     add_security_flags(p)
+    add_log_flags(p)
     return p
 
 
