@@ -8,13 +8,16 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
-from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 
 from control_plane.ledger import WorkerRef
 from kvmesh.v1 import generation_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from control_plane.request_span import RequestSpan
 
 DEFAULT_MAX_TOKENS = 16  # what a worker generates when the request leaves max_tokens unset
 
@@ -112,7 +115,7 @@ class Run:
     tokens_streamed: int = 0  # tokens relayed to the client, all completions together
     tokens: TokenTimes = field(default_factory=TokenTimes)
     cut: str | None = None  # why the server cut the run (drain), when it did
-    span: trace.Span = field(default_factory=lambda: trace.INVALID_SPAN)
+    request_span: RequestSpan | None = None
     finishing: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -144,15 +147,18 @@ class Run:
             )
         return remaining
 
-    def trace_context(self) -> otel_context.Context:
-        return trace.set_span_in_context(self.span)
+    @property
+    def span(self) -> trace.Span:
+        """The request span (every worker call and release of the run runs under it)."""
+        return trace.INVALID_SPAN if self.request_span is None else self.request_span.span
 
-    @staticmethod
-    def metadata() -> tuple[tuple[str, str], ...]:
-        """The current trace context as gRPC metadata (W3C traceparent)."""
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)
-        return tuple(carrier.items())
+    def traced(self) -> contextlib.AbstractContextManager[trace.Span]:
+        """The request span as the current span (its status is set by the front door only)."""
+        return trace.use_span(self.span, record_exception=False, set_status_on_exception=False)
+
+    def event(self, name: str, **workers: str) -> None:
+        """An event on the request span naming the chosen workers (`kvmesh.worker.ROLE`)."""
+        self.span.add_event(name, {f"kvmesh.worker.{k}": v for k, v in workers.items()})
 
     def response(self, worker: worker_pb2.DecodeResponse) -> generation_pb2.GenerateResponse:
         """A client response from a decode (or colocated) worker's response."""

@@ -30,6 +30,7 @@ from control_plane.front_door import FrontDoor
 from control_plane.generation_service import GenerationServicer
 from control_plane.openai_http.app import openai_app
 from control_plane.openai_http.server import HttpServer
+from kvmesh.telemetry.tracing import server_interceptors
 from kvmesh.v1 import generation_pb2, generation_pb2_grpc, wire, worker_pb2, worker_pb2_grpc
 
 LOG = logging.getLogger("kvmesh.control_plane")
@@ -62,14 +63,18 @@ class ControlServer:
         self._reaper = Reaper(self.cluster)
         security = config.security
         refused = self.cluster.metrics.auth_refused
-        # Authentication first: a refused call's bytes are never parsed; then the decode check.
+        # Tracing first (a SERVER span per call, child of the caller's traceparent, that sees
+        # every outcome); then authentication: a refused call's bytes are never parsed; then
+        # the decode check.
         decode = wire.DecodeCheck()
         self.public_auth = security.public_interceptors(refused.labels("public").inc)
         self.internal_auth = security.internal_interceptors(refused.labels("internal").inc)
         options = server_options(config)
-        self._server = grpc.aio.server(options=options, interceptors=[*self.public_auth, decode])
+        self._server = grpc.aio.server(
+            options=options, interceptors=[*server_interceptors(), *self.public_auth, decode]
+        )
         self._internal = grpc.aio.server(
-            options=options, interceptors=[*self.internal_auth, decode]
+            options=options, interceptors=[*server_interceptors(), *self.internal_auth, decode]
         )
         self.port = 0
         self.internal_port = 0

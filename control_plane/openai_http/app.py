@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
+from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,7 +27,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control_plane.front_door import FrontDoor
 from control_plane.openai_http.auth import ApiKeyMiddleware
@@ -292,7 +293,13 @@ def openai_app(
     api_keys: Sequence[str] = (),
     on_refused: Callable[[], object] | None = None,
     max_body_bytes: int = DEFAULT_BODY_BYTES,
-) -> Starlette:
+) -> ASGIApp:
     """The HTTP door's app; with `api_keys`, every /v1 route requires one of them
-    (`on_refused` is called for each request refused); bodies over `max_body_bytes` get 413."""
-    return OpenAIApp(door, registry, api_keys, on_refused, max_body_bytes).asgi()
+    (`on_refused` is called for each request refused); bodies over `max_body_bytes` get 413.
+    Traced by the OpenTelemetry ASGI middleware: a SERVER span per request (but /health and
+    /metrics), child of the caller's W3C `traceparent`; the front door makes it the request
+    span."""
+    app = OpenAIApp(door, registry, api_keys, on_refused, max_body_bytes).asgi()
+    return OpenTelemetryMiddleware(  # type: ignore[no-any-return]
+        app, excluded_urls="/health,/metrics", exclude_spans=["receive", "send"]
+    )

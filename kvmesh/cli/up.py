@@ -45,6 +45,7 @@ from kvmesh.service.engine_flags import (
     env_values,
     validate,
 )
+from kvmesh.v1.transfer import DEFAULT_BACKEND, WORKER_BACKENDS
 
 CONTROL_READY = re.compile(r"listening on (\S+)")
 INTERNAL_READY = re.compile(r"internal ControlService on (\S+)")
@@ -52,7 +53,6 @@ INTERNAL_HOST = "127.0.0.1"  # every worker runs on this host: the internal door
 METRICS_READY = re.compile(r"control plane metrics on (\S+)")
 HTTP_READY = re.compile(r"OpenAI-compatible API on (\S+)/v1")
 WORKER_READY = re.compile(r"KVMESH_READY (\{.*\})")
-TRANSFER_BACKENDS = ("shm", "grpc", "gloo")
 UP_OWN_FIELDS = ("num_threads",)  # `--threads` also sets OMP_NUM_THREADS
 DEMO_PROMPT = "What is the capital of France?"
 
@@ -69,7 +69,7 @@ class UpConfig:
     port: int = 50051  # 0 picks a free port
     internal_port: int = 0  # the control plane's internal door (0 picks a free port)
     http_port: int | None = None  # OpenAI-compatible HTTP API (0 picks a free port; None: off)
-    transfer_backend: str = "shm"
+    transfer_backend: str = DEFAULT_BACKEND
     threads: int | None = None  # torch threads per worker
     startup_timeout: float = 180.0
     drain_seconds: float = 30.0  # the control plane's drain cap (its bound is sized per request)
@@ -188,7 +188,7 @@ class LocalSystem:
         if c.http_port is not None:  # a restart keeps the HTTP address too
             port = self.http_url.rsplit(":", 1)[1] if self.http_url else str(c.http_port)
             argv += ["--http-port", port]
-        self.control = self.supervisor.start("control", argv, self.env)
+        self.control = self.supervisor.start("control", argv, {**self.env, **role_env("control")})
         if c.http_port is not None:  # printed before the gRPC lines
             self.http_url = self.supervisor.wait_for(self.control, HTTP_READY, deadline).group(1)
         metrics = self.supervisor.wait_for(self.control, METRICS_READY, deadline)
@@ -217,7 +217,7 @@ class LocalSystem:
             argv += ["--transfer-backend", c.transfer_backend]
         if c.threads is not None:
             argv += ["--num-threads", str(c.threads)]
-        env = dict(self.env)
+        env = {**self.env, **role_env(role)}
         if c.threads is not None:
             env["OMP_NUM_THREADS"] = str(c.threads)
         worker = Worker(role, self.supervisor.start(name, argv, env))
@@ -268,6 +268,11 @@ class LocalSystem:
         return [c for c in children if not c.alive()]
 
 
+def role_env(role: str) -> dict[str, str]:
+    """A child's tracing service name: `OTEL_SERVICE_NAME` (default "kvmesh") + "-ROLE"."""
+    return {"OTEL_SERVICE_NAME": f"{os.environ.get('OTEL_SERVICE_NAME') or 'kvmesh'}-{role}"}
+
+
 def kvmesh_argv() -> list[str]:
     """How to run the `kvmesh` command with this interpreter."""
     return [sys.executable, "-m", "kvmesh.cli.main"]
@@ -308,7 +313,7 @@ def register(subparsers: Any) -> None:
     add("--port", type=int, default=None, help="front door port (default 50051; --demo: any)")
     add("--http-port", type=int, default=None,
         help="OpenAI-compatible HTTP API port (default 8000; --demo: any; -1: off)")  # fmt: skip
-    add("--transfer-backend", choices=TRANSFER_BACKENDS, default="shm",
+    add("--transfer-backend", choices=WORKER_BACKENDS, default=DEFAULT_BACKEND,
         help="KV transfer backend between prefill and decode (default %(default)s)")  # fmt: skip
     add("--threads", "--num-threads", type=int, default=None,
         help="torch (and OpenMP) threads per worker process")  # fmt: skip

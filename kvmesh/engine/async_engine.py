@@ -325,6 +325,10 @@ class AsyncLLMEngine:
             LOG.exception("engine thread failed")
         finally:
             self._stopping.set()
+            try:
+                self.engine.close()
+            except Exception:
+                LOG.exception("closing the engine failed")
             self._stopped.set()
             self._fail_pending(EngineDeadError(f"engine is not running ({self.error!r})"))
 

@@ -21,7 +21,9 @@ from kvmesh.engine.errors import InvalidParameterError, UnsupportedModelError
 from kvmesh.service.options import ROLES, build_runtime, engine_config, parse
 from kvmesh.service.runtime import WorkerRuntime
 from kvmesh.service.server import WorkerServer, print_ready, run_until_signal
+from kvmesh.telemetry.logs import setup_from_args
 from kvmesh.telemetry.metrics import WorkerMetrics, serve_metrics
+from kvmesh.telemetry.tier_metrics import register_tier_metrics
 from kvmesh.v1 import worker_pb2
 
 LOG = logging.getLogger("kvmesh.service")
@@ -48,17 +50,16 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
     """Parse options, start everything, print the ready line, run until SIGTERM/SIGINT, drain,
     and end the process with the exit code."""
     args = parse(role, argv, transfer=role != "colocated")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    setup_from_args(args, f"kvmesh-{role}")
     from kvmesh.security.flags import security_from_args
+    from kvmesh.telemetry.tracing import setup_tracing
 
-    try:  # before the model loads: a missing token fails in one line
+    try:  # before the model loads: a missing token or a bad OTEL_* variable fails in one line
         security = security_from_args(args)
+        setup_tracing(f"kvmesh-{role}")
     except ValueError as error:
         print(f"kvmesh serve {role}: {error}", file=sys.stderr)
         return 2
-    from kvmesh.telemetry.tracing import setup_tracing
-
-    setup_tracing(f"kvmesh-{role}")
     try:
         config = engine_config(args)  # resolves --model: a bad one fails before anything starts
     except InvalidParameterError as error:
@@ -76,6 +77,7 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
     async def serve(runtime: WorkerRuntime, stop: asyncio.Event) -> None:
         metrics = WorkerMetrics(role)
         bind_engine_metrics(metrics, runtime)
+        register_tier_metrics(metrics.registry, lambda: runtime.engine.engine)
         server = WorkerServer(
             args.host,
             args.port,
