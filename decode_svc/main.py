@@ -63,7 +63,7 @@ async def install(
     receivers = open_receivers(store, backends, host, port, server.security)
     table = ReservationTable(runtime.engine, receivers)
     table.start_reaper()
-    servicer = DecodeServicer(runtime, table, metrics or WorkerMetrics())
+    servicer = DecodeServicer(runtime, table, metrics or WorkerMetrics("decode"))
     server.add(worker_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, DECODE_SERVICE)
     return DecodeRole(servicer, table)
 

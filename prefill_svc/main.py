@@ -69,7 +69,7 @@ async def install(
     servicer = PrefillServicer(
         runtime,
         senders,
-        metrics or WorkerMetrics(),
+        metrics or WorkerMetrics("prefill"),
         transfer_overlap=bool(getattr(args, "transfer_overlap", True)),
     )
     server.add(worker_pb2_grpc.add_PrefillServiceServicer_to_server, servicer, PREFILL_SERVICE)

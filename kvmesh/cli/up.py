@@ -50,6 +50,7 @@ from kvmesh.v1.transfer import DEFAULT_BACKEND, WORKER_BACKENDS
 CONTROL_READY = re.compile(r"listening on (\S+)")
 INTERNAL_READY = re.compile(r"internal ControlService on (\S+)")
 INTERNAL_HOST = "127.0.0.1"  # every worker runs on this host: the internal door stays local
+METRICS_READY = re.compile(r"control plane metrics on (\S+)")
 HTTP_READY = re.compile(r"OpenAI-compatible API on (\S+)/v1")
 WORKER_READY = re.compile(r"KVMESH_READY (\{.*\})")
 UP_OWN_FIELDS = ("num_threads",)  # `--threads` also sets OMP_NUM_THREADS
@@ -135,6 +136,7 @@ class LocalSystem:
         self.endpoint = ""
         self.internal_endpoint = ""  # the control plane's internal door (workers' --control)
         self.http_url = ""  # http://HOST:PORT of the OpenAI-compatible API, when enabled
+        self.control_metrics = ""  # HOST:PORT of the control plane's Prometheus endpoint
         self.model_dir = ""
         self.control: Child | None = None
         self.workers: list[Worker] = []
@@ -176,7 +178,8 @@ class LocalSystem:
         argv = [*kvmesh_argv(), "serve", "control", "--host", c.host, "--port", str(c.port),
                 "--internal-port", str(c.internal_port), "--internal-host", INTERNAL_HOST,
                 "--transfer-backends", c.transfer_backend, "--drain-seconds",
-                str(c.drain_seconds), *c.tls_args(), *c.control_args]  # fmt: skip
+                str(c.drain_seconds), "--metrics-port", self._metrics_port(), *c.tls_args(),
+                *c.control_args]  # fmt: skip
         if c.api_key_file:
             argv += ["--api-key-file", c.api_key_file]
         if self.endpoint:  # a restart keeps the addresses clients and workers know
@@ -188,10 +191,16 @@ class LocalSystem:
         self.control = self.supervisor.start("control", argv, {**self.env, **role_env("control")})
         if c.http_port is not None:  # printed before the gRPC lines
             self.http_url = self.supervisor.wait_for(self.control, HTTP_READY, deadline).group(1)
+        metrics = self.supervisor.wait_for(self.control, METRICS_READY, deadline)
+        self.control_metrics = metrics.group(1)
         internal = self.supervisor.wait_for(self.control, INTERNAL_READY, deadline)
         self.internal_endpoint = internal.group(1)
         self.endpoint = self.supervisor.wait_for(self.control, CONTROL_READY, deadline).group(1)
         return self.endpoint
+
+    def _metrics_port(self) -> str:
+        """A free port at first (0), the same one on a restart."""
+        return self.control_metrics.rsplit(":", 1)[1] if self.control_metrics else "0"
 
     def start_worker(
         self, role: str, deadline: float | None = None, name: str | None = None
@@ -428,6 +437,7 @@ def print_banner(system: LocalSystem, endpoint: str) -> None:
     if system.http_url:
         print(f"  OpenAI-compatible API on {system.http_url}/v1", flush=True)
     print(f"  internal door {system.internal_endpoint} (ControlService; cluster token required)")
+    print(f"  control plane metrics http://{system.control_metrics}/metrics")
     for w in system.workers:
         print(f"  {w.child.name}: {w.ready.get('address', '?')} "
               f"(metrics {w.ready.get('metrics_address') or 'off'})")  # fmt: skip
