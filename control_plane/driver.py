@@ -107,7 +107,6 @@ class Driver:
 
     def _open(self, run: Run) -> int:
         run.generation = self._cluster.ledger.open(run.request_id, run.deadline).generation
-        self._cluster.metrics.ledger_entries.set(len(self._cluster.ledger))
         return run.generation
 
     async def _disaggregated(

@@ -22,6 +22,7 @@ from control_plane.releases import send_releases
 from control_plane.request_span import RequestSpan, capture_from_env, mark_refused
 from control_plane.routing import NoRouteError
 from control_plane.run import RpcFailure, Run, WorkerLost
+from control_plane.run_metrics import record_run
 from control_plane.validation import FieldError, check_generate_request, check_request_id
 from kvmesh.telemetry.logs import bind_request_id
 from kvmesh.v1 import generation_pb2
@@ -117,9 +118,13 @@ class FrontDoor:
         try:
             return self._admit(request, client_left)
         except RpcFailure as failure:
-            self._cluster.metrics.requests.labels(failure.code.name).inc()
+            self.count_rejected(failure.code)
             mark_refused(failure.code, failure.message)
             raise
+
+    def count_rejected(self, code: grpc.StatusCode) -> None:
+        """Count a request refused before it ran (either door)."""
+        self._cluster.metrics.requests.labels(code.name).inc()
 
     def _admit(self, request: generation_pb2.GenerateRequest, client_left: float | None) -> Run:
         if self.draining:
@@ -148,7 +153,7 @@ class FrontDoor:
         run = Run(request_id, request, now, now + budget, clock=self._cluster.clock)
         bind_request_id(request_id)
         run.request_span = RequestSpan(
-            request, request_id, self._model_name(), self.capture_content
+            request, request_id, self._cluster.model_name(), self.capture_content
         )
         run.event("admitted")
         self._runs[request_id] = run
@@ -257,12 +262,8 @@ class FrontDoor:
         with run.traced():  # the releases are part of the request's trace
             await self._release(self._cluster.ledger.close(run.request_id, status.name))
         self._runs.pop(run.request_id, None)
-        metrics = self._cluster.metrics
-        metrics.requests.labels(status.name).inc()
-        metrics.inflight.set(len(self._runs))
-        metrics.ledger_entries.set(len(self._cluster.ledger))
-        if status == grpc.StatusCode.OK and run.timings.ttft is not None:
-            self._observe_ttft(run)
+        record_run(self._cluster.metrics, run, status, self._cluster.model_name())
+        self._cluster.metrics.inflight.set(len(self._runs))
         self._end_span(run, status)
         run.done.set()
         if not self._runs:
@@ -277,20 +278,6 @@ class FrontDoor:
                      "%.3f s", run.request_id, status.name, t.prompt_tokens, t.cached_tokens,
                      span.output_tokens, self._cluster.clock() - run.arrival)  # fmt: skip
         span.end(status, t.prompt_tokens, t.cached_tokens)
-
-    def _model_name(self) -> str:
-        """The served model's name ("" while no worker is registered)."""
-        try:
-            return self.model_info().model_name
-        except RpcFailure:
-            return ""
-
-    def _observe_ttft(self, run: Run) -> None:
-        t, metrics = run.timings, self._cluster.metrics
-        assert t.ttft is not None
-        metrics.ttft.observe(t.ttft)
-        for phase in ("queue", "prefill", "transfer", "first_decode"):  # Timings field = label
-            metrics.ttft_phase.labels(phase).observe(getattr(t, phase))
 
     async def _release(self, releases: list[Release]) -> None:
         await send_releases(self._cluster, releases)

@@ -70,7 +70,8 @@ def build_parser(prog: str = "kvmesh serve control") -> argparse.ArgumentParser:
             metavar="N", help=f"per-request bound {name} (default %(default)s)")  # fmt: skip
     add("--transfer-backends", default=",".join(defaults.transfer_backends),
         help="KV transfer backends in order of preference (default %(default)s)")  # fmt: skip
-    add("--metrics-port", type=int, default=0, help="Prometheus endpoint port (0: off)")
+    add("--metrics-port", type=int, default=None,
+        help="Prometheus endpoint port (0: pick a free one; default: off)")  # fmt: skip
     add("--trace-message-content", action="store_true",
         help="record prompt and output text on request spans (default: never; also "
         "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true)")  # fmt: skip
@@ -107,6 +108,8 @@ async def serve(config: ControlConfig) -> None:
     await server.start()
     if server.http is not None:  # printed first: `kvmesh up` reads it before the next line
         print(f"kvmesh control plane OpenAI-compatible API on {server.http.url}/v1", flush=True)
+    if server.metrics_address:  # printed before the next two: `kvmesh up` reads it first
+        print(f"kvmesh control plane metrics on {server.metrics_address}", flush=True)
     # `kvmesh up` reads these two in this order; the last one means everything is serving.
     print(f"kvmesh control plane internal ControlService on {server.internal_address}", flush=True)
     print(f"kvmesh control plane listening on {server.address}", flush=True)

@@ -62,6 +62,35 @@ class Timings:
 
 
 @dataclass
+class TokenTimes:
+    """When each completion's tokens were relayed: the inter-token gaps (one per token after
+    a completion's first; a response of k tokens counts its gap since the previous response
+    as k gaps of gap/k, the first response's extra tokens as gaps of 0), first and last token
+    times and token counts per completion index, and the finish reasons."""
+
+    gaps: list[float] = field(default_factory=list)
+    first: dict[int, float] = field(default_factory=dict)
+    last: dict[int, float] = field(default_factory=dict)
+    count: dict[int, int] = field(default_factory=dict)
+    finish_reasons: dict[int, int] = field(default_factory=dict)
+
+    def relayed(self, index: int, num_tokens: int, now: float) -> None:
+        if num_tokens <= 0:
+            return
+        if index in self.last:
+            self.gaps.extend([(now - self.last[index]) / num_tokens] * num_tokens)
+        else:
+            self.first[index] = now
+            self.gaps.extend([0.0] * (num_tokens - 1))
+        self.last[index] = now
+        self.count[index] = self.count.get(index, 0) + num_tokens
+
+    def per_output_token(self) -> list[float]:
+        """Mean seconds per token after the first, per completion of 2+ tokens."""
+        return [(self.last[i] - self.first[i]) / (n - 1) for i, n in self.count.items() if n >= 2]
+
+
+@dataclass
 class Run:
     request_id: str
     request: generation_pb2.GenerateRequest
@@ -84,6 +113,7 @@ class Run:
     timings: Timings = field(default_factory=Timings)
     finished_indexes: set[int] = field(default_factory=set)
     tokens_streamed: int = 0  # tokens relayed to the client, all completions together
+    tokens: TokenTimes = field(default_factory=TokenTimes)
     cut: str | None = None  # why the server cut the run (drain), when it did
     request_span: RequestSpan | None = None
     finishing: bool = False
@@ -134,6 +164,7 @@ class Run:
         """A client response from a decode (or colocated) worker's response."""
         now = self.clock()
         self.tokens_streamed += len(worker.token_ids)
+        self.tokens.relayed(worker.index, len(worker.token_ids), now)
         if worker.token_ids and self.timings.ttft is None:
             self.timings.ttft = now - self.arrival
             self.timings.first_decode = worker.first_decode_seconds
@@ -154,6 +185,7 @@ class Run:
             self.worker_aborted = True
         if worker.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
             self.finished_indexes.add(worker.index)
+            self.tokens.finish_reasons[worker.index] = worker.finish_reason
             out.usage.CopyFrom(self.usage(worker, now))
         return out
 

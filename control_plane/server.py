@@ -15,7 +15,9 @@ same loop over the same FrontDoor. Draining sets everything NOT_SERVING, refuses
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -77,6 +79,8 @@ class ControlServer:
         self.port = 0
         self.internal_port = 0
         self.http: HttpServer | None = None
+        self.metrics_address = ""  # host:port of the Prometheus endpoint, once started
+        self._metrics_http: WSGIServer | None = None
         self.cluster.on_serving_change(self._serving_changed)
 
     @property
@@ -120,8 +124,10 @@ class ControlServer:
         self.internal_port = self._bind(
             self._internal, internal_host, c.internal_port, "internal_port", False
         )
-        if self.config.metrics_port:
-            start_http_server(self.config.metrics_port, registry=self.cluster.metrics.registry)
+        if c.metrics_port is not None:
+            registry = self.cluster.metrics.registry
+            self._metrics_http, _ = start_http_server(c.metrics_port, c.host, registry)
+            self.metrics_address = f"{c.host}:{self._metrics_http.server_port}"
         await self.health.set("", SERVING)
         await self.health.set(CONTROL_SERVICE, SERVING)
         await self.health.set(GENERATION_SERVICE, NOT_SERVING)
@@ -168,6 +174,9 @@ class ControlServer:
     async def stop(self) -> None:
         if self.http is not None:
             await self.http.stop()
+        if self._metrics_http is not None:
+            await asyncio.to_thread(self._metrics_http.shutdown)
+            self._metrics_http.server_close()
         await self._reaper.stop()
         await self._server.stop(grace=1.0)
         await self._internal.stop(grace=1.0)

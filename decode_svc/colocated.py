@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvmesh.service.server import WorkerServer
-from kvmesh.service.status import ServiceError, abort_with
+from kvmesh.service.status import ServiceError, abort_with, status_of
+from kvmesh.telemetry.metrics import WorkerMetrics
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:  # the engine loads with the runtime, not with `kvmesh serve colocated --help`
@@ -24,8 +25,9 @@ PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_
 
 
 class ColocatedServicer(worker_pb2_grpc.ColocatedServiceServicer):
-    def __init__(self, runtime: WorkerRuntime) -> None:
+    def __init__(self, runtime: WorkerRuntime, metrics: WorkerMetrics) -> None:
         self.runtime = runtime
+        self.metrics = metrics
 
     async def Generate(
         self, request: worker_pb2.EngineRequest, context: grpc.aio.ServicerContext
@@ -40,8 +42,10 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedServiceServicer):
                 engine_request.request_id, lambda e: disagg.add_request(e, engine_request)
             )
         except Exception as exc:
+            self.metrics.request_done(status_of(exc)[0])
             await abort_with(context, exc)
             return
+        code = grpc.StatusCode.CANCELLED  # unless the stream finishes or fails
         try:
             added = time.monotonic()
             first = await anext(stream)
@@ -55,10 +59,14 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedServiceServicer):
             )
             async for response in outputs:
                 yield response
+            if stream.finished:
+                code = grpc.StatusCode.OK
         except Exception as exc:
+            code = status_of(exc)[0]
             await abort_with(context, exc)
         finally:
             stream.close()  # aborts the request unless it finished
+            self.metrics.request_done(code)
 
 
 class ColocatedPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
@@ -104,12 +112,12 @@ class ColocatedRole:
 
 
 async def install(
-    runtime: WorkerRuntime, server: WorkerServer, args: object, metrics: object
+    runtime: WorkerRuntime, server: WorkerServer, args: object, metrics: WorkerMetrics | None
 ) -> ColocatedRole:
     """Add the colocated worker's services to `server`."""
     server.add(
         worker_pb2_grpc.add_ColocatedServiceServicer_to_server,
-        ColocatedServicer(runtime),
+        ColocatedServicer(runtime, metrics or WorkerMetrics("colocated")),
         COLOCATED_SERVICE,
     )
     server.add(

@@ -39,17 +39,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self.runtime = runtime
         self.table = table
         self.metrics = metrics
-        table.on_expire = lambda res: metrics.lease_expiries.labels("reservation").inc()
+        table.on_expire = lambda res: metrics.reservation_leases.labels("expired").inc()
 
     # -- Reserve ---------------------------------------------------------------------------
     async def Reserve(
         self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
         try:
-            return await self._reserve(request, context)
+            response = await self._reserve(request, context)
         except Exception as exc:
             await abort_with(context, exc)
             raise
+        self.metrics.reservation_leases.labels("granted").inc()
+        return response
 
     async def _reserve(
         self, message: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
@@ -114,13 +116,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             waited = {"kvmesh.kv_wait_seconds": time.monotonic() - started}
             trace.get_current_span().add_event("kv_received", waited)
         except Exception as exc:
+            self.metrics.request_done(status_of(exc)[0])
             await abort_with(context, exc)
             return
         logprobs = [
             logprobs_from_proto(t.logprobs) if t.HasField("logprobs") else None
             for t in request.first_tokens
         ]
-        finished = False
+        code = grpc.StatusCode.CANCELLED  # unless the stream finishes or fails
         try:
             raise_if_released(res)
             stream = await self.runtime.engine.open_stream(
@@ -134,15 +137,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 tokenizer = self.runtime.core.tokenizer
                 async for response in responses(stream, started, tokenizer=tokenizer):
                     yield response
-                finished = stream.finished
+                if stream.finished:
+                    code = grpc.StatusCode.OK
             finally:
                 stream.close()
         except Exception as exc:
+            code = status_of(exc)[0]
             await abort_with(context, exc)
         finally:
             self.table.drop(res)  # aborts the request unless it finished; idempotent
-            if finished:
-                self.metrics.requests.labels("ok").inc()
+            self.metrics.request_done(code)
 
     def _claim(self, message: worker_pb2.DecodeRequest) -> Reservation:
         """The reservation this Decode names, checked field by field, now DECODING."""

@@ -35,7 +35,7 @@ from kvmesh.engine.sequence import Request, SequenceStatus
 from kvmesh.service.convert import first_tokens
 from kvmesh.service.runtime import WorkerRuntime, check_layout
 from kvmesh.service.status import ServiceError, abort_with, status_of
-from kvmesh.telemetry.metrics import WorkerMetrics
+from kvmesh.telemetry.metrics import WorkerMetrics, status_name
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from prefill_svc.senders import SenderPool
 from prefill_svc.spans import ChunkEvents, TransferSpan
@@ -104,11 +104,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         except asyncio.CancelledError:
             if rid not in self.released:  # the caller cancelled: nobody awaits a status
                 raise
-            self.metrics.requests.labels("aborted").inc()
+            self.metrics.request_done(grpc.StatusCode.ABORTED)
             await context.abort(grpc.StatusCode.ABORTED, "request_id: released by Release")
             raise
         except Exception as exc:
-            self.metrics.requests.labels(status_of(exc)[0].name.lower()).inc()
+            self.metrics.request_done(status_of(exc)[0])
             await abort_with(context, exc)
             raise
         finally:
@@ -171,7 +171,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                     await stream.aclose()  # release_prefilled, before the caller hears back
             finally:
                 stream.close()  # releases the blocks on any failure; no-op after aclose
-            self.metrics.requests.labels("ok").inc()
+            self.metrics.request_done(grpc.StatusCode.OK)
             return self._response(first, timings, result)
         finally:
             self.active.pop(rid, None)
@@ -249,7 +249,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                         await stream.aclose()  # release_prefilled, before the caller hears back
                 finally:
                     stream.close()  # releases the blocks on any failure; no-op after aclose
-                self.metrics.requests.labels("ok").inc()
+                self.metrics.request_done(grpc.StatusCode.OK)
                 return self._response(first, timings, result)
             finally:
                 self.active.pop(rid, None)
@@ -282,11 +282,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         """Record a finished transfer's metrics; raise a ServiceError naming `target` unless the
         receiver acknowledged it."""
         backend = target.backend
-        outcome = "ok" if result.ok else result.state.name.lower()
-        self.metrics.transfer_seconds.labels(backend, outcome).observe(seconds)
-        if not result.ok:
+        if result.ok:
+            self.metrics.transfer_seconds.labels(backend, "OK").observe(seconds)
+        else:
             error = result.error or ServiceError(grpc.StatusCode.ABORTED, result.state.name)
             code, message = status_of(error)
+            self.metrics.transfer_seconds.labels(backend, status_name(code)).observe(seconds)
             raise ServiceError(code, f"target: KV transfer to {target.worker_id!r}: {message}")
         self.metrics.transfer_bytes.labels(backend).inc(result.num_bytes)
         return result

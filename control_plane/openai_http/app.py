@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control_plane.front_door import FrontDoor
 from control_plane.openai_http.auth import ApiKeyMiddleware
-from control_plane.openai_http.errors import ApiError, from_failure
+from control_plane.openai_http.errors import ApiError, from_failure, grpc_code
 from control_plane.openai_http.schema import Kind, ParsedRequest, parse
 from control_plane.openai_http.stream import DONE, Answer, sse
 from control_plane.run import RpcFailure
@@ -115,7 +115,11 @@ class OpenAIApp:
         return await self.generate(request, "chat")
 
     async def generate(self, request: Request, kind: Kind) -> Response:
-        parsed, answer = await self.accept(request, kind)
+        try:
+            parsed, answer = await self.accept(request, kind)
+        except ApiError as error:  # refused before a run: counted like the door's refusals
+            self.door.count_rejected(grpc_code(error))
+            raise
         responses = self.door.generate(parsed.request)
         prompt_param = "prompt" if kind == "completion" else "messages"
         try:

@@ -1,10 +1,11 @@
 """Shared by the system tests: one disaggregated system (1 prefill + 1 decode, shared memory),
-tracing to a real OTLP receiver, and the offline engine on the same tiny test model, for
-greedy parity."""
+tracing to a real OTLP receiver, the offline engine on the same tiny test model, for greedy parity,
+and a tiny model with a chat template."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,6 +40,18 @@ def shm_system(otlp: tuple[Receiver, dict[str, str]]) -> Iterator[tuple[LocalSys
         patch.delenv("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", raising=False)
         with local_system(transfer_backend="shm", http_port=0) as started:
             yield started
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny test checkpoint (random weights, byte tokenizer, a simple chat template)."""
+    from kvmesh.models.tiny import build_tiny_model
+    from kvmesh.models.tokenizer import set_chat_template
+
+    folder: Path = tmp_path_factory.mktemp("tiny-llama")
+    build_tiny_model(folder, "llama", "test", 0)
+    set_chat_template(folder)
+    return str(folder)
 
 
 @pytest.fixture(scope="session")

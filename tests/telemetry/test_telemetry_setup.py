@@ -31,12 +31,12 @@ def test_unknown_exporter_names_the_variable() -> None:
 
 
 def test_metrics_endpoint_serves_recorded_values() -> None:
-    metrics = WorkerMetrics()
-    metrics.transfer_seconds.labels(backend="shm", outcome="completed").observe(0.02)
+    metrics = WorkerMetrics("prefill")
+    metrics.transfer_seconds.labels(backend="shm", status="OK").observe(0.02)
     metrics.blocks.labels(state="free").set(17)
     port = serve_metrics(metrics, 0)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert 'kvmesh_kv_transfer_seconds_count{backend="shm",outcome="completed"} 1.0' in body
+    assert 'kvmesh_kv_transfer_seconds_count{backend="shm",status="OK"} 1.0' in body
     assert 'kvmesh_kv_blocks{state="free"} 17.0' in body
 
 
@@ -80,3 +80,14 @@ def test_health_checks_and_heartbeats_are_not_traced() -> None:
     assert not traced(call("/kvmesh.v1.ControlService/Heartbeat"))
     assert traced(call("/kvmesh.v1.ControlService/Register"))
     assert traced(call("/kvmesh.v1.DecodeService/Decode"))
+
+
+def test_each_role_registers_only_what_it_records() -> None:
+    def families(role: str) -> set[str]:
+        return {m.name for m in WorkerMetrics(role).registry.collect()}
+
+    assert "kvmesh_kv_transfer_seconds" in families("prefill")
+    assert "kvmesh_kv_transfer_seconds" not in families("decode") | families("colocated")
+    assert "kvmesh_reservation_leases" in families("decode") - families("prefill")
+    with pytest.raises(ValueError, match="role"):
+        WorkerMetrics("router")

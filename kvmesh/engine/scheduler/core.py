@@ -30,7 +30,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.state = SchedulerState(block_manager)
+        self.state = SchedulerState(block_manager, config.preemption)
         self.num_preemptions = 0
         # prefill-first: prompt tokens computed in prompt-only steps since the decodes last
         # ran, its limit, and whether a running sequence may still be prefilling (cleared once
