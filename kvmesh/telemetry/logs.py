@@ -114,16 +114,28 @@ class JsonLines(JsonFormatter):
             log_data.pop(key, None)
 
 
+class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever `sys.stderr` is at the time of each record."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def setup_logging(level: str = "INFO", fmt: str = "text", service: str = "kvmesh") -> None:
-    """Replace the root logger's handlers with one stderr handler in `fmt` at `level`; children
-    started later inherit both through the environment."""
+    """Log to stderr in `fmt` at `level` (replacing the handler an earlier call installed; other
+    handlers stay); children started later inherit both through the environment."""
     if fmt not in FORMATS:
         raise ValueError(f"--log-format: {fmt!r} is not one of {FORMATS}")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.addFilter(ContextFilter(service))
     handler.setFormatter(JsonLines() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
-    for old in list(root.handlers):
+    for old in [h for h in root.handlers if isinstance(h, StderrHandler)]:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
