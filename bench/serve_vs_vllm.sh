@@ -4,18 +4,19 @@
 #
 #   bench/serve_vs_vllm.sh MODEL_DIR OUT_DIR [VLLM_PYTHON]
 #
-# Environment: RATES (default 0.5,1,2), REQUESTS (20), WORKLOAD (w1), DTYPE (bfloat16),
-# KVMESH (default: `kvmesh` on PATH), PORT (vLLM's, default 8011). Threads: 2 in all: the
-# disaggregated system's two workers take one each, the colocated worker and vLLM two.
+# Environment: RATES (default 0.5,1,2), REQUESTS (20), WORKLOAD (w1), SCALE (1: every length
+# multiplied by it), DTYPE (bfloat16), KVMESH (default: `kvmesh` on PATH), PORT (vLLM's, default
+# 8011). Threads: 2 in all: the disaggregated system's two workers take one each, the colocated
+# worker and vLLM two.
 # Writes OUT_DIR/{kvmesh-disaggregated,kvmesh-colocated,vllm}.json, the side-by-side table and
 # OUT_DIR/plots/{rate_sweep,latency_cdf}.png.
 set -euo pipefail
 model=$1 out=$2 vllm_python=${3:-.bench/vllm-venv/bin/python}
-rates=${RATES:-0.5,1,2} requests=${REQUESTS:-20} workload=${WORKLOAD:-w1}
+rates=${RATES:-0.5,1,2} requests=${REQUESTS:-20} workload=${WORKLOAD:-w1} scale=${SCALE:-1}
 dtype=${DTYPE:-bfloat16} kvmesh=${KVMESH:-kvmesh} port=${PORT:-8011}
 mkdir -p "$out"
-common=(--model "$model" --workload "$workload" --num-requests "$requests" --rates "$rates"
-        --no-progress)
+common=(--model "$model" --workload "$workload" --num-requests "$requests" --scale "$scale"
+        --rates "$rates" --no-progress)
 # kvmesh is driven through its OpenAI-compatible HTTP door, as vLLM is: the same protocol too.
 
 $kvmesh bench serve "${common[@]}" --embedded disaggregated --backend openai --threads 1 \
