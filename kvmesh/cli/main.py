@@ -36,7 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    add_log_flags_everywhere(parser)
     return parser
+
+
+def add_log_flags_everywhere(parser: argparse.ArgumentParser, subcommand: bool = False) -> None:
+    """`--log-level` / `--log-format` on `parser` and every (nested) subcommand."""
+    from kvmesh.telemetry.logs import add_log_flags
+
+    add_log_flags(parser, subcommand=subcommand)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                add_log_flags_everywhere(sub, subcommand=True)
 
 
 def package_version() -> str:
@@ -81,6 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     serving_bench = args.command == "bench" and args.bench == "serve"  # may start a system
     apply_omp_defaults(shares_cores=args.command in SHARED_CORE_COMMANDS or serving_bench)
+    from kvmesh.telemetry.logs import setup_from_args
+
+    setup_from_args(args, f"kvmesh-{args.command}")
     result = args.func(args)
     return int(result or 0)
 

@@ -64,6 +64,9 @@ class LoadSnapshot:
     running: int = 0
     waiting: int = 0
     steps: int = 0
+    prefix_query_tokens: int = 0  # cumulative, like the two below
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
 
 
 class EngineDeadError(RuntimeError):
@@ -322,6 +325,10 @@ class AsyncLLMEngine:
             LOG.exception("engine thread failed")
         finally:
             self._stopping.set()
+            try:
+                self.engine.close()
+            except Exception:
+                LOG.exception("closing the engine failed")
             self._stopped.set()
             self._fail_pending(EngineDeadError(f"engine is not running ({self.error!r})"))
 
@@ -376,6 +383,9 @@ class AsyncLLMEngine:
             running=scheduler.num_running,
             waiting=scheduler.num_waiting,
             steps=self._steps,
+            prefix_query_tokens=metrics.prefix_query_tokens,
+            prefix_hit_tokens=metrics.prefix_hit_tokens,
+            preemptions=scheduler.num_preemptions,
         )
 
     # -- either thread ---------------------------------------------------------------------

@@ -10,13 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.engine.errors import InvalidParameterError
-from kvmesh.engine.scheduler_types import ALLOCATIONS, POLICIES, SCHEDULING_POLICIES
+from kvmesh.engine.scheduler.config import ALLOCATIONS, POLICIES, SCHEDULING_POLICIES
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_DTYPES = ("auto", "int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("auto", "native", "transformers")
 FLOAT32_PACKINGS = ("auto", "on", "off")
+COMPILE_MODES = ("off", "on")
+PREEMPTIONS = ("auto", "swap", "recompute")
 
 
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -58,6 +60,17 @@ class EngineConfig:
         "auto (packed when a load-time measurement finds it 10 percent faster)",
         FLOAT32_PACKINGS,
     )
+    compile: str = _setting(
+        "off",
+        "native executor: torch.compile (inductor) of the per-layer math around attention "
+        "(on; compiles during warm-up) or eager with the fused kernels (off)",
+        COMPILE_MODES,
+    )
+    cuda_graphs: bool = _setting(
+        True,
+        "CUDA, native executor: decode steps replay CUDA graphs captured at start for "
+        "batch-size buckets up to max_num_seqs (prompt and mixed steps run eagerly)",
+    )
     block_size: int = _setting(16, "tokens per KV block")
     kv_cache_memory: int | None = _setting(None, "KV pool budget in bytes, e.g. 256MiB")
     memory_utilization: float = _setting(0.9, "fraction of GPU memory for weights and KV")
@@ -80,6 +93,24 @@ class EngineConfig:
         SCHEDULING_POLICIES,
     )
     max_decode_stall_tokens: int = _setting(512, "prefill-first: prompt tokens decodes may wait")
+    host_kv_gib: float | None = _setting(
+        None, "host-memory KV tier below the device cache, GiB (pinned on CUDA; default: none)"
+    )
+    disk_kv_dir: str | None = _setting(
+        None,
+        "folder of the disk KV tier below the host tier (which defaults to 1 GiB when "
+        "--host-kv-gib is not set)",
+    )
+    disk_kv_gib: float = _setting(4.0, "disk KV tier capacity, GiB")
+    disk_kv_persist: bool = _setting(
+        False, "keep (and verify) the disk tier's blocks across restarts"
+    )
+    preemption: str = _setting(
+        "auto",
+        "preempted sequences: swap (to the host tier), recompute, or auto (by estimated "
+        "cost); without a host tier always recompute",
+        PREEMPTIONS,
+    )
     num_threads: int | None = _setting(None, "torch CPU threads (default: torch's)")
     show_progress: bool = _setting(False, "print the KV capacity line at start")
 
@@ -89,9 +120,12 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("executor", self.executor, EXECUTORS)
         _choice("float32_packing", self.float32_packing, FLOAT32_PACKINGS)
+        _choice("compile", self.compile, COMPILE_MODES)
         _choice("policy", self.policy, POLICIES)
         _choice("allocation", self.allocation, ALLOCATIONS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _choice("preemption", self.preemption, PREEMPTIONS)
+        self._check_tiers()
         for name in (
             "block_size",
             "max_num_seqs",
@@ -107,8 +141,15 @@ class EngineConfig:
         if not 0.0 < self.memory_utilization <= 1.0:
             raise InvalidParameterError("memory_utilization", "must be in (0, 1]")
 
+    def _check_tiers(self) -> None:
+        for name in ("host_kv_gib", "disk_kv_gib"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise InvalidParameterError(name, f"must be a positive number; got {value!r}")
+
 
 DEFAULT_CPU_KV_BYTES = 1024**3
+DEFAULT_HOST_KV_GIB = 1.0  # the host tier under a disk tier when host_kv_gib is not set
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -28,7 +29,7 @@ from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvmesh.engine.sampler import SamplingBatch, SamplingRow, TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler_types import SchedulerOutput
+from kvmesh.engine.scheduler import SchedulerOutput
 from kvmesh.engine.sequence import Request, Sequence
 
 PromptInput = str | Seq[int]
@@ -58,6 +59,8 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._seq_request: dict[str, str] = {}
         self._step_logprobs: dict[str, TokenLogprobs] = {}
+        # Called with the tokens each non-empty step schedules (in the stepping thread).
+        self.step_observers: list[Callable[[int], None]] = []
         if self.config.show_progress:
             print(self.parts.capacity_line(), file=sys.stderr)
 
@@ -80,6 +83,9 @@ class LLMEngine:
             request_id, prompt_ids, params, arrival_time=arrival, prefill_only=prefill_only
         )
         self.scheduler.add_request(request)
+        if self.parts.tiers is not None:  # disk reads start now, well before admission
+            manager = self.scheduler.block_manager
+            self.parts.tiers.prefetch(manager.block_hashes(prompt_ids, request.seqs[0].extra_key))
         self._tracked[request_id] = _Tracked(request, text, metrics=RequestMetrics(arrival))
         self._seq_request[request_id] = request_id
         return request
@@ -112,14 +118,31 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
 
+    def close(self) -> None:
+        """Release what outlives a step: the KV tiers' reader (a persistent disk tier is
+        written back). Idempotent."""
+        tiers = self.parts.tiers
+        if tiers is not None and not tiers.closed:
+            if tiers.disk is not None and tiers.disk.persist:
+                self.scheduler.block_manager.evict_all()  # device-cached blocks go down too
+            tiers.close()
+
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; outputs of every request that changed."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        if self.parts.tiers is not None:
+            self.parts.tiers.prepare_step()  # reloads land before any write or read
+        for observe in self.step_observers:
+            observe(plan.num_batched_tokens)
         self.runner.copy_blocks(plan.copy_pairs)
+        started = time.perf_counter()
         logits = self.runner.execute(plan)  # [sampling chunks, vocab]
+        tokens = sum(len(chunk.token_ids) for chunk in plan.chunks)
+        if self.parts.tiers is not None and tokens > 2 * len(plan.chunks):  # mostly prompt
+            self.parts.tiers.rates.observe_compute(tokens, time.perf_counter() - started)
         sampled = self._sample(plan, logits)
         changed = self.scheduler.update(plan, sampled)
         now = time.monotonic()

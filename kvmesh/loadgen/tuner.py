@@ -43,7 +43,7 @@ def grid(
     budgets: Sequence[int], chunks: Sequence[int | None], policies: Sequence[str]
 ) -> list[Setting]:
     """Every combination, skipping chunk caps at or above the budget (the same as none)."""
-    from kvmesh.engine.scheduler_types import SCHEDULING_POLICIES
+    from kvmesh.engine.scheduler import SCHEDULING_POLICIES
 
     for policy in policies:
         if policy not in SCHEDULING_POLICIES:

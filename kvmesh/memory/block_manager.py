@@ -19,13 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvmesh.memory.block_pool import BlockPool
 from kvmesh.memory.errors import CapacityError, SequenceExistsError, UnknownSequenceError
 from kvmesh.memory.hashing import BlockHasher, HashFn, chain_hashes
 from kvmesh.memory.metrics import MemoryMetrics
 from kvmesh.memory.prefix_cache import BlockRef, PrefixCache
+from kvmesh.memory.tiers.blockfile import BlockMeta
+
+if TYPE_CHECKING:
+    from kvmesh.memory.tiers.store import TieredStore
 
 ADMISSION_POLICIES = ("slru", "lru")
 _new_result = tuple.__new__  # _new_result(AllocResult, (new, pairs)): no Python-level __new__
@@ -61,6 +65,7 @@ class BlockManager:
         admission: str = "slru",
         protected_fraction: float = 0.5,
         hash_fn: HashFn | None = None,
+        tiers: TieredStore | None = None,
     ) -> None:
         if admission not in ADMISSION_POLICIES:
             raise ValueError(f"admission must be one of {ADMISSION_POLICIES}, got {admission!r}")
@@ -71,14 +76,16 @@ class BlockManager:
             num_blocks,
             block_size,
             protected_capacity=int(num_blocks * protected_fraction),
-            on_evict=self._cache.forget,
+            on_evict=self._evicted,
         )
+        self.tiers = tiers
         self._bs = block_size
         self._hash: HashFn = hash_fn or BlockHasher(hash_seed).hash_block
         self._promote_on_hit = admission == "slru"
         self.admission = admission
         self.enable_prefix_caching = enable_prefix_caching
         self._seqs: dict[str, _Seq] = {}
+        self._swapped: dict[str, _Seq] = {}  # swapped out to the host tier
         self._queries = self._query_tokens = self._hit_tokens = self._cow_copies = 0
 
     # -- properties --------------------------------------------------------------------------
@@ -141,7 +148,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         bs, parent_hash, parent_ref = self._bs, None, None
-        for start in range(0, max(0, len(token_ids) - 1) // bs * bs, bs):
+        limit = max(0, len(token_ids) - 1) // bs * bs
+        for start in range(0, limit, bs):
             tokens = token_ids[start : start + bs]
             block_hash = self._hash(parent_hash, tokens, extra_key)
             ref = self._cache.match(block_hash, parent_ref, tokens, extra_key)
@@ -152,11 +160,62 @@ class BlockManager:
                 self._pool.protect(ref[0])
             seq.blocks.append(ref[0])
             parent_hash, parent_ref = block_hash, ref
+        if self.tiers is not None:
+            parent_hash, parent_ref = self._reload_prefix(
+                seq, token_ids[:limit], extra_key, parent_hash, parent_ref
+            )
         seq.num_tokens = len(seq.blocks) * bs
         seq.num_committed = len(seq.blocks)
         seq.last_hash, seq.last_ref = parent_hash, parent_ref
         self._hit_tokens += seq.num_tokens
         return seq.num_tokens
+
+    def _reload_prefix(
+        self,
+        seq: _Seq,
+        token_ids: Sequence[int],
+        extra_key: bytes | None,
+        parent_hash: int | None,
+        parent_ref: BlockRef | None,
+    ) -> tuple[int | None, BlockRef | None]:
+        """Extend a device hit with blocks found in the lower tiers: each gets a fresh device
+        block, published at once, whose KV the tiers copy in before the next step."""
+        tiers, bs = self.tiers, self._bs
+        assert tiers is not None
+        for start in range(len(seq.blocks) * bs, len(token_ids) // bs * bs, bs):
+            tokens = tuple(token_ids[start : start + bs])
+            block_hash = self._hash(parent_hash, tokens, extra_key)
+            if not tiers.contains(block_hash) or block_hash in self._cache:
+                break
+            new = self._pool.allocate(1)
+            tiers.flush_spills()  # the eviction above must copy out before the reload lands
+            if new is None:
+                break
+            meta = BlockMeta(block_hash, parent_hash, tokens, extra_key)
+            if not tiers.take(meta, new[0]):
+                self._pool.decref(new[0])
+                break
+            ref, _ = self._cache.commit_block(
+                new[0], block_hash, parent_hash, parent_ref, tokens, extra_key
+            )
+            assert ref is not None and ref[0] == new[0], "a reloaded hash was cached twice"
+            self._pool.mark_cached(new[0])
+            seq.blocks.append(new[0])
+            parent_hash, parent_ref = block_hash, ref
+        return parent_hash, parent_ref
+
+    def evict_all(self) -> None:
+        """Evict every unreferenced cached block (each spills to the tiers, if any): what a
+        persistent disk tier needs at shutdown."""
+        taken = self._take_blocks(self._pool.num_free)
+        for block in taken or ():
+            self._pool.decref(block)
+
+    def _evicted(self, block: int) -> None:
+        entry = self._cache.forget(block)
+        if self.tiers is not None:
+            meta = BlockMeta(entry.block_hash, entry.parent_hash, entry.tokens, entry.extra_key)
+            self.tiers.spill(block, meta)
 
     def allocate(self, seq_id: str, num_tokens: int) -> AllocResult | None:
         """Cover `num_tokens` slots in total (creating the seq if new); None if blocks run out.
@@ -171,7 +230,7 @@ class BlockManager:
         blocks_needed = -(-num_tokens // bs)
         if seq is None:
             self._check_capacity(num_tokens, blocks_needed)
-            new = self._pool.allocate(blocks_needed)
+            new = self._take_blocks(blocks_needed)
             if new is None:
                 return None
             self._seqs[seq_id] = _Seq(list(new), num_tokens)
@@ -183,7 +242,7 @@ class BlockManager:
             seq.num_tokens = num_tokens
             return _new_result(AllocResult, ([], []))
         self._check_capacity(num_tokens, blocks_needed)
-        new = self._pool.allocate(grow + cow)
+        new = self._take_blocks(grow + cow)
         if new is None:
             return None
         pairs: list[tuple[int, int]] = []
@@ -198,6 +257,13 @@ class BlockManager:
             blocks.extend(new)
         seq.num_tokens = num_tokens
         return _new_result(AllocResult, (new, pairs))
+
+    def _take_blocks(self, count: int) -> list[int] | None:
+        """Pool allocation; blocks it evicted are copied to the tiers before it returns."""
+        new = self._pool.allocate(count)
+        if self.tiers is not None:
+            self.tiers.flush_spills()
+        return new
 
     def _check_capacity(self, num_tokens: int, blocks_needed: int) -> None:
         if not isinstance(num_tokens, int) or num_tokens < 0:
@@ -255,6 +321,8 @@ class BlockManager:
             )
             if is_new:
                 self._pool.mark_cached(block)
+                if self.tiers is not None:
+                    self.tiers.discard(block_hash)
             if ref is None:
                 seq.chain_broken = True
                 return
@@ -277,8 +345,39 @@ class BlockManager:
             parent.chain_broken,
         )
 
+    def swap_out(self, seq_id: str) -> bool:
+        """Copy the sequence's blocks to the host tier, then release them (as `free`); its
+        table comes back with `swap_in`. False (nothing changed) when the host has no room."""
+        seq = self._get(seq_id)
+        if self.tiers is None or not self.tiers.swap_out(seq_id, seq.blocks):
+            return False
+        self.free(seq_id)
+        self._swapped[seq_id] = seq
+        return True
+
+    def is_swapped(self, seq_id: str) -> bool:
+        return seq_id in self._swapped
+
+    def swap_in(self, seq_id: str) -> bool:
+        """Give a swapped-out sequence fresh blocks; the tiers copy its KV in before the next
+        step. False (nothing changed) when blocks run out."""
+        seq = self._swapped[seq_id]
+        new = self._take_blocks(len(seq.blocks))
+        if new is None:
+            return False
+        assert self.tiers is not None
+        self.tiers.swap_in(seq_id, new)
+        seq.blocks = new
+        self._seqs[seq_id] = self._swapped.pop(seq_id)
+        return True
+
     def free(self, seq_id: str) -> None:
         """Release the sequence's blocks tail first; cached ones become evictable, others free."""
+        if seq_id in self._swapped:
+            del self._swapped[seq_id]
+            assert self.tiers is not None
+            self.tiers.drop_swapped(seq_id)
+            return
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise UnknownSequenceError(f"seq_id {seq_id!r} is not tracked")
@@ -324,3 +423,5 @@ class BlockManager:
         self._pool.check_integrity(refs)
         cached = {b for b in range(self._pool.num_blocks) if self._pool.is_cached(b)}
         self._cache.check_integrity(self._hash, cached)
+        if self.tiers is not None:
+            self.tiers.check_integrity(self._cache.hashes(), set(self._swapped))

@@ -108,7 +108,7 @@ def test_logprobs_errors_health_and_metrics(system: LocalSystem) -> None:
 def test_client_leaving_mid_stream_frees_every_block(system: LocalSystem) -> None:
     client = api(system)
     model = client.models.list().data[0].id
-    metrics = system.control_metrics  # type: ignore[attr-defined]
+    metrics = system.control_metrics
     cancelled = sample(metrics, "kvmesh_control_requests_total", status="CANCELLED")
     stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=1500,
                                        extra_body=IGNORE_EOS, stream=True)  # fmt: skip
