@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from kvmesh.cli.supervisor import ChildFailed
 from kvmesh.loadgen.runner import ARRIVALS, Arrival
 from kvmesh.loadgen.workloads import WORKLOADS, W4Shape, WorkloadError
 
@@ -110,6 +111,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         except (ValueError, WorkloadError) as error:
             print(f"kvmesh bench serve: {error}", file=sys.stderr)
             return 2
+        except ChildFailed as error:  # the embedded system did not start
+            print(f"kvmesh bench serve: {error}", file=sys.stderr)
+            return 1
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results))
     else:

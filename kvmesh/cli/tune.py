@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.cli.bench_serve import add_workload_flags, w4_shape
+from kvmesh.cli.supervisor import ChildFailed
 from kvmesh.loadgen.workloads import WorkloadError
 
 DEFAULT_PLOT = "kvmesh-tune-chunked-prefill.png"
@@ -64,6 +65,9 @@ def run_tune(args: argparse.Namespace) -> int:
     except (ValueError, WorkloadError) as error:
         print(f"kvmesh tune chunked-prefill: {error}", file=sys.stderr)
         return 2
+    except ChildFailed as error:  # a setting's system did not start
+        print(f"kvmesh tune chunked-prefill: {error}", file=sys.stderr)
+        return 1
     best = tuner.recommend(rows)
     plot = plots.tuner_scatter(rows, args.slo_itl_p99, Path(args.plot))
     slo = {"itl_p99_ms": args.slo_itl_p99, "ttft_p99_ms": args.slo_ttft_p99}

@@ -140,6 +140,11 @@ def test_bad_input_is_refused_naming_the_flag(
     assert "not both" in capsys.readouterr().err
     assert main([*argv, "--request-rate", "0"]) == 2
     assert "--request-rate" in capsys.readouterr().err
+    assert main(["bench", "serve", "--model", "/nonexistent", "--no-progress"]) == 2  # embedded
+    assert "model: '/nonexistent'" in capsys.readouterr().err
+    tune = ["tune", "chunked-prefill", "--slo-itl-p99", "100", "--no-progress"]
+    assert main([*tune, "--policies", "fastest"]) == 2
+    assert "--policies" in capsys.readouterr().err
 
 
 def test_tuner_on_a_running_system_reports_its_slo_verdict(
