@@ -66,14 +66,14 @@ class PersistentDecodeBatch:
     def inputs(self, chunks: Sequence[object]) -> DecodeInputs:
         """The host inputs of a step whose chunks all hold one token."""
         count = len(chunks)
-        host = np.array(
-            (
-                list(map(_FIRST, map(_TOKEN_IDS, chunks))),
-                list(map(_START_POS, chunks)),
-                list(chain.from_iterable(map(_SLOTS, chunks))),
+        host = np.fromiter(
+            chain(
+                map(_FIRST, map(_TOKEN_IDS, chunks)),
+                map(_START_POS, chunks),
+                chain.from_iterable(map(_SLOTS, chunks)),
             ),
             dtype=np.int64,
-        )  # [3, B]: ids, positions, slots
+        ).reshape(3, -1)  # [3, B]: ids, positions, slots
         assert host.shape == (3, count), "decode chunks carry one token and one slot each"
         self._grow(count + 1)
         return DecodeInputs(

@@ -175,6 +175,7 @@ class ModelRunner:
             inputs.seq_lens,
             inputs.query_start_loc,
             inputs.slots,
+            one_token_each=True,
         )
         samples = list(map(bool, map(_SAMPLES, chunks)))
         rows = self.decode_batch.sample_rows(len(chunks))
