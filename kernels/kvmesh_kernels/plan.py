@@ -48,17 +48,25 @@ class AttentionPlan:
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
+        one_token_each: bool = False,
     ) -> None:
+        """`one_token_each`: a decode step (query_start_loc must be 0..batch), checked with
+        a few vectorized reductions instead of per-sequence host lists."""
         spec = cache.spec
         dispatch._check_tables(block_tables, seq_lens)
-        q_lens = dispatch._host_q_lens(None, seq_lens.shape[0], query_start_loc)
+        capacity = block_tables.shape[1] * spec.block_size
+        if one_token_each:
+            q_lens = _check_one_token_each(seq_lens, query_start_loc, capacity)
+        else:
+            q_lens = dispatch._host_q_lens(None, seq_lens.shape[0], query_start_loc)
+            _check(
+                not q_lens or min(q_lens) >= 1,
+                "paged_attention needs q_len >= 1 for every sequence",
+            )
+            dispatch._check_host_lengths(seq_lens.tolist(), capacity, q_lens)
         self.num_tokens = sum(q_lens)
         dispatch._check_slots(slot_mapping, self.num_tokens)
-        _check(
-            not q_lens or min(q_lens) >= 1, "paged_attention needs q_len >= 1 for every sequence"
-        )
-        capacity = block_tables.shape[1] * spec.block_size
-        dispatch._check_host_lengths(seq_lens.tolist(), capacity, q_lens)
         dispatch._check_slot_range(slot_mapping, spec.num_blocks * spec.block_size)
 
         device = cache.data.device
@@ -168,3 +176,27 @@ class AttentionPlan:
             return data_ptr, 0
         scales = cache.scales
         return data_ptr, scales.data_ptr() + layer * scales.stride(1) * scales.element_size()
+
+
+def _check_one_token_each(
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, capacity: int
+) -> list[int]:
+    """The checks of a general plan for q_len 1 everywhere; returns the q_lens (all 1)."""
+    batch = int(seq_lens.shape[0])
+    _check(
+        query_start_loc.dim() == 1 and query_start_loc.shape[0] == batch + 1,
+        "query_start_loc must be [batch + 1]",
+    )
+    if batch:
+        steps = torch.diff(query_start_loc)
+        _check(
+            int(query_start_loc[0]) == 0 and bool((steps == 1).all()),
+            "one_token_each needs query_start_loc = 0..batch",
+        )
+        low, high = torch.aminmax(seq_lens)
+        _check(
+            int(low) >= 1 and int(high) <= capacity,
+            f"seq_lens must lie in [1, max_blocks * block_size = {capacity}] "
+            "(a query chunk longer than its seq_lens context otherwise)",
+        )
+    return [1] * batch

@@ -23,6 +23,7 @@ from kvmesh_kernels.plan import AttentionPlan
 from kvmesh.engine.attention import ForwardContext
 from kvmesh.engine.block_table import PersistentBlockTable
 from kvmesh.engine.cuda_graphs import DecodeGraphs, graph_buckets
+from kvmesh.engine.decode_batch import PersistentDecodeBatch
 from kvmesh.engine.executor import executor_for
 from kvmesh.engine.loader import LoadedModel
 
@@ -87,6 +88,7 @@ class ModelRunner:
             device=self.device,
         )
         self.block_tables = PersistentBlockTable(max_blocks_per_seq or num_blocks)
+        self.decode_batch = PersistentDecodeBatch(self.block_tables)
         self.decode_graphs: DecodeGraphs | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, capture: bool = True) -> None:
@@ -153,39 +155,72 @@ class ModelRunner:
 
     def prepare(self, chunks: Sequence[ChunkPlan]) -> FlatBatch:
         """Flatten chunks into one varlen batch (single-token chunks first, as scheduled) and
-        build the step's AttentionPlan (ValueError on inconsistent chunks, before any write)."""
+        build the step's AttentionPlan (ValueError on inconsistent chunks, before any write).
+        A step of single-token chunks (decodes) is built from the persistent decode batch."""
+        counts = list(map(len, map(_TOKEN_IDS, chunks)))
+        if sum(counts) == len(chunks):
+            return self._prepare_decode(chunks)
         flat = flatten_chunks(chunks)
-        query_start_loc, seq_lens = flat.query_start_loc, flat.seq_lens
+        query_start_loc = flat.query_start_loc
         tables = self.block_tables.gather(
             list(map(_SEQ_ID, chunks)), list(map(_BLOCK_TABLE, chunks))
         )  # [batch, width] int32, rows updated by diffs
+        plan = AttentionPlan(
+            self.kv_cache,
+            block_tables=tables,
+            seq_lens=torch.tensor(flat.seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+            slot_mapping=torch.tensor(flat.slots, dtype=torch.int64),
+        )  # host tensors, validated once, moved to the cache's device by the plan
+        return FlatBatch(
+            self._tensor(flat.token_ids, torch.int64),
+            self._tensor(flat.positions, torch.int64),
+            self._tensor(flat.sample_rows, torch.int64),
+            self._context(chunks, plan, query_start_loc),
+        )
+
+    def _prepare_decode(self, chunks: Sequence[ChunkPlan]) -> FlatBatch:
+        """prepare() of a step whose chunks hold one token each."""
+        inputs = self.decode_batch.inputs(chunks)
+        plan = AttentionPlan(
+            self.kv_cache,
+            inputs.block_tables,
+            inputs.seq_lens,
+            inputs.query_start_loc,
+            inputs.slots,
+            one_token_each=True,
+        )
+        samples = list(map(bool, map(_SAMPLES, chunks)))
+        rows = self.decode_batch.sample_rows(len(chunks))
+        if not all(samples):
+            rows = rows[torch.tensor(samples)]
+        bounds = range(len(chunks) + 1)  # query_start_loc on the host
+        return FlatBatch(
+            inputs.token_ids.to(self.device),
+            inputs.positions.to(self.device),
+            rows.to(self.device),
+            self._context(chunks, plan, bounds),
+        )
+
+    def _context(
+        self, chunks: Sequence[ChunkPlan], plan: AttentionPlan, starts: Sequence[int]
+    ) -> ForwardContext:
+        """The step's ForwardContext; on CPU trailing first chunks (no cached context) are
+        attended by the fresh path. `starts`: query_start_loc on the host."""
         num_paged = len(chunks)
         if self.device.type == "cpu":
             while num_paged and chunks[num_paged - 1].start_pos == 0:
                 num_paged -= 1
-        plan = AttentionPlan(
-            self.kv_cache,
-            block_tables=tables,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
-            slot_mapping=torch.tensor(flat.slots, dtype=torch.int64),
-        )  # host tensors, validated once, moved to the cache's device by the plan
-        context = ForwardContext(
+        return ForwardContext(
             kv_cache=self.kv_cache,
             slot_mapping=plan.slot_mapping,
             block_tables=plan.block_tables,
             seq_lens=plan.seq_lens,
             query_start_loc=plan.query_start_loc,
             num_paged_seqs=num_paged,
-            num_paged_tokens=query_start_loc[num_paged],
-            fresh_bounds=tuple(query_start_loc[num_paged:]) if num_paged < len(chunks) else (),
+            num_paged_tokens=starts[num_paged],
+            fresh_bounds=tuple(starts[num_paged:]) if num_paged < len(chunks) else (),
             plan=plan,
-        )
-        return FlatBatch(
-            self._tensor(flat.token_ids, torch.int64),
-            self._tensor(flat.positions, torch.int64),
-            self._tensor(flat.sample_rows, torch.int64),
-            context,
         )
 
     def _tensor(self, values: Any, dtype: torch.dtype) -> torch.Tensor:

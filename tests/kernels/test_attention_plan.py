@@ -292,3 +292,29 @@ def test_plan_checks_per_layer_shapes() -> None:
     with pytest.raises(IndexError):
         plan.attention(step.queries[0], NUM_LAYERS, scale=0.1)
     assert dispatch.get_backend(torch.device("cpu")) == plan.backend
+
+
+def test_one_token_each_plan_equals_the_general_plan_and_checks_the_same() -> None:
+    torch.manual_seed(2)
+    kvmesh_kernels.set_backend("torch")
+    step = make_step([1, 1, 1], [25, 3, 60])
+    args = (step.cache, step.block_tables, step.seq_lens, step.query_start_loc, step.slot_mapping)
+    fast, general = AttentionPlan(*args, one_token_each=True), AttentionPlan(*args)
+    assert (fast.num_tokens, fast.q_lens, fast.starts) == (3, [1, 1, 1], [0, 1, 2, 3])
+    assert (fast.q_lens, fast.starts) == (general.q_lens, general.starts)
+    scale = HEAD_DIM**-0.5
+    fast_out = fast.attention(step.queries[0], 0, scale=scale)
+    assert torch.equal(fast_out, general.attention(step.queries[0], 0, scale=scale))
+    too_long = step.seq_lens.clone()
+    too_long[1] = step.block_tables.shape[1] * BLOCK_SIZE + 1
+    prefill_bounds = torch.tensor([0, 1, 3, 4], dtype=torch.int32)
+    for bad, match in (
+        ((too_long, step.query_start_loc), "seq_lens must lie"),
+        ((torch.zeros_like(step.seq_lens), step.query_start_loc), "seq_lens must lie"),
+        ((step.seq_lens, prefill_bounds), "0..batch"),
+        ((step.seq_lens, step.query_start_loc[:3]), r"\[batch \+ 1\]"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            AttentionPlan(
+                step.cache, step.block_tables, *bad, step.slot_mapping, one_token_each=True
+            )
