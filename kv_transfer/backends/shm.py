@@ -140,7 +140,7 @@ class Receiver(KVReceiver):
 
     def _loop(self, conn: socket.socket, ring: torch.Tensor | None, slot_bytes: int) -> None:
         """Serve one connection; `ring` None: registered mode (grants and commits)."""
-        begun: set[bytes] = set()
+        begun = _Begun(conn)
         can_reply = True  # after a failed reply keep reading: a CANCEL may still be buffered
         try:
             while True:
@@ -148,7 +148,7 @@ class Receiver(KVReceiver):
                 reply = self._dispatch(header, payload, ring, slot_bytes, begun)
                 if reply is not None and can_reply:
                     try:
-                        send_msg(conn, *reply)
+                        begun.send(*reply)
                     except PeerError:
                         can_reply = False
         except TransferError as exc:
@@ -166,7 +166,8 @@ class Receiver(KVReceiver):
         tid, epoch, kind = header.transfer_id, header.epoch, header.msg_type
         try:
             if kind is MsgType.BEGIN and ring is None:
-                grant = self.core.grant(header, payload)
+                assert isinstance(begun, _Begun)
+                grant = self.core.grant(header, payload, revoke=lambda: begun.revoke(tid, epoch))
                 begun.add(tid)
                 return frame_header(MsgType.ACCEPT, tid, epoch, grant), grant
             if kind is MsgType.BEGIN:
@@ -196,6 +197,25 @@ class Receiver(KVReceiver):
         except TransferError as exc:
             wire = error_to_wire(exc)
             return frame_header(MsgType.ERROR, tid, epoch, wire, aux=header.aux), wire
+
+
+class _Begun(set[bytes]):
+    """Transfers begun on one connection, and its replies sent under one lock (a revoke may
+    come from another thread)."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        super().__init__()
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, header: FrameHeader, payload: bytes = b"") -> None:
+        with self._lock:
+            send_msg(self._conn, header, payload)
+
+    def revoke(self, tid: bytes, epoch: int) -> None:
+        """The reservation ended early: tell the sender to stop writing into its window."""
+        with contextlib.suppress(TransferError):
+            self.send(frame_header(MsgType.CANCEL, tid, epoch))
 
 
 class _Attached:
@@ -368,7 +388,7 @@ class Sender(KVSender):
         flags = FLAG_IN_PLACE | (0 if self.checksum else FLAG_NO_CHECKSUM)
         for index in plan.iter_frames(waiter):
             conn.settimeout(waiter.check())  # a commit blocked on a full socket ends in time
-            self._poll_refusal()
+            self._poll_refusal(tid)
             lo, n = plan.frames[index]
             digest = write_granted(rows, window, grant, plan.src[lo : lo + n], lo, self.checksum)
             header = FrameHeader(
@@ -380,13 +400,14 @@ class Sender(KVSender):
         send_msg(conn, frame_header(MsgType.END, tid, epoch))
         self._expect(MsgType.DONE, waiter)
 
-    def _poll_refusal(self) -> None:
-        """Raise at once if the receiver refused a commit or cancelled (no waiting)."""
+    def _poll_refusal(self, tid: bytes) -> None:
+        """Raise at once if the receiver refused a commit or cancelled transfer `tid` (no
+        waiting; a revoke of an earlier transfer is ignored)."""
         assert self._conn is not None
-        readable, _, _ = select.select([self._conn], [], [], 0)
-        if readable:
+        while select.select([self._conn], [], [], 0)[0]:
             header, payload = recv_msg(self._conn, time.monotonic() + HANDSHAKE_SECONDS)
-            raise _peer_reason(header, payload)
+            if header.msg_type is not MsgType.CANCEL or header.transfer_id == tid:
+                raise _peer_reason(header, payload)
 
     def _run(self, plan: SendPlan, waiter: Waiter) -> None:
         assert self._conn is not None and self._ring is not None
