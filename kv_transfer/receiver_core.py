@@ -152,8 +152,7 @@ class ReceiverCore:
     ) -> bytes:
         """BEGIN on registered memory: the encoded write window over the reserved blocks;
         `revoke` is called when the reservation is cancelled or dropped before completing."""
-        region = self.store.region
-        if region is None:
+        if not self.store.grantable:
             raise FrameError("mode", "this receiver's cache is not in shared memory")
         self.on_begin(header, dst_payload)
         res = self._find(header)
@@ -178,7 +177,8 @@ class ReceiverCore:
 
     def _verify_in_place(self, ids: torch.Tensor, header: FrameHeader) -> None:
         region = self.store.region
-        assert region is not None
+        if region is None:
+            raise FrameError("flags", "payload checksums need a host cache")
         kv, scales = self.store.region_offsets(ids)
         groups = [(region.bytes, kv, self.store.layout.kv_bytes_per_block)]
         if scales is not None:

@@ -123,20 +123,28 @@ class Receiver(KVReceiver):
             segment.close()
 
     def _serve_registered(self, conn: socket.socket, ours: bytes) -> None:
-        """Pass the cache's descriptor after HELLO_ACK; then grant windows per transfer."""
-        region = self.store.region
-        if region is None:
-            error = BackendUnavailableError("the receiver's cache is not in shared memory")
+        """Register the cache with the peer after HELLO_ACK; then grant windows per transfer."""
+        try:
+            extras, fds = self._registration()
+        except BackendUnavailableError as error:
             wire = error_to_wire(error)
             send_msg(conn, frame_header(MsgType.ERROR, bytes(16), 0, wire), wire)
-            raise error
-        ack = ours + b"\0" + json.dumps({"mode": "registered", "bytes": region.nbytes}).encode()
+            raise
+        ack = ours + b"\0" + json.dumps({"mode": "registered", **extras}).encode()
         send_msg(conn, frame_header(MsgType.HELLO_ACK, bytes(16), 0, ack), ack)
-        try:
-            socket.send_fds(conn, [b"F"], [region.fd])
-        except OSError as exc:
-            raise PeerError(f"cannot pass the cache descriptor: {exc}") from None
+        if fds:
+            try:
+                socket.send_fds(conn, [b"F"], fds)
+            except OSError as exc:
+                raise PeerError(f"cannot pass the cache descriptor: {exc}") from None
         self._loop(conn, None, 0)
+
+    def _registration(self) -> tuple[dict[str, object], list[int]]:
+        """HELLO_ACK extras and descriptors that let the peer map this cache (SCM_RIGHTS)."""
+        region = self.store.region
+        if region is None:
+            raise BackendUnavailableError("the receiver's cache is not in shared memory")
+        return {"bytes": region.nbytes}, [region.fd]
 
     def _loop(self, conn: socket.socket, ring: torch.Tensor | None, slot_bytes: int) -> None:
         """Serve one connection; `ring` None: registered mode (grants and commits)."""
@@ -301,7 +309,8 @@ class Sender(KVSender):
                 raise PeerError(f"expected HELLO_ACK, got {header.msg_type.name}")
             theirs, extras = _split_hello(payload)
             self.layout.check_compatible(theirs)
-            window = _map_region(conn, extras) if extras.get("mode") == "registered" else None
+            registered = extras.get("mode") == "registered"
+            window = self._map_window(conn, extras) if registered else None
         except OSError as exc:
             conn.close()
             raise PeerError(f"cannot connect to {self._path}: {exc}") from None
@@ -321,7 +330,7 @@ class Sender(KVSender):
         self._connect_staging(deadline)
 
     def _connect_registered(self, deadline: float) -> None:
-        hello = self.layout.to_bytes() + b"\0" + json.dumps({"mode": "registered"}).encode()
+        hello = self._hello({"mode": "registered"})
         conn, window = self._handshake(hello, deadline, peer_refusal=True)
         if window is None:
             conn.close()
@@ -332,13 +341,19 @@ class Sender(KVSender):
         name = f"{SEGMENT_PREFIX}{os.urandom(8).hex()}"
         segment = shared_memory.SharedMemory(name, create=True, size=self._slots * self._slot_bytes)
         try:
-            extras = json.dumps({"segment": name, "slot_bytes": self._slot_bytes}).encode()
-            hello = self.layout.to_bytes() + b"\0" + extras
+            hello = self._hello({"segment": name, "slot_bytes": self._slot_bytes})
             conn, _ = self._handshake(hello, deadline)
         finally:
             segment.unlink()  # attached by the peer (or refused): the name is no longer needed
         self._conn, self._segment = conn, segment
         self._ring = torch.frombuffer(segment.buf, dtype=torch.uint8)  # [slots * slot_bytes]
+
+    def _hello(self, extras: dict[str, object]) -> bytes:
+        return self.layout.to_bytes() + b"\0" + json.dumps(extras).encode()
+
+    def _map_window(self, conn: socket.socket, extras: dict[str, object]) -> torch.Tensor:
+        """The receiver's registered cache, mapped here: uint8 [bytes]."""
+        return _map_region(conn, extras)
 
     def close(self) -> None:
         """Idempotent and safe from two threads at once (a transfer aborting on its deadline
@@ -391,6 +406,7 @@ class Sender(KVSender):
             self._poll_refusal(tid)
             lo, n = plan.frames[index]
             digest = write_granted(rows, window, grant, plan.src[lo : lo + n], lo, self.checksum)
+            self._publish(window)  # the writes are visible before their commit goes out
             header = FrameHeader(
                 MsgType.FRAME, tid, epoch, index, plan.frame_count, lo, n,
                 n * self.layout.bytes_per_block, checksum=digest, flags=flags,
