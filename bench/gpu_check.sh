@@ -31,7 +31,7 @@ if [ -n "$dry" ]; then
     pytest_args=(tests/kernels/test_triton_cache_ops.py)
 else
     unset TRITON_INTERPRET
-    pytest_args=(tests/kernels)
+    pytest_args=(tests/kernels tests/kv_transfer/test_kvt_cuda_ipc.py)
 fi
 
 echo "== kernel tests"

@@ -34,9 +34,14 @@ class BlockStore:
         self.cache = cache
         self.scales = scales
         self.region = region
+        # A CUDA cache is registered as its own storage (CUDA IPC); scales would need a second.
+        self.device_window = region is None and cache.device.type == "cuda" and scales is None
+        self._kv_base = self._scales_base = 0
         if region is not None:
             self._kv_base = region.offset_of(cache)
             self._scales_base = region.offset_of(scales) if scales is not None else 0
+        elif self.device_window:
+            self._kv_base = int(cache.storage_offset()) * cache.element_size()
         self.layout = KVLayout.of(cache, scales, model_id=model_id)
         self.num_blocks = int(cache.shape[0])
         # Host caches as uint8 rows [num_blocks, bytes] for numpy's row scatter, which copies
@@ -50,12 +55,18 @@ class BlockStore:
             raise FrameError(field, f"block id outside [0, {self.num_blocks})")
 
     def region_offsets(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Byte offsets in `region` of blocks `ids`' KV rows (and scales rows), int64 [n]."""
-        assert self.region is not None
+        """Byte offsets in the registered memory (`region`, or a CUDA cache's own storage) of
+        blocks `ids`' KV rows (and scales rows), int64 [n]."""
+        assert self.grantable
         kv = self._kv_base + ids * self.layout.kv_bytes_per_block
         if self.scales is None:
             return kv, None
         return kv, self._scales_base + ids * self.layout.scales_bytes_per_block
+
+    @property
+    def grantable(self) -> bool:
+        """Whether senders can be granted windows into this cache (registered memory)."""
+        return self.region is not None or self.device_window
 
     def row_views(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The cache (and scales) as uint8 rows `[num_blocks, bytes per block]`."""

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -49,6 +50,7 @@ class _Reservation:
     frame_count: int | None = None
     blocks_written: int = 0
     written: torch.Tensor | None = None  # bool [n]: destination blocks already written
+    revoke: Callable[[], None] | None = None  # tells a sender holding a window to stop
 
 
 class ReceiveHandle:
@@ -73,6 +75,8 @@ class ReceiveHandle:
         """End as CANCELLED unless already terminal; an in-progress write finishes first."""
         ended = self._res.record.end(TransferState.CANCELLED)
         self._core.forget(self._res)
+        if self._res.revoke is not None and self._res.record.state is not TransferState.COMPLETED:
+            self._res.revoke()  # a sender may still hold a write window: stop it
         return ended
 
 
@@ -140,13 +144,19 @@ class ReceiverCore:
                 raise self._fail(res, FrameError("dst_block_ids", "differ from the reservation"))
             res.record.move(TransferState.IN_FLIGHT)
 
-    def grant(self, header: FrameHeader, dst_payload: bytes | bytearray) -> bytes:
-        """BEGIN on registered memory: the encoded write window over the reserved blocks."""
-        region = self.store.region
-        if region is None:
+    def grant(
+        self,
+        header: FrameHeader,
+        dst_payload: bytes | bytearray,
+        revoke: Callable[[], None] | None = None,
+    ) -> bytes:
+        """BEGIN on registered memory: the encoded write window over the reserved blocks;
+        `revoke` is called when the reservation is cancelled or dropped before completing."""
+        if not self.store.grantable:
             raise FrameError("mode", "this receiver's cache is not in shared memory")
         self.on_begin(header, dst_payload)
         res = self._find(header)
+        res.revoke = revoke
         kv, scales = self.store.region_offsets(res.dst)
         left = res.record.deadline - time.monotonic()
         return Grant(kv, scales, res.record.deadline).encode(left)
@@ -167,7 +177,8 @@ class ReceiverCore:
 
     def _verify_in_place(self, ids: torch.Tensor, header: FrameHeader) -> None:
         region = self.store.region
-        assert region is not None
+        if region is None:
+            raise FrameError("flags", "payload checksums need a host cache")
         kv, scales = self.store.region_offsets(ids)
         groups = [(region.bytes, kv, self.store.layout.kv_bytes_per_block)]
         if scales is not None:

@@ -144,7 +144,11 @@ def write_rows(
         if start < 0 or start + n * row > window.numel():
             raise FrameError("grant", "offset outside the shared region")
         out = window[start : start + n * row].view(n, row)
-        torch.index_select(src_rows, 0, src_ids[first : first + n], out=out)
+        ids = src_ids[first : first + n].to(src_rows.device)
+        if out.device == src_rows.device:
+            torch.index_select(src_rows, 0, ids, out=out)
+        else:  # another GPU of this node (CUDA IPC): gather there, then one peer copy
+            out.copy_(torch.index_select(src_rows, 0, ids))
 
 
 def rows_checksum(groups: list[tuple[torch.Tensor, torch.Tensor, int]]) -> int:

@@ -123,24 +123,32 @@ class Receiver(KVReceiver):
             segment.close()
 
     def _serve_registered(self, conn: socket.socket, ours: bytes) -> None:
-        """Pass the cache's descriptor after HELLO_ACK; then grant windows per transfer."""
-        region = self.store.region
-        if region is None:
-            error = BackendUnavailableError("the receiver's cache is not in shared memory")
+        """Register the cache with the peer after HELLO_ACK; then grant windows per transfer."""
+        try:
+            extras, fds = self._registration()
+        except BackendUnavailableError as error:
             wire = error_to_wire(error)
             send_msg(conn, frame_header(MsgType.ERROR, bytes(16), 0, wire), wire)
-            raise error
-        ack = ours + b"\0" + json.dumps({"mode": "registered", "bytes": region.nbytes}).encode()
+            raise
+        ack = ours + b"\0" + json.dumps({"mode": "registered", **extras}).encode()
         send_msg(conn, frame_header(MsgType.HELLO_ACK, bytes(16), 0, ack), ack)
-        try:
-            socket.send_fds(conn, [b"F"], [region.fd])
-        except OSError as exc:
-            raise PeerError(f"cannot pass the cache descriptor: {exc}") from None
+        if fds:
+            try:
+                socket.send_fds(conn, [b"F"], fds)
+            except OSError as exc:
+                raise PeerError(f"cannot pass the cache descriptor: {exc}") from None
         self._loop(conn, None, 0)
+
+    def _registration(self) -> tuple[dict[str, object], list[int]]:
+        """HELLO_ACK extras and descriptors that let the peer map this cache (SCM_RIGHTS)."""
+        region = self.store.region
+        if region is None:
+            raise BackendUnavailableError("the receiver's cache is not in shared memory")
+        return {"bytes": region.nbytes}, [region.fd]
 
     def _loop(self, conn: socket.socket, ring: torch.Tensor | None, slot_bytes: int) -> None:
         """Serve one connection; `ring` None: registered mode (grants and commits)."""
-        begun: set[bytes] = set()
+        begun = _Begun(conn)
         can_reply = True  # after a failed reply keep reading: a CANCEL may still be buffered
         try:
             while True:
@@ -148,7 +156,7 @@ class Receiver(KVReceiver):
                 reply = self._dispatch(header, payload, ring, slot_bytes, begun)
                 if reply is not None and can_reply:
                     try:
-                        send_msg(conn, *reply)
+                        begun.send(*reply)
                     except PeerError:
                         can_reply = False
         except TransferError as exc:
@@ -166,7 +174,8 @@ class Receiver(KVReceiver):
         tid, epoch, kind = header.transfer_id, header.epoch, header.msg_type
         try:
             if kind is MsgType.BEGIN and ring is None:
-                grant = self.core.grant(header, payload)
+                assert isinstance(begun, _Begun)
+                grant = self.core.grant(header, payload, revoke=lambda: begun.revoke(tid, epoch))
                 begun.add(tid)
                 return frame_header(MsgType.ACCEPT, tid, epoch, grant), grant
             if kind is MsgType.BEGIN:
@@ -196,6 +205,25 @@ class Receiver(KVReceiver):
         except TransferError as exc:
             wire = error_to_wire(exc)
             return frame_header(MsgType.ERROR, tid, epoch, wire, aux=header.aux), wire
+
+
+class _Begun(set[bytes]):
+    """Transfers begun on one connection, and its replies sent under one lock (a revoke may
+    come from another thread)."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        super().__init__()
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, header: FrameHeader, payload: bytes = b"") -> None:
+        with self._lock:
+            send_msg(self._conn, header, payload)
+
+    def revoke(self, tid: bytes, epoch: int) -> None:
+        """The reservation ended early: tell the sender to stop writing into its window."""
+        with contextlib.suppress(TransferError):
+            self.send(frame_header(MsgType.CANCEL, tid, epoch))
 
 
 class _Attached:
@@ -281,7 +309,8 @@ class Sender(KVSender):
                 raise PeerError(f"expected HELLO_ACK, got {header.msg_type.name}")
             theirs, extras = _split_hello(payload)
             self.layout.check_compatible(theirs)
-            window = _map_region(conn, extras) if extras.get("mode") == "registered" else None
+            registered = extras.get("mode") == "registered"
+            window = self._map_window(conn, extras) if registered else None
         except OSError as exc:
             conn.close()
             raise PeerError(f"cannot connect to {self._path}: {exc}") from None
@@ -301,7 +330,7 @@ class Sender(KVSender):
         self._connect_staging(deadline)
 
     def _connect_registered(self, deadline: float) -> None:
-        hello = self.layout.to_bytes() + b"\0" + json.dumps({"mode": "registered"}).encode()
+        hello = self._hello({"mode": "registered"})
         conn, window = self._handshake(hello, deadline, peer_refusal=True)
         if window is None:
             conn.close()
@@ -312,13 +341,19 @@ class Sender(KVSender):
         name = f"{SEGMENT_PREFIX}{os.urandom(8).hex()}"
         segment = shared_memory.SharedMemory(name, create=True, size=self._slots * self._slot_bytes)
         try:
-            extras = json.dumps({"segment": name, "slot_bytes": self._slot_bytes}).encode()
-            hello = self.layout.to_bytes() + b"\0" + extras
+            hello = self._hello({"segment": name, "slot_bytes": self._slot_bytes})
             conn, _ = self._handshake(hello, deadline)
         finally:
             segment.unlink()  # attached by the peer (or refused): the name is no longer needed
         self._conn, self._segment = conn, segment
         self._ring = torch.frombuffer(segment.buf, dtype=torch.uint8)  # [slots * slot_bytes]
+
+    def _hello(self, extras: dict[str, object]) -> bytes:
+        return self.layout.to_bytes() + b"\0" + json.dumps(extras).encode()
+
+    def _map_window(self, conn: socket.socket, extras: dict[str, object]) -> torch.Tensor:
+        """The receiver's registered cache, mapped here: uint8 [bytes]."""
+        return _map_region(conn, extras)
 
     def close(self) -> None:
         """Idempotent and safe from two threads at once (a transfer aborting on its deadline
@@ -368,9 +403,10 @@ class Sender(KVSender):
         flags = FLAG_IN_PLACE | (0 if self.checksum else FLAG_NO_CHECKSUM)
         for index in plan.iter_frames(waiter):
             conn.settimeout(waiter.check())  # a commit blocked on a full socket ends in time
-            self._poll_refusal()
+            self._poll_refusal(tid)
             lo, n = plan.frames[index]
             digest = write_granted(rows, window, grant, plan.src[lo : lo + n], lo, self.checksum)
+            self._publish(window)  # the writes are visible before their commit goes out
             header = FrameHeader(
                 MsgType.FRAME, tid, epoch, index, plan.frame_count, lo, n,
                 n * self.layout.bytes_per_block, checksum=digest, flags=flags,
@@ -380,13 +416,14 @@ class Sender(KVSender):
         send_msg(conn, frame_header(MsgType.END, tid, epoch))
         self._expect(MsgType.DONE, waiter)
 
-    def _poll_refusal(self) -> None:
-        """Raise at once if the receiver refused a commit or cancelled (no waiting)."""
+    def _poll_refusal(self, tid: bytes) -> None:
+        """Raise at once if the receiver refused a commit or cancelled transfer `tid` (no
+        waiting; a revoke of an earlier transfer is ignored)."""
         assert self._conn is not None
-        readable, _, _ = select.select([self._conn], [], [], 0)
-        if readable:
+        while select.select([self._conn], [], [], 0)[0]:
             header, payload = recv_msg(self._conn, time.monotonic() + HANDSHAKE_SECONDS)
-            raise _peer_reason(header, payload)
+            if header.msg_type is not MsgType.CANCEL or header.transfer_id == tid:
+                raise _peer_reason(header, payload)
 
     def _run(self, plan: SendPlan, waiter: Waiter) -> None:
         assert self._conn is not None and self._ring is not None

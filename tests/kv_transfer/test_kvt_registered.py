@@ -158,3 +158,25 @@ def test_registered_mode_between_processes_and_staging_fallback() -> None:
     finally:
         shared.close()
         private.close()
+
+
+def test_cancel_revokes_a_granted_window_but_not_a_completed_one() -> None:
+    receiver, _ = stores()
+    core = ReceiverCore(receiver)
+    revoked: list[bytes] = []
+    handles = {}
+    for name in ("cancelled", "completed"):
+        tid = os.urandom(16)
+        handles[name] = (
+            tid,
+            core.expect(TransferRequest(tid, 5), [name == "completed"], time.monotonic() + 10),
+        )
+        payload = torch.tensor([name == "completed"], dtype=torch.int32).numpy().tobytes()
+        begin_header = frame_header(MsgType.BEGIN, tid, 5, payload)
+        core.grant(begin_header, payload, revoke=lambda t=tid: revoked.append(t))
+    tid, handle = handles["completed"]
+    core.on_written(commit(tid, 5, 0, 1))
+    core.on_end(frame_header(MsgType.END, tid, 5))
+    for _, handle in handles.values():
+        handle.cancel()
+    assert revoked == [handles["cancelled"][0]]
