@@ -261,7 +261,11 @@ class TieredStore:
             return
         reloads, self._reloads = self._reloads, []
         slots, blocks = [r[0] for r in reloads], [r[1] for r in reloads]
+        copy_started = time.perf_counter()
         event = self.device.from_host(self.host, slots, blocks)
+        if event is None:  # on CUDA the copy is asynchronous: its time is in the latency
+            self.host_stats.copy_seconds += time.perf_counter() - copy_started
+            self.host_stats.copy_bytes += len(slots) * self.device.block_bytes
         assert self._reload_started is not None
         self._in_flight.append((event, slots, self._reload_started))
         if event is None:
