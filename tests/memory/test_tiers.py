@@ -119,3 +119,19 @@ def test_block_file_round_trip_and_rejections() -> None:
     assert blockfile.decode(data, layout, meta.block_hash + 1, 64) is None
     assert blockfile.decode(data[:-1], layout, meta.block_hash, 64) is None
     assert blockfile.decode(b"KVMBLK01" + data[8:20], layout, meta.block_hash, 64) is None
+
+
+def test_prefetch_moves_disk_blocks_to_the_host_before_the_lookup(tmp_path: Path) -> None:
+    rig = TieredRig(4, 6, tmp_path, 8)  # reads in flight are bounded by half the host
+    push_down(rig, A, B, list(range(80, 93)))
+    hashes = rig.manager.block_hashes(A)
+    on_disk = [h for h in hashes if h in rig.store.disk]  # type: ignore[operator]
+    assert on_disk and rig.store.prefetch(hashes) == len(on_disk)
+    for future in list(rig.store._reads.values()):
+        future.result(timeout=10)  # the background reads finish (bounded wait)
+    rig.store.prepare_step()  # the engine's next step collects them into the host tier
+    assert all(h in rig.store.host for h in on_disk)
+    assert rig.run_prompt("again", A) == 12
+    disk = rig.store.metrics()[1]
+    assert disk.reloads == len(on_disk) and disk.hits == 0  # found on the host, not read now
+    rig.manager.check_integrity()
