@@ -114,16 +114,17 @@ class DeviceBlocks:
     def _copy_rows(
         self, block_ids: Sequence[int], slots: Sequence[int], *, to_host: bool, host: HostTier
     ) -> None:
-        """CPU: one row copy per block between the cache and its host slot."""
-        pairs = [(self._rows, host.data)]
+        """CPU: one row copy per block between the cache and its host slot (numpy's copy:
+        torch's per-call thread-pool wake-up costs more than a block's memcpy)."""
+        pairs = [(self._rows.numpy(), host.data.numpy())]
         if self._scale_rows is not None and host.scales is not None:
-            pairs.append((self._scale_rows, host.scales))
+            pairs.append((self._scale_rows.numpy(), host.scales.numpy()))
         for cache_rows, host_rows in pairs:
             for block, slot in zip(block_ids, slots, strict=True):
                 if to_host:
-                    host_rows[slot].copy_(cache_rows[block])
+                    host_rows[slot] = cache_rows[block]
                 else:
-                    cache_rows[block].copy_(host_rows[slot])
+                    cache_rows[block] = host_rows[slot]
 
     def _scatter(
         self, block_ids: Sequence[int], data: torch.Tensor, scales: torch.Tensor | None
