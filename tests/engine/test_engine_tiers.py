@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.models.tiny import build_tiny_model
+from kvmesh.telemetry.tier_metrics import register_tier_metrics
 
 MAX_NEW = 6
 BLOCK_BYTES = 16384  # the tiny llama: 2 layers x (K, V) x 16 tokens x 2 heads x 32 x 4 bytes
@@ -73,6 +75,12 @@ def test_host_tier_spills_and_reloads_with_identical_greedy_output(
     assert cached[2:] == [48, 48]
     host = tiers_of(llm)["host"]
     assert host.spills >= 3 and host.hits >= 3 and host.reloads >= 3
+    registry = CollectorRegistry()  # what a worker's metrics port serves
+    register_tier_metrics(registry, lambda: llm.engine)
+    text = generate_latest(registry).decode()
+    assert f'kvmesh_kv_tier_capacity_bytes{{tier="host"}} {32 * BLOCK_BYTES}.0' in text
+    assert f'kvmesh_kv_tier_hits_total{{tier="host"}} {float(host.hits)}' in text
+    assert 'kvmesh_preemptions_total{mode="swap"} 0.0' in text
 
 
 def test_persistent_disk_tier_serves_hits_after_restart(
@@ -111,22 +119,6 @@ def test_swap_preemption_keeps_greedy_output(
     assert chooser.num_swap + chooser.num_recompute == llm.engine.scheduler.num_preemptions
     store = llm.engine.parts.tiers
     assert store is not None
-    if mode == "swap":
-        assert chooser.num_swap > 0 and store.swap_stats.swapped_in == store.swap_stats.swapped_out
+    # auto: moving a few 16 KiB blocks is far cheaper than recomputing their tokens
+    assert chooser.num_swap > 0 and store.swap_stats.swapped_in == store.swap_stats.swapped_out
     llm.engine.scheduler.block_manager.check_integrity()
-
-
-def test_tier_metrics_export(checkpoint: Path) -> None:
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from kvmesh.telemetry.tier_metrics import register_tier_metrics
-
-    llm = LLM(str(checkpoint), num_kv_blocks=5, host_kv_gib=gib(8))
-    run_each(llm, [make_prompts()[0], make_prompts()[2], make_prompts()[1]])
-    registry = CollectorRegistry()
-    register_tier_metrics(registry, lambda: llm.engine)
-    text = generate_latest(registry).decode()
-    assert f'kvmesh_kv_tier_capacity_bytes{{tier="host"}} {8 * BLOCK_BYTES}.0' in text
-    host = tiers_of(llm)["host"]
-    assert host.hits >= 1 and f'kvmesh_kv_tier_hits_total{{tier="host"}} {float(host.hits)}' in text
-    assert 'kvmesh_preemptions_total{mode="swap"} 0.0' in text

@@ -59,6 +59,15 @@ class TieredStore:
         self._reads: dict[int, Future[bytes | None]] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-tier-read")
         self.closed = False
+        self._probe_bandwidth()
+
+    def _probe_bandwidth(self) -> None:
+        """A first copy-bandwidth sample (device block 0 into a free host slot, both unused
+        yet), so the swap/recompute estimate works before the first real copy."""
+        slots = self.host.take_free(1)
+        assert slots is not None
+        self._to_host([0], slots)
+        self.host.release(slots)
 
     def close(self) -> None:
         """Stop the reader; a persistent disk tier first receives the host's cached blocks
