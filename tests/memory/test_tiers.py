@@ -135,3 +135,11 @@ def test_prefetch_moves_disk_blocks_to_the_host_before_the_lookup(tmp_path: Path
     disk = rig.store.metrics()[1]
     assert disk.reloads == len(on_disk) and disk.hits == 0  # found on the host, not read now
     rig.manager.check_integrity()
+
+
+def test_a_disk_folder_serves_one_engine_at_a_time(tmp_path: Path) -> None:
+    rig = TieredRig(4, 2, tmp_path, 8)
+    with pytest.raises(ValueError, match="in use by another process"):
+        TieredRig(4, 2, tmp_path, 8)
+    rig.close()
+    TieredRig(4, 2, tmp_path, 8).close()  # released at close

@@ -79,6 +79,8 @@ class TieredStore:
             self.flush_spills()
             self._release_done()
             self._shed_host(self.host.num_cached)
+        if self.disk is not None:
+            self.disk.close()
 
     # -- spill (device -> host -> disk) ------------------------------------------------------
     def spill(self, block_id: int, meta: BlockMeta) -> None:
