@@ -1,4 +1,5 @@
-"""GPU check, timing part: copy bandwidth, paged decode attention sweep, KV write.
+"""GPU check, timing part: copy bandwidth, paged decode attention sweep, KV write, decode
+CUDA graphs against eager steps (`bench/decode_graph_check.py`).
 
 Run by bench/gpu_check.sh (which also runs the kernel tests and the transfer benchmark) or alone:
 
@@ -37,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from kvmesh_kernels.cache import KVCacheSpec, LayerKV, PagedKVCache  # noqa: E402
 from kvmesh_kernels.triton_attention import triton_paged_decode_attention  # noqa: E402
 from kvmesh_kernels.triton_cache_ops import triton_write_kv  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_graph_check import decode_graph_check, summary_line  # noqa: E402
 
 BLOCK_SIZE, HQ, HKV, HEAD_DIM = 16, 32, 4, 128
 GIB = 1 << 30
@@ -166,6 +170,8 @@ def summary(result: dict[str, Any]) -> str:
     for w in result["write_kv"]:
         lines.append(f"write_kv {w['kv_dtype']:>4} {w['tokens']:>6} tokens: "
                      f"{w['tokens_per_s'] / 1e6:.1f} M tok/s, {w['gbs']:.0f} GB/s")  # fmt: skip
+    if "decode_graphs" in result:
+        lines.append(summary_line(result["decode_graphs"]))
     lines.append(f"pytest rc: {result.get('pytest_rc')}  transfer: "
                  f"{'recorded' if result.get('transfer') else 'not run'}")  # fmt: skip
     return "\n".join(lines)
@@ -209,6 +215,10 @@ def main() -> int:
                         torch.cuda.empty_cache()
     tokens = [16, 64] if DRY else [1, 256, 8192]
     result["write_kv"] = [write_row(n, kv, device) for kv in ("auto", "fp8") for n in tokens]
+    try:
+        result["decode_graphs"] = decode_graph_check(device, DRY)
+    except Exception as error:  # reported, and the exit status says so
+        result["decode_graphs"] = {"error": f"{type(error).__name__}: {error}"}
     if args.transfer_json and args.transfer_json.exists():
         text = args.transfer_json.read_text().strip()
         try:
@@ -220,7 +230,7 @@ def main() -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
-    return 0
+    return 1 if "error" in result["decode_graphs"] else 0
 
 
 if __name__ == "__main__":

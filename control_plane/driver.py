@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-from opentelemetry import trace
 
 from control_plane.cluster import Cluster
 from control_plane.ledger import WorkerRef
@@ -21,7 +20,6 @@ from control_plane.routing import NoRouteError, common_backend, order_pairs
 from control_plane.run import DEFAULT_MAX_TOKENS, RpcFailure, Run, WorkerLost
 from kvmesh.v1 import wire, worker_pb2, worker_pb2_grpc
 
-TRACER = trace.get_tracer("kvmesh.control_plane")
 DECODE_SKIP_CODES = (
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNAVAILABLE,
@@ -77,12 +75,10 @@ class Driver:
     async def _invoke(
         self, run: Run, worker: WorkerRecord, what: str, method: Any, request: Any
     ) -> Any:
-        """A unary worker call under the run's deadline and trace context (raw gRPC errors)."""
-        with (
-            run.calling(ref(worker)),
-            TRACER.start_as_current_span(what, context=run.trace_context()),
-        ):
-            return await method(request, timeout=run.timeout(), metadata=run.metadata())
+        """A unary worker call under the run's deadline and request span (raw gRPC errors; the
+        tracing interceptor of the channel adds the CLIENT span and the `traceparent`)."""
+        with run.calling(ref(worker)), run.traced():
+            return await method(request, timeout=run.timeout())
 
     async def _call(
         self, run: Run, worker: WorkerRecord, what: str, method: Any, request: Any
@@ -111,7 +107,6 @@ class Driver:
 
     def _open(self, run: Run) -> int:
         run.generation = self._cluster.ledger.open(run.request_id, run.deadline).generation
-        self._cluster.metrics.ledger_entries.set(len(self._cluster.ledger))
         return run.generation
 
     async def _disaggregated(
@@ -132,6 +127,7 @@ class Driver:
         generation = self._open(run)
         decode, reservation = await self._reserve(run, engine, generation, pairs)
         prefill = next(p for p, d in pairs if d is decode)
+        run.event("routed", prefill=prefill.worker_id, decode=decode.worker_id)
         run.timings.queue = self._cluster.clock() - run.arrival
         first = await self._prefill(run, engine, generation, prefill, decode, reservation)
         await self._decode(run, generation, decode, reservation, first)
@@ -229,6 +225,7 @@ class Driver:
         await self._stream(run, decode, "decode", self._decode_stub(decode).Decode, request)
 
     async def _colocated(self, run: Run, worker: WorkerRecord) -> None:
+        run.event("routed", colocated=worker.worker_id)
         engine = await self._prepare(run, worker)
         generation = self._open(run)
         self._cluster.ledger.decoding(run.request_id, generation, ref(worker))
@@ -247,11 +244,8 @@ class Driver:
         colocated: bool = False,
     ) -> None:
         """Relay a worker's token stream into the run's queue until every completion ended."""
-        with (
-            run.calling(ref(worker)),
-            TRACER.start_as_current_span(what, context=run.trace_context()),
-        ):
-            call = method(request, timeout=run.timeout(), metadata=run.metadata())
+        with run.calling(ref(worker)), run.traced():
+            call = method(request, timeout=run.timeout())
             try:
                 async for response in call:
                     if colocated and run.timings.ttft is None:

@@ -16,12 +16,15 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 
 from control_plane.cluster import Cluster
-from control_plane.driver import TRACER, Driver
+from control_plane.driver import Driver
 from control_plane.ledger import LedgerError, Release, WorkerRef
 from control_plane.releases import send_releases
+from control_plane.request_span import RequestSpan, capture_from_env, mark_refused
 from control_plane.routing import NoRouteError
 from control_plane.run import RpcFailure, Run, WorkerLost
+from control_plane.run_metrics import record_run
 from control_plane.validation import FieldError, check_generate_request, check_request_id
+from kvmesh.telemetry.logs import bind_request_id
 from kvmesh.v1 import generation_pb2
 
 LOG = logging.getLogger("kvmesh.control_plane")
@@ -46,6 +49,7 @@ class FrontDoor:
         self._idle = asyncio.Event()
         self._idle.set()
         self.draining = False
+        self.capture_content = cluster.config.trace_message_content or capture_from_env()
         cluster.on_worker_lost(self._worker_lost)
 
     @property
@@ -94,12 +98,15 @@ class FrontDoor:
 
     async def stream(self, run: Run) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The run's responses; on failure the run is finished first, then RpcFailure raised."""
+        assert run.request_span is not None
         try:
             async for response in self._relay(run):
+                run.request_span.observe(response)
                 yield response
             run.status = grpc.StatusCode.OK
         except RpcFailure as failure:
             run.status = failure.code
+            run.request_span.failure = failure.message
             await asyncio.shield(self.finish(run))  # released before the client sees the end
             raise
 
@@ -111,8 +118,13 @@ class FrontDoor:
         try:
             return self._admit(request, client_left)
         except RpcFailure as failure:
-            self._cluster.metrics.requests.labels(failure.code.name).inc()
+            self.count_rejected(failure.code)
+            mark_refused(failure.code, failure.message)
             raise
+
+    def count_rejected(self, code: grpc.StatusCode) -> None:
+        """Count a request refused before it ran (either door)."""
+        self._cluster.metrics.requests.labels(code.name).inc()
 
     def _admit(self, request: generation_pb2.GenerateRequest, client_left: float | None) -> Run:
         if self.draining:
@@ -139,7 +151,11 @@ class FrontDoor:
         if client_left is not None:
             budget = min(budget, client_left)
         run = Run(request_id, request, now, now + budget, clock=self._cluster.clock)
-        run.span = TRACER.start_span("Generate", attributes={"kvmesh.request_id": request_id})
+        bind_request_id(request_id)
+        run.request_span = RequestSpan(
+            request, request_id, self._cluster.model_name(), self.capture_content
+        )
+        run.event("admitted")
         self._runs[request_id] = run
         self._idle.clear()
         self._cluster.metrics.inflight.set(len(self._runs))
@@ -153,7 +169,8 @@ class FrontDoor:
             run.calls.clear()
             run.lost = None
             run.worker_aborted = False
-            run.attempt = asyncio.create_task(self._driver.attempt(run))
+            with run.traced():  # the attempt's calls and background releases run under it
+                run.attempt = asyncio.create_task(self._driver.attempt(run))
             async for response in self._drain(run):
                 yield response
             lost = self._outcome(run)
@@ -164,7 +181,8 @@ class FrontDoor:
             LOG.info("retrying %s after: %s", run.request_id, lost)
             self._cluster.metrics.retries.inc()
             run.avoid.add(lost.worker_id)
-            await self._release(self._cluster.ledger.close(run.request_id, "retried"))
+            with run.traced():
+                await self._release(self._cluster.ledger.close(run.request_id, "retried"))
 
     async def _drain(self, run: Run) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Yield the attempt's responses until it ends (bounded by the run's deadline)."""
@@ -241,26 +259,25 @@ class FrontDoor:
         status = run.status or (
             grpc.StatusCode.ABORTED if run.aborted else grpc.StatusCode.CANCELLED
         )
-        await self._release(self._cluster.ledger.close(run.request_id, status.name))
+        with run.traced():  # the releases are part of the request's trace
+            await self._release(self._cluster.ledger.close(run.request_id, status.name))
         self._runs.pop(run.request_id, None)
-        metrics = self._cluster.metrics
-        metrics.requests.labels(status.name).inc()
-        metrics.inflight.set(len(self._runs))
-        metrics.ledger_entries.set(len(self._cluster.ledger))
-        if status == grpc.StatusCode.OK and run.timings.ttft is not None:
-            self._observe_ttft(run)
-        run.span.set_attribute("rpc.grpc.status_code", status.value[0])
-        run.span.end()
+        record_run(self._cluster.metrics, run, status, self._cluster.model_name())
+        self._cluster.metrics.inflight.set(len(self._runs))
+        self._end_span(run, status)
         run.done.set()
         if not self._runs:
             self._idle.set()
 
-    def _observe_ttft(self, run: Run) -> None:
-        t, metrics = run.timings, self._cluster.metrics
-        assert t.ttft is not None
-        metrics.ttft.observe(t.ttft)
-        for phase in ("queue", "prefill", "transfer", "first_decode"):  # Timings field = label
-            metrics.ttft_phase.labels(phase).observe(getattr(t, phase))
+    def _end_span(self, run: Run, status: grpc.StatusCode) -> None:
+        """The request's last log line and the end of its span."""
+        t, span = run.timings, run.request_span
+        assert span is not None
+        with run.traced():
+            LOG.info("request %s finished %s: %d prompt tokens (%d cached), %d output tokens, "
+                     "%.3f s", run.request_id, status.name, t.prompt_tokens, t.cached_tokens,
+                     span.output_tokens, self._cluster.clock() - run.arrival)  # fmt: skip
+        span.end(status, t.prompt_tokens, t.cached_tokens)
 
     async def _release(self, releases: list[Release]) -> None:
         await send_releases(self._cluster, releases)

@@ -169,6 +169,13 @@ class Ledger:
     def entries(self) -> list[LedgerEntry]:
         return list(self._entries.values())
 
+    def count_by_state(self) -> dict[str, int]:
+        """Live entries per state name (safe from another thread: counts a copy)."""
+        counts: dict[str, int] = {}
+        for entry in self.entries():
+            counts[entry.state.name] = counts.get(entry.state.name, 0) + 1
+        return counts
+
     def holders(self, request_id: str) -> frozenset[WorkerRef]:
         """Worker incarnations that hold (or may hold) blocks of the live entry; empty when
         the request has no live entry."""

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+from opentelemetry import trace
 
 from decode_svc.reservations import Reservation, ReservationTable
 from kv_transfer.state import TransferResult, TransferState
@@ -22,14 +23,11 @@ from kvmesh.engine import disagg
 from kvmesh.engine.sequence import Request
 from kvmesh.service.convert import logprobs_from_proto
 from kvmesh.service.runtime import WorkerRuntime
-from kvmesh.service.server import span
 from kvmesh.service.status import ServiceError, abort_with, status_of
 from kvmesh.service.streaming import responses
 from kvmesh.telemetry.metrics import WorkerMetrics
-from kvmesh.telemetry.tracing import tracer
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
-TRACER = tracer("kvmesh.decode")
 DEFAULT_LEASE_SECONDS = 30.0
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -41,18 +39,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self.runtime = runtime
         self.table = table
         self.metrics = metrics
-        table.on_expire = lambda res: metrics.lease_expiries.labels("reservation").inc()
+        table.on_expire = lambda res: metrics.reservation_leases.labels("expired").inc()
 
     # -- Reserve ---------------------------------------------------------------------------
     async def Reserve(
         self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
-        with span(TRACER, "decode.reserve", context):
-            try:
-                return await self._reserve(request, context)
-            except Exception as exc:
-                await abort_with(context, exc)
-                raise
+        try:
+            response = await self._reserve(request, context)
+        except Exception as exc:
+            await abort_with(context, exc)
+            raise
+        self.metrics.reservation_leases.labels("granted").inc()
+        return response
 
     async def _reserve(
         self, message: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
@@ -110,41 +109,44 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
-        with span(TRACER, "decode.decode", context):
-            started = time.monotonic()
+        started = time.monotonic()
+        try:
+            res = self._claim(request)
+            tokens = await self._await_kv(res, request, context)
+            waited = {"kvmesh.kv_wait_seconds": time.monotonic() - started}
+            trace.get_current_span().add_event("kv_received", waited)
+        except Exception as exc:
+            self.metrics.request_done(status_of(exc)[0])
+            await abort_with(context, exc)
+            return
+        logprobs = [
+            logprobs_from_proto(t.logprobs) if t.HasField("logprobs") else None
+            for t in request.first_tokens
+        ]
+        code = grpc.StatusCode.CANCELLED  # unless the stream finishes or fails
+        try:
+            raise_if_released(res)
+            stream = await self.runtime.engine.open_stream(
+                res.request_id,
+                lambda e: disagg.join_prefilled(e, res.request, tokens, logprobs),
+            )
+            res.stream = stream
+            if res.released is not None:
+                stream.fail(released_error(res))
             try:
-                res = self._claim(request)
-                tokens = await self._await_kv(res, request, context)
-            except Exception as exc:
-                await abort_with(context, exc)
-                return
-            logprobs = [
-                logprobs_from_proto(t.logprobs) if t.HasField("logprobs") else None
-                for t in request.first_tokens
-            ]
-            finished = False
-            try:
-                raise_if_released(res)
-                stream = await self.runtime.engine.open_stream(
-                    res.request_id,
-                    lambda e: disagg.join_prefilled(e, res.request, tokens, logprobs),
-                )
-                res.stream = stream
-                if res.released is not None:
-                    stream.fail(released_error(res))
-                try:
-                    tokenizer = self.runtime.core.tokenizer
-                    async for response in responses(stream, started, tokenizer=tokenizer):
-                        yield response
-                    finished = stream.finished
-                finally:
-                    stream.close()
-            except Exception as exc:
-                await abort_with(context, exc)
+                tokenizer = self.runtime.core.tokenizer
+                async for response in responses(stream, started, tokenizer=tokenizer):
+                    yield response
+                if stream.finished:
+                    code = grpc.StatusCode.OK
             finally:
-                self.table.drop(res)  # aborts the request unless it finished; idempotent
-                if finished:
-                    self.metrics.requests.labels("ok").inc()
+                stream.close()
+        except Exception as exc:
+            code = status_of(exc)[0]
+            await abort_with(context, exc)
+        finally:
+            self.table.drop(res)  # aborts the request unless it finished; idempotent
+            self.metrics.request_done(code)
 
     def _claim(self, message: worker_pb2.DecodeRequest) -> Reservation:
         """The reservation this Decode names, checked field by field, now DECODING."""
@@ -203,10 +205,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseResponse:
-        with span(TRACER, "decode.release", context):
-            reason = request.reason or "released"
-            released = self.release(request.request_id, request.generation, reason)
-            return worker_pb2.ReleaseResponse(released=released)
+        reason = request.reason or "released"
+        released = self.release(request.request_id, request.generation, reason)
+        return worker_pb2.ReleaseResponse(released=released)
 
     def release(self, request_id: str, generation: int = 0, reason: str = "released") -> bool:
         """Free whatever is held for the request (generation 0: any); idempotent. An open

@@ -178,7 +178,7 @@ class KVSender(abc.ABC):
         self.store.check_ids(src, "src_block_ids")
         if src.numel() != dst.numel():
             raise TransferError(f"{src.numel()} source blocks but {dst.numel()} destinations")
-        frames = frames_for(int(src.numel()), self.layout.bytes_per_block, self.frame_bytes)
+        frames = frames_for(int(src.numel()), self.layout.bytes_per_block, self.max_frame_bytes)
         return SendPlan(request, src, dst, frames)
 
     def start(

@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from opentelemetry import trace
 
 from kv_transfer.interface import KVSender, StreamSendHandle
 from kv_transfer.state import TransferRequest, TransferResult
@@ -33,17 +34,15 @@ from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sequence import Request, SequenceStatus
 from kvmesh.service.convert import first_tokens
 from kvmesh.service.runtime import WorkerRuntime, check_layout
-from kvmesh.service.server import span
 from kvmesh.service.status import ServiceError, abort_with, status_of
-from kvmesh.telemetry.metrics import WorkerMetrics
-from kvmesh.telemetry.tracing import tracer
+from kvmesh.telemetry.metrics import WorkerMetrics, status_name
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from prefill_svc.senders import SenderPool
+from prefill_svc.spans import ChunkEvents, TransferSpan
 
 if TYPE_CHECKING:
     from kvmesh.engine.engine import LLMEngine
 
-TRACER = tracer("kvmesh.prefill")
 DEFAULT_TRANSFER_TIMEOUT = 30.0
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
@@ -87,35 +86,33 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     async def Prepare(
         self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrepareResponse:
-        with span(TRACER, "prefill.prepare", context):
-            return await self.runtime.serve_prepare(request, context)
+        return await self.runtime.serve_prepare(request, context)
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
-        with span(TRACER, "prefill.prefill", context):
-            rid = request.request.request_id
-            timings = Timings(time.monotonic())
-            try:
-                engine_request = self.runtime.request_from(request.request, prefill_only=True)
-                self._check_target(request.target, engine_request)
-                if self.transfer_overlap:
-                    return await self._prefill_streamed(
-                        engine_request, request.target, context, timings
-                    )
-                return await self._prefill(engine_request, request.target, context, timings)
-            except asyncio.CancelledError:
-                if rid not in self.released:  # the caller cancelled: nobody awaits a status
-                    raise
-                self.metrics.requests.labels("aborted").inc()
-                await context.abort(grpc.StatusCode.ABORTED, "request_id: released by Release")
+        rid = request.request.request_id
+        timings = Timings(time.monotonic())
+        try:
+            engine_request = self.runtime.request_from(request.request, prefill_only=True)
+            self._check_target(request.target, engine_request)
+            if self.transfer_overlap:
+                return await self._prefill_streamed(
+                    engine_request, request.target, context, timings
+                )
+            return await self._prefill(engine_request, request.target, context, timings)
+        except asyncio.CancelledError:
+            if rid not in self.released:  # the caller cancelled: nobody awaits a status
                 raise
-            except Exception as exc:
-                self.metrics.requests.labels(status_of(exc)[0].name.lower()).inc()
-                await abort_with(context, exc)
-                raise
-            finally:
-                self.released.discard(rid)
+            self.metrics.request_done(grpc.StatusCode.ABORTED)
+            await context.abort(grpc.StatusCode.ABORTED, "request_id: released by Release")
+            raise
+        except Exception as exc:
+            self.metrics.request_done(status_of(exc)[0])
+            await abort_with(context, exc)
+            raise
+        finally:
+            self.released.discard(rid)
 
     def _check_target(self, target: worker_pb2.KVTarget, request: Request) -> None:
         mismatch = check_layout(self.runtime.layout, target.layout, "target.layout")
@@ -159,7 +156,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.active[rid] = active
         try:
             stream = await engine.open_stream(
-                rid, lambda e: disagg.add_request(e, request), cleanup=disagg.release_prefilled
+                rid,
+                lambda e: disagg.add_request(e, request),
+                cleanup=disagg.release_prefilled,
+                on_step=ChunkEvents(trace.get_current_span()),
             )
             try:
                 timings.added = time.monotonic()
@@ -171,7 +171,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                     await stream.aclose()  # release_prefilled, before the caller hears back
             finally:
                 stream.close()  # releases the blocks on any failure; no-op after aclose
-            self.metrics.requests.labels("ok").inc()
+            self.metrics.request_done(grpc.StatusCode.OK)
             return self._response(first, timings, result)
         finally:
             self.active.pop(rid, None)
@@ -189,18 +189,20 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         deadline = min(active.deadline, time.monotonic() + self.transfer_timeout)
         backend, endpoint = target.backend, target.endpoint
         started = time.monotonic()
-        sender = await asyncio.to_thread(self.senders.acquire, backend, endpoint)
-        transfer = TransferRequest(bytes.fromhex(target.transfer_id), target.generation)
-        handle = sender.start(transfer, blocks, list(target.block_ids), deadline=deadline)
-        try:
-            result = await asyncio.to_thread(handle.wait)
-        except BaseException:
-            handle.cancel()
-            raise
-        finally:
-            self.senders.release(backend, endpoint, sender)
-        timings.transfer = time.monotonic() - started
-        return self._settle(result, target, timings.transfer)
+        with TransferSpan(target, len(blocks)) as span:
+            sender = await asyncio.to_thread(self.senders.acquire, backend, endpoint)
+            transfer = TransferRequest(bytes.fromhex(target.transfer_id), target.generation)
+            handle = sender.start(transfer, blocks, list(target.block_ids), deadline=deadline)
+            try:
+                result = await asyncio.to_thread(handle.wait)
+            except BaseException:
+                handle.cancel()
+                raise
+            finally:
+                self.senders.release(backend, endpoint, sender)
+            timings.transfer = time.monotonic() - started
+            span.settled(result)
+            return self._settle(result, target, timings.transfer)
 
     async def _prefill_streamed(
         self,
@@ -220,39 +222,46 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         backend, endpoint = target.backend, target.endpoint
         sender: KVSender | None = None
         handle: StreamSendHandle | None = None
-        try:
-            sender = await asyncio.to_thread(self.senders.acquire, backend, endpoint)
-            transfer = TransferRequest(bytes.fromhex(target.transfer_id), target.generation)
-            handle = sender.start_stream(transfer, list(target.block_ids), deadline=deadline)
-            feeder = ChunkFeeder(handle, self.runtime.layout.block_size, len(target.block_ids))
-            stream = await engine.open_stream(
-                rid,
-                lambda e: disagg.add_request(e, request),
-                cleanup=disagg.release_prefilled,
-                on_step=feeder,
-            )
+        with TransferSpan(target, len(target.block_ids)) as span:
             try:
-                timings.added = time.monotonic()
-                first = await anext(stream)
-                timings.first = time.monotonic()
-                result = None
-                if first.finished:  # a first token that ends the request left no KV to ship
-                    handle.cancel()
-                else:
-                    active.state = worker_pb2.BLOCK_SET_STATE_SENDING
-                    result = await self._await_streamed(handle, target, timings)
-                    await stream.aclose()  # release_prefilled, before the caller hears back
+                sender = await asyncio.to_thread(self.senders.acquire, backend, endpoint)
+                transfer = TransferRequest(bytes.fromhex(target.transfer_id), target.generation)
+                handle = sender.start_stream(transfer, list(target.block_ids), deadline=deadline)
+                feeder = ChunkFeeder(handle, self.runtime.layout.block_size, len(target.block_ids))
+                feeder.events = ChunkEvents(trace.get_current_span())
+                stream = await engine.open_stream(
+                    rid,
+                    lambda e: disagg.add_request(e, request),
+                    cleanup=disagg.release_prefilled,
+                    on_step=feeder,
+                )
+                try:
+                    timings.added = time.monotonic()
+                    first = await anext(stream)
+                    timings.first = time.monotonic()
+                    result = None
+                    if first.finished:  # a first token that ends the request left no KV to ship
+                        handle.cancel()
+                    else:
+                        active.state = worker_pb2.BLOCK_SET_STATE_SENDING
+                        span.parts = feeder.parts
+                        result = await self._await_streamed(handle, target, timings, span)
+                        await stream.aclose()  # release_prefilled, before the caller hears back
+                finally:
+                    stream.close()  # releases the blocks on any failure; no-op after aclose
+                self.metrics.request_done(grpc.StatusCode.OK)
+                return self._response(first, timings, result)
             finally:
-                stream.close()  # releases the blocks on any failure; no-op after aclose
-            self.metrics.requests.labels("ok").inc()
-            return self._response(first, timings, result)
-        finally:
-            self.active.pop(rid, None)
-            if sender is not None:
-                self._give_back(backend, endpoint, sender, handle)
+                self.active.pop(rid, None)
+                if sender is not None:
+                    self._give_back(backend, endpoint, sender, handle)
 
     async def _await_streamed(
-        self, handle: StreamSendHandle, target: worker_pb2.KVTarget, timings: Timings
+        self,
+        handle: StreamSendHandle,
+        target: worker_pb2.KVTarget,
+        timings: Timings,
+        span: TransferSpan,
     ) -> TransferResult:
         """The receiver's acknowledgement (bounded by `transfer_timeout` from the first token)."""
         try:
@@ -264,6 +273,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             handle.cancel()
             result = await asyncio.to_thread(handle.wait, 2.0)
         timings.transfer = time.monotonic() - timings.first  # the part not hidden by compute
+        span.settled(result)
         return self._settle(result, target, timings.transfer)
 
     def _settle(
@@ -272,11 +282,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         """Record a finished transfer's metrics; raise a ServiceError naming `target` unless the
         receiver acknowledged it."""
         backend = target.backend
-        outcome = "ok" if result.ok else result.state.name.lower()
-        self.metrics.transfer_seconds.labels(backend, outcome).observe(seconds)
-        if not result.ok:
+        if result.ok:
+            self.metrics.transfer_seconds.labels(backend, "OK").observe(seconds)
+        else:
             error = result.error or ServiceError(grpc.StatusCode.ABORTED, result.state.name)
             code, message = status_of(error)
+            self.metrics.transfer_seconds.labels(backend, status_name(code)).observe(seconds)
             raise ServiceError(code, f"target: KV transfer to {target.worker_id!r}: {message}")
         self.metrics.transfer_bytes.labels(backend).inc(result.num_bytes)
         return result
@@ -318,10 +329,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseResponse:
-        with span(TRACER, "prefill.release", context):
-            return worker_pb2.ReleaseResponse(
-                released=self.release(request.request_id, request.generation)
-            )
+        return worker_pb2.ReleaseResponse(
+            released=self.release(request.request_id, request.generation)
+        )
 
     def release(self, request_id: str, generation: int = 0) -> bool:
         """Cancel a prefill in progress (its blocks are freed by its own cleanup)."""
@@ -359,8 +369,12 @@ class ChunkFeeder:
         self.sent = 0  # blocks handed to the sender
         self.preemptions: int | None = None
         self.done = False
+        self.parts = 0  # block sets handed to the sender
+        self.events: ChunkEvents | None = None
 
     def __call__(self, engine: LLMEngine, request_id: str) -> None:
+        if self.events is not None:
+            self.events(engine, request_id)
         if self.done:
             return
         if self.handle.record.state.is_terminal:
@@ -390,6 +404,7 @@ class ChunkFeeder:
                 return
             self.handle.add(self.sent, table[self.sent : ready])
             self.sent = ready
+            self.parts += 1
         if status is SequenceStatus.PREFILLED:
             self.handle.finish()
             self.done = True

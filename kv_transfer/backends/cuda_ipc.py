@@ -173,7 +173,7 @@ class Sender(shm.Sender):
         handle = encode_handle(ring.untyped_storage()._share_cuda_())
         extras = {"slot_bytes": self._slot_bytes, "handle": handle}
         hello = hello_payload(self.layout, self._token, extras)
-        conn = self._handshake(hello, deadline, peer_refusal=True)
+        conn, _ = self._handshake(hello, deadline, peer_refusal=True)
         self._conn, self._ring = conn, ring
 
     def _publish(self, slot: torch.Tensor) -> None:

@@ -425,6 +425,9 @@ class Sender(KVSender):
         super().__init__(store, frame_bytes)
         self.address = address
         self.device = store.cache.device
+        # Host payloads may cross hosts: always hashed. Device (NCCL) payloads are not hashed.
+        if checksum is False and self.device.type == "cpu":
+            raise FrameError("checksum", "payload checksums are always on for host tensors")
         self.checksum = self.device.type == "cpu" if checksum is None else checksum
         self._max_frame = self.max_frame_bytes
         self._staging = [

@@ -48,6 +48,7 @@ from kvmesh.security import Security
 from kvmesh.v1 import kv_transfer_pb2 as pb
 from kvmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
 from kvmesh.v1 import wire
+from kvmesh.v1.transfer import TransferCode
 
 # Frame payloads are read-only `bytes`; the receiver only reads them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -201,7 +202,7 @@ class Receiver(KVReceiver):
             return pb.PushResult(state=result.state.name, num_bytes=result.num_bytes)
         elif header.msg_type is MsgType.CANCEL:
             self.core.on_cancel(header)
-            return pb.PushResult(state="CANCELLED", error_code="cancelled")
+            return pb.PushResult(state="CANCELLED", error_code=TransferCode.CANCELLED)
         return None
 
     def apply_raw(self, header: FrameHeader, message: bytes) -> pb.PushResult | None:
@@ -228,7 +229,7 @@ class Receiver(KVReceiver):
             return pb.PushResult(state=result.state.name, num_bytes=result.num_bytes)
         elif kind is MsgType.CANCEL:
             self.core.on_cancel(header)
-            return pb.PushResult(state="CANCELLED", error_code="cancelled")
+            return pb.PushResult(state="CANCELLED", error_code=TransferCode.CANCELLED)
         else:
             raise FrameError("msg_type", f"unexpected {kind.name}")
         return None
@@ -259,11 +260,10 @@ class Sender(KVSender):
         *,
         frame_bytes: int = DEFAULT_FRAME_BYTES,
         max_message_bytes: int = 8 << 20,
-        checksum: bool = True,
         security: Security | None = None,
     ) -> None:
         super().__init__(store, frame_bytes)
-        self.checksum = checksum
+        self.checksum = True  # the bytes cross a network: every payload is hashed
         security = security or Security()
         self._metadata = security.call_metadata()
         self._channel = security.channel(address, _options(max_message_bytes))
@@ -355,7 +355,9 @@ def _to_proto(header: FrameHeader, payload: bytes) -> pb.KVFrame:
 
 def _raise_for(result: pb.PushResult) -> None:
     if result.state != TransferState.COMPLETED.name:
-        raise error_from_wire(result.error_code or "peer", result.message or result.state)
+        raise error_from_wire(
+            result.error_code or TransferCode.PEER, result.message or result.state
+        )
 
 
 def _rpc_error(exc: grpc.RpcError, waiter: Waiter) -> TransferError:

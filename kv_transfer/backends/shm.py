@@ -1,10 +1,22 @@
-"""Same-host CPU backend: a shared-memory ring of staging slots plus a Unix-socket control channel.
+"""Same-host CPU backend over a Unix-socket control channel, in one of two modes.
 
-The sender creates one segment per connection (`slots` x `slot_bytes`, random name), sends its
+**registered** (one copy; the default when the receiver's cache lies in shared memory,
+`kv_transfer.registered`): HELLO asks for it; the receiver answers HELLO_ACK and passes its
+cache's memfd (SCM_RIGHTS; the peer's uid was checked, no name exists anywhere). BEGIN is
+answered with ACCEPT carrying the write window: the byte offsets of exactly the reserved
+blocks. Per frame the sender copies its blocks straight into those offsets and commits them
+with a FRAME header (FLAG_IN_PLACE, no payload, no reply unless refused); END is answered DONE
+once every block was committed. The sender checks its window's lease before every write.
+
+**staging** (two copies; for comparison and for a cache that is not in shared memory): the
+sender creates one segment per connection (`slots` x `slot_bytes`, random name), sends its
 name in HELLO, and unlinks it as soon as the receiver has attached (HELLO_ACK): after the
 handshake no name exists, so no process death can leak it. Per frame the sender gathers blocks
 into a free slot and sends a FRAME header (aux = slot); the receiver scatters from the slot into
 the reserved blocks and answers FRAME_ACK, which frees the slot.
+
+Payload checksums are off by default here (the bytes never leave this host's memory; headers
+are always checked); `checksum=True` hashes every frame on both sides.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import torch
 from kv_transfer.blocks import BlockStore
 from kv_transfer.control import recv_msg, send_msg, unix_path
 from kv_transfer.errors import (
+    BackendUnavailableError,
     FrameError,
     PeerError,
     TransferCancelledError,
@@ -33,7 +46,14 @@ from kv_transfer.errors import (
     error_to_wire,
     parse_wire_error,
 )
-from kv_transfer.header import FLAG_IN_SLOT, FrameHeader, MsgType, frame_header
+from kv_transfer.header import (
+    FLAG_IN_PLACE,
+    FLAG_IN_SLOT,
+    FLAG_NO_CHECKSUM,
+    FrameHeader,
+    MsgType,
+    frame_header,
+)
 from kv_transfer.interface import (
     DEFAULT_FRAME_BYTES,
     KVReceiver,
@@ -43,12 +63,16 @@ from kv_transfer.interface import (
     fill_frame,
 )
 from kv_transfer.layout import KVLayout
+from kv_transfer.registered import Grant, SharedRegion, write_granted
 from kv_transfer.state import TransferRecord
 from kv_transfer.unix_server import UnixServer
 
 HANDSHAKE_SECONDS = 10.0
 IDLE_SECONDS = 600.0  # an idle connection is closed; the sender reconnects on its next send
 SEGMENT_PREFIX = "kvmesh_"
+MODES = ("auto", "registered", "staging")
+COMMIT_BYTES = 16 << 20  # registered mode: bytes one commit covers unless frame_bytes is set
+CHECKSUM_DEFAULT = False  # same-host memory: headers checked, payload hashing on request
 
 
 def _split_hello(payload: bytes | bytearray) -> tuple[KVLayout, dict[str, object]]:
@@ -80,15 +104,17 @@ class Receiver(KVReceiver):
             raise FrameError("msg_type", f"expected HELLO, got {header.msg_type.name}")
         theirs, extras = _split_hello(payload)
         ours = self.layout.to_bytes()
-        ack = frame_header(MsgType.HELLO_ACK, bytes(16), 0, ours)
         if theirs != self.layout:  # the sender raises the mismatch from our layout
-            send_msg(conn, ack, ours)
+            send_msg(conn, frame_header(MsgType.HELLO_ACK, bytes(16), 0, ours), ours)
             self.layout.check_compatible(theirs)
+        if extras.get("mode") == "registered":
+            self._serve_registered(conn, ours)
+            return
         slot_bytes = extras.get("slot_bytes")
         if not isinstance(slot_bytes, int) or slot_bytes <= 0:
             raise FrameError("slot_bytes", f"must be a positive int, got {slot_bytes!r}")
         segment = _Attached(str(extras.get("segment", "")))
-        send_msg(conn, ack, ours)  # attached: the sender may now unlink the name
+        send_msg(conn, frame_header(MsgType.HELLO_ACK, bytes(16), 0, ours), ours)
         ring = torch.frombuffer(segment.buf, dtype=torch.uint8)  # [slots * slot_bytes]
         try:
             self._loop(conn, ring, slot_bytes)
@@ -96,7 +122,24 @@ class Receiver(KVReceiver):
             del ring  # the tensor must not outlive the mapping
             segment.close()
 
-    def _loop(self, conn: socket.socket, ring: torch.Tensor, slot_bytes: int) -> None:
+    def _serve_registered(self, conn: socket.socket, ours: bytes) -> None:
+        """Pass the cache's descriptor after HELLO_ACK; then grant windows per transfer."""
+        region = self.store.region
+        if region is None:
+            error = BackendUnavailableError("the receiver's cache is not in shared memory")
+            wire = error_to_wire(error)
+            send_msg(conn, frame_header(MsgType.ERROR, bytes(16), 0, wire), wire)
+            raise error
+        ack = ours + b"\0" + json.dumps({"mode": "registered", "bytes": region.nbytes}).encode()
+        send_msg(conn, frame_header(MsgType.HELLO_ACK, bytes(16), 0, ack), ack)
+        try:
+            socket.send_fds(conn, [b"F"], [region.fd])
+        except OSError as exc:
+            raise PeerError(f"cannot pass the cache descriptor: {exc}") from None
+        self._loop(conn, None, 0)
+
+    def _loop(self, conn: socket.socket, ring: torch.Tensor | None, slot_bytes: int) -> None:
+        """Serve one connection; `ring` None: registered mode (grants and commits)."""
         begun: set[bytes] = set()
         can_reply = True  # after a failed reply keep reading: a CANCEL may still be buffered
         try:
@@ -116,17 +159,27 @@ class Receiver(KVReceiver):
         self,
         header: FrameHeader,
         payload: bytearray,
-        ring: torch.Tensor,
+        ring: torch.Tensor | None,
         slot_bytes: int,
         begun: set[bytes],
     ) -> tuple[FrameHeader, bytes] | None:
         tid, epoch, kind = header.transfer_id, header.epoch, header.msg_type
         try:
+            if kind is MsgType.BEGIN and ring is None:
+                grant = self.core.grant(header, payload)
+                begun.add(tid)
+                return frame_header(MsgType.ACCEPT, tid, epoch, grant), grant
             if kind is MsgType.BEGIN:
                 self.core.on_begin(header, payload)
                 begun.add(tid)
                 return frame_header(MsgType.ACCEPT, tid, epoch), b""
+            if kind is MsgType.FRAME and (ring is None) != bool(header.flags & FLAG_IN_PLACE):
+                raise FrameError("flags", "a commit needs registered mode and vice versa")
+            if kind is MsgType.FRAME and ring is None:
+                self.core.on_written(header)
+                return None
             if kind is MsgType.FRAME:
+                assert ring is not None
                 start = header.aux * slot_bytes
                 if header.payload_len > slot_bytes or start + slot_bytes > ring.numel():
                     raise FrameError("aux", f"slot {header.aux} or length outside the ring")
@@ -168,32 +221,54 @@ class _Attached:
 
 
 class Sender(KVSender):
+    """`mode`: "registered" (one copy into the receiver's cache; fails unless it is shared),
+    "staging" (slots), or "auto" (registered when the receiver offers it, else staging).
+    `frame_bytes`: the staging slot size, and in registered mode how many bytes one commit
+    covers (default 16 MiB there: a commit moves no bytes, fewer wake the receiver less)."""
+
     def __init__(
         self,
         store: BlockStore,
         address: str,
         *,
-        frame_bytes: int = DEFAULT_FRAME_BYTES,
+        frame_bytes: int | None = None,
         slots: int = 4,
-        checksum: bool = True,
+        checksum: bool = CHECKSUM_DEFAULT,
+        mode: str = "auto",
     ) -> None:
-        super().__init__(store, frame_bytes)
+        super().__init__(store, frame_bytes or DEFAULT_FRAME_BYTES)
+        self._commit_bytes = frame_bytes or COMMIT_BYTES
+        if mode not in MODES:
+            raise FrameError("mode", f"must be one of {MODES}, got {mode!r}")
         self._path = unix_path(address)
         self._slots = slots
         self.checksum = checksum
-        self._slot_bytes = self.max_frame_bytes
+        self.mode = mode
         self._conn: socket.socket | None = None
         self._segment: shared_memory.SharedMemory | None = None
         self._ring: torch.Tensor | None = None
+        self._window: torch.Tensor | None = None  # registered: the receiver's mapped cache
+        self._slot_bytes = self.max_frame_bytes
         self._close_lock = threading.Lock()  # close() runs on the caller's and transfer threads
         self._connect(time.monotonic() + HANDSHAKE_SECONDS)
 
+    @property
+    def blocks_per_frame(self) -> int:
+        size = self.frame_bytes if self._window is None else self._commit_bytes
+        return max(1, size // self.layout.bytes_per_block)
+
+    @property
+    def registered(self) -> bool:
+        """True while connected in registered (one-copy) mode."""
+        return self._window is not None
+
     def _handshake(
         self, hello: bytes, deadline: float, *, peer_refusal: bool = False
-    ) -> socket.socket:
+    ) -> tuple[socket.socket, torch.Tensor | None]:
         """Connect to the receiver, send `hello` and wait for a HELLO_ACK whose layout is
-        compatible with ours; the connection is closed on any failure. With `peer_refusal`, an
-        ERROR reply raises the receiver's own error."""
+        compatible with ours; returns the connection and, in registered mode, the receiver's
+        mapped cache. The connection is closed on any failure. With `peer_refusal`, an ERROR
+        reply raises the receiver's own error."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.settimeout(max(0.01, deadline - time.monotonic()))
@@ -204,22 +279,42 @@ class Sender(KVSender):
                 raise parse_wire_error(bytes(payload))
             if header.msg_type is not MsgType.HELLO_ACK:
                 raise PeerError(f"expected HELLO_ACK, got {header.msg_type.name}")
-            self.layout.check_compatible(KVLayout.from_bytes(bytes(payload)))
+            theirs, extras = _split_hello(payload)
+            self.layout.check_compatible(theirs)
+            window = _map_region(conn, extras) if extras.get("mode") == "registered" else None
         except OSError as exc:
             conn.close()
             raise PeerError(f"cannot connect to {self._path}: {exc}") from None
         except BaseException:
             conn.close()
             raise
-        return conn
+        return conn, window
 
     def _connect(self, deadline: float) -> None:
+        if self.mode != "staging":
+            try:
+                self._connect_registered(deadline)
+                return
+            except BackendUnavailableError:
+                if self.mode == "registered":
+                    raise
+        self._connect_staging(deadline)
+
+    def _connect_registered(self, deadline: float) -> None:
+        hello = self.layout.to_bytes() + b"\0" + json.dumps({"mode": "registered"}).encode()
+        conn, window = self._handshake(hello, deadline, peer_refusal=True)
+        if window is None:
+            conn.close()
+            raise PeerError("the receiver answered registered mode without its cache")
+        self._conn, self._window = conn, window
+
+    def _connect_staging(self, deadline: float) -> None:
         name = f"{SEGMENT_PREFIX}{os.urandom(8).hex()}"
         segment = shared_memory.SharedMemory(name, create=True, size=self._slots * self._slot_bytes)
         try:
             extras = json.dumps({"segment": name, "slot_bytes": self._slot_bytes}).encode()
             hello = self.layout.to_bytes() + b"\0" + extras
-            conn = self._handshake(hello, deadline)
+            conn, _ = self._handshake(hello, deadline)
         finally:
             segment.unlink()  # attached by the peer (or refused): the name is no longer needed
         self._conn, self._segment = conn, segment
@@ -230,7 +325,7 @@ class Sender(KVSender):
         while the owner closes): each resource is taken under the lock, closed once."""
         with self._close_lock:
             conn, segment = self._conn, self._segment
-            self._conn = self._segment = self._ring = None
+            self._conn = self._segment = self._ring = self._window = None
         if conn is not None:
             conn.close()
         if segment is not None:
@@ -243,7 +338,10 @@ class Sender(KVSender):
         if self._conn is None:
             self._connect(min(waiter.deadline, time.monotonic() + HANDSHAKE_SECONDS))
         try:
-            self._run(plan, waiter)
+            if self._window is not None:
+                self._run_registered(plan, waiter)
+            else:
+                self._run(plan, waiter)
         except BaseException as exc:
             self._abort(plan, exc)
             raise
@@ -255,6 +353,40 @@ class Sender(KVSender):
             with contextlib.suppress(TransferError):
                 send_msg(self._conn, frame_header(MsgType.CANCEL, tid, epoch))
         self.close()
+
+    def _run_registered(self, plan: SendPlan, waiter: Waiter) -> None:
+        """BEGIN → window; per frame: copy into the window, commit; END → DONE."""
+        assert self._conn is not None and self._window is not None
+        conn, window = self._conn, self._window
+        tid, epoch = plan.request.transfer_id, plan.request.epoch
+        begin = plan.begin_payload()
+        send_msg(conn, frame_header(MsgType.BEGIN, tid, epoch, begin), begin)
+        grant = Grant.decode(self._expect_msg(MsgType.ACCEPT, waiter)[1])
+        if int(grant.kv.numel()) != int(plan.dst.numel()):
+            raise FrameError("grant", f"{grant.kv.numel()} blocks for {plan.dst.numel()}")
+        rows = self.store.row_views()
+        flags = FLAG_IN_PLACE | (0 if self.checksum else FLAG_NO_CHECKSUM)
+        for index in plan.iter_frames(waiter):
+            conn.settimeout(waiter.check())  # a commit blocked on a full socket ends in time
+            self._poll_refusal()
+            lo, n = plan.frames[index]
+            digest = write_granted(rows, window, grant, plan.src[lo : lo + n], lo, self.checksum)
+            header = FrameHeader(
+                MsgType.FRAME, tid, epoch, index, plan.frame_count, lo, n,
+                n * self.layout.bytes_per_block, checksum=digest, flags=flags,
+            )  # fmt: skip
+            send_msg(conn, header)
+        waiter.check()  # a streamed plan stops early on cancel or expiry
+        send_msg(conn, frame_header(MsgType.END, tid, epoch))
+        self._expect(MsgType.DONE, waiter)
+
+    def _poll_refusal(self) -> None:
+        """Raise at once if the receiver refused a commit or cancelled (no waiting)."""
+        assert self._conn is not None
+        readable, _, _ = select.select([self._conn], [], [], 0)
+        if readable:
+            header, payload = recv_msg(self._conn, time.monotonic() + HANDSHAKE_SECONDS)
+            raise _peer_reason(header, payload)
 
     def _run(self, plan: SendPlan, waiter: Waiter) -> None:
         assert self._conn is not None and self._ring is not None
@@ -287,6 +419,9 @@ class Sender(KVSender):
         """Make a filled slot visible to the receiver before its FRAME header goes out."""
 
     def _expect(self, kind: MsgType, waiter: Waiter) -> FrameHeader:
+        return self._expect_msg(kind, waiter)[0]
+
+    def _expect_msg(self, kind: MsgType, waiter: Waiter) -> tuple[FrameHeader, bytearray]:
         """Next message must be `kind`; ERROR and CANCEL raise the peer's reason."""
         assert self._conn is not None
         while True:
@@ -296,9 +431,30 @@ class Sender(KVSender):
                 continue
             header, payload = recv_msg(self._conn, waiter.deadline)
             if header.msg_type is kind:
-                return header
-            if header.msg_type is MsgType.ERROR:
-                raise parse_wire_error(bytes(payload))
-            if header.msg_type is MsgType.CANCEL:
-                raise TransferCancelledError("cancelled by the receiver")
-            raise PeerError(f"expected {kind.name}, got {header.msg_type.name}")
+                return header, payload
+            raise _peer_reason(header, payload, kind)
+
+
+def _map_region(conn: socket.socket, extras: dict[str, object]) -> torch.Tensor:
+    """Receive the descriptor of the receiver's cache (SCM_RIGHTS) and map it: uint8 [bytes]."""
+    size = extras.get("bytes")
+    if not isinstance(size, int) or size <= 0:
+        raise FrameError("bytes", f"must be a positive int, got {size!r}")
+    _, fds, _, _ = socket.recv_fds(conn, 1, 1)
+    if len(fds) != 1:
+        raise PeerError("the receiver passed no cache descriptor")
+    region = SharedRegion(size, fds[0])
+    region.close()  # mapped: the descriptor is no longer needed
+    return region.bytes
+
+
+def _peer_reason(
+    header: FrameHeader, payload: bytearray, expected: MsgType | None = None
+) -> TransferError:
+    """The error an unexpected message from the receiver stands for."""
+    if header.msg_type is MsgType.ERROR:
+        return parse_wire_error(bytes(payload))
+    if header.msg_type is MsgType.CANCEL:
+        return TransferCancelledError("cancelled by the receiver")
+    wanted = expected.name if expected is not None else "nothing"
+    return PeerError(f"expected {wanted}, got {header.msg_type.name}")

@@ -9,7 +9,7 @@ the client side with `kvmesh.client.AsyncClient`.
   with the prefill worker's `--transfer-overlap` (each chunk's blocks sent while the next chunk
   computes) and `--no-transfer-overlap`, and prints them side by side; `--prefill-chunk` is the
   prefill worker's `--max-num-batched-tokens`.
-- w4 (docs/BENCHMARKS.md, Workloads): 16 steady decoders (prompt 128, output 512) while
+- w4 (docs/WORKLOADS.md): 16 steady decoders (prompt 128, output 512) while
   2048-token prompts arrive
   every 2 s (output 16), for colocated without chunked prefill, colocated with chunked prefill at
   each `--chunks` size, and disaggregated; every worker uses `--threads` torch threads (1).
@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvmesh.v1.transfer import DEFAULT_BACKEND, WORKER_BACKENDS
+
 W4 = {"steady": 16, "steady_prompt": 128, "steady_output": 512, "long_prompt": 2048,
       "long_output": 16, "interval": 2.0}  # fmt: skip
 
@@ -41,7 +43,7 @@ def register(subparsers: Any) -> None:
     ttft.add_argument("--requests", type=int, default=20)
     ttft.add_argument("--prompt-len", type=int, default=512)
     ttft.add_argument("--max-tokens", type=int, default=8)
-    ttft.add_argument("--transfer-backend", default="shm", choices=("shm", "grpc", "gloo"))
+    ttft.add_argument("--transfer-backend", default=DEFAULT_BACKEND, choices=WORKER_BACKENDS)
     ttft.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     ttft.add_argument("--overlap", default="both", choices=("both", "on", "off"),
                       help="prefill --transfer-overlap (both: one system each)")  # fmt: skip
@@ -55,7 +57,7 @@ def register(subparsers: Any) -> None:
     w4.add_argument("--chunks", default="256,512,1024", help="chunked-prefill sizes to sweep")
     w4.add_argument("--modes", default="colocated,chunked,disaggregated")
     w4.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    w4.add_argument("--transfer-backend", default="shm", choices=("shm", "grpc", "gloo"))
+    w4.add_argument("--transfer-backend", default=DEFAULT_BACKEND, choices=WORKER_BACKENDS)
     w4.add_argument("--interval", type=float, default=W4["interval"],
                     help="seconds between long prompts (W4: 2)")  # fmt: skip
     w4.add_argument("--max-long", type=int, default=0,

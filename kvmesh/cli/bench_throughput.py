@@ -1,4 +1,4 @@
-"""`kvmesh bench throughput`: W1, W3 and W3-unique (docs/BENCHMARKS.md, Workloads) on the engine.
+"""`kvmesh bench throughput`: W1, W3 and W3-unique (docs/WORKLOADS.md) on the engine.
 
 W1: 64 requests, all at time 0 (`random.Random(0)`; per request in order: prompt length
 randint(32, 512), output length randint(16, 256), prompt ids randrange(10, vocab - 10)), greedy,
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.cli.main import apply_omp_defaults
-from kvmesh.engine.config import SCHEDULING_POLICIES
+from kvmesh.engine.config import COMPILE_MODES, SCHEDULING_POLICIES, EngineConfig
 
 WORKLOADS = ("W1", "W3", "W3-unique")
 BASELINE_OPTIONS = {"static": {"policy": "static"}, "contiguous": {"allocation": "contiguous"}}
@@ -78,6 +78,17 @@ def register(subparsers: Any) -> None:
         "--compare-executors",
         action="store_true",
         help="W1: also kvmesh with transformers' model code (executor=transformers)",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        default=None,
+        help="native executor: torch.compile of the per-layer math (default: the engine's)",
+    )
+    parser.add_argument(
+        "--compare-compile",
+        action="store_true",
+        help="W1: also kvmesh with the other --compile mode (kvmesh-compile-on / -off)",
     )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -221,10 +232,9 @@ def run_vllm(python: str, model_dir: str, args: Any) -> dict[str, Any]:
 
 
 def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: Any) -> dict:
-    from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
 
-    for knob in ("max_num_seqs", "max_num_batched_tokens", "scheduling_policy"):
+    for knob in ("max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "compile"):
         if getattr(args, knob, None) is not None:
             options = {knob: getattr(args, knob), **options}
     options = {"executor": args.executor, **options}
@@ -241,7 +251,13 @@ def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: An
     policy = config.scheduling_policy
     executor = engine.runner.loaded.executor
     summary = summarize(name, tokens, seconds, ttfts)
-    return {**summary, "dtype": dtype, "scheduling_policy": policy, "executor": executor}
+    return {
+        **summary,
+        "dtype": dtype,
+        "scheduling_policy": policy,
+        "executor": executor,
+        "compile": config.compile,
+    }
 
 
 def run_bench_throughput(args: argparse.Namespace) -> int:
@@ -262,6 +278,9 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
             runs.append((f"kvmesh-{args.baseline}", BASELINE_OPTIONS[args.baseline]))
         if args.compare_executors:
             runs.append(("kvmesh-transformers", {"executor": "transformers"}))
+        if args.compare_compile:
+            other = "on" if (args.compile or EngineConfig.compile) == "off" else "off"
+            runs.append((f"kvmesh-compile-{other}", {"compile": other}))
     else:
         runs += [("prefix-cache-on", {}), ("prefix-cache-off", {"enable_prefix_caching": False})]
     repeats: list[list[dict[str, Any]]] = []

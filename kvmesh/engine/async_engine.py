@@ -64,6 +64,9 @@ class LoadSnapshot:
     running: int = 0
     waiting: int = 0
     steps: int = 0
+    prefix_query_tokens: int = 0  # cumulative, like the two below
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
 
 
 class EngineDeadError(RuntimeError):
@@ -380,6 +383,9 @@ class AsyncLLMEngine:
             running=scheduler.num_running,
             waiting=scheduler.num_waiting,
             steps=self._steps,
+            prefix_query_tokens=metrics.prefix_query_tokens,
+            prefix_hit_tokens=metrics.prefix_hit_tokens,
+            preemptions=scheduler.num_preemptions,
         )
 
     # -- either thread ---------------------------------------------------------------------

@@ -17,6 +17,7 @@ KV_DTYPES = ("auto", "int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("auto", "native", "transformers")
 FLOAT32_PACKINGS = ("auto", "on", "off")
+COMPILE_MODES = ("off", "on")
 PREEMPTIONS = ("auto", "swap", "recompute")
 
 
@@ -59,6 +60,17 @@ class EngineConfig:
         "auto (packed when a load-time measurement finds it 10 percent faster)",
         FLOAT32_PACKINGS,
     )
+    compile: str = _setting(
+        "off",
+        "native executor: torch.compile (inductor) of the per-layer math around attention "
+        "(on; compiles during warm-up) or eager with the fused kernels (off)",
+        COMPILE_MODES,
+    )
+    cuda_graphs: bool = _setting(
+        True,
+        "CUDA, native executor: decode steps replay CUDA graphs captured at start for "
+        "batch-size buckets up to max_num_seqs (prompt and mixed steps run eagerly)",
+    )
     block_size: int = _setting(16, "tokens per KV block")
     kv_cache_memory: int | None = _setting(None, "KV pool budget in bytes, e.g. 256MiB")
     memory_utilization: float = _setting(0.9, "fraction of GPU memory for weights and KV")
@@ -67,6 +79,10 @@ class EngineConfig:
     max_num_seqs: int = _setting(256, "most sequences in one step")
     max_num_batched_tokens: int = _setting(2048, "most tokens in one step")
     enable_chunked_prefill: bool = _setting(True, "split long prompts over several steps")
+    long_prefill_token_threshold: int | None = _setting(
+        None,
+        "chunked prefill: most prompt tokens of one sequence in one step (default: the budget)",
+    )
     enable_prefix_caching: bool = _setting(True, "reuse cached KV blocks of equal prefixes")
     policy: str = _setting("continuous", "batching (static: a benchmark baseline)", POLICIES)
     allocation: str = _setting("paged", "KV allocation (contiguous: a baseline)", ALLOCATIONS)
@@ -104,6 +120,7 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("executor", self.executor, EXECUTORS)
         _choice("float32_packing", self.float32_packing, FLOAT32_PACKINGS)
+        _choice("compile", self.compile, COMPILE_MODES)
         _choice("policy", self.policy, POLICIES)
         _choice("allocation", self.allocation, ALLOCATIONS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
@@ -116,7 +133,9 @@ class EngineConfig:
             "max_decode_stall_tokens",
         ):
             _positive(name, getattr(self, name))
-        for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads"):
+        optional = ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads",
+                    "long_prefill_token_threshold")  # fmt: skip
+        for name in optional:
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if not 0.0 < self.memory_utilization <= 1.0:

@@ -11,12 +11,16 @@ so transformers' modules keep MKL's sgemm and the native executor measures both 
 
 Only the module class changes: transformers' model code still calls `self.q_proj(x)` and so
 on. The plain weight is dropped after packing (a tied `lm_head` keeps the embedding's copy).
+Inside `torch.compile` regions the packed GEMM is the custom op `kvmesh::packed_linear` (the
+opaque packed weight cannot be traced; the op finds it by a handle tensor).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -25,6 +29,8 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
+_LIVE: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
 
 
 class PackedLinear(nn.Module):
@@ -49,14 +55,37 @@ class PackedLinear(nn.Module):
         plain = weight.detach()  # [out, in]
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(plain, None)  # opaque
         self.bias = None if bias is None else bias.detach().contiguous()  # [out]
+        handle = next(_HANDLES)
+        _LIVE[handle] = self
+        self.handle = torch.tensor(handle, dtype=torch.int64)  # [] the compiled op's key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.handle, self.bias, self.out_features)
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(  # type: ignore[no-any-return]
             x, self.packed_weight, self.bias, "none", [], ""
         )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+
+
+@torch.library.custom_op("kvmesh::packed_linear", mutates_args=())
+def packed_linear(
+    x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x [..., in] through the live PackedLinear named by `handle` -> [..., out_features]."""
+    return _LIVE[int(handle)].run(x)
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(
+    x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def packing_applies(dtype: torch.dtype, device: torch.device) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -58,6 +59,8 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._seq_request: dict[str, str] = {}
         self._step_logprobs: dict[str, TokenLogprobs] = {}
+        # Called with the tokens each non-empty step schedules (in the stepping thread).
+        self.step_observers: list[Callable[[int], None]] = []
         if self.config.show_progress:
             print(self.parts.capacity_line(), file=sys.stderr)
 
@@ -132,6 +135,8 @@ class LLMEngine:
             return []
         if self.parts.tiers is not None:
             self.parts.tiers.prepare_step()  # reloads land before any write or read
+        for observe in self.step_observers:
+            observe(plan.num_batched_tokens)
         self.runner.copy_blocks(plan.copy_pairs)
         started = time.perf_counter()
         logits = self.runner.execute(plan)  # [sampling chunks, vocab]

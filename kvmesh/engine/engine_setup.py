@@ -57,12 +57,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     num_blocks = plan_num_blocks(config, loaded, max_model_len)
     max_blocks = -(-max_model_len // config.block_size)
     runner = ModelRunner(loaded, num_blocks, config.block_size, config.kv_dtype, max_blocks)
+    if config.cuda_graphs and loaded.device.type == "cuda" and loaded.executor == "native":
+        runner.enable_decode_graphs(config.max_num_seqs)
     eos = eos_token_id(loaded)
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_chunked_prefill=config.enable_chunked_prefill,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
         enable_prefix_caching=config.enable_prefix_caching,
         policy=config.policy,
         allocation=config.allocation,

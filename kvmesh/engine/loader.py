@@ -117,6 +117,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
             model, hf_config, pack=native_packing(config, hf_config, dtype, device)
         )
         model.generation_config = generation_config
+        if config.compile == "on":
+            from kvmesh.engine.native.compiled import compile_native
+
+            compile_native(model)
     else:
         if packing_applies(dtype, device):
             pack_linear_layers(model)

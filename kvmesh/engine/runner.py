@@ -22,6 +22,7 @@ from kvmesh_kernels.plan import AttentionPlan
 
 from kvmesh.engine.attention import ForwardContext
 from kvmesh.engine.block_table import PersistentBlockTable
+from kvmesh.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from kvmesh.engine.executor import executor_for
 from kvmesh.engine.loader import LoadedModel
 
@@ -86,6 +87,21 @@ class ModelRunner:
             device=self.device,
         )
         self.block_tables = PersistentBlockTable(max_blocks_per_seq or num_blocks)
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, max_num_seqs: int, capture: bool = True) -> None:
+        """Run decode steps of up to `max_num_seqs` sequences through per-bucket CUDA graphs
+        (`kvmesh.engine.cuda_graphs`), captured now; `capture=False` runs the same padded
+        static-buffer steps eagerly (any device: what CPU tests check)."""
+        graphs = DecodeGraphs(
+            self.executor.forward,
+            self.kv_cache,
+            graph_buckets(max_num_seqs),
+            self.block_tables.max_blocks,
+            capture=capture,
+        )
+        graphs.capture()
+        self.decode_graphs = graphs
 
     @property
     def block_size(self) -> int:
@@ -98,6 +114,19 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return int(self.loaded.hf_config.vocab_size)
+
+    def move_kv_cache(self, data: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Re-home the cache into `data` (and `scales`), same shapes and dtypes, contents kept:
+        memory a KV receiver registers (a shared mapping). Runs on the engine thread; nothing
+        else holds the old tensors (every step takes its views from `kv_cache`)."""
+        old = self.kv_cache
+        same = data.shape == old.data.shape and data.dtype == old.data.dtype
+        if not same or (scales is None) != (old.scales is None):
+            raise ValueError("move_kv_cache: new tensors must match the cache's shapes and dtypes")
+        data.copy_(old.data)
+        if scales is not None and old.scales is not None:
+            scales.copy_(old.scales)
+        self.kv_cache = PagedKVCache(old.spec, data, scales)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst (all layers, K and V) before a step writes into dst."""
@@ -114,7 +143,11 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run one step; returns float32 logits [num sampling chunks, vocab] in chunk order."""
         batch = self.prepare(plan.chunks)
-        hidden = self.executor.forward(batch.input_ids, batch.positions, batch.context)
+        graphs, ctx = self.decode_graphs, batch.context
+        if graphs is not None and graphs.applies(batch.input_ids.shape[0], ctx):
+            hidden = graphs.forward(batch.input_ids, batch.positions, ctx)  # [T, hidden]
+        else:
+            hidden = self.executor.forward(batch.input_ids, batch.positions, ctx)
         sampled = hidden.index_select(0, batch.sample_rows)  # [S, hidden]
         return self.executor.compute_logits(sampled)  # [S, vocab]
 

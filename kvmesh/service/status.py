@@ -4,7 +4,7 @@
 |---------------------------------------------|---------------------|
 | InvalidParameterError (field named)         | INVALID_ARGUMENT    |
 | CapacityError, ServiceError(RESOURCE_...)   | RESOURCE_EXHAUSTED  |
-| kv_transfer errors (matched by `.code`)      | see TRANSFER_CODES  |
+| kv_transfer errors (by their TransferCode)   | see TRANSFER_CODES  |
 | EngineDeadError (the engine thread stopped) | UNAVAILABLE         |
 | TimeoutError (an engine wait ran out)       | DEADLINE_EXCEEDED   |
 | anything else                               | INTERNAL (logged)   |
@@ -24,25 +24,28 @@ from kvmesh.engine.async_engine import EngineDeadError
 from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.memory.errors import CapacityError
 from kvmesh.v1 import generation_pb2, wire
+from kvmesh.v1.transfer import TransferCode
 
 LOG = logging.getLogger("kvmesh.service")
 SAMPLING_FIELDS = frozenset(generation_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 CAPACITY_RETRY_MS = 200  # retry delay suggested with a worker's RESOURCE_EXHAUSTED
 _LEADING_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
-# kv_transfer.errors.TransferError.code -> status (matched by name: kvmesh never imports it)
+# kv_transfer.errors.TransferError.code -> status (kvmesh never imports kv_transfer)
 TRANSFER_CODES = {
-    "layout_mismatch": grpc.StatusCode.FAILED_PRECONDITION,
-    "stale_epoch": grpc.StatusCode.FAILED_PRECONDITION,
-    "unknown_transfer": grpc.StatusCode.FAILED_PRECONDITION,
-    "bad_state": grpc.StatusCode.FAILED_PRECONDITION,
-    "bad_frame": grpc.StatusCode.INVALID_ARGUMENT,
-    "checksum": grpc.StatusCode.DATA_LOSS,
-    "cancelled": grpc.StatusCode.ABORTED,
-    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-    "peer": grpc.StatusCode.UNAVAILABLE,
-    "auth": grpc.StatusCode.PERMISSION_DENIED,
-    "unavailable": grpc.StatusCode.FAILED_PRECONDITION,
+    TransferCode.TRANSFER_ERROR: grpc.StatusCode.ABORTED,
+    TransferCode.LAYOUT_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    TransferCode.STALE_EPOCH: grpc.StatusCode.FAILED_PRECONDITION,
+    TransferCode.UNKNOWN_TRANSFER: grpc.StatusCode.FAILED_PRECONDITION,
+    TransferCode.BAD_STATE: grpc.StatusCode.FAILED_PRECONDITION,
+    TransferCode.ILLEGAL_TRANSITION: grpc.StatusCode.INTERNAL,
+    TransferCode.BAD_FRAME: grpc.StatusCode.INVALID_ARGUMENT,
+    TransferCode.CHECKSUM: grpc.StatusCode.DATA_LOSS,
+    TransferCode.CANCELLED: grpc.StatusCode.ABORTED,
+    TransferCode.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    TransferCode.PEER: grpc.StatusCode.UNAVAILABLE,
+    TransferCode.AUTH: grpc.StatusCode.PERMISSION_DENIED,
+    TransferCode.UNAVAILABLE: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -66,10 +69,8 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE, str(error)
     transfer_code = getattr(error, "code", None)
-    if isinstance(transfer_code, str) and transfer_code in TRANSFER_CODES:
+    if isinstance(transfer_code, TransferCode):
         return TRANSFER_CODES[transfer_code], f"kv transfer: {error}"
-    if isinstance(transfer_code, str) and transfer_code == "transfer_error":
-        return grpc.StatusCode.ABORTED, f"kv transfer: {error}"
     if isinstance(error, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
     return grpc.StatusCode.INTERNAL, f"internal error in the worker: {error}"

@@ -2,12 +2,19 @@
 
 Honoured variables (read once, at `setup_tracing`):
 - `OTEL_SDK_DISABLED=true`: no tracing at all.
-- `OTEL_TRACES_EXPORTER`: `otlp` (gRPC OTLP; the exporter reads `OTEL_EXPORTER_OTLP_*`),
-  `console`, or `none`. Default: `otlp` when `OTEL_EXPORTER_OTLP_ENDPOINT` or
-  `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set, else `none`.
+- `OTEL_TRACES_EXPORTER`: `otlp`, `console`, or `none`. Default: `otlp` when
+  `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set, else `none`.
+- `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL`: `grpc` (default) or
+  `http/protobuf`; the exporter itself reads the other `OTEL_EXPORTER_OTLP_*` variables
+  (endpoint, headers, certificates, timeout) and `OTEL_BSP_*` tunes its batching.
 - `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`: the resource (via `Resource.create`).
 With exporter `none` a real SDK tracer provider still runs (spans get ids, so trace context
 propagates through the services and appears in logs) but nothing is exported.
+
+gRPC calls are traced by `opentelemetry-instrumentation-grpc`: `server_interceptors()` goes
+first on every grpc.aio server (a SERVER span per call, child of the caller's W3C
+`traceparent`), `client_interceptors()` on every internal grpc.aio channel (a CLIENT span per
+call, its context injected into the metadata). Health checks and heartbeats are not traced.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -27,6 +35,8 @@ from opentelemetry.sdk.trace.export import (
 )
 
 EXPORTERS = ("otlp", "console", "none")
+PROTOCOLS = ("grpc", "http/protobuf")
+UNTRACED_METHODS = ("/kvmesh.v1.ControlService/Heartbeat",)
 
 
 class TracingConfigError(ValueError):
@@ -38,6 +48,7 @@ class TracingConfig:
     disabled: bool
     exporter: str
     service_name: str
+    protocol: str = "grpc"
 
     @classmethod
     def from_env(cls, default_service: str, env: Mapping[str, str] | None = None) -> TracingConfig:
@@ -49,34 +60,48 @@ class TracingConfig:
             raise TracingConfigError(
                 f"OTEL_TRACES_EXPORTER={exporter!r} is not supported; use one of {EXPORTERS}"
             )
+        key = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+        if not env.get(key):
+            key = "OTEL_EXPORTER_OTLP_PROTOCOL"
+        protocol = env.get(key) or "grpc"
+        if protocol not in PROTOCOLS:
+            raise TracingConfigError(f"{key}={protocol!r} is not supported; use one of {PROTOCOLS}")
         return cls(
             disabled=env.get("OTEL_SDK_DISABLED", "").lower() == "true",
             exporter=exporter,
-            service_name=env.get("OTEL_SERVICE_NAME", default_service),
+            service_name=env.get("OTEL_SERVICE_NAME") or default_service,
+            protocol=protocol,
         )
 
 
-def _exporter(name: str) -> SpanExporter | None:
-    if name == "console":
+def _exporter(config: TracingConfig) -> SpanExporter | None:
+    if config.exporter == "console":
         return ConsoleSpanExporter()
-    if name == "otlp":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    if config.exporter != "otlp":
+        return None
+    if config.protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as HttpExporter,
+        )
 
-        return OTLPSpanExporter()
-    return None
+        return HttpExporter()
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
 
 
 def setup_tracing(default_service: str) -> TracerProvider | None:
     """Install a global tracer provider for this process; returns it (None when disabled).
 
-    Call once at process start, before serving. Shut it down with `provider.shutdown()` to flush.
+    Call once at process start, before serving (TracingConfigError for a bad variable). The
+    provider flushes at interpreter exit; `provider.shutdown()` flushes earlier.
     """
     config = TracingConfig.from_env(default_service)
     if config.disabled:
         return None
     resource = Resource.create({SERVICE_NAME: config.service_name})
     provider = TracerProvider(resource=resource)
-    exporter = _exporter(config.exporter)
+    exporter = _exporter(config)
     if exporter is not None:
         processor = (
             SimpleSpanProcessor(exporter)
@@ -91,3 +116,31 @@ def setup_tracing(default_service: str) -> TracerProvider | None:
 def tracer(name: str) -> trace.Tracer:
     """The tracer for a kvmesh component (a no-op tracer until `setup_tracing` ran)."""
     return trace.get_tracer(name)
+
+
+def _traced() -> Any:
+    from opentelemetry.instrumentation.grpc import filters
+
+    untraced: list[Any] = [filters.health_check()]
+    untraced += [filters.full_method_name(name) for name in UNTRACED_METHODS]
+    return filters.negate(filters.any_of(*untraced))
+
+
+def server_interceptors() -> list[Any]:
+    """The tracing interceptor of a grpc.aio server (put it first: it sees every outcome)."""
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+    return [aio_server_interceptor(filter_=_traced())]
+
+
+def client_interceptors() -> list[Any]:
+    """The tracing interceptors of a grpc.aio channel (one per call shape)."""
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+    return list(aio_client_interceptors(filter_=_traced()))
+
+
+def mark_failed(span: trace.Span, code_name: str, message: str) -> None:
+    """Span status ERROR with the gRPC status name as `error.type` and in the description."""
+    span.set_attribute("error.type", code_name)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code_name}: {message}"))

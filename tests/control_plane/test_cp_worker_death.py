@@ -81,7 +81,7 @@ async def test_silent_decode_worker_is_reaped_and_the_request_completes_elsewher
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         assert code == grpc.StatusCode.OK and len(responses) == 4
-        assert cp.server.cluster.metrics.lease_expiries.labels("decode")._value.get() == 1
+        assert cp.server.cluster.metrics.worker_leases.labels("decode", "expired")._value.get() == 1
         assert "r" in silent.held  # it never heard a Release: it was dead to the ledger
         # It comes back: told it is unknown, re-registers with its held set, is told to free it.
         assert not (await silent.heartbeat(cp.control)).registered

@@ -73,15 +73,22 @@ class NativeDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] (the previous layer's output), residual [T, hidden] or None (first
         layer) -> (this layer's output, the residual stream before it)."""
+        shape = self.shape
+        q, k, v, residual = self.pre_attention(x, residual, rotary)
+        out = attend(
+            ctx, self.index, q, k, v, scale=shape.scale, sliding_window=shape.sliding_window
+        )  # [T, Hq, D]
+        return self.post_attention(out, residual)
+
+    def pre_attention(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rotary: StepRotary
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Residual add + norm, q|k|v, Qwen3's q/k norms, rotary: (q, k, v, residual).
+        The per-layer math before attention (one `torch.compile` region, `native.compiled`)."""
         if residual is None:
             h, residual = self.input_norm(x), x
         else:
             h, residual = self.input_norm.add_forward(x, residual)
-        x = self.attention(h, rotary, ctx)
-        h, residual = self.post_attention_norm.add_forward(x, residual)
-        return self.down(silu_and_mul(self.gate_up(h))), residual
-
-    def attention(self, h: torch.Tensor, rotary: StepRotary, ctx: ForwardContext) -> torch.Tensor:
         shape = self.shape
         tokens = h.shape[0]
         q, k, v = self.qkv(h).split(self.split, dim=-1)  # [T, Hq * D], [T, Hkv * D] x 2
@@ -91,10 +98,16 @@ class NativeDecoderLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.apply(q, k)  # in place on the fresh qkv output where fused
-        out = attend(
-            ctx, self.index, q, k, v, scale=shape.scale, sliding_window=shape.sliding_window
-        )  # [T, Hq, D]
-        return self.o(out.reshape(tokens, -1))  # [T, hidden]
+        return q, k, v, residual
+
+    def post_attention(
+        self, out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """o projection, residual add + norm, the MLP: (layer output, residual). The per-layer
+        math after attention (the second `torch.compile` region)."""
+        x = self.o(out.reshape(out.shape[0], -1))  # [T, hidden]
+        h, residual = self.post_attention_norm.add_forward(x, residual)
+        return self.down(silu_and_mul(self.gate_up(h))), residual
 
 
 class NativeCausalLM(nn.Module):

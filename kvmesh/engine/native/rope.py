@@ -64,24 +64,28 @@ class RotaryTable:
 
 class StepRotary:
     """Rotates q [T, Hq, D] and k [T, Hkv, D] of one step: in place by the fused CPU kernel
-    (float32, bfloat16), else with table rows looked up once per step."""
+    (float32, bfloat16), else with table rows looked up once per step (here, so that `apply`
+    has no side effects: it runs inside `torch.compile` regions)."""
 
     def __init__(self, table: RotaryTable, positions: torch.Tensor):
         self.table = table
         self.positions = positions  # [T] int64
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fused = table.fused
+        if not self.fused:
+            self.cos = table.cos[positions].unsqueeze(1)  # [T, 1, D]
+            self.sin = table.sin[positions].unsqueeze(1)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        table = self.table
-        if table.fused and q.stride(-1) == 1 and k.stride(-1) == 1:
+        if self.fused and q.stride(-1) == 1 and k.stride(-1) == 1:
+            table = self.table
             cpu_fused.rope_(q, table.cos, table.sin, self.positions)
             cpu_fused.rope_(k, table.cos, table.sin, self.positions)
             return q, k
-        if self._rows is None:
-            cos = table.cos[self.positions].unsqueeze(1)  # [T, 1, D]
-            self._rows = (cos, table.sin[self.positions].unsqueeze(1))
-        cos, sin = self._rows
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.fused:  # a strided q/k the kernel cannot take (the layers produce none)
+            cos = self.table.cos[self.positions].unsqueeze(1)  # [T, 1, D]
+            sin = self.table.sin[self.positions].unsqueeze(1)
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
