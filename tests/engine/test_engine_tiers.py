@@ -122,3 +122,31 @@ def test_swap_preemption_keeps_greedy_output(
     # auto: moving a few 16 KiB blocks is far cheaper than recomputing their tokens
     assert chooser.num_swap > 0 and store.swap_stats.swapped_in == store.swap_stats.swapped_out
     llm.engine.scheduler.block_manager.check_integrity()
+
+
+def prefill_blocks(llm: LLM, request_id: str, prompt: list[int]) -> tuple[torch.Tensor, int]:
+    """Run `prompt` prefill-only (as a prefill worker does) and return the KV of its full
+    blocks as the sender would gather it, and the tokens it found cached."""
+    engine = llm.engine
+    engine.add_request(request_id, prompt, GREEDY, prefill_only=True)
+    for _ in range(50):
+        if engine.scheduler.num_prefilled:
+            break
+        engine.step()
+    assert engine.scheduler.num_prefilled == 1
+    table = engine.scheduler.block_manager.block_table(request_id)
+    full = len(prompt) // 16
+    data = engine.runner.kv_cache.data[torch.tensor(table[:full])].clone()
+    cached = engine.scheduler.get_request(request_id).seqs[0].num_cached_tokens  # type: ignore[union-attr]
+    engine.scheduler.release_prefilled(request_id)
+    return data, cached
+
+
+def test_prefill_worker_ships_a_prefix_reloaded_from_the_host_tier(checkpoint: Path) -> None:
+    prompts = make_prompts()
+    reference, _ = prefill_blocks(LLM(str(checkpoint), num_kv_blocks=5), "ref", prompts[0])
+    llm = LLM(str(checkpoint), num_kv_blocks=5, host_kv_gib=gib(16))
+    run_each(llm, [prompts[1], prompts[2]])  # prefix 0, then prefix 1 evicts it to the host
+    shipped, cached = prefill_blocks(llm, "p", prompts[0])
+    assert cached == 48 and tiers_of(llm)["host"].hits >= 1
+    torch.testing.assert_close(shipped, reference)
