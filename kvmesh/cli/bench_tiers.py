@@ -109,7 +109,7 @@ def reload_path_gib_per_s(store: Any, num_blocks: int) -> float:
     into scattered device blocks, windows rotating as in `plain_copy_gib_per_s`; median of 20."""
     import torch
 
-    cached = sorted(entry.slot for entry in store.host._index.values())
+    cached = sorted(store.host.cached_slots())
     device_blocks = store.device.cache.spec.num_blocks
     rng = random.Random(1)
     windows = max(1, len(cached) // num_blocks)

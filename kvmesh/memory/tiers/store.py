@@ -185,7 +185,7 @@ class TieredStore:
             return False
         self.device.load_payload(self.host, slot, payload)
         disk.remove(meta.block_hash)
-        self.host._inflight.add(slot)
+        self.host.hold([slot])
         self.disk_stats.hits += 1
         self.disk_stats.reloads += 1
         self.disk_stats.bytes_out += len(payload)
@@ -316,15 +316,11 @@ class TieredStore:
         """Queue the copy of a swapped-out sequence into its new device blocks."""
         slots = self.host.unpark(seq_id)
         assert slots is not None and len(slots) == len(block_ids), f"{seq_id!r} not swapped"
-        self.host._inflight.update(slots)
+        self.host.hold(slots)
         for slot, block in zip(slots, block_ids, strict=True):
             self._queue_reload(slot, block)
         self.swap_stats.swapped_in += 1
         self.swap_stats.swap_bytes += len(slots) * self.device.block_bytes
-
-    def swapped_blocks(self, seq_id: str) -> int | None:
-        slots = self.host._swapped.get(seq_id)
-        return None if slots is None else len(slots)
 
     def drop_swapped(self, seq_id: str) -> None:
         slots = self.host.unpark(seq_id)
@@ -345,7 +341,7 @@ class TieredStore:
         host holds exactly the `swapped` sequences."""
         assert not self._spills, "spills queued outside an allocation"
         self.host.check_integrity()
-        assert set(self.host._swapped) == swapped, "swapped sequences differ from the host's"
+        assert self.host.parked_ids() == swapped, "swapped sequences differ from the host's"
         host = self.host.hashes()
         assert not host & device_hashes, "a hash is cached on both the device and the host"
         if self.disk is not None:
