@@ -143,3 +143,19 @@ def test_a_disk_folder_serves_one_engine_at_a_time(tmp_path: Path) -> None:
         TieredRig(4, 2, tmp_path, 8)
     rig.close()
     TieredRig(4, 2, tmp_path, 8).close()  # released at close
+
+
+def test_preemption_choice_by_estimated_cost() -> None:
+    from kvmesh.memory.tiers.costs import PreemptionChooser, Rates
+
+    rates = Rates()
+    auto = PreemptionChooser("auto", 1 << 20, rates)
+    assert not auto.prefers_swap(4, 1000)  # nothing measured yet: recompute
+    rates.observe_copy(1 << 30, 0.1)  # 10 GiB/s
+    rates.observe_compute(1000, 1.0)  # 1,000 tokens/s
+    assert auto.prefers_swap(4, 1000)  # 0.8 ms of copies vs 1 s of prefill
+    assert not auto.prefers_swap(40_000, 10)  # 7.8 s of copies vs 10 ms of prefill
+    assert PreemptionChooser("swap", 1, rates).prefers_swap(10**9, 1)
+    assert not PreemptionChooser("recompute", 1, rates).prefers_swap(1, 10**9)
+    with pytest.raises(ValueError, match="preemption must be one of"):
+        PreemptionChooser("never", 1, rates)
