@@ -19,6 +19,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvmesh.cli.bench_transfer",
     "kvmesh.cli.bench_cold_start",
     "kvmesh.cli.bench_serve",
+    "kvmesh.cli.bench_tiers",
 )
 
 

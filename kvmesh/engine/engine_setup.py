@@ -99,8 +99,11 @@ def build_tiers(config: EngineConfig, runner: ModelRunner, model_id: str) -> Tie
     try:
         return build_store(runner.kv_cache, settings, model_id)
     except ValueError as exc:
-        field = "disk_kv_gib" if "disk" in str(exc) else "host_kv_gib"
-        raise InvalidParameterError(field, str(exc)) from None
+        text = str(exc)
+        field = "host_kv_gib"
+        if "disk" in text:
+            field = "disk_kv_dir" if "folder" in text else "disk_kv_gib"
+        raise InvalidParameterError(field, text) from None
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:

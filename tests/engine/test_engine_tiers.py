@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.models.tiny import build_tiny_model
+from kvmesh.telemetry.tier_metrics import register_tier_metrics
 
 MAX_NEW = 6
 BLOCK_BYTES = 16384  # the tiny llama: 2 layers x (K, V) x 16 tokens x 2 heads x 32 x 4 bytes
@@ -73,6 +75,12 @@ def test_host_tier_spills_and_reloads_with_identical_greedy_output(
     assert cached[2:] == [48, 48]
     host = tiers_of(llm)["host"]
     assert host.spills >= 3 and host.hits >= 3 and host.reloads >= 3
+    registry = CollectorRegistry()  # what a worker's metrics port serves
+    register_tier_metrics(registry, lambda: llm.engine)
+    text = generate_latest(registry).decode()
+    assert f'kvmesh_kv_tier_capacity_bytes{{tier="host"}} {32 * BLOCK_BYTES}.0' in text
+    assert f'kvmesh_kv_tier_hits_total{{tier="host"}} {float(host.hits)}' in text
+    assert 'kvmesh_preemptions_total{mode="swap"} 0.0' in text
 
 
 def test_persistent_disk_tier_serves_hits_after_restart(
@@ -96,12 +104,11 @@ def test_persistent_disk_tier_serves_hits_after_restart(
     assert tiers_of(again)["disk"].hits >= 1
 
 
-@pytest.mark.parametrize("mode", ["swap", "auto"])
-def test_swap_preemption_keeps_greedy_output(
-    checkpoint: Path, expected: list[list[int]], mode: str
-) -> None:
+def test_swap_preemption_keeps_greedy_output(checkpoint: Path, expected: list[list[int]]) -> None:
+    """`auto` with measured rates: moving a few 16 KiB blocks is far cheaper than recomputing
+    their tokens, so it swaps (the path `swap` always takes)."""
     llm = LLM(
-        str(checkpoint), num_kv_blocks=9, host_kv_gib=gib(32), preemption=mode,
+        str(checkpoint), num_kv_blocks=9, host_kv_gib=gib(32), preemption="auto",
         max_num_batched_tokens=64,
     )  # fmt: skip
     outputs = llm.generate(make_prompts(), GREEDY)
@@ -111,22 +118,33 @@ def test_swap_preemption_keeps_greedy_output(
     assert chooser.num_swap + chooser.num_recompute == llm.engine.scheduler.num_preemptions
     store = llm.engine.parts.tiers
     assert store is not None
-    if mode == "swap":
-        assert chooser.num_swap > 0 and store.swap_stats.swapped_in == store.swap_stats.swapped_out
+    assert chooser.num_swap > 0 and store.swap_stats.swapped_in == store.swap_stats.swapped_out
     llm.engine.scheduler.block_manager.check_integrity()
 
 
-def test_tier_metrics_export(checkpoint: Path) -> None:
-    from prometheus_client import CollectorRegistry, generate_latest
+def prefill_blocks(llm: LLM, request_id: str, prompt: list[int]) -> tuple[torch.Tensor, int]:
+    """Run `prompt` prefill-only (as a prefill worker does) and return the KV of its full
+    blocks as the sender would gather it, and the tokens it found cached."""
+    engine = llm.engine
+    engine.add_request(request_id, prompt, GREEDY, prefill_only=True)
+    for _ in range(50):
+        if engine.scheduler.num_prefilled:
+            break
+        engine.step()
+    assert engine.scheduler.num_prefilled == 1
+    table = engine.scheduler.block_manager.block_table(request_id)
+    full = len(prompt) // 16
+    data = engine.runner.kv_cache.data[torch.tensor(table[:full])].clone()
+    cached = engine.scheduler.get_request(request_id).seqs[0].num_cached_tokens  # type: ignore[union-attr]
+    engine.scheduler.release_prefilled(request_id)
+    return data, cached
 
-    from kvmesh.telemetry.tier_metrics import register_tier_metrics
 
-    llm = LLM(str(checkpoint), num_kv_blocks=5, host_kv_gib=gib(8))
-    run_each(llm, [make_prompts()[0], make_prompts()[2], make_prompts()[1]])
-    registry = CollectorRegistry()
-    register_tier_metrics(registry, lambda: llm.engine)
-    text = generate_latest(registry).decode()
-    assert f'kvmesh_kv_tier_capacity_bytes{{tier="host"}} {8 * BLOCK_BYTES}.0' in text
-    host = tiers_of(llm)["host"]
-    assert host.hits >= 1 and f'kvmesh_kv_tier_hits_total{{tier="host"}} {float(host.hits)}' in text
-    assert 'kvmesh_preemptions_total{mode="swap"} 0.0' in text
+def test_prefill_worker_ships_a_prefix_reloaded_from_the_host_tier(checkpoint: Path) -> None:
+    prompts = make_prompts()
+    reference, _ = prefill_blocks(LLM(str(checkpoint), num_kv_blocks=5), "ref", prompts[0])
+    llm = LLM(str(checkpoint), num_kv_blocks=5, host_kv_gib=gib(16))
+    run_each(llm, [prompts[1], prompts[2]])  # prefix 0, then prefix 1 evicts it to the host
+    shipped, cached = prefill_blocks(llm, "p", prompts[0])
+    assert cached == 48 and tiers_of(llm)["host"].hits >= 1
+    torch.testing.assert_close(shipped, reference)

@@ -119,3 +119,43 @@ def test_block_file_round_trip_and_rejections() -> None:
     assert blockfile.decode(data, layout, meta.block_hash + 1, 64) is None
     assert blockfile.decode(data[:-1], layout, meta.block_hash, 64) is None
     assert blockfile.decode(b"KVMBLK01" + data[8:20], layout, meta.block_hash, 64) is None
+
+
+def test_prefetch_moves_disk_blocks_to_the_host_before_the_lookup(tmp_path: Path) -> None:
+    rig = TieredRig(4, 6, tmp_path, 8)  # reads in flight are bounded by half the host
+    push_down(rig, A, B, list(range(80, 93)))
+    hashes = rig.manager.block_hashes(A)
+    on_disk = [h for h in hashes if h in rig.store.disk]  # type: ignore[operator]
+    assert on_disk and rig.store.prefetch(hashes) == len(on_disk)
+    for future in list(rig.store._reads.values()):
+        future.result(timeout=10)  # the background reads finish (bounded wait)
+    rig.store.prepare_step()  # the engine's next step collects them into the host tier
+    assert all(h in rig.store.host for h in on_disk)
+    assert rig.run_prompt("again", A) == 12
+    disk = rig.store.metrics()[1]
+    assert disk.reloads == len(on_disk) and disk.hits == 0  # found on the host, not read now
+    rig.manager.check_integrity()
+
+
+def test_a_disk_folder_serves_one_engine_at_a_time(tmp_path: Path) -> None:
+    rig = TieredRig(4, 2, tmp_path, 8)
+    with pytest.raises(ValueError, match="in use by another process"):
+        TieredRig(4, 2, tmp_path, 8)
+    rig.close()
+    TieredRig(4, 2, tmp_path, 8).close()  # released at close
+
+
+def test_preemption_choice_by_estimated_cost() -> None:
+    from kvmesh.memory.tiers.costs import PreemptionChooser, Rates
+
+    rates = Rates()
+    auto = PreemptionChooser("auto", 1 << 20, rates)
+    assert not auto.prefers_swap(4, 1000)  # nothing measured yet: recompute
+    rates.observe_copy(1 << 30, 0.1)  # 10 GiB/s
+    rates.observe_compute(1000, 1.0)  # 1,000 tokens/s
+    assert auto.prefers_swap(4, 1000)  # 0.8 ms of copies vs 1 s of prefill
+    assert not auto.prefers_swap(40_000, 10)  # 7.8 s of copies vs 10 ms of prefill
+    assert PreemptionChooser("swap", 1, rates).prefers_swap(10**9, 1)
+    assert not PreemptionChooser("recompute", 1, rates).prefers_swap(1, 10**9)
+    with pytest.raises(ValueError, match="preemption must be one of"):
+        PreemptionChooser("never", 1, rates)

@@ -1,9 +1,11 @@
-"""Whole-block copies between the device cache and host rows, with the block gather/scatter ops.
+"""Whole-block copies between the device cache and host rows.
 
-The cache is block-major (one block, all layers, K and V, is one contiguous byte range), so a
-set of blocks moves as one `gather_blocks` / `scatter_blocks`; host slots that are consecutive
-are read and written as one view (no staging copy). On CUDA a reload runs on its own stream:
-the compute stream waits on its event, the host never does.
+The cache is block-major (one block, all layers, K and V, is one contiguous byte range). On
+CUDA a set of blocks moves as one `gather_blocks` / `scatter_blocks` (host slots that are
+consecutive read as one view, no staging), a reload on its own stream: the compute stream
+waits on its event, the host never does. On CPU each block is one row copy straight between
+its cache range and its host slot (no staging buffer: the indexed ops run at a fraction of
+memcpy speed there for block-sized rows).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvmesh_kernels.cache import (
     gather_blocks,
     packed_from_bytes,
     packed_to_bytes,
+    raw_view,
     scatter_blocks,
     spec_to_dict,
 )
@@ -28,6 +31,12 @@ from kvmesh.memory.tiers.host import HostTier
 
 def _consecutive(slots: Sequence[int]) -> bool:
     return all(b == a + 1 for a, b in pairwise(slots))
+
+
+def by_slot(slots: Sequence[int], block_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The (slot, block) pairs ordered by slot, so consecutive slots read as one view."""
+    pairs = sorted(zip(slots, block_ids, strict=True))
+    return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 def read_rows(buffer: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
@@ -57,6 +66,13 @@ class DeviceBlocks:
         self.layout = {**spec_to_dict(spec), "num_blocks": 0, "model": model_id}
         device = cache.data.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # CPU: each block's bytes as one row, copied directly to / from its host slot (one
+        # memcpy per block, no staging: a block is one contiguous range of the cache)
+        blocks = spec.num_blocks
+        self._rows = raw_view(cache.data).view(torch.uint8).reshape(blocks, -1)
+        self._scale_rows = None
+        if cache.scales is not None:
+            self._scale_rows = cache.scales.view(torch.uint8).reshape(blocks, -1)
 
     @property
     def pin(self) -> bool:
@@ -64,6 +80,10 @@ class DeviceBlocks:
 
     def to_host(self, block_ids: Sequence[int], host: HostTier, slots: Sequence[int]) -> None:
         """Copy device blocks into host slots (done when this returns)."""
+        slots, block_ids = by_slot(slots, block_ids)
+        if self.stream is None:
+            self._copy_rows(block_ids, slots, to_host=True, host=host)
+            return
         raw = packed_to_bytes(gather_blocks(self.cache, list(block_ids)))
         count = len(block_ids)
         write_rows(host.data, slots, raw.data.view(count, -1).cpu())
@@ -75,11 +95,12 @@ class DeviceBlocks:
     ) -> torch.cuda.Event | None:
         """Copy host slots into device blocks; on CUDA returns the copy's event (the compute
         stream already waits on it; the slots stay untouched until it completes)."""
+        slots, block_ids = by_slot(slots, block_ids)
+        if self.stream is None:
+            self._copy_rows(block_ids, slots, to_host=False, host=host)
+            return None
         data = read_rows(host.data, slots).reshape(-1)
         scales = None if host.scales is None else read_rows(host.scales, slots).reshape(-1)
-        if self.stream is None:
-            self._scatter(block_ids, data, scales)
-            return None
         device = self.cache.data.device
         self.stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self.stream):
@@ -89,6 +110,21 @@ class DeviceBlocks:
             event = self.stream.record_event()
         torch.cuda.current_stream(device).wait_event(event)
         return event
+
+    def _copy_rows(
+        self, block_ids: Sequence[int], slots: Sequence[int], *, to_host: bool, host: HostTier
+    ) -> None:
+        """CPU: one row copy per block between the cache and its host slot (numpy's copy:
+        torch's per-call thread-pool wake-up costs more than a block's memcpy)."""
+        pairs = [(self._rows.numpy(), host.data.numpy())]
+        if self._scale_rows is not None and host.scales is not None:
+            pairs.append((self._scale_rows.numpy(), host.scales.numpy()))
+        for cache_rows, host_rows in pairs:
+            for block, slot in zip(block_ids, slots, strict=True):
+                if to_host:
+                    host_rows[slot] = cache_rows[block]
+                else:
+                    cache_rows[block] = host_rows[slot]
 
     def _scatter(
         self, block_ids: Sequence[int], data: torch.Tensor, scales: torch.Tensor | None

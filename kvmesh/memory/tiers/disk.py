@@ -9,6 +9,7 @@ A file that fails verification at any time is deleted and counted in `num_corrup
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -20,6 +21,7 @@ from kvmesh.memory.tiers.watermarks import Watermarks
 
 SUFFIX = ".kvblock"
 SEED_FILE = "hash-seed"
+LOCK_FILE = "lock"
 
 
 class DiskTier:
@@ -41,6 +43,7 @@ class DiskTier:
             raise ValueError(f"disk tier capacity must be positive, got {capacity} blocks")
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_folder(self.folder)
         self.capacity = capacity
         self.layout = layout
         self.payload_bytes = payload_bytes
@@ -84,6 +87,12 @@ class DiskTier:
             out.write(seed)
         os.replace(path.with_suffix(".tmp"), path)
         return seed
+
+    def close(self) -> None:
+        """Release the folder for another process (the block files stay)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     # -- blocks ------------------------------------------------------------------------------
     def put(self, meta: BlockMeta, payload: bytes | memoryview) -> None:
@@ -165,3 +174,17 @@ class DiskTier:
         on_disk = {int(p.name.removesuffix(SUFFIX), 16) for p in self._block_files()}
         assert on_disk == set(self._index), "disk index and block files differ"
         assert len(self._index) <= self.capacity, "disk tier over capacity"
+
+
+def _lock_folder(folder: Path) -> int | None:
+    """An exclusive lock on the folder for this process's life: two engines sharing one disk
+    tier would delete each other's files. ValueError when another process holds it."""
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(
+            f"disk KV folder {folder} is in use by another process; give each engine its own"
+        ) from None
+    return fd

@@ -79,6 +79,13 @@ class HostTier:
             return None
         return [self._free.popleft() for _ in range(count)]
 
+    def hold(self, slots: list[int]) -> None:
+        """Slots the caller owns are now in flight (a copy to the device reads them)."""
+        self._inflight.update(slots)
+
+    def cached_slots(self) -> list[int]:
+        return [entry.slot for entry in self._index.values()]
+
     def release(self, slots: list[int]) -> None:
         """Return slots the caller owns (in flight or freshly taken) to the free list."""
         for slot in slots:
@@ -119,8 +126,11 @@ class HostTier:
     def unpark(self, seq_id: str) -> list[int] | None:
         return self._swapped.pop(seq_id, None)
 
-    def is_parked(self, seq_id: str) -> bool:
-        return seq_id in self._swapped
+    def parked(self, seq_id: str) -> list[int] | None:
+        return self._swapped.get(seq_id)
+
+    def parked_ids(self) -> set[str]:
+        return set(self._swapped)
 
     # -- integrity ---------------------------------------------------------------------------
     def check_integrity(self) -> None:

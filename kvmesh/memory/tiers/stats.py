@@ -18,6 +18,8 @@ class TierCounters:
     bytes_out: int = 0
     reload_seconds: float = 0.0  # summed latency of the reloads (batches) out of this tier
     reload_batches: int = 0
+    copy_seconds: float = 0.0  # time inside the host -> device copies alone
+    copy_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

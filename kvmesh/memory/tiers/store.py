@@ -59,6 +59,15 @@ class TieredStore:
         self._reads: dict[int, Future[bytes | None]] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-tier-read")
         self.closed = False
+        self._probe_bandwidth()
+
+    def _probe_bandwidth(self) -> None:
+        """A first copy-bandwidth sample (device block 0 into a free host slot, both unused
+        yet), so the swap/recompute estimate works before the first real copy."""
+        slots = self.host.take_free(1)
+        assert slots is not None
+        self._to_host([0], slots)
+        self.host.release(slots)
 
     def close(self) -> None:
         """Stop the reader; a persistent disk tier first receives the host's cached blocks
@@ -70,6 +79,8 @@ class TieredStore:
             self.flush_spills()
             self._release_done()
             self._shed_host(self.host.num_cached)
+        if self.disk is not None:
+            self.disk.close()
 
     # -- spill (device -> host -> disk) ------------------------------------------------------
     def spill(self, block_id: int, meta: BlockMeta) -> None:
@@ -174,7 +185,7 @@ class TieredStore:
             return False
         self.device.load_payload(self.host, slot, payload)
         disk.remove(meta.block_hash)
-        self.host._inflight.add(slot)
+        self.host.hold([slot])
         self.disk_stats.hits += 1
         self.disk_stats.reloads += 1
         self.disk_stats.bytes_out += len(payload)
@@ -261,7 +272,11 @@ class TieredStore:
             return
         reloads, self._reloads = self._reloads, []
         slots, blocks = [r[0] for r in reloads], [r[1] for r in reloads]
+        copy_started = time.perf_counter()
         event = self.device.from_host(self.host, slots, blocks)
+        if event is None:  # on CUDA the copy is asynchronous: its time is in the latency
+            self.host_stats.copy_seconds += time.perf_counter() - copy_started
+            self.host_stats.copy_bytes += len(slots) * self.device.block_bytes
         assert self._reload_started is not None
         self._in_flight.append((event, slots, self._reload_started))
         if event is None:
@@ -301,15 +316,11 @@ class TieredStore:
         """Queue the copy of a swapped-out sequence into its new device blocks."""
         slots = self.host.unpark(seq_id)
         assert slots is not None and len(slots) == len(block_ids), f"{seq_id!r} not swapped"
-        self.host._inflight.update(slots)
+        self.host.hold(slots)
         for slot, block in zip(slots, block_ids, strict=True):
             self._queue_reload(slot, block)
         self.swap_stats.swapped_in += 1
         self.swap_stats.swap_bytes += len(slots) * self.device.block_bytes
-
-    def swapped_blocks(self, seq_id: str) -> int | None:
-        slots = self.host._swapped.get(seq_id)
-        return None if slots is None else len(slots)
 
     def drop_swapped(self, seq_id: str) -> None:
         slots = self.host.unpark(seq_id)
@@ -330,7 +341,7 @@ class TieredStore:
         host holds exactly the `swapped` sequences."""
         assert not self._spills, "spills queued outside an allocation"
         self.host.check_integrity()
-        assert set(self.host._swapped) == swapped, "swapped sequences differ from the host's"
+        assert self.host.parked_ids() == swapped, "swapped sequences differ from the host's"
         host = self.host.hashes()
         assert not host & device_hashes, "a hash is cached on both the device and the host"
         if self.disk is not None:
