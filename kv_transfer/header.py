@@ -40,7 +40,9 @@ HEADER_SIZE = _STRUCT.size + _CHECK.size  # 80
 MAX_PAYLOAD = 1 << 40
 FLAG_NO_CHECKSUM = 0x01
 FLAG_IN_SLOT = 0x02  # payload lies in a shared staging slot (aux), not after the header
-_KNOWN_FLAGS = FLAG_NO_CHECKSUM | FLAG_IN_SLOT
+FLAG_NO_KV = 0x04  # END: the producer has no KV to ship (the trailer alone completes it)
+_KNOWN_FLAGS = FLAG_NO_CHECKSUM | FLAG_IN_SLOT | FLAG_NO_KV
+MAX_TRAILER = 64 << 10  # END payload: the producer's opaque trailer
 
 
 class MsgType(enum.IntEnum):
@@ -50,7 +52,7 @@ class MsgType(enum.IntEnum):
     ACCEPT = 4  # receiver accepted BEGIN
     FRAME = 5  # payload: [scales of num_blocks][kv of num_blocks]
     FRAME_ACK = 6  # receiver consumed the frame (aux = slot freed)
-    END = 7  # sender sent every frame
+    END = 7  # sender sent every frame; payload: the trailer (opaque to kv_transfer)
     DONE = 8  # receiver wrote every block: transfer COMPLETED
     CANCEL = 9  # either side: stop this transfer
     ERROR = 10  # payload: errors.error_to_wire

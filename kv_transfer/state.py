@@ -66,6 +66,8 @@ class TransferResult:
     num_bytes: int
     seconds: float
     error: TransferError | None = None
+    trailer: bytes = b""  # the sender's END payload (what the producer handed `finish`)
+    kv_complete: bool = True  # False: completed by a FLAG_NO_KV END, the blocks unwritten
 
     @property
     def ok(self) -> bool:
@@ -83,6 +85,8 @@ class TransferRecord:
         self.state = TransferState.PENDING
         self.error: TransferError | None = None
         self.num_bytes = 0
+        self.trailer = b""
+        self.kv_complete = True
         self.lock = threading.RLock()
         self._changed = threading.Condition(self.lock)
 
@@ -135,4 +139,6 @@ class TransferRecord:
                 self.num_bytes,
                 time.monotonic() - self.started,
                 self.error,
+                self.trailer,
+                self.kv_complete,
             )
