@@ -267,7 +267,8 @@ class KVSender(abc.ABC):
         try:
             record.move(TransferState.IN_FLIGHT)
             self._transfer(plan, record, Waiter(record.deadline, cancel))
-            record.num_bytes = int(plan.src.numel()) * self.layout.bytes_per_block
+            blocks = plan.src.numel() if plan.parts is None else plan.parts.num_added
+            record.num_bytes = int(blocks) * self.layout.bytes_per_block
             record.move(TransferState.COMPLETED)
         except TransferError as exc:
             record.end(end_state_for(exc), exc)

@@ -477,12 +477,10 @@ class Sender(KVSender):
             self._reply(link, pending, MsgType.FRAME_ACK, waiter)
         self._check_or_cancel(link, plan, waiter)
         end, trailer = plan.end_frame()
-        body = (
-            torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(self.device)
-            if trailer
-            else None
-        )
-        self._exchange(link, end, body, waiter, MsgType.DONE)
+        tail = None
+        if trailer:
+            tail = torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(self.device)
+        self._exchange(link, end, tail, waiter, MsgType.DONE)
 
     def _check_or_cancel(self, link: _Link, plan: SendPlan, waiter: Waiter) -> None:
         """Between frames (nothing in flight): on cancel or expiry tell the receiver, then raise."""

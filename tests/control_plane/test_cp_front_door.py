@@ -50,7 +50,7 @@ async def test_disaggregated_request_streams_tokens_usage_and_releases_everythin
         assert breakdown.transfer_seconds == pytest.approx(0.003)
         assert breakdown.first_decode_seconds == pytest.approx(0.01)
         assert breakdown.queue_seconds >= 0.001
-        assert prefill.calls == ["Prepare", "Prefill"]
+        assert prefill.calls == ["Prefill"]  # the prompt was prepared by Reserve
         assert decode.calls[:2] == ["Reserve", "Decode"]
         assert decode.held == {} and prefill.held == {}
         assert_ledger_empty(cp)

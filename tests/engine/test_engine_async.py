@@ -161,7 +161,7 @@ def test_step_hook_sees_each_chunk_on_the_engine_thread(checkpoint: Path) -> Non
             seen: list[tuple[int, bool]] = []
             threads: set[str] = set()
 
-            def hook(e: LLMEngine, request_id: str) -> None:
+            def hook(e: LLMEngine, request_id: str, output: object) -> None:
                 threads.add(threading.current_thread().name)
                 request = e.scheduler.get_request(request_id)
                 if request is not None:
@@ -182,7 +182,7 @@ def test_step_hook_sees_each_chunk_on_the_engine_thread(checkpoint: Path) -> Non
             assert threads == {"kvmesh-engine"}
             assert not engine._hooks  # dropped with the finished stream
 
-            def bad(e: LLMEngine, request_id: str) -> None:
+            def bad(e: LLMEngine, request_id: str, output: object) -> None:
                 raise RuntimeError("boom")
 
             stream = await engine.open_stream(
