@@ -154,6 +154,7 @@ class FrontDoor:
             run.lost = None
             run.worker_aborted = False
             run.attempt = asyncio.create_task(self._driver.attempt(run))
+            run.attempt.add_done_callback(lambda _: run.queue.put_nowait(None))
             async for response in self._drain(run):
                 yield response
             lost = self._outcome(run)
@@ -167,30 +168,22 @@ class FrontDoor:
             await self._release(self._cluster.ledger.close(run.request_id, "retried"))
 
     async def _drain(self, run: Run) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """Yield the attempt's responses until it ends (bounded by the run's deadline)."""
+        """Yield the attempt's responses until it ended (its None in the queue), each wait
+        bounded by the run's deadline (+ 1 s)."""
         assert run.attempt is not None
+        loop = asyncio.get_running_loop()
         while True:
-            getter = asyncio.ensure_future(run.queue.get())
             try:
-                done, _ = await asyncio.wait(
-                    {getter, run.attempt},
-                    timeout=max(run.remaining(), 0.0) + 1.0,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-            finally:
-                if not getter.done():
-                    getter.cancel()
-            if getter in done:
-                yield getter.result()
-            elif not done:
+                async with asyncio.timeout_at(loop.time() + max(run.remaining(), 0.0) + 1.0):
+                    response = await run.queue.get()
+            except TimeoutError:
                 run.attempt.cancel()
                 raise RpcFailure(
                     grpc.StatusCode.DEADLINE_EXCEEDED, f"request {run.request_id!r} timed out"
-                )
-            else:
-                while not run.queue.empty():
-                    yield run.queue.get_nowait()
+                ) from None
+            if response is None:
                 return
+            yield response
 
     def _outcome(self, run: Run) -> WorkerLost | None:
         """None on success, WorkerLost when a retry may help; raises RpcFailure otherwise."""

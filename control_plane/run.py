@@ -65,7 +65,10 @@ class Run:
     arrival: float
     deadline: float
     clock: Callable[[], float] = time.monotonic
-    queue: asyncio.Queue[generation_pb2.GenerateResponse] = field(default_factory=asyncio.Queue)
+    # Responses of the current attempt, then None once the attempt ended.
+    queue: asyncio.Queue[generation_pb2.GenerateResponse | None] = field(
+        default_factory=asyncio.Queue
+    )
     attempt: asyncio.Task[None] | None = None
     tries: int = 0
     generation: int | None = None

@@ -208,7 +208,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             remaining = context.time_remaining()
             if remaining is not None:
                 limit = min(limit, remaining)
-            result = await asyncio.to_thread(res.handle.wait, max(0.0, limit))
+            result = await res.handle.wait_async(max(0.0, limit))
             raise_if_released(res)  # a Release cancels the receive, which ends the wait
             check_transfer(result)
             if given:

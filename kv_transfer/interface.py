@@ -160,6 +160,10 @@ class SendHandle:
     def wait(self, timeout: float | None = None) -> TransferResult:
         return self.record.wait(timeout)
 
+    async def wait_async(self, timeout: float | None = None) -> TransferResult:
+        """`wait` on an event loop, without a waiting thread."""
+        return await self.record.wait_async(timeout)
+
 
 class StreamSendHandle(SendHandle):
     """A streamed transfer: `add(block_offset, src_block_ids)` parts as they become final (any

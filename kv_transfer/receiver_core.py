@@ -60,6 +60,13 @@ class ReceiveHandle:
             self._core.forget(self._res)
         return result
 
+    async def wait_async(self, timeout: float | None = None) -> TransferResult:
+        """`wait` on an event loop, without a waiting thread."""
+        result = await self._res.record.wait_async(timeout)
+        if result.state.is_terminal:
+            self._core.forget(self._res)
+        return result
+
     def cancel(self) -> bool:
         """End as CANCELLED unless already terminal; an in-progress write finishes first."""
         ended = self._res.record.end(TransferState.CANCELLED)

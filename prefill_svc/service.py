@@ -154,10 +154,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         active.num_blocks = len(target.block_ids)
         self.active[rid] = active
         backend, endpoint = target.backend, target.endpoint
-        sender: KVSender | None = None
+        sender = self.senders.idle(backend, endpoint)
         handle: StreamSendHandle | None = None
         try:
-            sender = await asyncio.to_thread(self.senders.acquire, backend, endpoint)
+            if sender is None:
+                sender = await asyncio.to_thread(self.senders.acquire, backend, endpoint)
             transfer = TransferRequest(bytes.fromhex(target.transfer_id), target.generation)
             handle = sender.start_stream(transfer, list(target.block_ids), deadline=deadline)
             export = KVExport(handle, len(target.block_ids), overlap=self.transfer_overlap)
@@ -173,10 +174,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                 timings.first = time.monotonic()
                 active.state = worker_pb2.BLOCK_SET_STATE_SENDING
                 result = await self._await_sent(handle, target, timings)
-                if not first.finished:
-                    await stream.aclose()
             finally:
-                stream.close()  # releases the blocks on any failure; no-op after aclose
+                stream.close()  # the release, queued on the engine before the caller hears back
             self.metrics.requests.labels("ok").inc()
             return self._response(first, timings, result)
         finally:
@@ -189,13 +188,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     ) -> TransferResult:
         """The receiver's acknowledgement (bounded by `transfer_timeout` from the first token)."""
         try:
-            result = await asyncio.to_thread(handle.wait, self.transfer_timeout)
+            result = await handle.wait_async(self.transfer_timeout)
         except BaseException:
             handle.cancel()
             raise
         if not result.state.is_terminal:
             handle.cancel()
-            result = await asyncio.to_thread(handle.wait, 2.0)
+            result = await handle.wait_async(2.0)
         timings.transfer = time.monotonic() - timings.first  # the part not hidden by compute
         return self._settle(result, target, timings.transfer)
 
