@@ -1,12 +1,12 @@
 """The runner's persistent block table: one row per scheduled sequence, updated by diffs.
 
 A sequence's block table only grows, and the scheduler hands the runner the same tuple object
-until it changes (`scheduler_state._make_chunk`). So per step the runner writes nothing for a
-sequence whose tuple it has seen, only the new block ids when the table grew, and the whole row
-when the table was replaced (copy-on-write, preemption); the step's `[batch, width]` table is
-then one row gather. Rows of sequences absent from a step are released (a sequence scheduled
-again later is written anew), so the table never holds more rows than one step's batch plus
-the free list.
+until it changes (`kvmesh.engine.scheduler.state.SchedulerState.make_chunk`). So per step the
+runner writes nothing for a sequence whose tuple it has seen, only the new block ids when the
+table grew, and the whole row when the table was replaced (copy-on-write, preemption); the
+step's `[batch, width]` table is then one row gather. Rows of sequences absent from a step are
+released (a sequence scheduled again later is written anew), so the table never holds more rows
+than one step's batch plus the free list.
 
     rows  [capacity, max_blocks] int32   row r = the blocks of the sequence mapped to r;
                                          entries past its length are stale and never read

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.engine.errors import InvalidParameterError
-from kvmesh.engine.scheduler_types import ALLOCATIONS, POLICIES, SCHEDULING_POLICIES
+from kvmesh.engine.scheduler.config import ALLOCATIONS, POLICIES, SCHEDULING_POLICIES
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_DTYPES = ("auto", "int8", "fp8")

@@ -36,8 +36,7 @@ from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampler import TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler_disagg import is_prefilled
-from kvmesh.engine.scheduler_stops import stop_status, validate_request
+from kvmesh.engine.scheduler import is_prefilled, stop_status, validate_request
 from kvmesh.engine.sequence import Request, Sequence, SequenceStatus, child_seq_id
 
 

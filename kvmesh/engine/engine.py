@@ -28,7 +28,7 @@ from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvmesh.engine.sampler import SamplingBatch, SamplingRow, TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler_types import SchedulerOutput
+from kvmesh.engine.scheduler import SchedulerOutput
 from kvmesh.engine.sequence import Request, Sequence
 
 PromptInput = str | Seq[int]

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scheduler_harness import fake_tokens, make_scheduler, request, step
 
-from kvmesh.engine.scheduler_types import SCHEDULING_POLICIES
+from kvmesh.engine.scheduler import SCHEDULING_POLICIES
 from kvmesh.engine.sequence import SequenceStatus
 
 

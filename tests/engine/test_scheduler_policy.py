@@ -99,7 +99,7 @@ def test_preempted_sequence_recomputes_in_a_prompt_only_step() -> None:
         sched.add_request(request(name, 4, max_tokens=max_tokens))
     finished, victims, recomputes = {}, set(), []
     while sched.has_unfinished():
-        running = {s.seq_id for s in sched._running}
+        running = {s.seq_id for s in sched.state.running}
         output, changed = step(sched)
         planned = sizes(output)
         if any(planned.get(v, 0) > 1 for v in victims) and running - set(planned):
@@ -177,7 +177,7 @@ def test_prompt_only_steps_stop_at_the_bound(
         countdown -= 1 if countdown else 0
         if not pending and not sched.has_unfinished():
             break
-        ready = {s.seq_id for s in sched._running if s.num_tokens - s.num_computed_tokens == 1}
+        ready = {s.seq_id for s in sched.state.running if s.num_tokens - s.num_computed_tokens == 1}
         output, changed = step(sched)
         if ready and not ready & set(sizes(output)):
             assert stalled < bound, (stalled, bound)

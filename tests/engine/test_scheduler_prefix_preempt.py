@@ -13,7 +13,7 @@ def position_tokens(sched: Scheduler, output: SchedulerOutput) -> dict[str, int]
     sampled = {}
     for chunk in output.chunks:
         for seq_id in chunk.sample_seq_ids:
-            seq = sched._seqs[seq_id]
+            seq = sched.state.seqs[seq_id]
             sampled[seq_id] = seq.num_prompt_tokens * 1000 + seq.num_tokens
     return sampled
 
@@ -78,7 +78,7 @@ def test_newest_running_is_preempted_to_front_and_resumes() -> None:
         sched.update(output, position_tokens(sched, output))
     assert preempted_output is not None
     assert preempted_output.preempted_seq_ids == ("c",)
-    c = sched._waiting[0]
+    c = sched.state.waiting[0]
     assert c.seq_id == "c" and c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0
     outputs_before = list(c.output_ids)
     assert outputs_before
@@ -107,6 +107,6 @@ def test_preempted_sequences_keep_fcfs_order_at_the_front() -> None:
     assert set(sizes(output)) == {"a", "b", "c", "d"}
     output = sched.schedule()  # every decode needs a new block, none free
     assert output.preempted_seq_ids == ("d", "c")
-    assert [s.seq_id for s in sched._waiting] == ["c", "d"]
+    assert [s.seq_id for s in sched.state.waiting] == ["c", "d"]
     assert sizes(output) == {"a": 1, "b": 1}
     bm.check_integrity()

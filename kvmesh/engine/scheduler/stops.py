@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from kvmesh.engine.errors import EmptyPromptError, InvalidParameterError, PromptTooLongError
-from kvmesh.engine.scheduler_types import SchedulerConfig
+from kvmesh.engine.scheduler.config import SchedulerConfig
 from kvmesh.engine.sequence import Request, Sequence
 
 if TYPE_CHECKING:
     from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.memory import BlockManager
 
 
 def max_total_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
@@ -47,6 +49,26 @@ def validate_request(
         )
     if request.params.n > 1 and config.allocation == "contiguous":
         raise InvalidParameterError("n", "parallel sampling needs allocation='paged'")
+
+
+def validate_import(
+    seq: Sequence, num_computed: int, first_tokens: Seq[int], block_manager: BlockManager
+) -> None:
+    """InvalidParameterError naming the argument of a prefilled import that does not fit `seq`."""
+    if num_computed != seq.num_tokens:
+        raise InvalidParameterError(
+            "num_computed_tokens",
+            f"must equal the prompt length {seq.num_tokens}, got {num_computed}",
+        )
+    if len(first_tokens) != seq.params.n:
+        raise InvalidParameterError(
+            "first_tokens", f"expected n = {seq.params.n} tokens, got {len(first_tokens)}"
+        )
+    held = block_manager.num_tokens(seq.seq_id)
+    if held < num_computed:
+        raise InvalidParameterError(
+            "num_computed_tokens", f"{num_computed} exceeds the {held} slots allocated"
+        )
 
 
 def prepare_stop_check(seq: Sequence, config: SchedulerConfig) -> None:

@@ -1,9 +1,8 @@
-"""The scheduler's configuration and its per-step plan (`SchedulerOutput`) for the runner."""
+"""The scheduler's configuration: batching limits and the names of its policies."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from kvmesh.engine.errors import InvalidParameterError
 
@@ -67,43 +66,3 @@ class SchedulerConfig:
                 f"must be >= max_model_len={self.max_model_len} without chunked prefill,"
                 f" got {self.max_num_batched_tokens}",
             )
-
-
-class ScheduledChunk(NamedTuple):
-    """Tokens of one sequence computed in one step (immutable; a NamedTuple because one is built
-    per running sequence per step and a tuple builds about 3x faster than a frozen dataclass:
-    `bench/micro_choices.py`).
-
-    `start_pos` is the position of `token_ids[0]` (== num_computed_tokens before the step).
-    `sample_seq_ids` receive a token sampled from this chunk's last logits row: () for a
-    non-final prefill chunk, (seq_id,) normally, all n children for the final prefill chunk of
-    an n > 1 request.
-    """
-
-    seq_id: str
-    token_ids: tuple[int, ...]
-    start_pos: int
-    block_table: tuple[int, ...]
-    slot_mapping: tuple[int, ...]
-    sample_seq_ids: tuple[str, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    """One step's plan: decode chunks first, then prefill chunks.
-
-    The runner performs `copy_pairs` (src, dst block copies) before the forward pass.
-    """
-
-    chunks: tuple[ScheduledChunk, ...]
-    copy_pairs: tuple[tuple[int, int], ...]
-    num_batched_tokens: int
-    preempted_seq_ids: tuple[str, ...]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks

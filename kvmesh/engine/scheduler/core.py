@@ -1,0 +1,322 @@
+"""`Scheduler`: plans each step (`schedule`), applies its results (`update`), holds requests.
+
+The policy is described in `kvmesh.engine.scheduler`; admission and the preemption victim are
+in `policy`, the queues in `state`, stop rules in `stops`, the plan's types in `plan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+
+from kvmesh.engine.errors import InvalidParameterError
+from kvmesh.engine.scheduler import policy
+from kvmesh.engine.scheduler.config import SchedulerConfig
+from kvmesh.engine.scheduler.plan import ScheduledChunk, SchedulerOutput, new_chunk
+from kvmesh.engine.scheduler.state import PREFILLED, RUNNING, WAITING, SchedulerState
+from kvmesh.engine.scheduler.stops import (
+    prepare_stop_check,
+    stop_status,
+    validate_import,
+    validate_request,
+)
+from kvmesh.engine.sequence import Request, Sequence
+from kvmesh.memory import BlockManager
+
+
+class Scheduler:
+    """Plans steps over a `BlockManager`; see `kvmesh.engine.scheduler` for the policy."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.state = SchedulerState(block_manager)
+        self.num_preemptions = 0
+        # prefill-first: prompt tokens computed in prompt-only steps since the decodes last
+        # ran, its limit, and whether a running sequence may still be prefilling (cleared once
+        # a step planned no prompt work and found none)
+        self._prefill_first = config.scheduling_policy == "prefill-first"
+        self._stall_limit = config.max_decode_stall_tokens
+        self._stalled_tokens = 0
+        self._maybe_prefilling = False
+
+    # -- planning ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step (see `kvmesh.engine.scheduler`); mutates only scheduling state."""
+        state, config = self.state, self.config
+        state.begin_step()
+        if config.policy == "static" and not state.running:
+            policy.enroll_static_batch(state, config)
+        budget = config.max_num_batched_tokens
+        prefills: list[ScheduledChunk] = []
+        if self._prefill_first:
+            budget = self._plan_prefill_first(budget, prefills)
+        if not prefills:  # a decode-first step (also prefill-first's when it planned nothing)
+            prefilling: list[Sequence] = []
+            budget = self._plan_decodes(budget, prefilling)
+            budget = self._plan_prompts(budget, prefilling, prefills)
+            self._stalled_tokens = 0
+            self._maybe_prefilling = bool(prefilling or prefills) or not budget
+        return SchedulerOutput(
+            chunks=(*state.decodes, *prefills),
+            copy_pairs=tuple(state.copy_pairs),
+            num_batched_tokens=config.max_num_batched_tokens - budget,
+            preempted_seq_ids=tuple(state.preempted),
+        )
+
+    def _plan_prefill_first(self, budget: int, prefills: list[ScheduledChunk]) -> int:
+        """Prefill-first: plan a prompt-only step into `prefills`; the budget left.
+
+        Tried only while the decodes have waited less than `_stall_limit` prompt tokens and
+        prompt work may exist (a waiting sequence, or a running one that may be prefilling).
+        Plans nothing when admission takes nobody and no running sequence is prefilling; the
+        caller then plans a decode-first step. The step's tokens count towards the decodes'
+        wait when a running sequence got no chunk in it.
+        """
+        if self._stalled_tokens >= self._stall_limit:
+            return budget
+        state = self.state
+        if not (state.waiting or self._maybe_prefilling):
+            return budget
+        running = state.running
+        prefilling = [
+            seq for seq in running if len(seq.all_token_ids) - seq.num_computed_tokens != 1
+        ]
+        left = self._plan_prompts(budget, prefilling, prefills)
+        if prefills:
+            self._maybe_prefilling = True
+            if len(running) > len(state.planned):
+                self._stalled_tokens += budget - left
+        return left
+
+    def _plan_prompts(
+        self, budget: int, prefilling: list[Sequence], prefills: list[ScheduledChunk]
+    ) -> int:
+        """Prompt work into `prefills`: a chunk for each running sequence still prefilling,
+        oldest first, then (continuous batching) FCFS admission; the budget left."""
+        config = self.config
+        for seq in prefilling:
+            if budget == 0:
+                break
+            size = policy.chunk_size(seq, budget, config) if seq.status is RUNNING else 0
+            chunk = self._plan_running(seq, size) if size else None
+            if chunk is not None:
+                prefills.append(chunk)
+                budget -= size
+        if config.policy == "continuous":
+            budget = policy.admit_waiting(self.state, config, budget, prefills)
+        return budget
+
+    def _plan_decodes(self, budget: int, prefilling: list[Sequence]) -> int:
+        """One token per running decode, oldest first, into `state.decodes`; collects the
+        sequences still prefilling; returns the budget left.
+
+        Hot path. A decode whose token lands inside its cached (private) last block needs
+        no block manager call: its slot is `table[pos // bs] * bs + pos % bs`. Crossing into
+        a new block, or a table not cached (new, forked or resumed), goes through `allocate`.
+        """
+        state = self.state
+        bs, tables, decodes = state.block_size, state.tables, state.decodes
+        append = decodes.append
+        for seq in state.running[:]:  # a copy: preemption removes from `running`
+            if seq.status is not RUNNING:
+                continue  # preempted earlier in this loop
+            start = seq.num_computed_tokens
+            tokens = seq.all_token_ids
+            if len(tokens) - start != 1:
+                prefilling.append(seq)
+                continue
+            if budget == 0:
+                break
+            seq_id = seq.seq_id
+            table = tables.get(seq_id)
+            offset = start % bs
+            if table is None or not offset:
+                chunk = self._plan_running(seq, 1)
+                if chunk is None:
+                    continue
+                append(chunk)
+            else:
+                slot = table[start // bs] * bs + offset
+                append(
+                    new_chunk(
+                        ScheduledChunk, (seq_id, (tokens[start],), start, table, (slot,), (seq_id,))
+                    )
+                )
+            budget -= 1
+        return budget
+
+    def _plan_running(self, seq: Sequence, size: int) -> ScheduledChunk | None:
+        """Chunk of `size` tokens for a running sequence, preempting others for blocks."""
+        state = self.state
+        start = seq.num_computed_tokens
+        while True:
+            result = self.block_manager.allocate(seq.seq_id, start + size)
+            if result is not None:
+                return state.make_chunk(seq, start, size, result)
+            victim = policy.newest_unplanned(state, seq)
+            state.preempt(victim)
+            self.num_preemptions += 1
+            if victim is seq:
+                return None
+
+    # -- results -----------------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Sequence]:
+        """Apply a step's results: progress, sampled tokens, commits, stops; changed seqs."""
+        changed: list[Sequence] = []
+        append_changed = changed.append
+        left = False
+        state = self.state
+        bs, seqs = state.block_size, state.seqs
+        commit = self.block_manager.commit if self.config.enable_prefix_caching else None
+        for seq_id, token_ids, start, _, _, sample_ids in output.chunks:
+            seq = seqs.get(seq_id)
+            if seq is None or seq.status is not RUNNING:
+                continue  # aborted or finished since it was planned
+            assert seq.num_computed_tokens == start, (seq_id, start)
+            size = len(token_ids)
+            computed = start + size
+            seq.num_computed_tokens = computed
+            if commit and computed % bs < size:  # the chunk completed a block: publish it
+                # (this also brings the manager's slot count, which in-block decodes leave
+                # trailing by less than a block, up to `computed`)
+                commit(seq_id, seq.all_token_ids, computed, seq.extra_key)
+            if len(sample_ids) != 1:  # () mid-prefill; n children after a forking chunk
+                if sample_ids and self._sample_children(seq, sample_ids, sampled, changed):
+                    left = True
+                continue
+            token = sampled[seq_id]  # hot path: one token for the sequence itself
+            tokens = seq.all_token_ids
+            if seq.first_token_time is None:
+                seq.append_token(token)
+            else:  # `append_token` inlined
+                seq.output_ids.append(token)
+                tokens.append(token)
+            append_changed(seq)
+            if (
+                token in seq.stop_token_set or len(tokens) >= seq.token_limit
+            ) and self._stop_or_park(seq):
+                left = True
+        if left:
+            state.running = [seq for seq in state.running if seq.status is RUNNING]
+        return changed
+
+    def _sample_children(
+        self,
+        seq: Sequence,
+        sample_ids: tuple[str, ...],
+        sampled: Mapping[str, int],
+        changed: list[Sequence],
+    ) -> bool:
+        """Give each of the n children its first token; True if any left the batch."""
+        left = False
+        for sample_id in sample_ids:
+            target = self.state.seqs[sample_id]
+            target.num_computed_tokens = seq.num_computed_tokens
+            token = sampled[sample_id]
+            target.append_token(token)
+            changed.append(target)
+            if (
+                token in target.stop_token_set or target.num_tokens >= target.token_limit
+            ) and self._stop_or_park(target):
+                left = True
+        return left
+
+    def _stop_or_park(self, seq: Sequence) -> bool:
+        """After a token that may end `seq` (a stop id or its token limit): finish it, or park
+        a prefill-only sequence in PREFILLED at its first token. True if it left the batch."""
+        if self._apply_stop(seq):
+            return True
+        if len(seq.output_ids) == 1 and self.state.requests[seq.request_id].prefill_only:
+            seq.status = PREFILLED  # holds its blocks until released
+            return True
+        return False
+
+    def _apply_stop(self, seq: Sequence) -> bool:
+        """Finish `seq` (freeing its blocks) if a stop rule fires; True if it finished."""
+        stop = stop_status(seq, self.config.eos_token_id, self.config.max_model_len)
+        if stop is None:
+            return False
+        self.state.finish(seq, *stop)
+        return True
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; InvalidParameterError (naming the field) if it can never run."""
+        state = self.state
+        if request.request_id in state.requests:
+            raise InvalidParameterError("request_id", f"{request.request_id!r} already exists")
+        validate_request(request, self.config, self.block_manager.num_blocks, state.block_size)
+        seq = request.seqs[0]
+        seq.status = WAITING
+        prepare_stop_check(seq, self.config)
+        if request.prefill_only:  # its first token parks it (see `_stop_or_park`)
+            seq.token_limit = min(seq.token_limit, seq.num_prompt_tokens + 1)
+        state.requests[request.request_id] = request
+        state.seqs[seq.seq_id] = seq
+        state.waiting.append(seq)
+
+    def abort_request(self, request_id: str) -> list[Sequence]:
+        """Free every block of the request at once; the sequences it ended. Idempotent."""
+        return self.state.abort(request_id)
+
+    def finish_sequence(
+        self, seq_id: str, reason: str = "stop", stop_reason: int | str | None = None
+    ) -> Sequence:
+        """End a live sequence for a reason found outside the scheduler (a stop string)."""
+        return self.state.end_live(seq_id, reason, stop_reason)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.state.requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.state.waiting or self.state.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.state.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.state.waiting)
+
+    # -- disaggregation (see `kvmesh.engine.scheduler`) --------------------------------------
+    def add_prefilled_request(
+        self, request: Request, num_computed_tokens: int, first_tokens: Seq[int]
+    ) -> list[Sequence]:
+        """Join a request whose prompt KV was computed elsewhere directly as decodes.
+
+        The caller allocated `request.seqs[0].seq_id` in the BlockManager for the prompt and
+        wrote its KV. `first_tokens[i]` is completion i's first token (`params.n` of them):
+        with n > 1 the sequence is forked into n children sharing the prompt blocks copy on
+        write, as a local request forks at its final prefill chunk. Returns the sequences
+        whose first token already ends them (their blocks freed).
+        """
+        state, bm = self.state, self.block_manager
+        if request.request_id in state.requests:
+            raise InvalidParameterError("request_id", f"{request.request_id!r} already exists")
+        validate_request(request, self.config, bm.num_blocks, state.block_size)
+        seq = request.seqs[0]
+        validate_import(seq, num_computed_tokens, first_tokens, bm)
+        prepare_stop_check(seq, self.config)
+        commit = self.config.enable_prefix_caching
+        state.join_prefilled(request, num_computed_tokens, len(first_tokens), commit=commit)
+        ended = []
+        for child, token in zip(list(request.seqs), first_tokens, strict=True):
+            child.append_token(token)
+            if self._apply_stop(child):
+                state.running.remove(child)
+                ended.append(child)
+        return ended
+
+    def release_prefilled(self, request_id: str) -> list[Sequence]:
+        """Free the blocks of a PREFILLED request (its KV was shipped) and forget it.
+
+        With n > 1, children whose first token ended them are already finished; every other
+        sequence must be PREFILLED. Returns the sequences released.
+        """
+        return self.state.release_prefilled(request_id)
+
+    @property
+    def num_prefilled(self) -> int:
+        return sum(1 for seq in self.state.seqs.values() if seq.status is PREFILLED)
