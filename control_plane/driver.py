@@ -22,7 +22,7 @@ from control_plane.registry import WorkerRecord
 from control_plane.releases import BackgroundReleases
 from control_plane.routing import NoRouteError, common_backend, order_pairs
 from control_plane.run import RpcFailure, Run, WorkerLost
-from kvmesh.v1 import generation_pb2, wire, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import generation_pb2, status, worker_pb2, worker_pb2_grpc
 
 TRACER = trace.get_tracer("kvmesh.control_plane")
 DECODE_SKIP_CODES = (
@@ -41,17 +41,13 @@ def avoid_last(workers: Sequence[WorkerRecord], avoid: set[str]) -> list[WorkerR
 
 
 def map_error(error: grpc.aio.AioRpcError, worker: WorkerRecord, what: str) -> Exception:
-    code, details = error.code(), error.details() or ""
+    """A failed worker call: WorkerLost when the worker is gone (LOST_CODES: a retry may help),
+    else the RpcFailure the request ends with (`kvmesh.v1.status.from_call`)."""
     where = f"{what} on {worker.role} worker {worker.worker_id!r}"
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return WorkerLost(worker.worker_id, f"{where} failed: {details}")
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return RpcFailure(code, details, field=wire.field_of(error))
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return RpcFailure(code, f"{where}: {details}", wire.retry_delay_ms(error))
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return RpcFailure(code, f"{where} exceeded the request deadline")
-    return RpcFailure(code, f"{where}: {details}")
+    failure = status.from_call(error, where)
+    if failure.code in status.LOST_CODES:
+        return WorkerLost(worker.worker_id, failure.message)
+    return RpcFailure(failure.code, failure.message, failure.retry_after_ms, field=failure.field)
 
 
 class Driver:

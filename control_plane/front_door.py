@@ -17,12 +17,11 @@ import grpc
 
 from control_plane.cluster import Cluster
 from control_plane.driver import TRACER, Driver
-from control_plane.ledger import LedgerError, Release, WorkerRef
+from control_plane.ledger import Release, WorkerRef
 from control_plane.releases import send_releases
-from control_plane.routing import NoRouteError
 from control_plane.run import RpcFailure, Run, WorkerLost
 from control_plane.validation import FieldError, check_generate_request, check_request_id
-from kvmesh.v1 import generation_pb2
+from kvmesh.v1 import generation_pb2, status
 
 LOG = logging.getLogger("kvmesh.control_plane")
 MAX_TRIES = 2
@@ -32,8 +31,12 @@ DRAIN_SLACK_SECONDS = 1.0
 DRAINING = "the control plane is draining; retry on another replica or after it restarts"
 
 
-def invalid(error: FieldError) -> RpcFailure:
-    return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(error), field=error.field)
+def as_failure(error: BaseException) -> RpcFailure:
+    """The RpcFailure an exception of the request path stands for (`kvmesh.v1.status`)."""
+    failure = status.failure_of(error, internal="control plane error")
+    if isinstance(failure, RpcFailure):
+        return failure
+    return RpcFailure(failure.code, failure.message, failure.retry_after_ms, field=failure.field)
 
 
 class FrontDoor:
@@ -122,7 +125,7 @@ class FrontDoor:
         try:
             request_id = check_generate_request(request, self._cluster.config.limits)
         except FieldError as error:
-            raise invalid(error) from None
+            raise as_failure(error) from None
         if request_id in self._runs or self._cluster.ledger.is_live(request_id):
             raise RpcFailure(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running"
@@ -204,14 +207,10 @@ class FrontDoor:
             return None
         if isinstance(error, WorkerLost):
             return error
-        if isinstance(error, RpcFailure):
-            raise error
-        if isinstance(error, NoRouteError):
-            raise RpcFailure(grpc.StatusCode[error.code], str(error))
-        if isinstance(error, LedgerError):
-            raise RpcFailure(grpc.StatusCode.ALREADY_EXISTS, str(error))
-        LOG.error("request %s failed", run.request_id, exc_info=error)
-        raise RpcFailure(grpc.StatusCode.INTERNAL, f"control plane error: {error}")  # logged above
+        failure = as_failure(error)  # RpcFailure, NoRouteError, LedgerError, ... (one table)
+        if failure.code == grpc.StatusCode.INTERNAL:
+            LOG.error("request %s failed", run.request_id, exc_info=error)
+        raise failure
 
     async def finish(self, run: Run) -> None:
         """Stop the attempt, close the ledger entry, release every holder (once)."""
@@ -280,7 +279,7 @@ class FrontDoor:
                 raise FieldError("request_id", "must not be empty")
             check_request_id(request_id)
         except FieldError as error:
-            raise invalid(error) from None
+            raise as_failure(error) from None
         run = self._runs.get(request_id)
         if run is not None:
             run.aborted = True

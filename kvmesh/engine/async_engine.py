@@ -70,6 +70,8 @@ class LoadSnapshot:
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (shutdown or a failed step); nothing more runs on it."""
 
+    status_name = "UNAVAILABLE"  # the gRPC status it is answered with
+
 
 def abort_request(engine: LLMEngine, request_id: str) -> object:
     """The default cleanup of a stream left early."""
