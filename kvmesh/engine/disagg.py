@@ -5,7 +5,7 @@ SGLang's KV sender / receiver): functions over the engine's public API, all run 
 that drives the engine (`AsyncLLMEngine.call` / `open_stream`).
 
 Export (prefill role):
-    add_request(request with prefill_only=True)    queued; scheduled until its first token
+    add_request(request with prefill_only=True)     queued; scheduled until its first token
     ready_blocks(request_id)                        blocks whose KV is final now, and whether
                                                     the request is PREFILLED (the exporter
                                                     decides when to ship them: each chunk's,
@@ -13,9 +13,11 @@ Export (prefill role):
     release(request_id)                             drop it in any state (blocks to the pool or
                                                     the prefix cache)
 Import (decode role):
-    reserve_blocks / free_reservation               empty blocks for the prompt's incoming KV
+    reserve(request)                                empty blocks for the prompt's incoming KV,
+                                                    the request WAITING_FOR_REMOTE_KV
     import_prefilled(request, first_tokens, ...)    the KV landed: join the running batch with
                                                     the first tokens, in one engine command
+    release(request_id)                             drop it (waiting or running)
 
 With n > 1 completions the prompt's KV still travels once: the prefill side samples the n
 first tokens from the prompt's last logits row (its request forks at the final chunk), the
@@ -37,7 +39,7 @@ from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampler import TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import is_prefilled, stop_status, validate_request
-from kvmesh.engine.sequence import Request, Sequence, SequenceStatus, child_seq_id
+from kvmesh.engine.sequence import Request, Sequence, SequenceStatus
 
 
 def build_request(
@@ -122,34 +124,12 @@ def spare_blocks(n: int) -> int:
     return n - 1
 
 
-def reserve_blocks(engine: LLMEngine, seq_id: str, num_tokens: int, n: int = 1) -> list[int] | None:
-    """Allocate empty blocks for `num_tokens` prompt tokens, plus `spare_blocks` held under
-    child 1's id for an n > 1 request; None (nothing held) when the pool is short now."""
-    bm = engine.scheduler.block_manager
-    spare_id, spare = child_seq_id(seq_id, 1), spare_blocks(n)
-    if bm.has(seq_id) or (spare and bm.has(spare_id)):
-        raise InvalidParameterError("request_id", f"{seq_id!r} already holds blocks")
-    if -(-num_tokens // bm.block_size) + spare > bm.num_free_blocks:
-        return None
-    if bm.allocate(seq_id, num_tokens) is None:
-        return None
-    if spare and bm.allocate(spare_id, spare * bm.block_size) is None:
-        bm.free(seq_id)
-        return None
-    return bm.block_table(seq_id)
-
-
-def free_reservation(engine: LLMEngine, seq_id: str, n: int = 1) -> bool:
-    """Free reserved blocks (and an n > 1 request's spares) that never joined the batch;
-    True when there were any."""
-    if engine.scheduler.get_request(seq_id) is not None:
-        return False
-    bm = engine.scheduler.block_manager
-    ids = (seq_id, child_seq_id(seq_id, 1)) if spare_blocks(n) else (seq_id,)
-    held = [sid for sid in ids if bm.has(sid)]
-    for sid in held:
-        bm.free(sid)
-    return bool(held)
+def reserve(engine: LLMEngine, request: Request) -> list[int] | None:
+    """Hold a request whose prompt KV will come from another worker: empty blocks for the
+    prompt (once, whatever n) plus `spare_blocks(n)`, the request waiting for its KV (never
+    scheduled) until `import_prefilled`, or `release`; the prompt's block ids, or None
+    (nothing held) when the pool is short now."""
+    return engine.scheduler.add_remote_request(request, spare_blocks(request.params.n))
 
 
 def import_prefilled(
@@ -169,11 +149,6 @@ def import_prefilled(
         raise InvalidParameterError(
             "first_tokens", "no KV came with them, yet they do not end every completion"
         )
-    rid = request.request_id
-    bm = engine.scheduler.block_manager
-    spare_id = child_seq_id(rid, 1)
-    if request.params.n > 1 and bm.has(spare_id):
-        bm.free(spare_id)  # the forks' first writes take these blocks back
     num_prompt = len(request.seqs[0].prompt_ids)
     engine.scheduler.add_prefilled_request(request, num_prompt, first_tokens)
     return engine.emit_imported(request, first_logprobs)

@@ -20,6 +20,7 @@ from kvmesh.memory import AllocResult, BlockManager
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 PREFILLED = SequenceStatus.PREFILLED
+REMOTE_KV = SequenceStatus.WAITING_FOR_REMOTE_KV
 
 
 class SchedulerState:
