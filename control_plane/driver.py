@@ -9,6 +9,7 @@ queue; failures raise RpcFailure (final) or WorkerLost (the caller may retry).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -139,9 +140,15 @@ class Driver:
         with self._streaming(
             run, decode, "decode", self._decode_stub(decode).Decode, request
         ) as call:
-            await self._prefill(run, engine, generation, prefill, decode, reservation)
+            first = asyncio.ensure_future(call.read())  # read as it arrives, relayed after
+            first.add_done_callback(_retrieve)
+            try:
+                await self._prefill(run, engine, generation, prefill, decode, reservation)
+            except BaseException:
+                first.cancel()
+                raise
             self._cluster.ledger.decoding(run.request_id, generation)
-            await self._relay(run, decode, "decode", call)
+            await self._relay(run, decode, "decode", call, first)
 
     async def _reserve(
         self,
@@ -244,16 +251,26 @@ class Driver:
                 call.cancel()
 
     async def _relay(
-        self, run: Run, worker: WorkerRecord, what: str, call: Any, *, colocated: bool = False
+        self,
+        run: Run,
+        worker: WorkerRecord,
+        what: str,
+        call: Any,
+        first: asyncio.Future[Any] | None = None,
+        *,
+        colocated: bool = False,
     ) -> None:
-        """Relay a worker's token stream into the run's queue until every completion ended."""
+        """Relay a worker's token stream into the run's queue until every completion ended;
+        `first` is the stream's first read, when it was started earlier."""
         try:
-            async for response in call:
+            response = await (call.read() if first is None else first)
+            while response is not grpc.aio.EOF:  # type: ignore[attr-defined]
                 if colocated and run.timings.ttft is None:
                     run.timings.queue += response.queue_seconds
                     run.timings.prefill = response.prefill_seconds
                 run.streamed |= bool(response.token_ids)
                 run.queue.put_nowait(run.response(response))
+                response = await call.read()
         except grpc.aio.AioRpcError as error:
             raise map_error(error, worker, what) from None
         if run.worker_aborted:
@@ -268,6 +285,12 @@ class Driver:
                 f"{worker.role} worker {worker.worker_id!r} ended the stream before completion "
                 f"{min(missing)} finished",
             )
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a read's failure retrieved (the relay, or the failure that stopped it, reports)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def client_request(run: Run) -> generation_pb2.GenerateRequest:
