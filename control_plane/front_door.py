@@ -17,15 +17,14 @@ import grpc
 
 from control_plane.cluster import Cluster
 from control_plane.driver import Driver
-from control_plane.ledger import LedgerError, Release, WorkerRef
+from control_plane.ledger import Release, WorkerRef
 from control_plane.releases import send_releases
 from control_plane.request_span import RequestSpan, capture_from_env, mark_refused
-from control_plane.routing import NoRouteError
 from control_plane.run import RpcFailure, Run, WorkerLost
 from control_plane.run_metrics import record_run
 from control_plane.validation import FieldError, check_generate_request, check_request_id
 from kvmesh.telemetry.logs import bind_request_id
-from kvmesh.v1 import generation_pb2
+from kvmesh.v1 import generation_pb2, status
 
 LOG = logging.getLogger("kvmesh.control_plane")
 MAX_TRIES = 2
@@ -35,8 +34,12 @@ DRAIN_SLACK_SECONDS = 1.0
 DRAINING = "the control plane is draining; retry on another replica or after it restarts"
 
 
-def invalid(error: FieldError) -> RpcFailure:
-    return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(error), field=error.field)
+def as_failure(error: BaseException) -> RpcFailure:
+    """The RpcFailure an exception of the request path stands for (`kvmesh.v1.status`)."""
+    failure = status.failure_of(error, internal="control plane error")
+    if isinstance(failure, RpcFailure):
+        return failure
+    return RpcFailure(failure.code, failure.message, failure.retry_after_ms, field=failure.field)
 
 
 class FrontDoor:
@@ -134,7 +137,7 @@ class FrontDoor:
         try:
             request_id = check_generate_request(request, self._cluster.config.limits)
         except FieldError as error:
-            raise invalid(error) from None
+            raise as_failure(error) from None
         if request_id in self._runs or self._cluster.ledger.is_live(request_id):
             raise RpcFailure(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running"
@@ -171,6 +174,7 @@ class FrontDoor:
             run.worker_aborted = False
             with run.traced():  # the attempt's calls and background releases run under it
                 run.attempt = asyncio.create_task(self._driver.attempt(run))
+            run.attempt.add_done_callback(lambda _: run.queue.put_nowait(None))
             async for response in self._drain(run):
                 yield response
             lost = self._outcome(run)
@@ -185,30 +189,22 @@ class FrontDoor:
                 await self._release(self._cluster.ledger.close(run.request_id, "retried"))
 
     async def _drain(self, run: Run) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """Yield the attempt's responses until it ends (bounded by the run's deadline)."""
+        """Yield the attempt's responses until it ended (its None in the queue), each wait
+        bounded by the run's deadline (+ 1 s)."""
         assert run.attempt is not None
+        loop = asyncio.get_running_loop()
         while True:
-            getter = asyncio.ensure_future(run.queue.get())
             try:
-                done, _ = await asyncio.wait(
-                    {getter, run.attempt},
-                    timeout=max(run.remaining(), 0.0) + 1.0,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-            finally:
-                if not getter.done():
-                    getter.cancel()
-            if getter in done:
-                yield getter.result()
-            elif not done:
+                async with asyncio.timeout_at(loop.time() + max(run.remaining(), 0.0) + 1.0):
+                    response = await run.queue.get()
+            except TimeoutError:
                 run.attempt.cancel()
                 raise RpcFailure(
                     grpc.StatusCode.DEADLINE_EXCEEDED, f"request {run.request_id!r} timed out"
-                )
-            else:
-                while not run.queue.empty():
-                    yield run.queue.get_nowait()
+                ) from None
+            if response is None:
                 return
+            yield response
 
     def _outcome(self, run: Run) -> WorkerLost | None:
         """None on success, WorkerLost when a retry may help; raises RpcFailure otherwise."""
@@ -229,14 +225,10 @@ class FrontDoor:
             return None
         if isinstance(error, WorkerLost):
             return error
-        if isinstance(error, RpcFailure):
-            raise error
-        if isinstance(error, NoRouteError):
-            raise RpcFailure(grpc.StatusCode[error.code], str(error))
-        if isinstance(error, LedgerError):
-            raise RpcFailure(grpc.StatusCode.ALREADY_EXISTS, str(error))
-        LOG.error("request %s failed", run.request_id, exc_info=error)
-        raise RpcFailure(grpc.StatusCode.INTERNAL, f"control plane error: {error}")  # logged above
+        failure = as_failure(error)  # RpcFailure, NoRouteError, LedgerError, ... (one table)
+        if failure.code == grpc.StatusCode.INTERNAL:
+            LOG.error("request %s failed", run.request_id, exc_info=error)
+        raise failure
 
     async def finish(self, run: Run) -> None:
         """Stop the attempt, close the ledger entry, release every holder (once)."""
@@ -304,7 +296,7 @@ class FrontDoor:
                 raise FieldError("request_id", "must not be empty")
             check_request_id(request_id)
         except FieldError as error:
-            raise invalid(error) from None
+            raise as_failure(error) from None
         run = self._runs.get(request_id)
         if run is not None:
             run.aborted = True

@@ -58,7 +58,9 @@ class HoldState(enum.Enum):
 
 
 class LedgerError(Exception):
-    """Base of the ledger's typed errors."""
+    """Base of the ledger's typed errors (a request id the ledger cannot take now)."""
+
+    status_name = "ALREADY_EXISTS"  # the gRPC status the request ends with
 
 
 class UnknownRequest(LedgerError):

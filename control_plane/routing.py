@@ -28,6 +28,10 @@ class NoRouteError(Exception):
         super().__init__(message)
         self.code = code
 
+    @property
+    def status_name(self) -> str:
+        return self.code
+
 
 @dataclass(frozen=True)
 class RoutingConfig:

@@ -15,6 +15,7 @@ from opentelemetry import trace
 
 from control_plane.ledger import WorkerRef
 from kvmesh.v1 import generation_pb2, worker_pb2
+from kvmesh.v1.status import Failure
 
 if TYPE_CHECKING:
     from control_plane.request_span import RequestSpan
@@ -22,24 +23,9 @@ if TYPE_CHECKING:
 DEFAULT_MAX_TOKENS = 16  # what a worker generates when the request leaves max_tokens unset
 
 
-class RpcFailure(Exception):
-    """The request ends with this gRPC status (message names the field or the worker);
-    `field` is the request field at fault (sent as a BadRequest detail), `retry_after_ms`
-    the delay a client should wait before retrying (sent as RetryInfo and trailers)."""
-
-    def __init__(
-        self,
-        code: grpc.StatusCode,
-        message: str,
-        retry_after_ms: int | None = None,
-        *,
-        field: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after_ms = retry_after_ms
-        self.field = field
+class RpcFailure(Failure):
+    """The request ends with this gRPC status (message names the field or the worker); the
+    status mapping is `kvmesh.v1.status`, shared with the workers."""
 
 
 class WorkerLost(Exception):
@@ -97,7 +83,10 @@ class Run:
     arrival: float
     deadline: float
     clock: Callable[[], float] = time.monotonic
-    queue: asyncio.Queue[generation_pb2.GenerateResponse] = field(default_factory=asyncio.Queue)
+    # Responses of the current attempt, then None once the attempt ended.
+    queue: asyncio.Queue[generation_pb2.GenerateResponse | None] = field(
+        default_factory=asyncio.Queue
+    )
     attempt: asyncio.Task[None] | None = None
     tries: int = 0
     generation: int | None = None

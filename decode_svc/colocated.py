@@ -49,12 +49,13 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedServiceServicer):
         try:
             added = time.monotonic()
             first = await anext(stream)
+            sampled = time.monotonic()  # the first token: what follows is "first decode"
             outputs = responses(
                 stream,
-                added,
+                sampled,
                 first,
                 queue_seconds=added - arrival,
-                prefill_seconds=time.monotonic() - added,
+                prefill_seconds=sampled - added,
                 tokenizer=self.runtime.core.tokenizer,
             )
             async for response in outputs:

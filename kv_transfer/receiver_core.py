@@ -35,7 +35,7 @@ from kv_transfer.errors import (
     TransferStateError,
     UnknownTransferError,
 )
-from kv_transfer.header import FLAG_NO_CHECKSUM, FrameHeader
+from kv_transfer.header import FLAG_NO_CHECKSUM, FLAG_NO_KV, MAX_TRAILER, FrameHeader
 from kv_transfer.registered import Grant, rows_checksum
 from kv_transfer.state import TransferRecord, TransferRequest, TransferResult, TransferState
 
@@ -67,6 +67,13 @@ class ReceiveHandle:
     def wait(self, timeout: float | None = None) -> TransferResult:
         """Block until terminal or the reservation deadline (then EXPIRED)."""
         result = self._res.record.wait(timeout)
+        if result.state.is_terminal:
+            self._core.forget(self._res)
+        return result
+
+    async def wait_async(self, timeout: float | None = None) -> TransferResult:
+        """`wait` on an event loop, without a waiting thread."""
+        result = await self._res.record.wait_async(timeout)
         if result.state.is_terminal:
             self._core.forget(self._res)
         return result
@@ -240,15 +247,24 @@ class ReceiverCore:
         else:
             header.verify_payload(payload.cpu().numpy())
 
-    def on_end(self, header: FrameHeader) -> TransferResult:
+    def on_end(
+        self, header: FrameHeader, trailer: bytes | bytearray | memoryview = b""
+    ) -> TransferResult:
         """Sender finished: COMPLETED when every reserved block was written exactly once (in
-        however many frames; `frame_count` is an upper bound for a streamed transfer)."""
+        however many frames; `frame_count` is an upper bound for a streamed transfer), or with
+        FLAG_NO_KV whatever was written (`kv_complete` False: the producer had no KV to ship).
+        `trailer` (the END payload, at most MAX_TRAILER bytes) is kept for the result."""
         res = self._find(header)
         with res.record.lock:
             if res.record.state is not TransferState.IN_FLIGHT:
                 raise TransferStateError(f"END in state {res.record.state.name}")
-            if res.blocks_written != int(res.dst.numel()):
+            if len(trailer) > MAX_TRAILER:
+                raise self._fail(res, FrameError("payload_len", f"trailer above {MAX_TRAILER}"))
+            no_kv = bool(header.flags & FLAG_NO_KV)
+            if not no_kv and res.blocks_written != int(res.dst.numel()):
                 raise self._fail(res, FrameError("frame_count", "END before every frame"))
+            res.record.trailer = bytes(trailer)
+            res.record.kv_complete = not no_kv
             res.record.move(TransferState.COMPLETED)
         self.forget(res)
         return res.record.result()

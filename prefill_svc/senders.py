@@ -38,12 +38,17 @@ class SenderPool:
         self._idle: dict[tuple[str, str], list[KVSender]] = defaultdict(list)
         self._lock = threading.Lock()
 
-    def acquire(self, backend: str, endpoint: str) -> KVSender:
-        """A sender to `endpoint` (blocking: may connect; LayoutMismatchError on mismatch)."""
+    def idle(self, backend: str, endpoint: str) -> KVSender | None:
+        """An idle sender to `endpoint`, or None (never blocks)."""
         with self._lock:
             idle = self._idle[(backend, endpoint)]
-            if idle:
-                return idle.pop()
+            return idle.pop() if idle else None
+
+    def acquire(self, backend: str, endpoint: str) -> KVSender:
+        """A sender to `endpoint` (blocking: may connect; LayoutMismatchError on mismatch)."""
+        idle = self.idle(backend, endpoint)
+        if idle is not None:
+            return idle
         options = {"security": self.security} if backend in AUTHENTICATED_BACKENDS else {}
         sender: KVSender = get_backend(backend).Sender(self.store, endpoint, **options)
         return sender

@@ -17,13 +17,11 @@ from typing import TYPE_CHECKING
 from opentelemetry import trace
 
 from kv_transfer.state import TransferResult
-from kvmesh.engine import disagg
-from kvmesh.engine.sequence import SequenceStatus
 from kvmesh.telemetry.tracing import mark_failed, tracer
 from kvmesh.v1 import worker_pb2
 
 if TYPE_CHECKING:
-    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.engine.disagg import ReadyBlocks
 
 TRACER = tracer("kvmesh.prefill")
 PREFIX = "kvmesh.transfer."
@@ -39,14 +37,11 @@ class ChunkEvents:
         self.chunks = 0
         self.done = False
 
-    def __call__(self, engine: LLMEngine, request_id: str) -> None:
+    def __call__(self, ready: ReadyBlocks) -> None:
+        """Record the progress `ready` (the engine's KV connector's report of one step) shows."""
         if self.done:
             return
-        request = engine.scheduler.get_request(request_id)
-        if request is None:
-            return
-        seq = disagg.parked_sequence(request) or request.seqs[0]
-        computed = min(seq.num_computed_tokens, len(seq.prompt_ids))
+        computed = ready.computed_tokens
         if computed > self.computed:
             self.span.add_event(
                 "prefill_chunk",
@@ -58,7 +53,7 @@ class ChunkEvents:
             )
             self.chunks += 1
             self.computed = computed
-        self.done = seq.status is SequenceStatus.PREFILLED or seq.status.is_finished
+        self.done = ready.prefilled
 
 
 class TransferSpan:

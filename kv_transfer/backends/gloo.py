@@ -300,7 +300,7 @@ class Receiver(KVReceiver):
                 return frame_header(MsgType.FRAME_ACK, tid, epoch), None
             if kind is MsgType.END:
                 begun.discard(tid)
-                self.core.on_end(header)
+                self.core.on_end(header, data)
                 return frame_header(MsgType.DONE, tid, epoch), None
             if kind is MsgType.CANCEL:
                 begun.discard(tid)
@@ -479,7 +479,11 @@ class Sender(KVSender):
         if pending is not None:
             self._reply(link, pending, MsgType.FRAME_ACK, waiter)
         self._check_or_cancel(link, plan, waiter)
-        self._exchange(link, frame_header(MsgType.END, tid, epoch), None, waiter, MsgType.DONE)
+        end, trailer = plan.end_frame()
+        tail = None
+        if trailer:
+            tail = torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(self.device)
+        self._exchange(link, end, tail, waiter, MsgType.DONE)
 
     def _check_or_cancel(self, link: _Link, plan: SendPlan, waiter: Waiter) -> None:
         """Between frames (nothing in flight): on cancel or expiry tell the receiver, then raise."""

@@ -209,7 +209,7 @@ class Receiver(KVReceiver):
         elif header.msg_type is MsgType.FRAME:
             self.core.on_frame(header, torch.frombuffer(frame.payload, dtype=torch.uint8))
         elif header.msg_type is MsgType.END:
-            result = self.core.on_end(header)
+            result = self.core.on_end(header, frame.payload)
             return pb.PushResult(state=result.state.name, num_bytes=result.num_bytes)
         elif header.msg_type is MsgType.CANCEL:
             self.core.on_cancel(header)
@@ -236,7 +236,7 @@ class Receiver(KVReceiver):
         if kind is MsgType.BEGIN:
             self.core.on_begin(header, body)
         elif kind is MsgType.END:
-            result = self.core.on_end(header)
+            result = self.core.on_end(header, body)
             return pb.PushResult(state=result.state.name, num_bytes=result.num_bytes)
         elif kind is MsgType.CANCEL:
             self.core.on_cancel(header)
@@ -312,7 +312,8 @@ class Sender(KVSender):
         if cancel.is_set() or time.monotonic() >= waiter.deadline:  # a streamed plan stopped
             yield frame_header(MsgType.CANCEL, tid, epoch).encode()
             return
-        yield frame_header(MsgType.END, tid, epoch).encode()
+        end, trailer = plan.end_frame()
+        yield end.encode() + trailer
 
     def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
         left = waiter.check()

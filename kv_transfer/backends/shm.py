@@ -195,7 +195,7 @@ class Receiver(KVReceiver):
                 self.core.on_frame(header, ring[start : start + header.payload_len])
                 return frame_header(MsgType.FRAME_ACK, tid, epoch, aux=header.aux), b""
             if kind is MsgType.END:
-                self.core.on_end(header)
+                self.core.on_end(header, payload)
                 return frame_header(MsgType.DONE, tid, epoch), b""
             if kind is MsgType.CANCEL:
                 with contextlib.suppress(TransferError):
@@ -449,7 +449,7 @@ class Sender(KVSender):
         for _ in range(self._slots - len(free)):
             self._expect(MsgType.FRAME_ACK, waiter)
         waiter.check()  # a streamed plan stops early on cancel or expiry
-        send_msg(conn, frame_header(MsgType.END, tid, epoch))
+        send_msg(conn, *plan.end_frame())
         self._expect(MsgType.DONE, waiter)
 
     def _publish(self, slot: torch.Tensor) -> None:

@@ -127,6 +127,44 @@ class LLMEngine:
                 self.scheduler.block_manager.evict_all()  # device-cached blocks go down too
             tiers.close()
 
+    # -- built requests (the KV connector in kvmesh.engine.disagg adds and imports these) ---
+    def add_built_request(self, request: Request) -> None:
+        """Queue a Request built elsewhere (validated, carrying its prefix-cache salt)."""
+        self.scheduler.add_request(request)
+        self._track(request)
+
+    def forget_request(self, request_id: str) -> None:
+        """Stop tracking a request the scheduler no longer holds (its outputs end here)."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None:
+            for seq in tracked.request.seqs:
+                self._seq_request.pop(seq.seq_id, None)
+
+    def emit_imported(
+        self, request: Request, first_logprobs: Seq[TokenLogprobs | None] = ()
+    ) -> RequestOutput:
+        """Track a request the scheduler just joined with tokens sampled elsewhere (its
+        sequences' output ids) and return the output carrying them; `first_logprobs[i]` is
+        completion i's first token's logprobs."""
+        tracked = self._track(request)
+        now = time.monotonic()
+        for index, seq in enumerate(list(request.seqs)):
+            logprobs = first_logprobs[index] if index < len(first_logprobs) else None
+            if logprobs is not None:
+                self._step_logprobs[seq.seq_id] = logprobs
+            try:
+                self._record_token(tracked, seq, now)
+            finally:
+                self._step_logprobs.pop(seq.seq_id, None)
+        return self._emit(tracked)
+
+    def _track(self, request: Request) -> _Tracked:
+        tracked = _Tracked(request, None, metrics=RequestMetrics(request.arrival_time))
+        self._tracked[request.request_id] = tracked
+        for seq in request.seqs:
+            self._seq_request[seq.seq_id] = request.request_id
+        return tracked
+
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; outputs of every request that changed."""

@@ -21,6 +21,7 @@ from kvmesh.memory.tiers.costs import PreemptionChooser
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 PREFILLED = SequenceStatus.PREFILLED
+REMOTE_KV = SequenceStatus.WAITING_FOR_REMOTE_KV
 
 
 class SchedulerState:
