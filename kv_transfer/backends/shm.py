@@ -413,7 +413,7 @@ class Sender(KVSender):
             )  # fmt: skip
             send_msg(conn, header)
         waiter.check()  # a streamed plan stops early on cancel or expiry
-        send_msg(conn, frame_header(MsgType.END, tid, epoch))
+        send_msg(conn, *plan.end_frame())  # the producer's trailer rides the END
         self._expect(MsgType.DONE, waiter)
 
     def _poll_refusal(self, tid: bytes) -> None:

@@ -85,7 +85,7 @@ def test_request_span_continues_the_caller_trace_without_text(
         if s.kind is trace.SpanKind.CLIENT and "ControlService" not in s.name
     ]  # fmt: skip
     assert {s.name.rsplit("/", 1)[1] for s in worker_calls} >= {
-        "Prepare",
+        "Reserve",
         "Prefill",
         "Decode",
         "Release",

@@ -8,8 +8,9 @@ import kv_transfer
 from control_plane.routing import RoutingConfig
 from kv_transfer import errors
 from kvmesh.service.options import parser as worker_parser
-from kvmesh.service.status import TRANSFER_CODES, status_of
+from kvmesh.service.status import status_of
 from kvmesh.v1 import transfer
+from kvmesh.v1.status import TRANSFER_CODES
 
 
 def test_every_name_is_a_backend_and_every_backend_a_name() -> None:

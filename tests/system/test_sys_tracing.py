@@ -104,11 +104,11 @@ def test_grpc_request_is_one_trace_from_the_caller_span(traced: Any) -> None:
 
     calls = {s.name for s in children(spans, root) if s.kind == SpanKind.SPAN_KIND_CLIENT}
     assert {
-        "/kvmesh.v1.PrefillService/Prepare",
         "/kvmesh.v1.DecodeService/Reserve",
         "/kvmesh.v1.PrefillService/Prefill",
         "/kvmesh.v1.DecodeService/Decode",
     } <= calls
+    assert "/kvmesh.v1.PrefillService/Prepare" not in calls  # Reserve tokenizes
     assert release & calls  # the releases are in the request's trace
     for name in ("/kvmesh.v1.PrefillService/Prefill", "/kvmesh.v1.DecodeService/Decode"):
         client_span = one(spans, name, SpanKind.SPAN_KIND_CLIENT)
