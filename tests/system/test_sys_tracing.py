@@ -138,16 +138,25 @@ def test_grpc_request_is_one_trace_from_the_caller_span(traced: Any) -> None:
     assert {"level", "logger", "message", "time"} <= set(mine[-1]) and mine[-1]["level"] == "INFO"
 
 
-def test_http_request_continues_the_caller_trace(traced: Any) -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_http_request_continues_the_caller_trace(traced: Any, stream: bool) -> None:
     system, receiver = traced
-    trace_id, caller = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    trace_id = f"0af7651916cd43dd8448eb211c80319{int(stream)}"
+    caller = "b7ad6b7169203331"
     body = {"prompt": SECRET, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
     request = urllib.request.Request(
         f"{system.http_url}/v1/completions", json.dumps(body).encode(),
         {"content-type": "application/json", "traceparent": traceparent(caller, trace_id)},
     )  # fmt: skip
     with urllib.request.urlopen(request, timeout=30) as response:
-        answer = json.load(response)
+        text = response.read().decode()
+    if stream:  # the last data event before [DONE] carries the usage
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        answer = json.loads(events[-2])
+    else:
+        answer = json.loads(text)
     model = client_model(system)
     spans = wait_trace(receiver, trace_id, {f"text_completion {model}", "kv_transfer shm"})
     root = request_span(spans, caller)
