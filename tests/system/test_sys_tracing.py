@@ -168,6 +168,19 @@ def test_http_request_continues_the_caller_trace(traced: Any, stream: bool) -> N
     no_text(spans, SECRET)
 
 
+def test_client_sends_the_current_span_as_traceparent(traced: Any) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    system, receiver = traced
+    tracer = TracerProvider().get_tracer("app")
+    with tracer.start_as_current_span("app") as app, Client(system.endpoint) as client:
+        client.complete("hello", max_tokens=2)
+    context = app.get_span_context()
+    trace_id, span_id = format(context.trace_id, "032x"), format(context.span_id, "016x")
+    receiver.wait(lambda: any(s.parent_id == span_id for s in receiver.trace(trace_id)))
+    assert request_span(receiver.trace(trace_id), span_id).service == "kvmesh-control"
+
+
 def test_failed_request_marks_its_spans_error(traced: Any) -> None:
     system, receiver = traced
     trace_id, caller = "5b8aa5a2d2c872e8321cf37308d69df2", "051581bf3cb55c13"
