@@ -2,7 +2,8 @@
 
 Honoured variables (read once, at `setup_tracing`):
 - `OTEL_SDK_DISABLED=true`: no tracing at all.
-- `OTEL_TRACES_EXPORTER`: `otlp`, `console`, or `none`. Default: `otlp` when
+- `OTEL_TRACES_EXPORTER`: `otlp`, `console`, or `none`, or a comma-separated list of them
+  (`otlp_proto_grpc` / `otlp_proto_http` name OTLP with that protocol). Default: `otlp` when
   `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set, else `none`.
 - `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL`: `grpc` (default) or
   `http/protobuf`; the exporter itself reads the other `OTEL_EXPORTER_OTLP_*` variables
@@ -34,7 +35,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 
-EXPORTERS = ("otlp", "console", "none")
+EXPORTERS = ("otlp", "otlp_proto_grpc", "otlp_proto_http", "console", "none")
 PROTOCOLS = ("grpc", "http/protobuf")
 UNTRACED_METHODS = ("/kvmesh.v1.ControlService/Heartbeat",)
 
@@ -50,13 +51,18 @@ class TracingConfig:
     service_name: str
     protocol: str = "grpc"
 
+    @property
+    def exporters(self) -> tuple[str, ...]:
+        return tuple(self.exporter.split(","))
+
     @classmethod
     def from_env(cls, default_service: str, env: Mapping[str, str] | None = None) -> TracingConfig:
         env = os.environ if env is None else env
         endpoints = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
         has_endpoint = any(env.get(k) for k in endpoints)
         exporter = env.get("OTEL_TRACES_EXPORTER", "otlp" if has_endpoint else "none").lower()
-        if exporter not in EXPORTERS:
+        names = [name.strip() for name in exporter.split(",") if name.strip()] or ["none"]
+        if any(name not in EXPORTERS for name in names):
             raise TracingConfigError(
                 f"OTEL_TRACES_EXPORTER={exporter!r} is not supported; use one of {EXPORTERS}"
             )
@@ -68,18 +74,23 @@ class TracingConfig:
             raise TracingConfigError(f"{key}={protocol!r} is not supported; use one of {PROTOCOLS}")
         return cls(
             disabled=env.get("OTEL_SDK_DISABLED", "").lower() == "true",
-            exporter=exporter,
+            exporter=",".join(names),
             service_name=env.get("OTEL_SERVICE_NAME") or default_service,
             protocol=protocol,
         )
 
 
-def _exporter(config: TracingConfig) -> SpanExporter | None:
-    if config.exporter == "console":
+def _exporters(config: TracingConfig) -> list[SpanExporter]:
+    """One exporter per name of `OTEL_TRACES_EXPORTER` (`none` adds nothing)."""
+    return [e for e in (_exporter(n, config.protocol) for n in config.exporters) if e is not None]
+
+
+def _exporter(name: str, protocol: str) -> SpanExporter | None:
+    if name == "console":
         return ConsoleSpanExporter()
-    if config.exporter != "otlp":
+    if name == "none":
         return None
-    if config.protocol == "http/protobuf":
+    if name == "otlp_proto_http" or (name == "otlp" and protocol == "http/protobuf"):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
             OTLPSpanExporter as HttpExporter,
         )
@@ -101,14 +112,11 @@ def setup_tracing(default_service: str) -> TracerProvider | None:
         return None
     resource = Resource.create({SERVICE_NAME: config.service_name})
     provider = TracerProvider(resource=resource)
-    exporter = _exporter(config)
-    if exporter is not None:
-        processor = (
-            SimpleSpanProcessor(exporter)
-            if config.exporter == "console"
-            else BatchSpanProcessor(exporter)
+    for exporter in _exporters(config):
+        console = isinstance(exporter, ConsoleSpanExporter)
+        provider.add_span_processor(
+            SimpleSpanProcessor(exporter) if console else BatchSpanProcessor(exporter)
         )
-        provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
     return provider
 

@@ -138,16 +138,25 @@ def test_grpc_request_is_one_trace_from_the_caller_span(traced: Any) -> None:
     assert {"level", "logger", "message", "time"} <= set(mine[-1]) and mine[-1]["level"] == "INFO"
 
 
-def test_http_request_continues_the_caller_trace(traced: Any) -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_http_request_continues_the_caller_trace(traced: Any, stream: bool) -> None:
     system, receiver = traced
-    trace_id, caller = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    trace_id = f"0af7651916cd43dd8448eb211c80319{int(stream)}"
+    caller = "b7ad6b7169203331"
     body = {"prompt": SECRET, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
     request = urllib.request.Request(
         f"{system.http_url}/v1/completions", json.dumps(body).encode(),
         {"content-type": "application/json", "traceparent": traceparent(caller, trace_id)},
     )  # fmt: skip
     with urllib.request.urlopen(request, timeout=30) as response:
-        answer = json.load(response)
+        text = response.read().decode()
+    if stream:  # the last data event before [DONE] carries the usage
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        answer = json.loads(events[-2])
+    else:
+        answer = json.loads(text)
     model = client_model(system)
     spans = wait_trace(receiver, trace_id, {f"text_completion {model}", "kv_transfer shm"})
     root = request_span(spans, caller)
@@ -157,6 +166,19 @@ def test_http_request_continues_the_caller_trace(traced: Any) -> None:
     assert root.attributes["gen_ai.usage.input_tokens"] == answer["usage"]["prompt_tokens"]
     assert {"kvmesh-prefill", "kvmesh-decode"} <= {s.service for s in spans}
     no_text(spans, SECRET)
+
+
+def test_client_sends_the_current_span_as_traceparent(traced: Any) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    system, receiver = traced
+    tracer = TracerProvider().get_tracer("app")
+    with tracer.start_as_current_span("app") as app, Client(system.endpoint) as client:
+        client.complete("hello", max_tokens=2)
+    context = app.get_span_context()
+    trace_id, span_id = format(context.trace_id, "032x"), format(context.span_id, "016x")
+    receiver.wait(lambda: any(s.parent_id == span_id for s in receiver.trace(trace_id)))
+    assert request_span(receiver.trace(trace_id), span_id).service == "kvmesh-control"
 
 
 def test_failed_request_marks_its_spans_error(traced: Any) -> None:

@@ -43,23 +43,22 @@ def test_metrics_endpoint_serves_recorded_values() -> None:
 def test_otlp_protocol_picks_the_grpc_or_http_exporter() -> None:
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter as Console
 
-    from kvmesh.telemetry.tracing import _exporter
+    from kvmesh.telemetry.tracing import _exporters
 
-    base = {"OTEL_TRACES_EXPORTER": "otlp"}
-    chosen = {
-        protocol: type(_exporter(TracingConfig.from_env("k", env={**base, **extra})))
-        for protocol, extra in {
-            "default": {},
-            "grpc": {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
-            "http": {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
-            "traces": {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-                       "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"},
-        }.items()
-    }  # fmt: skip
-    assert chosen == {"default": Grpc, "grpc": Grpc, "http": Http, "traces": Http}
-    none = TracingConfig.from_env("k", env={"OTEL_TRACES_EXPORTER": "none"})
-    assert _exporter(none) is None
+    def chosen(**env: str) -> list[type]:
+        config = TracingConfig.from_env("k", env={"OTEL_TRACES_EXPORTER": "otlp", **env})
+        return [type(exporter) for exporter in _exporters(config)]
+
+    assert chosen() == [Grpc]
+    assert chosen(OTEL_EXPORTER_OTLP_PROTOCOL="grpc") == [Grpc]
+    assert chosen(OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf") == [Http]
+    assert chosen(
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf"
+    ) == [Http]
+    assert chosen(OTEL_TRACES_EXPORTER="otlp_proto_http, console") == [Http, Console]
+    assert chosen(OTEL_TRACES_EXPORTER="none") == []
 
 
 def test_unknown_protocol_names_the_variable() -> None:
