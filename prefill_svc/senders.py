@@ -56,6 +56,11 @@ class SenderPool:
                 return
         sender.close()
 
+    def idle(self, backend: str) -> list[KVSender]:
+        """The connected senders of `backend` waiting for a transfer (any endpoint)."""
+        with self._lock:
+            return [s for (name, _), group in self._idle.items() if name == backend for s in group]
+
     def close(self) -> None:
         with self._lock:
             senders = [s for group in self._idle.values() for s in group]
