@@ -40,6 +40,7 @@ class SenderPool:
 
     def acquire(self, backend: str, endpoint: str) -> KVSender:
         """A sender to `endpoint` (blocking: may connect; LayoutMismatchError on mismatch)."""
+        self.prune()
         with self._lock:
             idle = self._idle[(backend, endpoint)]
             if idle:
@@ -55,6 +56,17 @@ class SenderPool:
                 idle.append(sender)
                 return
         sender.close()
+
+    def prune(self) -> int:
+        """Close idle senders whose peer is gone (a dead decode worker's connections, which
+        would otherwise keep its shared cache mapped here); returns how many."""
+        with self._lock:
+            stale = [(key, s) for key, group in self._idle.items() for s in group if s.stale]
+            for key, sender in stale:
+                self._idle[key].remove(sender)
+        for _, sender in stale:
+            sender.close()
+        return len(stale)
 
     def idle(self, backend: str) -> list[KVSender]:
         """The connected senders of `backend` waiting for a transfer (any endpoint)."""

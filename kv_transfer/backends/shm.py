@@ -169,6 +169,18 @@ class Sender(KVSender):
         self._conn, self._segment = conn, segment
         self._ring = torch.frombuffer(segment.buf, dtype=torch.uint8)  # [slots * slot_bytes]
 
+    @property
+    def stale(self) -> bool:
+        """An idle connection the receiver closed (or wrote to): it is of no further use, and
+        in registered mode it still maps the receiver's cache, so it must be closed."""
+        conn = self._conn
+        if conn is None:
+            return True
+        try:
+            return bool(select.select([conn], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+
     def _hello(self, extras: dict[str, object]) -> bytes:
         return self.layout.to_bytes() + b"\0" + json.dumps(extras).encode()
 
