@@ -285,6 +285,11 @@ class KVSender(abc.ABC):
     def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
         """Run the wire protocol; return only when the receiver reported DONE."""
 
+    @property
+    def stale(self) -> bool:
+        """True when this idle sender's peer is gone (a pool then closes it)."""
+        return False
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and staging buffers."""
 

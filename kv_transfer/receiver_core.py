@@ -163,7 +163,10 @@ class ReceiverCore:
             raise FrameError("mode", "this receiver's cache is not in shared memory")
         self.on_begin(header, dst_payload)
         res = self._find(header)
-        res.revoke = revoke
+        with res.record.lock:  # a cancel from now on revokes; one before refuses the grant
+            if res.record.state is not TransferState.IN_FLIGHT:
+                raise TransferStateError(f"BEGIN ended in state {res.record.state.name}")
+            res.revoke = revoke
         kv, scales = self.store.region_offsets(res.dst)
         left = res.record.deadline - time.monotonic()
         return Grant(kv, scales, res.record.deadline).encode(left)

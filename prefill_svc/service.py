@@ -151,7 +151,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         active.num_blocks = len(target.block_ids)
         self.active[rid] = active
         backend, endpoint = target.backend, target.endpoint
-        sender = self.senders.idle(backend, endpoint)
+        sender = self.senders.take_idle(backend, endpoint)
         handle: StreamSendHandle | None = None
         with TransferSpan(target, len(target.block_ids)) as span:
             try:

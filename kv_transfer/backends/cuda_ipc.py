@@ -37,7 +37,7 @@ from kv_transfer.errors import (
     error_to_wire,
 )
 from kv_transfer.header import MsgType, frame_header
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import KVLayout, split_hello
 
 HANDSHAKE_SECONDS = 10.0
 _HANDLE_FIELDS = (  # torch.UntypedStorage._share_cuda_() order
@@ -109,7 +109,7 @@ def authenticate(conn: socket.socket, token: str, deadline: float) -> tuple[KVLa
     header, payload = recv_msg(conn, deadline)
     if header.msg_type is not MsgType.HELLO:
         raise FrameError("msg_type", f"expected HELLO, got {header.msg_type.name}")
-    layout, extras = shm._split_hello(payload)
+    layout, extras = split_hello(payload)
     offered = extras.get("token")
     if not isinstance(offered, str) or not hmac.compare_digest(offered, token):
         error = AuthenticationError("wrong or missing token")
@@ -130,19 +130,14 @@ class Receiver(shm.Receiver):
     def address(self) -> str:
         return f"{self._server.address}#{self._token}"
 
-    def _serve(self, conn: socket.socket) -> None:
-        theirs, extras = authenticate(conn, self._token, time.monotonic() + HANDSHAKE_SECONDS)
-        ours = self.layout.to_bytes()
+    def _read_hello(self, conn: socket.socket) -> tuple[KVLayout, dict[str, object]]:
+        return authenticate(conn, self._token, time.monotonic() + HANDSHAKE_SECONDS)
+
+    def _serve_staging(
+        self, conn: socket.socket, ours: bytes, extras: dict[str, object], slot_bytes: int
+    ) -> None:
+        """Open the sender's device ring from its IPC handle; copy each frame out of its slot."""
         ack = frame_header(MsgType.HELLO_ACK, bytes(16), 0, ours)
-        if theirs != self.layout:
-            send_msg(conn, ack, ours)
-            self.layout.check_compatible(theirs)
-        if extras.get("mode") == "registered":
-            self._serve_registered(conn, ours)
-            return
-        slot_bytes = extras.get("slot_bytes")
-        if not isinstance(slot_bytes, int) or slot_bytes <= 0:
-            raise FrameError("slot_bytes", f"must be a positive int, got {slot_bytes!r}")
         _require_cuda(self.store)
         storage = torch.UntypedStorage._new_shared_cuda(*decode_handle(extras.get("handle")))
         ring = torch.empty(0, dtype=torch.uint8, device=storage.device)

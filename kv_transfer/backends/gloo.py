@@ -48,7 +48,7 @@ from kv_transfer.interface import (
     Waiter,
     fill_frame,
 )
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import KVLayout, split_hello
 from kv_transfer.state import TransferRecord
 
 if not torch.distributed.is_available():  # pragma: no cover - builds without distributed
@@ -234,7 +234,7 @@ class Receiver(KVReceiver):
     def _serve(self, link_id: str) -> None:
         scope = f"kvmesh/link/{link_id}/"
         try:
-            theirs, extras = _split_hello(self._store.get(scope + "hello"))
+            theirs, extras = split_hello(self._store.get(scope + "hello"))
             ours = self.layout.to_bytes()
             max_frame = extras.get("max_frame")
             ack: dict[str, str] = {"layout": ours.decode()}
@@ -312,17 +312,6 @@ class Receiver(KVReceiver):
             wire = error_to_wire(exc)
             body = torch.frombuffer(bytearray(wire), dtype=torch.uint8).to(link.device)
             return frame_header(MsgType.ERROR, tid, epoch, wire), body
-
-
-def _split_hello(payload: bytes) -> tuple[KVLayout, dict[str, object]]:
-    layout_bytes, _, extra = bytes(payload).partition(b"\0")
-    try:
-        extras = json.loads(extra or b"{}")
-    except ValueError:
-        raise FrameError("hello", "bad extras") from None
-    if not isinstance(extras, dict):
-        raise FrameError("hello", "bad extras")
-    return KVLayout.from_bytes(layout_bytes), extras
 
 
 class _LinkPool:

@@ -156,6 +156,12 @@ def test_disaggregated_greedy_matches_offline(
         assert stream[-1].completion_tokens == MAX_TOKENS
     wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 1.0, "decode blocks freed")
     wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 1.0, "prefill blocks freed")
+    if backend == "shm":  # one copy into the decode worker's cache, which lives in a memfd
+        region = decode.role.table.receivers["shm"].store.region
+        assert region is not None
+        region.offset_of(decode.runtime.kv_cache_tensors()[0])  # the engine's cache is in it
+        senders = prefill.role.senders.idle("shm")
+        assert senders and all(s.registered for s in senders)
 
 
 def test_decode_stream_logprobs_carry_token_text(pair: Any, svc_model_dir: Path) -> None:
