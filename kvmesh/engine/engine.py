@@ -83,9 +83,10 @@ class LLMEngine:
             request_id, prompt_ids, params, arrival_time=arrival, prefill_only=prefill_only
         )
         self.scheduler.add_request(request)
-        if self.parts.tiers is not None:  # disk reads start now, well before admission
+        tiers = self.parts.tiers
+        if tiers is not None and tiers.disk is not None:  # disk reads start now, before admission
             manager = self.scheduler.block_manager
-            self.parts.tiers.prefetch(manager.block_hashes(prompt_ids, request.seqs[0].extra_key))
+            tiers.prefetch(manager.block_hashes(prompt_ids, request.seqs[0].extra_key))
         self._tracked[request_id] = _Tracked(request, text, metrics=RequestMetrics(arrival))
         self._seq_request[request_id] = request_id
         return request

@@ -26,7 +26,7 @@ from kvmesh.memory.errors import CapacityError, SequenceExistsError, UnknownSequ
 from kvmesh.memory.hashing import BlockHasher, HashFn, chain_hashes
 from kvmesh.memory.metrics import MemoryMetrics
 from kvmesh.memory.prefix_cache import BlockRef, PrefixCache
-from kvmesh.memory.tiers.blockfile import BlockMeta
+from kvmesh.memory.tier_link import TierLink
 
 if TYPE_CHECKING:
     from kvmesh.memory.tiers.store import TieredStore
@@ -73,14 +73,15 @@ class BlockManager:
             raise ValueError(f"protected_fraction must be in [0, 1], got {protected_fraction}")
         self._cache = PrefixCache()
         self._pool = BlockPool(
-            num_blocks,
-            block_size,
-            protected_capacity=int(num_blocks * protected_fraction),
-            on_evict=self._evicted,
+            num_blocks, block_size, protected_capacity=int(num_blocks * protected_fraction)
         )
-        self.tiers = tiers
+        self._pool.on_evict = self._cache.forget
         self._bs = block_size
         self._hash: HashFn = hash_fn or BlockHasher(hash_seed).hash_block
+        self.tiers = tiers
+        self._link = None if tiers is None else TierLink(tiers, self._pool, self._cache, self._hash)
+        if self._link is not None:
+            self._pool.on_evict = self._link.evicted
         self._promote_on_hit = admission == "slru"
         self.admission = admission
         self.enable_prefix_caching = enable_prefix_caching
@@ -160,9 +161,9 @@ class BlockManager:
                 self._pool.protect(ref[0])
             seq.blocks.append(ref[0])
             parent_hash, parent_ref = block_hash, ref
-        if self.tiers is not None:
-            parent_hash, parent_ref = self._reload_prefix(
-                seq, token_ids[:limit], extra_key, parent_hash, parent_ref
+        if self._link is not None:
+            parent_hash, parent_ref = self._link.reload_prefix(
+                seq.blocks, token_ids[:limit], bs, extra_key, (parent_hash, parent_ref)
             )
         seq.num_tokens = len(seq.blocks) * bs
         seq.num_committed = len(seq.blocks)
@@ -170,52 +171,12 @@ class BlockManager:
         self._hit_tokens += seq.num_tokens
         return seq.num_tokens
 
-    def _reload_prefix(
-        self,
-        seq: _Seq,
-        token_ids: Sequence[int],
-        extra_key: bytes | None,
-        parent_hash: int | None,
-        parent_ref: BlockRef | None,
-    ) -> tuple[int | None, BlockRef | None]:
-        """Extend a device hit with blocks found in the lower tiers: each gets a fresh device
-        block, published at once, whose KV the tiers copy in before the next step."""
-        tiers, bs = self.tiers, self._bs
-        assert tiers is not None
-        for start in range(len(seq.blocks) * bs, len(token_ids) // bs * bs, bs):
-            tokens = tuple(token_ids[start : start + bs])
-            block_hash = self._hash(parent_hash, tokens, extra_key)
-            if not tiers.contains(block_hash) or block_hash in self._cache:
-                break
-            new = self._pool.allocate(1)
-            tiers.flush_spills()  # the eviction above must copy out before the reload lands
-            if new is None:
-                break
-            meta = BlockMeta(block_hash, parent_hash, tokens, extra_key)
-            if not tiers.take(meta, new[0]):
-                self._pool.decref(new[0])
-                break
-            ref, _ = self._cache.commit_block(
-                new[0], block_hash, parent_hash, parent_ref, tokens, extra_key
-            )
-            assert ref is not None and ref[0] == new[0], "a reloaded hash was cached twice"
-            self._pool.mark_cached(new[0])
-            seq.blocks.append(new[0])
-            parent_hash, parent_ref = block_hash, ref
-        return parent_hash, parent_ref
-
     def evict_all(self) -> None:
         """Evict every unreferenced cached block (each spills to the tiers, if any): what a
         persistent disk tier needs at shutdown."""
         taken = self._take_blocks(self._pool.num_free)
         for block in taken or ():
             self._pool.decref(block)
-
-    def _evicted(self, block: int) -> None:
-        entry = self._cache.forget(block)
-        if self.tiers is not None:
-            meta = BlockMeta(entry.block_hash, entry.parent_hash, entry.tokens, entry.extra_key)
-            self.tiers.spill(block, meta)
 
     def allocate(self, seq_id: str, num_tokens: int) -> AllocResult | None:
         """Cover `num_tokens` slots in total (creating the seq if new); None if blocks run out.

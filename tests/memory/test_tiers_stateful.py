@@ -29,6 +29,7 @@ class TieredMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.folder = Path(tempfile.mkdtemp(prefix="kvmesh-tiers-"))
+        (self.folder / "hash-seed").write_bytes(b"s" * 16)  # same file names every run
         self.rig = TieredRig(5, 3, self.folder, 6, persist=True)
         self.live: dict[str, list[int]] = {}
         self.swapped: dict[str, list[int]] = {}
@@ -85,7 +86,10 @@ class TieredMachine(RuleBasedStateMachine):
 
     @rule(tokens=prompts)
     def prefetch(self, tokens: list[int]) -> None:
-        self.rig.store.prefetch(self.rig.manager.block_hashes(tokens))
+        store = self.rig.store
+        store.prefetch(self.rig.manager.block_hashes(tokens))
+        for future in list(store._reads.values()):  # finished reads: a reproducible state
+            future.result(timeout=10)
 
     @rule()
     def restart(self) -> None:
