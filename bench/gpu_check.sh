@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check, run from anywhere in the repository on a machine with one CUDA GPU:
 #   1. kernel tests natively (pytest tests/kernels)
-#   2. `kvmesh bench transfer --json`, when that benchmark exists
+#   2. `kvmesh bench transfer --json` (skipped in a dry run)
 #   3. bench/gpu_check.py: copy bandwidth, paged decode sweep, KV write timing
 # Prints a summary table; with $OUT set, writes $OUT/gpu_check.json (+ pytest and transfer logs).
 # Usage: bench/gpu_check.sh [--dry-run]   (--dry-run: CPU, TRITON_INTERPRET=1, tiny shapes)
@@ -31,7 +31,7 @@ if [ -n "$dry" ]; then
     pytest_args=(tests/kernels/test_triton_cache_ops.py)
 else
     unset TRITON_INTERPRET
-    pytest_args=(tests/kernels)
+    pytest_args=(tests/kernels tests/kv_transfer/test_kvt_cuda_ipc.py)
 fi
 
 echo "== kernel tests"

@@ -1,6 +1,6 @@
 """Attention-output error of int8/fp8 KV quantization schemes on random data with outlier
 K channels (as real models have). Prints ‖out − ref‖/‖ref‖ per scheme; informs the scale
-layout chosen in kvmesh_kernels.quant (docs/ARCHITECTURE.md, "Kernels").
+layout chosen in kvmesh_kernels.quant (docs/KERNELS.md, "KV quantization").
 
     .venv/bin/python bench/kv_quant_error.py [--outlier-gain 20] [--seeds 3]
 """

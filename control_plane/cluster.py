@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from control_plane.config import ControlConfig
-from control_plane.ledger import Ledger, WorkerRef
+from control_plane.ledger import EntryState, Ledger, WorkerRef
 from control_plane.metrics import ControlMetrics
 from control_plane.registry import Registry, WorkerRecord
 from kvmesh.security import Security
@@ -66,6 +66,8 @@ class Cluster:
             clock, config.history_size, reservation_lease=config.reservation_lease_seconds
         )
         self.metrics = metrics or ControlMetrics()
+        live = tuple(state.name for state in EntryState if state is not EntryState.CLOSED)
+        self.metrics.watch_ledger(self.ledger.count_by_state, live)
         self.channels = ChannelPool(config.worker_max_message_bytes, config.security)
         self._lost_listeners: list[WorkerLostListener] = []
         self._serving_listeners: list[ServingListener] = []
@@ -81,11 +83,16 @@ class Cluster:
     def serving(self) -> bool:
         return self._serving
 
+    def model_name(self) -> str:
+        """The served model's name as the live workers report it ("" while none is live)."""
+        workers = self.registry.alive()
+        return workers[0].info.model.model_name if workers else ""
+
     async def worker_gone(self, record: WorkerRecord, *, expired: bool) -> None:
         """An incarnation died (lease) or was replaced: fail its requests, forget its state."""
         worker = WorkerRef(record.worker_id, record.epoch)
         if expired:
-            self.metrics.lease_expiries.labels(record.role).inc()
+            self.metrics.worker_leases.labels(record.role, "expired").inc()
         self.ledger.drop_worker(worker)
         for listener in self._lost_listeners:
             listener(worker)
@@ -105,7 +112,6 @@ class Cluster:
         """Update gauges and tell listeners when the usable worker set appeared or vanished."""
         for role, workers in self.registry.alive_by_role().items():
             self.metrics.workers.labels(role).set(len(workers))
-        self.metrics.ledger_entries.set(len(self.ledger))
         serving = self.registry.has_serving_set()
         if serving != self._serving:
             self._serving = serving

@@ -48,8 +48,10 @@ class ControlConfig:
     reflection: bool = False
     # OpenAI-compatible HTTP API port (0 picks a free one); None disables it.
     http_port: int | None = None
-    # Prometheus text endpoint port; 0 disables it.
-    metrics_port: int = 0
+    # Prometheus text endpoint port (0 picks a free one); None disables it.
+    metrics_port: int | None = None
+    # Record prompt and output text on request spans (also enabled by the GenAI capture env).
+    trace_message_content: bool = False
     # Largest gRPC message the front door port takes or sends (beyond: RESOURCE_EXHAUSTED).
     max_message_bytes: int = 4 * MIB
     # Largest message on the control plane's channels to workers (prepared requests).

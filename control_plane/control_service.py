@@ -10,7 +10,7 @@ import grpc
 
 from control_plane.cluster import Cluster
 from control_plane.ledger import HeldReport, WorkerRef
-from control_plane.registry import RegistrationError
+from control_plane.registry import ROLE_NAMES, RegistrationError
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class ControlServicer(worker_pb2_grpc.ControlServiceServicer):
         worker = WorkerRef(request.worker.worker_id, request.worker.epoch)
         cluster.ledger.adopt(worker, held_reports(list(request.held)))
         await cluster.refresh()
+        cluster.metrics.worker_leases.labels(ROLE_NAMES[request.worker.role], "granted").inc()
         return worker_pb2.RegisterResponse(
             control_epoch=cluster.control_epoch,
             lease_seconds=cluster.config.lease_seconds,
@@ -50,6 +51,9 @@ class ControlServicer(worker_pb2_grpc.ControlServiceServicer):
         epoch = cluster.control_epoch
         if not cluster.registry.heartbeat(request.worker_id, request.epoch, request.load):
             return worker_pb2.HeartbeatResponse(registered=False, control_epoch=epoch)
+        record = cluster.registry.get(request.worker_id)
+        if record is not None:
+            cluster.metrics.worker_leases.labels(record.role, "renewed").inc()
         worker = WorkerRef(request.worker_id, request.epoch)
         release = cluster.ledger.reconcile(worker, held_reports(list(request.held)))
         return worker_pb2.HeartbeatResponse(

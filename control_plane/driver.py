@@ -1,27 +1,29 @@
 """One attempt of a request through the workers, in the order of docs/PROTOCOL.md.
 
-Disaggregated: Prepare (prefill) → ledger.open → Reserve (decode) → Prefill → Decode stream.
-Colocated: Prepare → ledger.open → ColocatedService.Generate stream. Responses go to the
-run's queue; failures raise RpcFailure (final) or WorkerLost (the caller may retry).
+Disaggregated: route (prefix affinity on the prompt's token ids) → ledger.open → Reserve
+(decode; it prepares a text or chat prompt and returns the token ids) → Prefill, with the Decode
+stream opened at the same time (it waits for the KV, whose final frame carries the first token).
+Colocated: Prepare → ledger.open → ColocatedService.Generate stream. Responses go to the run's
+queue; failures raise RpcFailure (final) or WorkerLost (the caller may retry).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
-from opentelemetry import trace
 
 from control_plane.cluster import Cluster
 from control_plane.ledger import WorkerRef
 from control_plane.registry import WorkerRecord
 from control_plane.releases import BackgroundReleases
 from control_plane.routing import NoRouteError, common_backend, order_pairs
-from control_plane.run import DEFAULT_MAX_TOKENS, RpcFailure, Run, WorkerLost
-from kvmesh.v1 import wire, worker_pb2, worker_pb2_grpc
+from control_plane.run import RpcFailure, Run, WorkerLost
+from kvmesh.v1 import generation_pb2, status, worker_pb2, worker_pb2_grpc
 
-TRACER = trace.get_tracer("kvmesh.control_plane")
 DECODE_SKIP_CODES = (
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNAVAILABLE,
@@ -38,17 +40,13 @@ def avoid_last(workers: Sequence[WorkerRecord], avoid: set[str]) -> list[WorkerR
 
 
 def map_error(error: grpc.aio.AioRpcError, worker: WorkerRecord, what: str) -> Exception:
-    code, details = error.code(), error.details() or ""
+    """A failed worker call: WorkerLost when the worker is gone (LOST_CODES: a retry may help),
+    else the RpcFailure the request ends with (`kvmesh.v1.status.from_call`)."""
     where = f"{what} on {worker.role} worker {worker.worker_id!r}"
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return WorkerLost(worker.worker_id, f"{where} failed: {details}")
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return RpcFailure(code, details, field=wire.field_of(error))
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return RpcFailure(code, f"{where}: {details}", wire.retry_delay_ms(error))
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return RpcFailure(code, f"{where} exceeded the request deadline")
-    return RpcFailure(code, f"{where}: {details}")
+    failure = status.from_call(error, where)
+    if failure.code in status.LOST_CODES:
+        return WorkerLost(worker.worker_id, failure.message)
+    return RpcFailure(failure.code, failure.message, failure.retry_after_ms, field=failure.field)
 
 
 class Driver:
@@ -77,12 +75,10 @@ class Driver:
     async def _invoke(
         self, run: Run, worker: WorkerRecord, what: str, method: Any, request: Any
     ) -> Any:
-        """A unary worker call under the run's deadline and trace context (raw gRPC errors)."""
-        with (
-            run.calling(ref(worker)),
-            TRACER.start_as_current_span(what, context=run.trace_context()),
-        ):
-            return await method(request, timeout=run.timeout(), metadata=run.metadata())
+        """A unary worker call under the run's deadline and request span (raw gRPC errors; the
+        tracing interceptor of the channel adds the CLIENT span and the `traceparent`)."""
+        with run.calling(ref(worker)), run.traced():
+            return await method(request, timeout=run.timeout())
 
     async def _call(
         self, run: Run, worker: WorkerRecord, what: str, method: Any, request: Any
@@ -99,11 +95,8 @@ class Driver:
         return worker_pb2_grpc.DecodeServiceStub(self._cluster.channels.get(worker.address))
 
     async def _prepare(self, run: Run, worker: WorkerRecord) -> worker_pb2.EngineRequest:
-        request = type(run.request)()
-        request.CopyFrom(run.request)
-        request.request_id = run.request_id
         stub = self._prefill_stub(worker)
-        prepare = worker_pb2.PrepareRequest(request=request)
+        prepare = worker_pb2.PrepareRequest(request=client_request(run))
         response = await self._call(run, worker, "prepare", stub.Prepare, prepare)
         engine: worker_pb2.EngineRequest = response.request
         run.timings.prompt_tokens = len(engine.prompt_ids)
@@ -111,35 +104,52 @@ class Driver:
 
     def _open(self, run: Run) -> int:
         run.generation = self._cluster.ledger.open(run.request_id, run.deadline).generation
-        self._cluster.metrics.ledger_entries.set(len(self._cluster.ledger))
         return run.generation
 
     async def _disaggregated(
         self, run: Run, prefills: list[WorkerRecord], decodes: list[WorkerRecord]
     ) -> None:
-        config = self._cluster.config
-        compatible = [p for p in prefills if any(p.layout == d.layout for d in decodes)]
-        if not compatible:
-            order_pairs(prefills, decodes, [], 1, b"", config.routing)  # raises the precise error
-        by_load = sorted(compatible, key=lambda w: (w.load.queue, w.worker_id))
-        engine = await self._prepare(run, avoid_last(by_load, run.avoid)[0])
-        sampling = engine.sampling
-        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-        pairs = order_pairs(
-            prefills, decodes, engine.prompt_ids, max_tokens, engine.cache_salt, config.routing
-        )
+        routing = self._cluster.config.routing
+        engine = engine_request(run)  # None: a text or chat prompt, prepared by Reserve
+        ids = [] if engine is None else engine.prompt_ids
+        salt = run.request.cache_salt
+        pairs = order_pairs(prefills, decodes, ids, run.max_tokens(), salt, routing)
         pairs.sort(key=lambda pair: sum(w.worker_id in run.avoid for w in pair))
         generation = self._open(run)
         decode, reservation = await self._reserve(run, engine, generation, pairs)
+        if reservation.HasField("request"):
+            engine = reservation.request
+        assert engine is not None
+        run.timings.prompt_tokens = len(engine.prompt_ids)
+        if not ids:  # now the token ids are known: route the prefill by prefix affinity
+            pairs = order_pairs(prefills, [decode], engine.prompt_ids, 1, salt, routing)
+            pairs.sort(key=lambda pair: pair[0].worker_id in run.avoid)
         prefill = next(p for p, d in pairs if d is decode)
+        run.event("routed", prefill=prefill.worker_id, decode=decode.worker_id)
         run.timings.queue = self._cluster.clock() - run.arrival
-        first = await self._prefill(run, engine, generation, prefill, decode, reservation)
-        await self._decode(run, generation, decode, reservation, first)
+        request = worker_pb2.DecodeRequest(
+            request_id=run.request_id,
+            epoch=reservation.epoch,
+            generation=generation,
+            transfer_id=reservation.transfer_id,
+        )
+        with self._streaming(
+            run, decode, "decode", self._decode_stub(decode).Decode, request
+        ) as call:
+            first = asyncio.ensure_future(call.read())  # read as it arrives, relayed after
+            first.add_done_callback(_retrieve)
+            try:
+                await self._prefill(run, engine, generation, prefill, decode, reservation)
+            except BaseException:
+                first.cancel()
+                raise
+            self._cluster.ledger.decoding(run.request_id, generation)
+            await self._relay(run, decode, "decode", call, first)
 
     async def _reserve(
         self,
         run: Run,
-        engine: worker_pb2.EngineRequest,
+        engine: worker_pb2.EngineRequest | None,
         generation: int,
         pairs: list[tuple[WorkerRecord, WorkerRecord]],
     ) -> tuple[WorkerRecord, worker_pb2.ReserveResponse]:
@@ -148,9 +158,11 @@ class Driver:
         for decode in dict.fromkeys(d for _, d in pairs):
             ledger.expect(run.request_id, generation, ref(decode))
             lease = min(config.reservation_lease_seconds, run.timeout())
-            request = worker_pb2.ReserveRequest(
-                request=engine, generation=generation, lease_seconds=lease
-            )
+            request = worker_pb2.ReserveRequest(generation=generation, lease_seconds=lease)
+            if engine is None:
+                request.prompt.CopyFrom(client_request(run))
+            else:
+                request.request.CopyFrom(engine)
             try:
                 stub = self._decode_stub(decode)
                 response = await self._invoke(run, decode, "reserve", stub.Reserve, request)
@@ -186,7 +198,7 @@ class Driver:
         prefill: WorkerRecord,
         decode: WorkerRecord,
         reservation: worker_pb2.ReserveResponse,
-    ) -> list[worker_pb2.FirstToken]:
+    ) -> None:
         backend = common_backend(prefill, decode, self._cluster.config.transfer_backends) or ""
         target = worker_pb2.KVTarget(
             worker_id=decode.worker_id,
@@ -208,61 +220,53 @@ class Driver:
         timings.prefill = response.prefill_seconds
         timings.transfer = response.transfer_seconds
         timings.cached_tokens = response.cached_tokens
-        return list(response.first_tokens)
-
-    async def _decode(
-        self,
-        run: Run,
-        generation: int,
-        decode: WorkerRecord,
-        reservation: worker_pb2.ReserveResponse,
-        first_tokens: list[worker_pb2.FirstToken],
-    ) -> None:
-        self._cluster.ledger.decoding(run.request_id, generation)
-        request = worker_pb2.DecodeRequest(
-            request_id=run.request_id,
-            epoch=reservation.epoch,
-            generation=generation,
-            transfer_id=reservation.transfer_id,
-            first_tokens=first_tokens,
-        )
-        await self._stream(run, decode, "decode", self._decode_stub(decode).Decode, request)
 
     async def _colocated(self, run: Run, worker: WorkerRecord) -> None:
+        run.event("routed", colocated=worker.worker_id)
         engine = await self._prepare(run, worker)
         generation = self._open(run)
         self._cluster.ledger.decoding(run.request_id, generation, ref(worker))
         run.timings.queue = self._cluster.clock() - run.arrival
         stub = worker_pb2_grpc.ColocatedServiceStub(self._cluster.channels.get(worker.address))
-        await self._stream(run, worker, "generate", stub.Generate, engine, colocated=True)
+        with self._streaming(run, worker, "generate", stub.Generate, engine) as call:
+            await self._relay(run, worker, "generate", call, colocated=True)
 
-    async def _stream(
+    @contextlib.contextmanager
+    def _streaming(
+        self, run: Run, worker: WorkerRecord, what: str, method: Any, request: Any
+    ) -> Iterator[Any]:
+        """A worker's response stream, opened now (under the run's deadline and trace context,
+        counted as a call in flight) and cancelled when the block ends."""
+        with run.calling(ref(worker)), run.traced():
+            call = method(request, timeout=run.timeout())
+            try:
+                yield call
+            finally:
+                call.cancel()
+
+    async def _relay(
         self,
         run: Run,
         worker: WorkerRecord,
         what: str,
-        method: Any,
-        request: Any,
+        call: Any,
+        first: asyncio.Future[Any] | None = None,
         *,
         colocated: bool = False,
     ) -> None:
-        """Relay a worker's token stream into the run's queue until every completion ended."""
-        with (
-            run.calling(ref(worker)),
-            TRACER.start_as_current_span(what, context=run.trace_context()),
-        ):
-            call = method(request, timeout=run.timeout(), metadata=run.metadata())
-            try:
-                async for response in call:
-                    if colocated and run.timings.ttft is None:
-                        run.timings.queue += response.queue_seconds
-                        run.timings.prefill = response.prefill_seconds
-                    run.streamed |= bool(response.token_ids)
-                    run.queue.put_nowait(run.response(response))
-            except grpc.aio.AioRpcError as error:
-                raise map_error(error, worker, what) from None
-            finally:
-                call.cancel()
+        """Relay a worker's token stream into the run's queue until every completion ended;
+        `first` is the stream's first read, when it was started earlier."""
+        try:
+            response = await (call.read() if first is None else first)
+            while response is not grpc.aio.EOF:  # type: ignore[attr-defined]
+                if colocated and run.timings.ttft is None:
+                    run.timings.queue += response.queue_seconds
+                    run.timings.prefill = response.prefill_seconds
+                run.streamed |= bool(response.token_ids)
+                run.queue.put_nowait(run.response(response))
+                response = await call.read()
+        except grpc.aio.AioRpcError as error:
+            raise map_error(error, worker, what) from None
         if run.worker_aborted:
             raise RpcFailure(
                 grpc.StatusCode.ABORTED,
@@ -275,3 +279,31 @@ class Driver:
                 f"{worker.role} worker {worker.worker_id!r} ended the stream before completion "
                 f"{min(missing)} finished",
             )
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a read's failure retrieved (the relay, or the failure that stopped it, reports)."""
+    if not future.cancelled():
+        future.exception()
+
+
+def client_request(run: Run) -> generation_pb2.GenerateRequest:
+    """The client's request, named by the run's request id."""
+    request = type(run.request)()
+    request.CopyFrom(run.request)
+    request.request_id = run.request_id
+    return request
+
+
+def engine_request(run: Run) -> worker_pb2.EngineRequest | None:
+    """The request as workers take it when the client sent token ids (the workers validate
+    it); None for a text or chat prompt, which a worker must tokenize."""
+    message = run.request
+    if message.WhichOneof("prompt") != "token_ids":
+        return None
+    return worker_pb2.EngineRequest(
+        request_id=run.request_id,
+        prompt_ids=message.token_ids.ids,
+        sampling=message.sampling,
+        cache_salt=message.cache_salt,
+    )

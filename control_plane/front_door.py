@@ -16,13 +16,15 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 
 from control_plane.cluster import Cluster
-from control_plane.driver import TRACER, Driver
-from control_plane.ledger import LedgerError, Release, WorkerRef
+from control_plane.driver import Driver
+from control_plane.ledger import Release, WorkerRef
 from control_plane.releases import send_releases
-from control_plane.routing import NoRouteError
+from control_plane.request_span import RequestSpan, capture_from_env, mark_refused
 from control_plane.run import RpcFailure, Run, WorkerLost
+from control_plane.run_metrics import record_run
 from control_plane.validation import FieldError, check_generate_request, check_request_id
-from kvmesh.v1 import generation_pb2
+from kvmesh.telemetry.logs import bind_request_id
+from kvmesh.v1 import generation_pb2, status
 
 LOG = logging.getLogger("kvmesh.control_plane")
 MAX_TRIES = 2
@@ -32,8 +34,12 @@ DRAIN_SLACK_SECONDS = 1.0
 DRAINING = "the control plane is draining; retry on another replica or after it restarts"
 
 
-def invalid(error: FieldError) -> RpcFailure:
-    return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(error), field=error.field)
+def as_failure(error: BaseException) -> RpcFailure:
+    """The RpcFailure an exception of the request path stands for (`kvmesh.v1.status`)."""
+    failure = status.failure_of(error, internal="control plane error")
+    if isinstance(failure, RpcFailure):
+        return failure
+    return RpcFailure(failure.code, failure.message, failure.retry_after_ms, field=failure.field)
 
 
 class FrontDoor:
@@ -46,6 +52,7 @@ class FrontDoor:
         self._idle = asyncio.Event()
         self._idle.set()
         self.draining = False
+        self.capture_content = cluster.config.trace_message_content or capture_from_env()
         cluster.on_worker_lost(self._worker_lost)
 
     @property
@@ -94,12 +101,15 @@ class FrontDoor:
 
     async def stream(self, run: Run) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The run's responses; on failure the run is finished first, then RpcFailure raised."""
+        assert run.request_span is not None
         try:
             async for response in self._relay(run):
+                run.request_span.observe(response)
                 yield response
             run.status = grpc.StatusCode.OK
         except RpcFailure as failure:
             run.status = failure.code
+            run.request_span.failure = failure.message
             await asyncio.shield(self.finish(run))  # released before the client sees the end
             raise
 
@@ -111,8 +121,13 @@ class FrontDoor:
         try:
             return self._admit(request, client_left)
         except RpcFailure as failure:
-            self._cluster.metrics.requests.labels(failure.code.name).inc()
+            self.count_rejected(failure.code)
+            mark_refused(failure.code, failure.message)
             raise
+
+    def count_rejected(self, code: grpc.StatusCode) -> None:
+        """Count a request refused before it ran (either door)."""
+        self._cluster.metrics.requests.labels(code.name).inc()
 
     def _admit(self, request: generation_pb2.GenerateRequest, client_left: float | None) -> Run:
         if self.draining:
@@ -122,7 +137,7 @@ class FrontDoor:
         try:
             request_id = check_generate_request(request, self._cluster.config.limits)
         except FieldError as error:
-            raise invalid(error) from None
+            raise as_failure(error) from None
         if request_id in self._runs or self._cluster.ledger.is_live(request_id):
             raise RpcFailure(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running"
@@ -139,7 +154,11 @@ class FrontDoor:
         if client_left is not None:
             budget = min(budget, client_left)
         run = Run(request_id, request, now, now + budget, clock=self._cluster.clock)
-        run.span = TRACER.start_span("Generate", attributes={"kvmesh.request_id": request_id})
+        bind_request_id(request_id)
+        run.request_span = RequestSpan(
+            request, request_id, self._cluster.model_name(), self.capture_content
+        )
+        run.event("admitted")
         self._runs[request_id] = run
         self._idle.clear()
         self._cluster.metrics.inflight.set(len(self._runs))
@@ -153,7 +172,9 @@ class FrontDoor:
             run.calls.clear()
             run.lost = None
             run.worker_aborted = False
-            run.attempt = asyncio.create_task(self._driver.attempt(run))
+            with run.traced():  # the attempt's calls and background releases run under it
+                run.attempt = asyncio.create_task(self._driver.attempt(run))
+            run.attempt.add_done_callback(lambda _: run.queue.put_nowait(None))
             async for response in self._drain(run):
                 yield response
             lost = self._outcome(run)
@@ -164,33 +185,26 @@ class FrontDoor:
             LOG.info("retrying %s after: %s", run.request_id, lost)
             self._cluster.metrics.retries.inc()
             run.avoid.add(lost.worker_id)
-            await self._release(self._cluster.ledger.close(run.request_id, "retried"))
+            with run.traced():
+                await self._release(self._cluster.ledger.close(run.request_id, "retried"))
 
     async def _drain(self, run: Run) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """Yield the attempt's responses until it ends (bounded by the run's deadline)."""
+        """Yield the attempt's responses until it ended (its None in the queue), each wait
+        bounded by the run's deadline (+ 1 s)."""
         assert run.attempt is not None
+        loop = asyncio.get_running_loop()
         while True:
-            getter = asyncio.ensure_future(run.queue.get())
             try:
-                done, _ = await asyncio.wait(
-                    {getter, run.attempt},
-                    timeout=max(run.remaining(), 0.0) + 1.0,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-            finally:
-                if not getter.done():
-                    getter.cancel()
-            if getter in done:
-                yield getter.result()
-            elif not done:
+                async with asyncio.timeout_at(loop.time() + max(run.remaining(), 0.0) + 1.0):
+                    response = await run.queue.get()
+            except TimeoutError:
                 run.attempt.cancel()
                 raise RpcFailure(
                     grpc.StatusCode.DEADLINE_EXCEEDED, f"request {run.request_id!r} timed out"
-                )
-            else:
-                while not run.queue.empty():
-                    yield run.queue.get_nowait()
+                ) from None
+            if response is None:
                 return
+            yield response
 
     def _outcome(self, run: Run) -> WorkerLost | None:
         """None on success, WorkerLost when a retry may help; raises RpcFailure otherwise."""
@@ -211,14 +225,10 @@ class FrontDoor:
             return None
         if isinstance(error, WorkerLost):
             return error
-        if isinstance(error, RpcFailure):
-            raise error
-        if isinstance(error, NoRouteError):
-            raise RpcFailure(grpc.StatusCode[error.code], str(error))
-        if isinstance(error, LedgerError):
-            raise RpcFailure(grpc.StatusCode.ALREADY_EXISTS, str(error))
-        LOG.error("request %s failed", run.request_id, exc_info=error)
-        raise RpcFailure(grpc.StatusCode.INTERNAL, f"control plane error: {error}")  # logged above
+        failure = as_failure(error)  # RpcFailure, NoRouteError, LedgerError, ... (one table)
+        if failure.code == grpc.StatusCode.INTERNAL:
+            LOG.error("request %s failed", run.request_id, exc_info=error)
+        raise failure
 
     async def finish(self, run: Run) -> None:
         """Stop the attempt, close the ledger entry, release every holder (once)."""
@@ -241,26 +251,25 @@ class FrontDoor:
         status = run.status or (
             grpc.StatusCode.ABORTED if run.aborted else grpc.StatusCode.CANCELLED
         )
-        await self._release(self._cluster.ledger.close(run.request_id, status.name))
+        with run.traced():  # the releases are part of the request's trace
+            await self._release(self._cluster.ledger.close(run.request_id, status.name))
         self._runs.pop(run.request_id, None)
-        metrics = self._cluster.metrics
-        metrics.requests.labels(status.name).inc()
-        metrics.inflight.set(len(self._runs))
-        metrics.ledger_entries.set(len(self._cluster.ledger))
-        if status == grpc.StatusCode.OK and run.timings.ttft is not None:
-            self._observe_ttft(run)
-        run.span.set_attribute("rpc.grpc.status_code", status.value[0])
-        run.span.end()
+        record_run(self._cluster.metrics, run, status, self._cluster.model_name())
+        self._cluster.metrics.inflight.set(len(self._runs))
+        self._end_span(run, status)
         run.done.set()
         if not self._runs:
             self._idle.set()
 
-    def _observe_ttft(self, run: Run) -> None:
-        t, metrics = run.timings, self._cluster.metrics
-        assert t.ttft is not None
-        metrics.ttft.observe(t.ttft)
-        for phase in ("queue", "prefill", "transfer", "first_decode"):  # Timings field = label
-            metrics.ttft_phase.labels(phase).observe(getattr(t, phase))
+    def _end_span(self, run: Run, status: grpc.StatusCode) -> None:
+        """The request's last log line and the end of its span."""
+        t, span = run.timings, run.request_span
+        assert span is not None
+        with run.traced():
+            LOG.info("request %s finished %s: %d prompt tokens (%d cached), %d output tokens, "
+                     "%.3f s", run.request_id, status.name, t.prompt_tokens, t.cached_tokens,
+                     span.output_tokens, self._cluster.clock() - run.arrival)  # fmt: skip
+        span.end(status, t.prompt_tokens, t.cached_tokens)
 
     async def _release(self, releases: list[Release]) -> None:
         await send_releases(self._cluster, releases)
@@ -287,7 +296,7 @@ class FrontDoor:
                 raise FieldError("request_id", "must not be empty")
             check_request_id(request_id)
         except FieldError as error:
-            raise invalid(error) from None
+            raise as_failure(error) from None
         run = self._runs.get(request_id)
         if run is not None:
             run.aborted = True

@@ -9,17 +9,14 @@ import grpc
 
 from control_plane.front_door import FrontDoor
 from control_plane.run import RpcFailure
-from kvmesh.v1 import generation_pb2, generation_pb2_grpc, wire
+from kvmesh.v1 import generation_pb2, generation_pb2_grpc
 
 
 async def abort_with(context: grpc.aio.ServicerContext, failure: RpcFailure) -> NoReturn:
     """End the call with the failure's status: a BadRequest detail naming its field, and with
     a retry delay a RetryInfo detail plus the `grpc-retry-pushback-ms` and `retry-after-ms`
     trailers."""
-    status = wire.failure_status(
-        failure.code, failure.message, field=failure.field, retry_after_ms=failure.retry_after_ms
-    )
-    await wire.abort(context, status)
+    await failure.abort(context)
     raise AssertionError("unreachable")
 
 

@@ -58,7 +58,9 @@ class HoldState(enum.Enum):
 
 
 class LedgerError(Exception):
-    """Base of the ledger's typed errors."""
+    """Base of the ledger's typed errors (a request id the ledger cannot take now)."""
+
+    status_name = "ALREADY_EXISTS"  # the gRPC status the request ends with
 
 
 class UnknownRequest(LedgerError):
@@ -168,6 +170,13 @@ class Ledger:
 
     def entries(self) -> list[LedgerEntry]:
         return list(self._entries.values())
+
+    def count_by_state(self) -> dict[str, int]:
+        """Live entries per state name (safe from another thread: counts a copy)."""
+        counts: dict[str, int] = {}
+        for entry in self.entries():
+            counts[entry.state.name] = counts.get(entry.state.name, 0) + 1
+        return counts
 
     def holders(self, request_id: str) -> frozenset[WorkerRef]:
         """Worker incarnations that hold (or may hold) blocks of the live entry; empty when

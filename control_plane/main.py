@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -13,6 +12,8 @@ from control_plane.config import ControlConfig
 from control_plane.limits import RequestLimits
 from control_plane.server import ControlServer
 from kvmesh.security.flags import add_security_flags, security_from_args
+from kvmesh.telemetry.logs import add_log_flags, setup_from_args
+from kvmesh.telemetry.tracing import setup_tracing
 
 # flag -> (ControlConfig field, help); type and default come from the field's default.
 TUNABLES: dict[str, tuple[str, str]] = {
@@ -69,8 +70,12 @@ def build_parser(prog: str = "kvmesh serve control") -> argparse.ArgumentParser:
             metavar="N", help=f"per-request bound {name} (default %(default)s)")  # fmt: skip
     add("--transfer-backends", default=",".join(defaults.transfer_backends),
         help="KV transfer backends in order of preference (default %(default)s)")  # fmt: skip
-    add("--metrics-port", type=int, default=0, help="Prometheus endpoint port (0: off)")
-    add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add("--metrics-port", type=int, default=None,
+        help="Prometheus endpoint port (0: pick a free one; default: off)")  # fmt: skip
+    add("--trace-message-content", action="store_true",
+        help="record prompt and output text on request spans (default: never; also "
+        "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true)")  # fmt: skip
+    add_log_flags(parser)
     add_security_flags(parser, public=True)
     return parser
 
@@ -91,6 +96,7 @@ def config_from_args(
         reap_interval_seconds=min(0.5, args.lease_seconds),
         transfer_backends=tuple(b for b in args.transfer_backends.split(",") if b),
         metrics_port=args.metrics_port,
+        trace_message_content=args.trace_message_content,
         limits=RequestLimits(**{n: getattr(args, f"limit_{n}") for n in LIMIT_FLAGS.values()}),
         **{name: getattr(args, name) for name, _ in TUNABLES.values()},
     )
@@ -102,6 +108,8 @@ async def serve(config: ControlConfig) -> None:
     await server.start()
     if server.http is not None:  # printed first: `kvmesh up` reads it before the next line
         print(f"kvmesh control plane OpenAI-compatible API on {server.http.url}/v1", flush=True)
+    if server.metrics_address:  # printed before the next two: `kvmesh up` reads it first
+        print(f"kvmesh control plane metrics on {server.metrics_address}", flush=True)
     # `kvmesh up` reads these two in this order; the last one means everything is serving.
     print(f"kvmesh control plane internal ControlService on {server.internal_address}", flush=True)
     print(f"kvmesh control plane listening on {server.address}", flush=True)
@@ -123,10 +131,11 @@ def _loop_factory() -> asyncio.AbstractEventLoop:
 
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    setup_from_args(args, "kvmesh-control")
     try:
         config = config_from_args(args)
-    except ValueError as error:
+        setup_tracing("kvmesh-control")
+    except ValueError as error:  # TracingConfigError too
         print(f"kvmesh serve control: {error}", file=sys.stderr)
         return 2
     with asyncio.Runner(loop_factory=_loop_factory) as runner:

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from control_plane.registry import WorkerRecord
+from kvmesh.v1.transfer import BACKENDS
 
 AFFINITY_BLOCKS = 1
-DEFAULT_TRANSFER_BACKENDS = ("cuda_ipc", "shm", "nccl", "gloo", "grpc", "fake")
+DEFAULT_TRANSFER_BACKENDS = BACKENDS  # every backend, in order of preference
 
 
 class NoRouteError(Exception):
@@ -26,6 +27,10 @@ class NoRouteError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+    @property
+    def status_name(self) -> str:
+        return self.code
 
 
 @dataclass(frozen=True)

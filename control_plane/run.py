@@ -8,35 +8,24 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
-from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 
 from control_plane.ledger import WorkerRef
 from kvmesh.v1 import generation_pb2, worker_pb2
+from kvmesh.v1.status import Failure
+
+if TYPE_CHECKING:
+    from control_plane.request_span import RequestSpan
 
 DEFAULT_MAX_TOKENS = 16  # what a worker generates when the request leaves max_tokens unset
 
 
-class RpcFailure(Exception):
-    """The request ends with this gRPC status (message names the field or the worker);
-    `field` is the request field at fault (sent as a BadRequest detail), `retry_after_ms`
-    the delay a client should wait before retrying (sent as RetryInfo and trailers)."""
-
-    def __init__(
-        self,
-        code: grpc.StatusCode,
-        message: str,
-        retry_after_ms: int | None = None,
-        *,
-        field: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after_ms = retry_after_ms
-        self.field = field
+class RpcFailure(Failure):
+    """The request ends with this gRPC status (message names the field or the worker); the
+    status mapping is `kvmesh.v1.status`, shared with the workers."""
 
 
 class WorkerLost(Exception):
@@ -59,13 +48,45 @@ class Timings:
 
 
 @dataclass
+class TokenTimes:
+    """When each completion's tokens were relayed: the inter-token gaps (one per token after
+    a completion's first; a response of k tokens counts its gap since the previous response
+    as k gaps of gap/k, the first response's extra tokens as gaps of 0), first and last token
+    times and token counts per completion index, and the finish reasons."""
+
+    gaps: list[float] = field(default_factory=list)
+    first: dict[int, float] = field(default_factory=dict)
+    last: dict[int, float] = field(default_factory=dict)
+    count: dict[int, int] = field(default_factory=dict)
+    finish_reasons: dict[int, int] = field(default_factory=dict)
+
+    def relayed(self, index: int, num_tokens: int, now: float) -> None:
+        if num_tokens <= 0:
+            return
+        if index in self.last:
+            self.gaps.extend([(now - self.last[index]) / num_tokens] * num_tokens)
+        else:
+            self.first[index] = now
+            self.gaps.extend([0.0] * (num_tokens - 1))
+        self.last[index] = now
+        self.count[index] = self.count.get(index, 0) + num_tokens
+
+    def per_output_token(self) -> list[float]:
+        """Mean seconds per token after the first, per completion of 2+ tokens."""
+        return [(self.last[i] - self.first[i]) / (n - 1) for i, n in self.count.items() if n >= 2]
+
+
+@dataclass
 class Run:
     request_id: str
     request: generation_pb2.GenerateRequest
     arrival: float
     deadline: float
     clock: Callable[[], float] = time.monotonic
-    queue: asyncio.Queue[generation_pb2.GenerateResponse] = field(default_factory=asyncio.Queue)
+    # Responses of the current attempt, then None once the attempt ended.
+    queue: asyncio.Queue[generation_pb2.GenerateResponse | None] = field(
+        default_factory=asyncio.Queue
+    )
     attempt: asyncio.Task[None] | None = None
     tries: int = 0
     generation: int | None = None
@@ -81,8 +102,9 @@ class Run:
     timings: Timings = field(default_factory=Timings)
     finished_indexes: set[int] = field(default_factory=set)
     tokens_streamed: int = 0  # tokens relayed to the client, all completions together
+    tokens: TokenTimes = field(default_factory=TokenTimes)
     cut: str | None = None  # why the server cut the run (drain), when it did
-    span: trace.Span = field(default_factory=lambda: trace.INVALID_SPAN)
+    request_span: RequestSpan | None = None
     finishing: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -114,20 +136,24 @@ class Run:
             )
         return remaining
 
-    def trace_context(self) -> otel_context.Context:
-        return trace.set_span_in_context(self.span)
+    @property
+    def span(self) -> trace.Span:
+        """The request span (every worker call and release of the run runs under it)."""
+        return trace.INVALID_SPAN if self.request_span is None else self.request_span.span
 
-    @staticmethod
-    def metadata() -> tuple[tuple[str, str], ...]:
-        """The current trace context as gRPC metadata (W3C traceparent)."""
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)
-        return tuple(carrier.items())
+    def traced(self) -> contextlib.AbstractContextManager[trace.Span]:
+        """The request span as the current span (its status is set by the front door only)."""
+        return trace.use_span(self.span, record_exception=False, set_status_on_exception=False)
+
+    def event(self, name: str, **workers: str) -> None:
+        """An event on the request span naming the chosen workers (`kvmesh.worker.ROLE`)."""
+        self.span.add_event(name, {f"kvmesh.worker.{k}": v for k, v in workers.items()})
 
     def response(self, worker: worker_pb2.DecodeResponse) -> generation_pb2.GenerateResponse:
         """A client response from a decode (or colocated) worker's response."""
         now = self.clock()
         self.tokens_streamed += len(worker.token_ids)
+        self.tokens.relayed(worker.index, len(worker.token_ids), now)
         if worker.token_ids and self.timings.ttft is None:
             self.timings.ttft = now - self.arrival
             self.timings.first_decode = worker.first_decode_seconds
@@ -148,6 +174,7 @@ class Run:
             self.worker_aborted = True
         if worker.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
             self.finished_indexes.add(worker.index)
+            self.tokens.finish_reasons[worker.index] = worker.finish_reason
             out.usage.CopyFrom(self.usage(worker, now))
         return out
 

@@ -15,7 +15,9 @@ same loop over the same FrontDoor. Draining sets everything NOT_SERVING, refuses
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,6 +30,7 @@ from control_plane.front_door import FrontDoor
 from control_plane.generation_service import GenerationServicer
 from control_plane.openai_http.app import openai_app
 from control_plane.openai_http.server import HttpServer
+from kvmesh.telemetry.tracing import server_interceptors
 from kvmesh.v1 import generation_pb2, generation_pb2_grpc, wire, worker_pb2, worker_pb2_grpc
 
 LOG = logging.getLogger("kvmesh.control_plane")
@@ -60,18 +63,24 @@ class ControlServer:
         self._reaper = Reaper(self.cluster)
         security = config.security
         refused = self.cluster.metrics.auth_refused
-        # Authentication first: a refused call's bytes are never parsed; then the decode check.
+        # Tracing first (a SERVER span per call, child of the caller's traceparent, that sees
+        # every outcome); then authentication: a refused call's bytes are never parsed; then
+        # the decode check.
         decode = wire.DecodeCheck()
         self.public_auth = security.public_interceptors(refused.labels("public").inc)
         self.internal_auth = security.internal_interceptors(refused.labels("internal").inc)
         options = server_options(config)
-        self._server = grpc.aio.server(options=options, interceptors=[*self.public_auth, decode])
+        self._server = grpc.aio.server(
+            options=options, interceptors=[*server_interceptors(), *self.public_auth, decode]
+        )
         self._internal = grpc.aio.server(
-            options=options, interceptors=[*self.internal_auth, decode]
+            options=options, interceptors=[*server_interceptors(), *self.internal_auth, decode]
         )
         self.port = 0
         self.internal_port = 0
         self.http: HttpServer | None = None
+        self.metrics_address = ""  # host:port of the Prometheus endpoint, once started
+        self._metrics_http: WSGIServer | None = None
         self.cluster.on_serving_change(self._serving_changed)
 
     @property
@@ -115,8 +124,10 @@ class ControlServer:
         self.internal_port = self._bind(
             self._internal, internal_host, c.internal_port, "internal_port", False
         )
-        if self.config.metrics_port:
-            start_http_server(self.config.metrics_port, registry=self.cluster.metrics.registry)
+        if c.metrics_port is not None:
+            registry = self.cluster.metrics.registry
+            self._metrics_http, _ = start_http_server(c.metrics_port, c.host, registry)
+            self.metrics_address = f"{c.host}:{self._metrics_http.server_port}"
         await self.health.set("", SERVING)
         await self.health.set(CONTROL_SERVICE, SERVING)
         await self.health.set(GENERATION_SERVICE, NOT_SERVING)
@@ -163,6 +174,9 @@ class ControlServer:
     async def stop(self) -> None:
         if self.http is not None:
             await self.http.stop()
+        if self._metrics_http is not None:
+            await asyncio.to_thread(self._metrics_http.shutdown)
+            self._metrics_http.server_close()
         await self._reaper.stop()
         await self._server.stop(grace=1.0)
         await self._internal.stop(grace=1.0)

@@ -18,6 +18,8 @@ DEFAULT_LIMITS = RequestLimits()
 class FieldError(ValueError):
     """A request field is invalid; `.field` names it and the message starts with it."""
 
+    status_name = "INVALID_ARGUMENT"
+
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
         self.field = field

@@ -12,22 +12,22 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from kvmesh.service.server import WorkerServer, span
-from kvmesh.service.status import ServiceError, abort_with
-from kvmesh.telemetry.tracing import tracer
+from kvmesh.service.server import WorkerServer
+from kvmesh.service.status import ServiceError, abort_with, status_of
+from kvmesh.telemetry.metrics import WorkerMetrics
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:  # the engine loads with the runtime, not with `kvmesh serve colocated --help`
     from kvmesh.service.runtime import WorkerRuntime
 
-TRACER = tracer("kvmesh.colocated")
 COLOCATED_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["ColocatedService"].full_name
 PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 
 
 class ColocatedServicer(worker_pb2_grpc.ColocatedServiceServicer):
-    def __init__(self, runtime: WorkerRuntime) -> None:
+    def __init__(self, runtime: WorkerRuntime, metrics: WorkerMetrics) -> None:
         self.runtime = runtime
+        self.metrics = metrics
 
     async def Generate(
         self, request: worker_pb2.EngineRequest, context: grpc.aio.ServicerContext
@@ -35,33 +35,39 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedServiceServicer):
         from kvmesh.engine import disagg
         from kvmesh.service.streaming import responses
 
-        with span(TRACER, "colocated.generate", context):
-            arrival = time.monotonic()
-            try:
-                engine_request = self.runtime.request_from(request, prefill_only=False)
-                stream = await self.runtime.engine.open_stream(
-                    engine_request.request_id, lambda e: disagg.add_request(e, engine_request)
-                )
-            except Exception as exc:
-                await abort_with(context, exc)
-                return
-            try:
-                added = time.monotonic()
-                first = await anext(stream)
-                outputs = responses(
-                    stream,
-                    added,
-                    first,
-                    queue_seconds=added - arrival,
-                    prefill_seconds=time.monotonic() - added,
-                    tokenizer=self.runtime.core.tokenizer,
-                )
-                async for response in outputs:
-                    yield response
-            except Exception as exc:
-                await abort_with(context, exc)
-            finally:
-                stream.close()  # aborts the request unless it finished
+        arrival = time.monotonic()
+        try:
+            engine_request = self.runtime.request_from(request, prefill_only=False)
+            stream = await self.runtime.engine.open_stream(
+                engine_request.request_id, lambda e: disagg.add_request(e, engine_request)
+            )
+        except Exception as exc:
+            self.metrics.request_done(status_of(exc)[0])
+            await abort_with(context, exc)
+            return
+        code = grpc.StatusCode.CANCELLED  # unless the stream finishes or fails
+        try:
+            added = time.monotonic()
+            first = await anext(stream)
+            sampled = time.monotonic()  # the first token: what follows is "first decode"
+            outputs = responses(
+                stream,
+                sampled,
+                first,
+                queue_seconds=added - arrival,
+                prefill_seconds=sampled - added,
+                tokenizer=self.runtime.core.tokenizer,
+            )
+            async for response in outputs:
+                yield response
+            if stream.finished:
+                code = grpc.StatusCode.OK
+        except Exception as exc:
+            code = status_of(exc)[0]
+            await abort_with(context, exc)
+        finally:
+            stream.close()  # aborts the request unless it finished
+            self.metrics.request_done(code)
 
 
 class ColocatedPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
@@ -73,8 +79,7 @@ class ColocatedPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     async def Prepare(
         self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrepareResponse:
-        with span(TRACER, "colocated.prepare", context):
-            return await self.runtime.serve_prepare(request, context)
+        return await self.runtime.serve_prepare(request, context)
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -108,12 +113,12 @@ class ColocatedRole:
 
 
 async def install(
-    runtime: WorkerRuntime, server: WorkerServer, args: object, metrics: object
+    runtime: WorkerRuntime, server: WorkerServer, args: object, metrics: WorkerMetrics | None
 ) -> ColocatedRole:
     """Add the colocated worker's services to `server`."""
     server.add(
         worker_pb2_grpc.add_ColocatedServiceServicer_to_server,
-        ColocatedServicer(runtime),
+        ColocatedServicer(runtime, metrics or WorkerMetrics("colocated")),
         COLOCATED_SERVICE,
     )
     server.add(

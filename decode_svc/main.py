@@ -10,16 +10,17 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvmesh.v1 import worker_pb2
+from kvmesh.v1.transfer import WORKER_BACKENDS
 
 if TYPE_CHECKING:
     from decode_svc.reservations import ReservationTable
     from decode_svc.service import DecodeServicer
+    from kv_transfer.registered import SharedRegion
     from kvmesh.service.runtime import WorkerRuntime
     from kvmesh.service.server import WorkerServer
     from kvmesh.telemetry.metrics import WorkerMetrics
 
 DECODE_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
-DEFAULT_BACKENDS = ["shm", "grpc", "gloo"]
 
 
 class DecodeRole:
@@ -53,16 +54,32 @@ async def install(
     from kvmesh.telemetry.metrics import WorkerMetrics
     from kvmesh.v1 import worker_pb2_grpc
 
-    backends = list(getattr(args, "transfer_backend", None) or DEFAULT_BACKENDS)
-    store = BlockStore(*runtime.kv_cache_tensors(), model_id=runtime.layout.model_fingerprint)
+    backends = list(getattr(args, "transfer_backend", None) or WORKER_BACKENDS)
+    region = await share_kv_cache(runtime) if "shm" in backends else None
+    cache, scales = runtime.kv_cache_tensors()
+    store = BlockStore(cache, scales, model_id=runtime.layout.model_fingerprint, region=region)
     host = getattr(args, "host", None) or "127.0.0.1"
     port = getattr(args, "transfer_port", None) or 0
     receivers = open_receivers(store, backends, host, port, server.security)
     table = ReservationTable(runtime.engine, receivers)
     table.start_reaper()
-    servicer = DecodeServicer(runtime, table, metrics or WorkerMetrics())
+    servicer = DecodeServicer(runtime, table, metrics or WorkerMetrics("decode"))
     server.add(worker_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, DECODE_SERVICE)
     return DecodeRole(servicer, table)
+
+
+async def share_kv_cache(runtime: WorkerRuntime) -> SharedRegion | None:
+    """Move a CPU KV cache into an anonymous shared mapping, so that same-host senders write
+    into it in one copy (registered memory); None for a device cache."""
+    from kv_transfer.registered import shared_tensors
+
+    cache, scales = runtime.kv_cache_tensors()
+    if cache.device.type != "cpu":
+        return None
+    scales_shape = None if scales is None else tuple(scales.shape)
+    data, shared_scales, region = shared_tensors(tuple(cache.shape), cache.dtype, scales_shape)
+    await runtime.engine.call(lambda engine: engine.runner.move_kv_cache(data, shared_scales))
+    return region
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from kv_transfer.interface import KVReceiver
 from kv_transfer.receiver_core import ReceiveHandle, ReceiverCore
 from kv_transfer.state import TransferRequest, TransferState
 from kvmesh.engine import disagg
-from kvmesh.engine.async_engine import AsyncLLMEngine, RequestStream, abort_request
+from kvmesh.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvmesh.engine.sequence import Request
 from kvmesh.security import Security
 from kvmesh.service.server import close_within
@@ -120,12 +120,11 @@ class ReservationTable:
         """Blocks for the prompt (once, whatever n: the n completions fork from it) plus the
         spares their first step needs, and a receive slot; None when the pool is short now."""
         assert self._core is not None
-        rid, num_prompt = request.request_id, len(request.seqs[0].prompt_ids)
-        n = request.params.n
+        rid = request.request_id
         try:
-            blocks = await self.engine.call(disagg.reserve_blocks, rid, num_prompt, n)
+            blocks = await self.engine.call(disagg.reserve, request)
         except (asyncio.CancelledError, TimeoutError):
-            self.engine.submit(disagg.free_reservation, rid, n)  # runs after reserve_blocks
+            self.engine.submit(disagg.release, rid)  # runs after the reserve
             raise
         if blocks is None:
             return None
@@ -134,23 +133,20 @@ class ReservationTable:
         try:
             handle = self._core.expect(TransferRequest(transfer_id, generation), blocks, deadline)
         except BaseException:
-            self.engine.submit(disagg.free_reservation, rid, n)
+            self.engine.submit(disagg.release, rid)
             raise
         res = Reservation(request, generation, transfer_id, blocks, handle, deadline)
         self._by_request[rid] = res
         return res
 
     def drop(self, res: Reservation) -> bool:
-        """Forget `res`: no more KV writes, and its blocks go back unless it joined the batch
-        (then the request is aborted). True when it was held."""
+        """Forget `res`: no more KV writes, and the engine drops the request (waiting for its
+        KV, or in the batch) with its blocks. True when it was held."""
         if self._by_request.get(res.request_id) is not res:
             return False
         del self._by_request[res.request_id]
         res.handle.cancel()
-        rid = res.request_id
-        if res.decoding:
-            self.engine.submit(abort_request, rid)
-        self.engine.submit(disagg.free_reservation, rid, res.request.params.n)
+        self.engine.submit(disagg.release, res.request_id)
         return True
 
     def start_reaper(self) -> None:

@@ -1,10 +1,15 @@
 """DecodeService: Reserve blocks under a lease, Decode once the KV landed, Release.
 
-Fencing: Decode names the worker epoch, the ledger generation and the transfer id of its
-reservation; any mismatch is FAILED_PRECONDITION naming the field. A request whose first tokens
-already end every completion (stop id, EOS, max_tokens 1, stop string) needs no KV and does
-not wait for it. With n > 1 the prompt's blocks are reserved once, with n - 1 spare blocks for
-the forks' first step, and Decode joins the n completions sharing them copy on write.
+Reserve takes the prepared request, or the client's request, which it prepares (validates,
+tokenizes) itself and returns. Decode may be opened right after Reserve, while Prefill runs: it
+waits for the KV under the reservation's lease, takes the first tokens (and their logprobs)
+from the transfer's final frame, and joins the running batch in one engine command (the KV
+connector's `import_prefilled`). Fencing: Decode names the worker epoch, the ledger generation
+and the transfer id of its reservation; any mismatch is FAILED_PRECONDITION naming the field.
+A Decode that names the first tokens itself does not read them from the transfer, and when
+they already end every completion (stop id, EOS, max_tokens 1, stop string) does not wait for
+the KV. With n > 1 the prompt's blocks are reserved once, with n - 1 spare blocks for the
+forks' first step, and Decode joins the n completions sharing them copy on write.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+from google.protobuf.message import DecodeError
+from opentelemetry import trace
 
 from decode_svc.reservations import Reservation, ReservationTable
 from kv_transfer.state import TransferResult, TransferState
@@ -22,14 +29,11 @@ from kvmesh.engine import disagg
 from kvmesh.engine.sequence import Request
 from kvmesh.service.convert import logprobs_from_proto
 from kvmesh.service.runtime import WorkerRuntime
-from kvmesh.service.server import span
 from kvmesh.service.status import ServiceError, abort_with, status_of
 from kvmesh.service.streaming import responses
 from kvmesh.telemetry.metrics import WorkerMetrics
-from kvmesh.telemetry.tracing import tracer
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
-TRACER = tracer("kvmesh.decode")
 DEFAULT_LEASE_SECONDS = 30.0
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -41,23 +45,27 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self.runtime = runtime
         self.table = table
         self.metrics = metrics
-        table.on_expire = lambda res: metrics.lease_expiries.labels("reservation").inc()
+        table.on_expire = lambda res: metrics.reservation_leases.labels("expired").inc()
 
     # -- Reserve ---------------------------------------------------------------------------
     async def Reserve(
         self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
-        with span(TRACER, "decode.reserve", context):
-            try:
-                return await self._reserve(request, context)
-            except Exception as exc:
-                await abort_with(context, exc)
-                raise
+        try:
+            response = await self._reserve(request, context)
+        except Exception as exc:
+            await abort_with(context, exc)
+            raise
+        self.metrics.reservation_leases.labels("granted").inc()
+        return response
 
     async def _reserve(
         self, message: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
-        engine_request = self.runtime.request_from(message.request, prefill_only=False)
+        prepared = message.request
+        if message.HasField("prompt"):
+            prepared = await self.runtime.prepare_request(message.prompt)
+        engine_request = self.runtime.request_from(prepared, prefill_only=False)
         if message.generation == 0:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "generation: must be non-zero")
         rid = engine_request.request_id
@@ -79,6 +87,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             transfer_id=res.transfer_id.hex(),
             epoch=self.runtime.epoch,
             layout=self.runtime.layout,
+            request=prepared,
         )
 
     def _shortage(self, request: Request) -> str:
@@ -110,41 +119,47 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
-        with span(TRACER, "decode.decode", context):
-            started = time.monotonic()
+        started = time.monotonic()
+        try:
+            res = self._claim(request)
+            first, kv_complete = await self._await_kv(res, request, context)
+            waited = {"kvmesh.kv_wait_seconds": time.monotonic() - started}
+            trace.get_current_span().add_event("kv_received", waited)
+        except Exception as exc:
+            self.metrics.request_done(status_of(exc)[0])
+            await abort_with(context, exc)
+            return
+        landed = time.monotonic()
+        tokens = [t.token_id for t in first]
+        logprobs = [
+            logprobs_from_proto(t.logprobs) if t.HasField("logprobs") else None for t in first
+        ]
+        code = grpc.StatusCode.CANCELLED  # unless the stream finishes or fails
+        try:
+            raise_if_released(res)
+            stream = await self.runtime.engine.open_stream(
+                res.request_id,
+                lambda e: disagg.import_prefilled(
+                    e, res.request, tokens, logprobs, kv_complete=kv_complete
+                ),
+            )
+            res.stream = stream
+            if res.released is not None:
+                stream.fail(released_error(res))
             try:
-                res = self._claim(request)
-                tokens = await self._await_kv(res, request, context)
-            except Exception as exc:
-                await abort_with(context, exc)
-                return
-            logprobs = [
-                logprobs_from_proto(t.logprobs) if t.HasField("logprobs") else None
-                for t in request.first_tokens
-            ]
-            finished = False
-            try:
-                raise_if_released(res)
-                stream = await self.runtime.engine.open_stream(
-                    res.request_id,
-                    lambda e: disagg.join_prefilled(e, res.request, tokens, logprobs),
-                )
-                res.stream = stream
-                if res.released is not None:
-                    stream.fail(released_error(res))
-                try:
-                    tokenizer = self.runtime.core.tokenizer
-                    async for response in responses(stream, started, tokenizer=tokenizer):
-                        yield response
-                    finished = stream.finished
-                finally:
-                    stream.close()
-            except Exception as exc:
-                await abort_with(context, exc)
+                tokenizer = self.runtime.core.tokenizer
+                async for response in responses(stream, landed, tokenizer=tokenizer):
+                    yield response
+                if stream.finished:
+                    code = grpc.StatusCode.OK
             finally:
-                self.table.drop(res)  # aborts the request unless it finished; idempotent
-                if finished:
-                    self.metrics.requests.labels("ok").inc()
+                stream.close()
+        except Exception as exc:
+            code = status_of(exc)[0]
+            await abort_with(context, exc)
+        finally:
+            self.table.drop(res)  # aborts the request unless it finished; idempotent
+            self.metrics.request_done(code)
 
     def _claim(self, message: worker_pb2.DecodeRequest) -> Reservation:
         """The reservation this Decode names, checked field by field, now DECODING."""
@@ -168,45 +183,68 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             raise ServiceError(FAILED_PRECONDITION, "transfer_id: not this reservation's")
         if res.decoding:
             raise ServiceError(FAILED_PRECONDITION, "request_id: already decoding")
-        vocab = self.runtime.core.runner.vocab_size
-        check_first_tokens(message.first_tokens, res.request.params.n, vocab)
+        if message.first_tokens:
+            self._check_first_tokens(message.first_tokens, res, "first_tokens")
         res.decoding = True
         res.task = asyncio.current_task()
         return res
 
+    def _check_first_tokens(
+        self, tokens: Sequence[worker_pb2.FirstToken], res: Reservation, where: str
+    ) -> None:
+        vocab = self.runtime.core.runner.vocab_size
+        check_first_tokens(tokens, res.request.params.n, vocab, where)
+
     async def _await_kv(
         self, res: Reservation, message: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> list[int]:
-        """The first tokens, once the KV landed (bounded by the lease and the call deadline);
-        no wait when they already end every completion."""
-        tokens = [t.token_id for t in message.first_tokens]
+    ) -> tuple[list[worker_pb2.FirstToken], bool]:
+        """The first tokens and whether the KV came with them, once the transfer ended
+        (bounded by the lease and the call deadline). First tokens named by the call are
+        taken as they are, without waiting when they already end every completion."""
+        given = list(message.first_tokens)
         try:
-            needs_kv = not await self.runtime.engine.call(
-                disagg.first_tokens_finish, res.request, tokens
-            )
-            if not needs_kv:
+            ids = [t.token_id for t in given]
+            if given and await self._first_tokens_finish(res, ids):
                 res.handle.cancel()
-                return tokens
+                return given, False
             limit = res.deadline - time.monotonic()
             remaining = context.time_remaining()
             if remaining is not None:
                 limit = min(limit, remaining)
-            result = await asyncio.to_thread(res.handle.wait, max(0.0, limit))
+            result = await res.handle.wait_async(max(0.0, limit))
             raise_if_released(res)  # a Release cancels the receive, which ends the wait
             check_transfer(result)
-            return tokens
+            if given:
+                return given, result.kv_complete
+            return self._trailer_tokens(result, res), result.kv_complete
         except BaseException:
             self.table.drop(res)
             raise
+
+    async def _first_tokens_finish(self, res: Reservation, ids: list[int]) -> bool:
+        finish: bool = await self.runtime.engine.call(disagg.first_tokens_finish, res.request, ids)
+        return finish
+
+    def _trailer_tokens(
+        self, result: TransferResult, res: Reservation
+    ) -> list[worker_pb2.FirstToken]:
+        """The first tokens of the transfer's trailer (INVALID_ARGUMENT naming it when bad)."""
+        try:
+            tokens = list(worker_pb2.FirstTokens.FromString(result.trailer).tokens)
+        except DecodeError:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT, "transfer_id: the trailer is not FirstTokens"
+            ) from None
+        self._check_first_tokens(tokens, res, "transfer_id.trailer")
+        return tokens
 
     # -- Release ---------------------------------------------------------------------------
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseResponse:
-        with span(TRACER, "decode.release", context):
-            reason = request.reason or "released"
-            released = self.release(request.request_id, request.generation, reason)
-            return worker_pb2.ReleaseResponse(released=released)
+        reason = request.reason or "released"
+        released = self.release(request.request_id, request.generation, reason)
+        return worker_pb2.ReleaseResponse(released=released)
 
     def release(self, request_id: str, generation: int = 0, reason: str = "released") -> bool:
         """Free whatever is held for the request (generation 0: any); idempotent. An open
@@ -233,20 +271,22 @@ def raise_if_released(res: Reservation) -> None:
         raise released_error(res)
 
 
-def check_first_tokens(tokens: Sequence[worker_pb2.FirstToken], n: int, vocab: int) -> None:
-    """INVALID_ARGUMENT naming `first_tokens` unless they are one per completion, indexes
+def check_first_tokens(
+    tokens: Sequence[worker_pb2.FirstToken], n: int, vocab: int, where: str = "first_tokens"
+) -> None:
+    """INVALID_ARGUMENT naming `where` unless the tokens are one per completion, indexes
     0..n-1 in order, each a token of the vocabulary."""
     if [t.index for t in tokens] != list(range(n)):
         indexes = [t.index for t in tokens]
         raise ServiceError(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"first_tokens: expected indexes 0..{n - 1} in order (n = {n}), got {indexes}",
+            f"{where}: expected indexes 0..{n - 1} in order (n = {n}), got {indexes}",
         )
     for token in tokens:
         if not 0 <= token.token_id < vocab:
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"first_tokens.token_id: {token.token_id} out of range [0, {vocab})",
+                f"{where}.token_id: {token.token_id} out of range [0, {vocab})",
             )
 
 

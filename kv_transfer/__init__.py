@@ -1,7 +1,7 @@
 """KV block transfer between processes and hosts: one interface, several backends.
 
 Importing this package is light (no torch); names resolve lazily. Backends:
-`get_backend("fake" | "shm" | "gloo" | "grpc" | "cuda_ipc")` returns a module with `Sender`
+`get_backend(name)` for a name of `kvmesh.v1.transfer.BACKENDS` returns a module with `Sender`
 and `Receiver` classes implementing `kv_transfer.interface.KVSender` / `KVReceiver`.
 """
 
@@ -11,15 +11,17 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-BACKENDS = {
+from kvmesh.v1.transfer import BACKENDS as BACKEND_NAMES
+from kvmesh.v1.transfer import NETWORK_BACKENDS  # receivers take `bind="HOST:PORT"`
+
+_MODULES = {
     "fake": "kv_transfer.backends.fake",
     "shm": "kv_transfer.backends.shm",
     "gloo": "kv_transfer.backends.gloo",
     "grpc": "kv_transfer.backends.grpc_stream",
     "cuda_ipc": "kv_transfer.backends.cuda_ipc",
 }
-
-NETWORK_BACKENDS = ("gloo", "grpc")  # receivers take `bind="HOST:PORT"` (port 0 picks one)
+BACKENDS = {name: _MODULES[name] for name in BACKEND_NAMES}  # name -> module, every name
 # Backends whose Sender and Receiver take `security=` (cluster token, TLS).
 AUTHENTICATED_BACKENDS = ("grpc",)
 

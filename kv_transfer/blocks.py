@@ -12,18 +12,36 @@ import torch
 
 from kv_transfer.errors import FrameError
 from kv_transfer.layout import KVLayout
+from kv_transfer.registered import SharedRegion
 
 
 class BlockStore:
-    """A cache `[num_blocks, L, 2, bs, H, D]` plus optional scales `[num_blocks, L, 2, bs, H]`."""
+    """A cache `[num_blocks, L, 2, bs, H, D]` plus optional scales `[num_blocks, L, 2, bs, H]`.
+
+    With `region`, both tensors lie in that shared mapping: a receiver can then register the
+    cache and grant senders write windows into it (`region_offsets`)."""
 
     def __init__(
-        self, cache: torch.Tensor, scales: torch.Tensor | None = None, *, model_id: str = ""
+        self,
+        cache: torch.Tensor,
+        scales: torch.Tensor | None = None,
+        *,
+        model_id: str = "",
+        region: SharedRegion | None = None,
     ) -> None:
         if not cache.is_contiguous() or (scales is not None and not scales.is_contiguous()):
             raise FrameError("cache", "cache and scales must be contiguous")
         self.cache = cache
         self.scales = scales
+        self.region = region
+        # A CUDA cache is registered as its own storage (CUDA IPC); scales would need a second.
+        self.device_window = region is None and cache.device.type == "cuda" and scales is None
+        self._kv_base = self._scales_base = 0
+        if region is not None:
+            self._kv_base = region.offset_of(cache)
+            self._scales_base = region.offset_of(scales) if scales is not None else 0
+        elif self.device_window:
+            self._kv_base = int(cache.storage_offset()) * cache.element_size()
         self.layout = KVLayout.of(cache, scales, model_id=model_id)
         self.num_blocks = int(cache.shape[0])
         # Host caches as uint8 rows [num_blocks, bytes] for numpy's row scatter, which copies
@@ -35,6 +53,27 @@ class BlockStore:
         """Raise `FrameError(field)` unless every id is a valid block id."""
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
             raise FrameError(field, f"block id outside [0, {self.num_blocks})")
+
+    def region_offsets(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Byte offsets in the registered memory (`region`, or a CUDA cache's own storage) of
+        blocks `ids`' KV rows (and scales rows), int64 [n]."""
+        assert self.grantable
+        kv = self._kv_base + ids * self.layout.kv_bytes_per_block
+        if self.scales is None:
+            return kv, None
+        return kv, self._scales_base + ids * self.layout.scales_bytes_per_block
+
+    @property
+    def grantable(self) -> bool:
+        """Whether senders can be granted windows into this cache (registered memory)."""
+        return self.region is not None or self.device_window
+
+    def row_views(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The cache (and scales) as uint8 rows `[num_blocks, bytes per block]`."""
+        kv = self.cache.view(self.num_blocks, -1).view(torch.uint8)
+        if self.scales is None:
+            return kv, None
+        return kv, self.scales.view(self.num_blocks, -1).view(torch.uint8)
 
     def _views(self, buf: torch.Tensor, n: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Split a uint8 buffer of n blocks into (scales view, kv view) shaped like the cache."""

@@ -8,7 +8,7 @@ import struct
 import time
 
 from kv_transfer.errors import AuthenticationError, DeadlineExpiredError, FrameError, PeerError
-from kv_transfer.header import FLAG_IN_SLOT, HEADER_SIZE, FrameHeader, decode_header
+from kv_transfer.header import HEADER_SIZE, NO_PAYLOAD_FLAGS, FrameHeader, decode_header
 
 MAX_CONTROL_PAYLOAD = 1 << 20
 
@@ -19,6 +19,8 @@ def send_msg(sock: socket.socket, header: FrameHeader, payload: bytes | memoryvi
         sock.sendall(header.encode())
         if len(payload):
             sock.sendall(payload)
+    except TimeoutError:
+        raise DeadlineExpiredError("deadline passed sending to the peer") from None
     except OSError as exc:
         raise PeerError(f"send failed: {exc}") from None
 
@@ -48,7 +50,7 @@ def recv_msg(
     raw = bytearray(HEADER_SIZE)
     _recv_exact(sock, memoryview(raw), deadline)
     header = decode_header(raw)
-    if header.flags & FLAG_IN_SLOT:
+    if header.flags & NO_PAYLOAD_FLAGS:
         return header, bytearray()
     if header.payload_len > max_payload:
         raise FrameError("payload_len", f"{header.payload_len} above limit {max_payload}")

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from kvmesh.v1.transfer import TransferCode
+
 
 class TransferError(Exception):
-    """Base class: a transfer could not proceed. `code` is a stable short name for the wire."""
+    """Base class: a transfer could not proceed. `code` is its stable code on the wire."""
 
-    code = "transfer_error"
+    code: TransferCode = TransferCode.TRANSFER_ERROR
 
 
 class LayoutMismatchError(TransferError):
     """The two sides disagree on a layout field; raised at handshake, before any bytes move."""
 
-    code = "layout_mismatch"
+    code: TransferCode = TransferCode.LAYOUT_MISMATCH
 
     def __init__(self, field: str, ours: object, theirs: object) -> None:
         super().__init__(f"layout field {field!r} differs: ours={ours!r}, theirs={theirs!r}")
@@ -24,7 +26,7 @@ class LayoutMismatchError(TransferError):
 class FrameError(TransferError):
     """A frame or header is malformed (`field` names what was wrong)."""
 
-    code = "bad_frame"
+    code: TransferCode = TransferCode.BAD_FRAME
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -34,64 +36,64 @@ class FrameError(TransferError):
 class ChecksumError(FrameError):
     """The payload does not match the checksum in its header."""
 
-    code = "checksum"
+    code: TransferCode = TransferCode.CHECKSUM
 
 
 class UnknownTransferError(TransferError):
     """A frame names a transfer id the receiver did not reserve blocks for."""
 
-    code = "unknown_transfer"
+    code: TransferCode = TransferCode.UNKNOWN_TRANSFER
 
 
 class StaleEpochError(TransferError):
     """A frame carries an epoch other than the one the receiver reserved blocks under."""
 
-    code = "stale_epoch"
+    code: TransferCode = TransferCode.STALE_EPOCH
 
 
 class TransferStateError(TransferError):
     """A frame or call arrived in a state that does not allow it (`field` is the state)."""
 
-    code = "bad_state"
+    code: TransferCode = TransferCode.BAD_STATE
 
 
 class IllegalTransitionError(TransferError):
     """A state change the transfer state machine does not allow (a bug in the caller)."""
 
-    code = "illegal_transition"
+    code: TransferCode = TransferCode.ILLEGAL_TRANSITION
 
 
 class TransferCancelledError(TransferError):
     """The transfer was cancelled by one side."""
 
-    code = "cancelled"
+    code: TransferCode = TransferCode.CANCELLED
 
 
 class DeadlineExpiredError(TransferError):
     """A wait ran past its deadline."""
 
-    code = "deadline"
+    code: TransferCode = TransferCode.DEADLINE
 
 
 class PeerError(TransferError):
     """The peer went away, refused the connection, or failed the transfer."""
 
-    code = "peer"
+    code: TransferCode = TransferCode.PEER
 
 
 class AuthenticationError(TransferError):
     """The local peer could not prove it is allowed to share memory handles."""
 
-    code = "auth"
+    code: TransferCode = TransferCode.AUTH
 
 
 class BackendUnavailableError(TransferError, RuntimeError):
     """The backend cannot run here (missing CUDA, missing package)."""
 
-    code = "unavailable"
+    code: TransferCode = TransferCode.UNAVAILABLE
 
 
-_BY_CODE: dict[str, type[TransferError]] = {
+_BY_CODE: dict[TransferCode, type[TransferError]] = {
     cls.code: cls
     for cls in (
         TransferError,
@@ -100,17 +102,22 @@ _BY_CODE: dict[str, type[TransferError]] = {
         UnknownTransferError,
         StaleEpochError,
         TransferStateError,
+        IllegalTransitionError,
         TransferCancelledError,
         DeadlineExpiredError,
         PeerError,
         AuthenticationError,
+        BackendUnavailableError,
     )
 }
 
 
 def error_from_wire(code: str, message: str) -> TransferError:
     """Rebuild a peer's error from its code and text (unknown codes become `PeerError`)."""
-    cls = _BY_CODE.get(code, PeerError)
+    try:
+        cls = _BY_CODE.get(TransferCode(code), PeerError)
+    except ValueError:
+        cls = PeerError
     if issubclass(cls, FrameError):
         return cls("peer", message)
     return cls(message)
@@ -118,7 +125,7 @@ def error_from_wire(code: str, message: str) -> TransferError:
 
 def error_to_wire(error: BaseException) -> bytes:
     """Encode an error as `code\\0message` UTF-8 for an ERROR message payload."""
-    code = error.code if isinstance(error, TransferError) else "transfer_error"
+    code = error.code if isinstance(error, TransferError) else TransferCode.TRANSFER_ERROR
     return f"{code}\0{error}".encode()[:4096]
 
 

@@ -40,17 +40,21 @@ HEADER_SIZE = _STRUCT.size + _CHECK.size  # 80
 MAX_PAYLOAD = 1 << 40
 FLAG_NO_CHECKSUM = 0x01
 FLAG_IN_SLOT = 0x02  # payload lies in a shared staging slot (aux), not after the header
-_KNOWN_FLAGS = FLAG_NO_CHECKSUM | FLAG_IN_SLOT
+FLAG_IN_PLACE = 0x04  # payload already written into the receiver's granted window (a commit)
+FLAG_NO_KV = 0x08  # END: the producer has no KV to ship (the trailer alone completes it)
+_KNOWN_FLAGS = FLAG_NO_CHECKSUM | FLAG_IN_SLOT | FLAG_IN_PLACE | FLAG_NO_KV
+NO_PAYLOAD_FLAGS = FLAG_IN_SLOT | FLAG_IN_PLACE  # no payload bytes follow the header
+MAX_TRAILER = 64 << 10  # END payload: the producer's opaque trailer
 
 
 class MsgType(enum.IntEnum):
     HELLO = 1  # payload: KVLayout.to_bytes() (+ backend extras)
     HELLO_ACK = 2  # payload: backend extras
     BEGIN = 3  # payload: destination block ids, u32 little-endian
-    ACCEPT = 4  # receiver accepted BEGIN
-    FRAME = 5  # payload: [scales of num_blocks][kv of num_blocks]
+    ACCEPT = 4  # receiver accepted BEGIN (registered memory: payload is the write window)
+    FRAME = 5  # payload: [scales of num_blocks][kv of num_blocks] (or a commit, FLAG_IN_PLACE)
     FRAME_ACK = 6  # receiver consumed the frame (aux = slot freed)
-    END = 7  # sender sent every frame
+    END = 7  # sender sent every frame; payload: the trailer (opaque to kv_transfer)
     DONE = 8  # receiver wrote every block: transfer COMPLETED
     CANCEL = 9  # either side: stop this transfer
     ERROR = 10  # payload: errors.error_to_wire

@@ -26,7 +26,14 @@ from kv_transfer.errors import (
     TransferCancelledError,
     TransferError,
 )
-from kv_transfer.header import FLAG_NO_CHECKSUM, FrameHeader, MsgType, frame_header
+from kv_transfer.header import (
+    FLAG_NO_CHECKSUM,
+    FLAG_NO_KV,
+    MAX_TRAILER,
+    FrameHeader,
+    MsgType,
+    frame_header,
+)
 from kv_transfer.receiver_core import ReceiveHandle, ReceiverCore
 from kv_transfer.state import TransferRecord, TransferRequest, TransferResult, TransferState
 
@@ -43,6 +50,15 @@ class SendPlan:
 
     def begin_payload(self) -> bytes:
         return self.dst.to(torch.int32).numpy().tobytes()
+
+    def end_frame(self) -> tuple[FrameHeader, bytes]:
+        """The END header and its payload, the producer's trailer (FLAG_NO_KV when the
+        producer finished without KV to ship)."""
+        trailer, kv = (b"", True) if self.parts is None else (self.parts.trailer, self.parts.kv)
+        header = frame_header(MsgType.END, self.request.transfer_id, self.request.epoch, trailer)
+        if not kv:
+            header = dataclasses.replace(header, flags=header.flags | FLAG_NO_KV)
+        return header, trailer
 
     @property
     def frame_count(self) -> int:
@@ -73,6 +89,8 @@ class PartFeed:
         self._num_added = 0
         self._finished = False
         self._cond = threading.Condition()
+        self.trailer = b""
+        self.kv = True
 
     @property
     def num_added(self) -> int:
@@ -97,12 +115,17 @@ class PartFeed:
                 self._frames.append((block_offset + off, min(self._per, n - off)))
             self._cond.notify_all()
 
-    def finish(self) -> None:
+    def finish(self, trailer: bytes = b"", *, kv: bool = True) -> None:
+        """No more parts; `trailer` (at most MAX_TRAILER bytes) travels in END. `kv=False`:
+        the producer has no (more) KV to ship, and END completes the transfer as it is."""
+        if len(trailer) > MAX_TRAILER:
+            raise TransferError(f"trailer of {len(trailer)} bytes above {MAX_TRAILER}")
         with self._cond:
-            if self._num_added != int(self._src.numel()):
+            if kv and self._num_added != int(self._src.numel()):
                 raise TransferError(
                     f"finish() with {self._num_added} of {int(self._src.numel())} blocks added"
                 )
+            self.trailer, self.kv = bytes(trailer), kv
             self._finished = True
             self._cond.notify_all()
 
@@ -137,6 +160,10 @@ class SendHandle:
     def wait(self, timeout: float | None = None) -> TransferResult:
         return self.record.wait(timeout)
 
+    async def wait_async(self, timeout: float | None = None) -> TransferResult:
+        """`wait` on an event loop, without a waiting thread."""
+        return await self.record.wait_async(timeout)
+
 
 class StreamSendHandle(SendHandle):
     """A streamed transfer: `add(block_offset, src_block_ids)` parts as they become final (any
@@ -150,8 +177,10 @@ class StreamSendHandle(SendHandle):
     def add(self, block_offset: int, src_block_ids: object) -> None:
         self.feed.add(block_offset, as_ids(src_block_ids, "src_block_ids"))
 
-    def finish(self) -> None:
-        self.feed.finish()
+    def finish(self, trailer: bytes = b"", *, kv: bool = True) -> None:
+        """Every part was added (or, `kv=False`, none will be); `trailer` travels in END and
+        reaches the receiver's `TransferResult.trailer`."""
+        self.feed.finish(trailer, kv=kv)
 
 
 class KVSender(abc.ABC):
@@ -178,7 +207,7 @@ class KVSender(abc.ABC):
         self.store.check_ids(src, "src_block_ids")
         if src.numel() != dst.numel():
             raise TransferError(f"{src.numel()} source blocks but {dst.numel()} destinations")
-        frames = frames_for(int(src.numel()), self.layout.bytes_per_block, self.frame_bytes)
+        frames = frames_for(int(src.numel()), self.layout.bytes_per_block, self.max_frame_bytes)
         return SendPlan(request, src, dst, frames)
 
     def start(
@@ -242,7 +271,8 @@ class KVSender(abc.ABC):
         try:
             record.move(TransferState.IN_FLIGHT)
             self._transfer(plan, record, Waiter(record.deadline, cancel))
-            record.num_bytes = int(plan.src.numel()) * self.layout.bytes_per_block
+            blocks = plan.src.numel() if plan.parts is None else plan.parts.num_added
+            record.num_bytes = int(blocks) * self.layout.bytes_per_block
             record.move(TransferState.COMPLETED)
         except TransferError as exc:
             record.end(end_state_for(exc), exc)
@@ -254,6 +284,11 @@ class KVSender(abc.ABC):
     @abc.abstractmethod
     def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
         """Run the wire protocol; return only when the receiver reported DONE."""
+
+    @property
+    def stale(self) -> bool:
+        """True when this idle sender's peer is gone (a pool then closes it)."""
+        return False
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and staging buffers."""

@@ -121,3 +121,15 @@ class KVLayout:
             model_id=model_id,
             scales_bytes_per_block=scales_bytes,
         )
+
+
+def split_hello(payload: bytes | bytearray) -> tuple[KVLayout, dict[str, object]]:
+    """A HELLO / HELLO_ACK payload: `KVLayout.to_bytes()`, NUL, backend extras (JSON object)."""
+    layout_bytes, _, extra = bytes(payload).partition(b"\0")
+    try:
+        extras = json.loads(extra or b"{}")
+    except ValueError:
+        raise FrameError("hello", "bad extras") from None
+    if not isinstance(extras, dict):
+        raise FrameError("hello", "bad extras")
+    return KVLayout.from_bytes(layout_bytes), extras

@@ -20,11 +20,13 @@ import xxhash
 from kv_transfer import get_backend
 from kv_transfer.blocks import BlockStore
 from kv_transfer.errors import TransferError
+from kv_transfer.registered import shared_tensors
 from kv_transfer.state import TransferRequest, TransferResult
 
 
 def make_store(spec: dict[str, Any]) -> BlockStore:
-    """Random block-major cache (+ float32 scales when `scales`) from a seeded generator."""
+    """Random block-major cache (+ float32 scales when `scales`) from a seeded generator; in
+    a shared region (registered memory) unless `shared` is false."""
     gen = torch.Generator().manual_seed(int(spec.get("seed", 0)))
     shape = (
         spec["num_blocks"],
@@ -36,7 +38,16 @@ def make_store(spec: dict[str, Any]) -> BlockStore:
     )
     cache = torch.randn(shape, generator=gen).to(getattr(torch, spec.get("dtype", "bfloat16")))
     scales = torch.rand(shape[:5], generator=gen) if spec.get("scales") else None
-    return BlockStore(cache, scales, model_id=spec.get("model_id", "test-model"))
+    model_id = spec.get("model_id", "test-model")
+    if not spec.get("shared", True):
+        return BlockStore(cache, scales, model_id=model_id)
+    shared, shared_scales, region = shared_tensors(
+        tuple(shape), cache.dtype, None if scales is None else tuple(shape[:5])
+    )
+    shared.copy_(cache)
+    if shared_scales is not None and scales is not None:
+        shared_scales.copy_(scales)
+    return BlockStore(shared, shared_scales, model_id=model_id, region=region)
 
 
 def digest(store: BlockStore, ids: list[int]) -> str:

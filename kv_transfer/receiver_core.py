@@ -8,6 +8,12 @@ A transfer's blocks may arrive in any number of frames, in any order (a streamed
 each prefill chunk's blocks as the chunk completes): every frame names its block offset, frame
 indices are unique, and the transfer completes at END only when every reserved block has been
 written exactly once. A frame that overlaps blocks already written is refused.
+
+Registered memory (`grant`, `on_written`): when the cache lies in a shared region, BEGIN is
+answered with a write window over exactly the reserved blocks (their byte offsets, bound to
+the transfer id, epoch and lease); the sender writes the blocks in place and commits each
+frame. A commit for another epoch, after the lease, outside the window or over blocks already
+committed is refused and changes nothing; END completes only when every block was committed.
 """
 
 from __future__ import annotations
@@ -15,18 +21,22 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
+from collections.abc import Callable
 
 import torch
 
 from kv_transfer.blocks import BlockStore, as_ids
 from kv_transfer.errors import (
+    ChecksumError,
     FrameError,
     StaleEpochError,
     TransferError,
     TransferStateError,
     UnknownTransferError,
 )
-from kv_transfer.header import FLAG_NO_CHECKSUM, FrameHeader
+from kv_transfer.header import FLAG_NO_CHECKSUM, FLAG_NO_KV, MAX_TRAILER, FrameHeader
+from kv_transfer.registered import Grant, rows_checksum
 from kv_transfer.state import TransferRecord, TransferRequest, TransferResult, TransferState
 
 _RECENT = 1024  # ended transfers remembered, so late frames get the real reason
@@ -40,6 +50,7 @@ class _Reservation:
     frame_count: int | None = None
     blocks_written: int = 0
     written: torch.Tensor | None = None  # bool [n]: destination blocks already written
+    revoke: Callable[[], None] | None = None  # tells a sender holding a window to stop
 
 
 class ReceiveHandle:
@@ -60,10 +71,19 @@ class ReceiveHandle:
             self._core.forget(self._res)
         return result
 
+    async def wait_async(self, timeout: float | None = None) -> TransferResult:
+        """`wait` on an event loop, without a waiting thread."""
+        result = await self._res.record.wait_async(timeout)
+        if result.state.is_terminal:
+            self._core.forget(self._res)
+        return result
+
     def cancel(self) -> bool:
         """End as CANCELLED unless already terminal; an in-progress write finishes first."""
         ended = self._res.record.end(TransferState.CANCELLED)
         self._core.forget(self._res)
+        if self._res.revoke is not None and self._res.record.state is not TransferState.COMPLETED:
+            self._res.revoke()  # a sender may still hold a write window: stop it
         return ended
 
 
@@ -131,6 +151,61 @@ class ReceiverCore:
                 raise self._fail(res, FrameError("dst_block_ids", "differ from the reservation"))
             res.record.move(TransferState.IN_FLIGHT)
 
+    def grant(
+        self,
+        header: FrameHeader,
+        dst_payload: bytes | bytearray,
+        revoke: Callable[[], None] | None = None,
+    ) -> bytes:
+        """BEGIN on registered memory: the encoded write window over the reserved blocks;
+        `revoke` is called when the reservation is cancelled or dropped before completing."""
+        if not self.store.grantable:
+            raise FrameError("mode", "this receiver's cache is not in shared memory")
+        self.on_begin(header, dst_payload)
+        res = self._find(header)
+        with res.record.lock:  # a cancel from now on revokes; one before refuses the grant
+            if res.record.state is not TransferState.IN_FLIGHT:
+                raise TransferStateError(f"BEGIN ended in state {res.record.state.name}")
+            res.revoke = revoke
+        kv, scales = self.store.region_offsets(res.dst)
+        left = res.record.deadline - time.monotonic()
+        return Grant(kv, scales, res.record.deadline).encode(left)
+
+    def on_written(self, header: FrameHeader) -> None:
+        """A sender committed blocks it wrote in place; refused (nothing changes) unless the
+        transfer is live under this epoch and lease and the blocks are inside the window, not
+        yet committed, and (unless FLAG_NO_CHECKSUM) match the frame's checksum."""
+        res = self._find(header)
+        with res.record.lock:  # cancel() waits for a commit in progress, then none follows
+            if res.record.state is not TransferState.IN_FLIGHT:
+                raise TransferStateError(f"FRAME in state {res.record.state.name}")
+            self._check_window(res, header)
+            lo, n = header.block_offset, header.num_blocks
+            if not header.flags & FLAG_NO_CHECKSUM:
+                self._verify_in_place(res.dst[lo : lo + n], header)
+            self._mark(res, header)
+
+    def _verify_in_place(self, ids: torch.Tensor, header: FrameHeader) -> None:
+        region = self.store.region
+        if region is None:
+            raise FrameError("flags", "payload checksums need a host cache")
+        kv, scales = self.store.region_offsets(ids)
+        groups = [(region.bytes, kv, self.store.layout.kv_bytes_per_block)]
+        if scales is not None:
+            groups.insert(0, (region.bytes, scales, self.store.layout.scales_bytes_per_block))
+        actual = rows_checksum(groups)
+        if actual != header.checksum:
+            raise ChecksumError("checksum", f"blocks {actual:#x} != header {header.checksum:#x}")
+
+    def _mark(self, res: _Reservation, header: FrameHeader) -> None:
+        lo, n = header.block_offset, header.num_blocks
+        res.frames_seen.add(header.frame_index)
+        res.frame_count = header.frame_count
+        assert res.written is not None  # set by _check_window
+        res.written[lo : lo + n] = True
+        res.blocks_written += n
+        res.record.num_bytes += header.payload_len
+
     def on_frame(self, header: FrameHeader, payload: torch.Tensor) -> None:
         """Validate one FRAME (uint8 payload [payload_len]) and scatter it into reserved blocks."""
         res = self._find(header)
@@ -138,19 +213,15 @@ class ReceiverCore:
             if res.record.state is not TransferState.IN_FLIGHT:
                 raise TransferStateError(f"FRAME in state {res.record.state.name}")
             try:
-                self._check_frame(res, header, payload)
+                self._check_window(res, header)
+                self._check_payload(header, payload)
             except TransferError as exc:
                 raise self._fail(res, exc) from None
             lo, n = header.block_offset, header.num_blocks
             self.store.scatter_from(res.dst[lo : lo + n], payload)
-            res.frames_seen.add(header.frame_index)
-            res.frame_count = header.frame_count
-            assert res.written is not None  # set by _check_frame
-            res.written[lo : lo + n] = True
-            res.blocks_written += n
-            res.record.num_bytes += header.payload_len
+            self._mark(res, header)
 
-    def _check_frame(self, res: _Reservation, header: FrameHeader, payload: torch.Tensor) -> None:
+    def _check_window(self, res: _Reservation, header: FrameHeader) -> None:
         if res.frame_count not in (None, header.frame_count):
             raise FrameError("frame_count", f"changed from {res.frame_count}")
         if header.frame_index in res.frames_seen:
@@ -168,6 +239,9 @@ class ReceiverCore:
         want = header.num_blocks * self.store.layout.bytes_per_block
         if header.payload_len != want:
             raise FrameError("payload_len", f"{header.payload_len} != {want} for the blocks")
+
+    @staticmethod
+    def _check_payload(header: FrameHeader, payload: torch.Tensor) -> None:
         if payload.device.type == "cpu":
             header.verify_payload(payload.numpy())
         elif header.flags & FLAG_NO_CHECKSUM:  # device payload: length only, no host copy
@@ -176,15 +250,24 @@ class ReceiverCore:
         else:
             header.verify_payload(payload.cpu().numpy())
 
-    def on_end(self, header: FrameHeader) -> TransferResult:
+    def on_end(
+        self, header: FrameHeader, trailer: bytes | bytearray | memoryview = b""
+    ) -> TransferResult:
         """Sender finished: COMPLETED when every reserved block was written exactly once (in
-        however many frames; `frame_count` is an upper bound for a streamed transfer)."""
+        however many frames; `frame_count` is an upper bound for a streamed transfer), or with
+        FLAG_NO_KV whatever was written (`kv_complete` False: the producer had no KV to ship).
+        `trailer` (the END payload, at most MAX_TRAILER bytes) is kept for the result."""
         res = self._find(header)
         with res.record.lock:
             if res.record.state is not TransferState.IN_FLIGHT:
                 raise TransferStateError(f"END in state {res.record.state.name}")
-            if res.blocks_written != int(res.dst.numel()):
+            if len(trailer) > MAX_TRAILER:
+                raise self._fail(res, FrameError("payload_len", f"trailer above {MAX_TRAILER}"))
+            no_kv = bool(header.flags & FLAG_NO_KV)
+            if not no_kv and res.blocks_written != int(res.dst.numel()):
                 raise self._fail(res, FrameError("frame_count", "END before every frame"))
+            res.record.trailer = bytes(trailer)
+            res.record.kv_complete = not no_kv
             res.record.move(TransferState.COMPLETED)
         self.forget(res)
         return res.record.result()

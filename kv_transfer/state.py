@@ -9,10 +9,13 @@ PENDING ──▶ IN_FLIGHT ──▶ COMPLETED
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import enum
 import threading
 import time
+from collections.abc import Callable
 
 from kv_transfer.errors import (
     DeadlineExpiredError,
@@ -66,6 +69,8 @@ class TransferResult:
     num_bytes: int
     seconds: float
     error: TransferError | None = None
+    trailer: bytes = b""  # the sender's END payload (what the producer handed `finish`)
+    kv_complete: bool = True  # False: completed by a FLAG_NO_KV END, the blocks unwritten
 
     @property
     def ok(self) -> bool:
@@ -83,8 +88,11 @@ class TransferRecord:
         self.state = TransferState.PENDING
         self.error: TransferError | None = None
         self.num_bytes = 0
+        self.trailer = b""
+        self.kv_complete = True
         self.lock = threading.RLock()
         self._changed = threading.Condition(self.lock)
+        self._on_terminal: list[Callable[[], object]] = []
 
     def move(self, new: TransferState, error: TransferError | None = None) -> None:
         """Apply a legal transition; raise `IllegalTransitionError` otherwise."""
@@ -94,6 +102,44 @@ class TransferRecord:
             self.state = new
             self.error = error or self.error
             self._changed.notify_all()
+            if new.is_terminal:
+                callbacks, self._on_terminal = self._on_terminal, []
+                for callback in callbacks:
+                    callback()
+
+    def when_terminal(self, callback: Callable[[], object]) -> None:
+        """Call `callback()` once the record is terminal: now when it already is, else on the
+        thread that ends it (under the record's lock: it must be quick, e.g. a
+        `call_soon_threadsafe`)."""
+        with self.lock:
+            if not self.state.is_terminal:
+                self._on_terminal.append(callback)
+                return
+        callback()
+
+    async def wait_async(self, timeout: float | None = None) -> TransferResult:
+        """`wait` for an event loop: no thread waits; the record's end wakes the loop."""
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+
+        def wake() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        def post() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                loop.call_soon_threadsafe(wake)
+
+        self.when_terminal(post)
+        limit = self.deadline - time.monotonic()
+        if timeout is not None:
+            limit = min(limit, timeout)
+        try:
+            async with asyncio.timeout(max(0.0, limit)):
+                await ended
+        except TimeoutError:
+            pass
+        return self.wait(0.0)
 
     def end(self, new: TransferState, error: TransferError | None = None) -> bool:
         """Move to a terminal state unless already terminal; True when this call ended it."""
@@ -135,4 +181,6 @@ class TransferRecord:
                 self.num_bytes,
                 time.monotonic() - self.started,
                 self.error,
+                self.trailer,
+                self.kv_complete,
             )

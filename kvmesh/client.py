@@ -20,6 +20,8 @@ Security: `api_key=` sends `authorization: Bearer KEY` on every call (the front 
 `--api-key-file`); `metadata=` adds fixed metadata to every call, and each call takes its own
 `metadata=` too. `ca=` (PEM file) connects with TLS verifying the server against it, `tls=True`
 with TLS against the system roots; `cert=` and `key=` present a client certificate (mutual TLS).
+Tracing: a call made while an OpenTelemetry span is current carries its context (`traceparent`),
+so the request's trace continues the caller's.
 
 """
 
@@ -37,6 +39,7 @@ from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import propagate
 
 from kvmesh.client_retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
 from kvmesh.v1 import generation_pb2, generation_pb2_grpc, wire
@@ -302,8 +305,13 @@ class _CallOptions:
         self._metadata = (*auth, *metadata)
 
     def metadata(self, metadata: Metadata | None) -> tuple[tuple[str, str], ...]:
-        """The client's metadata followed by one call's own."""
-        return (*self._metadata, *(metadata or ()))
+        """The client's metadata followed by one call's own, then the caller's current trace
+        context (W3C `traceparent`) unless one of those already carries it."""
+        given = (*self._metadata, *(metadata or ()))
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        keys = {key.lower() for key, _ in given}
+        return (*given, *((k, v) for k, v in carrier.items() if k not in keys))
 
 
 def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, int]]:

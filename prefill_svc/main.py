@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvmesh.v1 import worker_pb2
+from kvmesh.v1.transfer import WORKER_BACKENDS
 
 if TYPE_CHECKING:
     from kvmesh.service.runtime import WorkerRuntime
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
     from prefill_svc.service import PrefillServicer
 
 PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
-DEFAULT_BACKENDS = ["shm", "grpc", "gloo"]
 
 
 class PrefillRole:
@@ -63,13 +63,13 @@ async def install(
     from prefill_svc.senders import SenderPool, available_backends
     from prefill_svc.service import PrefillServicer
 
-    backends = available_backends(list(getattr(args, "transfer_backend", None) or DEFAULT_BACKENDS))
+    backends = available_backends(list(getattr(args, "transfer_backend", None) or WORKER_BACKENDS))
     store = BlockStore(*runtime.kv_cache_tensors(), model_id=runtime.layout.model_fingerprint)
     senders = SenderPool(store, backends, server.security)
     servicer = PrefillServicer(
         runtime,
         senders,
-        metrics or WorkerMetrics(),
+        metrics or WorkerMetrics("prefill"),
         transfer_overlap=bool(getattr(args, "transfer_overlap", True)),
     )
     server.add(worker_pb2_grpc.add_PrefillServiceServicer_to_server, servicer, PREFILL_SERVICE)

@@ -38,12 +38,18 @@ class SenderPool:
         self._idle: dict[tuple[str, str], list[KVSender]] = defaultdict(list)
         self._lock = threading.Lock()
 
-    def acquire(self, backend: str, endpoint: str) -> KVSender:
-        """A sender to `endpoint` (blocking: may connect; LayoutMismatchError on mismatch)."""
+    def take_idle(self, backend: str, endpoint: str) -> KVSender | None:
+        """An idle sender to `endpoint`, or None (never blocks: safe on the event loop)."""
         with self._lock:
             idle = self._idle[(backend, endpoint)]
-            if idle:
-                return idle.pop()
+            return idle.pop() if idle else None
+
+    def acquire(self, backend: str, endpoint: str) -> KVSender:
+        """A sender to `endpoint` (blocking: may connect; LayoutMismatchError on mismatch)."""
+        self.prune()
+        idle = self.take_idle(backend, endpoint)
+        if idle is not None:
+            return idle
         options = {"security": self.security} if backend in AUTHENTICATED_BACKENDS else {}
         sender: KVSender = get_backend(backend).Sender(self.store, endpoint, **options)
         return sender
@@ -55,6 +61,22 @@ class SenderPool:
                 idle.append(sender)
                 return
         sender.close()
+
+    def prune(self) -> int:
+        """Close idle senders whose peer is gone (a dead decode worker's connections, which
+        would otherwise keep its shared cache mapped here); returns how many."""
+        with self._lock:
+            stale = [(key, s) for key, group in self._idle.items() for s in group if s.stale]
+            for key, sender in stale:
+                self._idle[key].remove(sender)
+        for _, sender in stale:
+            sender.close()
+        return len(stale)
+
+    def idle(self, backend: str) -> list[KVSender]:
+        """The connected senders of `backend` waiting for a transfer (any endpoint)."""
+        with self._lock:
+            return [s for (name, _), group in self._idle.items() if name == backend for s in group]
 
     def close(self) -> None:
         with self._lock:

@@ -1,19 +1,17 @@
 """PrefillService: Prepare (validate + tokenize), Prefill (compute, ship KV, first token), Release.
 
-Prefill runs the request prefill-only with chunked prefill on this worker's engine; when it is
-PREFILLED its blocks are shipped to the reservation named by `target` and released (back to the
-pool, full blocks staying in the prefix cache) only after the receiver acknowledged, or on any
-failure. The whole call is bounded by its deadline and `transfer_timeout`.
-
-Overlap of transfer with compute (`--transfer-overlap`, the default): the transfer starts with
-the prefill as a streamed send (`KVSender.start_stream`). A step hook on the engine thread
-(`AsyncLLMEngine.open_stream(on_step=...)`) hands the sender thread the blocks that each finished
-chunk filled (they are final: a prefill-only request's blocks change only if it is preempted,
-which cancels the transfer), never waiting itself; the sender gathers and ships them while the
-next chunk computes. When the request is PREFILLED (first token sampled) the hook adds the rest
-(the last, partial block) and finishes the send; the receiver acknowledges once, after the last
-block, and only then are the blocks released. `--no-transfer-overlap` sends the whole block set
-after the first token.
+Prefill runs the request prefill-only with chunked prefill on this worker's engine and ships its
+KV to the reservation named by `target` as one streamed send (`KVSender.start_stream`), started
+with the prefill. A step hook on the engine thread (`KVExport`, through the engine's KV connector
+`disagg.ready_blocks`) hands the sender thread the blocks that are final, never waiting itself:
+with `--transfer-overlap` (the default) each finished chunk's full blocks go out while the next
+chunk computes; with `--no-transfer-overlap` the whole set goes once the request is PREFILLED.
+At PREFILLED the hook adds the rest and finishes the send with the first tokens (and their
+logprobs) as the transfer's trailer, so the decode worker has them with the KV; a first token
+that already ends the request finishes it without KV. The receiver acknowledges once, after the
+last frame; only then are the blocks released (back to the pool, full blocks staying in the
+prefix cache), or on any failure. The whole call is bounded by its deadline and
+`transfer_timeout`.
 """
 
 from __future__ import annotations
@@ -25,25 +23,24 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from opentelemetry import trace
 
 from kv_transfer.interface import KVSender, StreamSendHandle
 from kv_transfer.state import TransferRequest, TransferResult
 from kvmesh.engine import disagg
 from kvmesh.engine.outputs import RequestOutput
-from kvmesh.engine.sequence import Request, SequenceStatus
+from kvmesh.engine.sequence import Request
 from kvmesh.service.convert import first_tokens
 from kvmesh.service.runtime import WorkerRuntime, check_layout
-from kvmesh.service.server import span
 from kvmesh.service.status import ServiceError, abort_with, status_of
-from kvmesh.telemetry.metrics import WorkerMetrics
-from kvmesh.telemetry.tracing import tracer
+from kvmesh.telemetry.metrics import WorkerMetrics, status_name
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from prefill_svc.senders import SenderPool
+from prefill_svc.spans import ChunkEvents, TransferSpan
 
 if TYPE_CHECKING:
     from kvmesh.engine.engine import LLMEngine
 
-TRACER = tracer("kvmesh.prefill")
 DEFAULT_TRANSFER_TIMEOUT = 30.0
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
@@ -87,35 +84,29 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     async def Prepare(
         self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrepareResponse:
-        with span(TRACER, "prefill.prepare", context):
-            return await self.runtime.serve_prepare(request, context)
+        return await self.runtime.serve_prepare(request, context)
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
-        with span(TRACER, "prefill.prefill", context):
-            rid = request.request.request_id
-            timings = Timings(time.monotonic())
-            try:
-                engine_request = self.runtime.request_from(request.request, prefill_only=True)
-                self._check_target(request.target, engine_request)
-                if self.transfer_overlap:
-                    return await self._prefill_streamed(
-                        engine_request, request.target, context, timings
-                    )
-                return await self._prefill(engine_request, request.target, context, timings)
-            except asyncio.CancelledError:
-                if rid not in self.released:  # the caller cancelled: nobody awaits a status
-                    raise
-                self.metrics.requests.labels("aborted").inc()
-                await context.abort(grpc.StatusCode.ABORTED, "request_id: released by Release")
+        rid = request.request.request_id
+        timings = Timings(time.monotonic())
+        try:
+            engine_request = self.runtime.request_from(request.request, prefill_only=True)
+            self._check_target(request.target, engine_request)
+            return await self._prefill(engine_request, request.target, context, timings)
+        except asyncio.CancelledError:
+            if rid not in self.released:  # the caller cancelled: nobody awaits a status
                 raise
-            except Exception as exc:
-                self.metrics.requests.labels(status_of(exc)[0].name.lower()).inc()
-                await abort_with(context, exc)
-                raise
-            finally:
-                self.released.discard(rid)
+            self.metrics.request_done(grpc.StatusCode.ABORTED)
+            await context.abort(grpc.StatusCode.ABORTED, "request_id: released by Release")
+            raise
+        except Exception as exc:
+            self.metrics.request_done(status_of(exc)[0])
+            await abort_with(context, exc)
+            raise
+        finally:
+            self.released.discard(rid)
 
     def _check_target(self, target: worker_pb2.KVTarget, request: Request) -> None:
         mismatch = check_layout(self.runtime.layout, target.layout, "target.layout")
@@ -152,65 +143,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         context: grpc.aio.ServicerContext,
         timings: Timings,
     ) -> worker_pb2.PrefillResponse:
-        rid, engine = request.request_id, self.runtime.engine
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + (self.transfer_timeout if remaining is None else remaining)
-        active = ActivePrefill(target.generation, deadline, asyncio.current_task())
-        self.active[rid] = active
-        try:
-            stream = await engine.open_stream(
-                rid, lambda e: disagg.add_request(e, request), cleanup=disagg.release_prefilled
-            )
-            try:
-                timings.added = time.monotonic()
-                first = await anext(stream)
-                timings.first = time.monotonic()
-                result = None
-                if not first.finished:  # a first token that ends the request left no KV to ship
-                    result = await self._ship(request, target, active, timings)
-                    await stream.aclose()  # release_prefilled, before the caller hears back
-            finally:
-                stream.close()  # releases the blocks on any failure; no-op after aclose
-            self.metrics.requests.labels("ok").inc()
-            return self._response(first, timings, result)
-        finally:
-            self.active.pop(rid, None)
-
-    async def _ship(
-        self,
-        request: Request,
-        target: worker_pb2.KVTarget,
-        active: ActivePrefill,
-        timings: Timings,
-    ) -> TransferResult:
-        rid = request.request_id
-        blocks = await self.runtime.engine.call(disagg.prefilled_block_ids, rid)
-        active.state, active.num_blocks = worker_pb2.BLOCK_SET_STATE_SENDING, len(blocks)
-        deadline = min(active.deadline, time.monotonic() + self.transfer_timeout)
-        backend, endpoint = target.backend, target.endpoint
-        started = time.monotonic()
-        sender = await asyncio.to_thread(self.senders.acquire, backend, endpoint)
-        transfer = TransferRequest(bytes.fromhex(target.transfer_id), target.generation)
-        handle = sender.start(transfer, blocks, list(target.block_ids), deadline=deadline)
-        try:
-            result = await asyncio.to_thread(handle.wait)
-        except BaseException:
-            handle.cancel()
-            raise
-        finally:
-            self.senders.release(backend, endpoint, sender)
-        timings.transfer = time.monotonic() - started
-        return self._settle(result, target, timings.transfer)
-
-    async def _prefill_streamed(
-        self,
-        request: Request,
-        target: worker_pb2.KVTarget,
-        context: grpc.aio.ServicerContext,
-        timings: Timings,
-    ) -> worker_pb2.PrefillResponse:
-        """Prefill with the transfer overlapping it: each finished chunk's blocks go out while
-        the next chunk computes (see the module docstring)."""
+        """Prefill with its KV (and then its first tokens) streamed to `target`."""
         rid, engine = request.request_id, self.runtime.engine
         remaining = context.time_remaining()
         deadline = time.monotonic() + (self.transfer_timeout if remaining is None else remaining)
@@ -218,52 +151,56 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         active.num_blocks = len(target.block_ids)
         self.active[rid] = active
         backend, endpoint = target.backend, target.endpoint
-        sender: KVSender | None = None
+        sender = self.senders.take_idle(backend, endpoint)
         handle: StreamSendHandle | None = None
-        try:
-            sender = await asyncio.to_thread(self.senders.acquire, backend, endpoint)
-            transfer = TransferRequest(bytes.fromhex(target.transfer_id), target.generation)
-            handle = sender.start_stream(transfer, list(target.block_ids), deadline=deadline)
-            feeder = ChunkFeeder(handle, self.runtime.layout.block_size, len(target.block_ids))
-            stream = await engine.open_stream(
-                rid,
-                lambda e: disagg.add_request(e, request),
-                cleanup=disagg.release_prefilled,
-                on_step=feeder,
-            )
+        with TransferSpan(target, len(target.block_ids)) as span:
             try:
-                timings.added = time.monotonic()
-                first = await anext(stream)
-                timings.first = time.monotonic()
-                result = None
-                if first.finished:  # a first token that ends the request left no KV to ship
-                    handle.cancel()
-                else:
+                if sender is None:
+                    sender = await asyncio.to_thread(self.senders.acquire, backend, endpoint)
+                transfer = TransferRequest(bytes.fromhex(target.transfer_id), target.generation)
+                handle = sender.start_stream(transfer, list(target.block_ids), deadline=deadline)
+                export = KVExport(handle, len(target.block_ids), overlap=self.transfer_overlap)
+                export.events = ChunkEvents(trace.get_current_span())
+                stream = await engine.open_stream(
+                    rid,
+                    lambda e: disagg.add_request(e, request),
+                    cleanup=disagg.release,
+                    on_step=export,
+                )
+                try:
+                    timings.added = time.monotonic()
+                    first = await anext(stream)
+                    timings.first = time.monotonic()
                     active.state = worker_pb2.BLOCK_SET_STATE_SENDING
-                    result = await self._await_streamed(handle, target, timings)
-                    await stream.aclose()  # release_prefilled, before the caller hears back
+                    result = await self._await_sent(handle, target, timings, span)
+                finally:
+                    span.parts = export.parts
+                    stream.close()  # the release, queued on the engine before the caller hears back
+                self.metrics.request_done(grpc.StatusCode.OK)
+                return self._response(first, timings, result)
             finally:
-                stream.close()  # releases the blocks on any failure; no-op after aclose
-            self.metrics.requests.labels("ok").inc()
-            return self._response(first, timings, result)
-        finally:
-            self.active.pop(rid, None)
-            if sender is not None:
-                self._give_back(backend, endpoint, sender, handle)
+                self.active.pop(rid, None)
+                if sender is not None:
+                    self._give_back(backend, endpoint, sender, handle)
 
-    async def _await_streamed(
-        self, handle: StreamSendHandle, target: worker_pb2.KVTarget, timings: Timings
+    async def _await_sent(
+        self,
+        handle: StreamSendHandle,
+        target: worker_pb2.KVTarget,
+        timings: Timings,
+        span: TransferSpan,
     ) -> TransferResult:
         """The receiver's acknowledgement (bounded by `transfer_timeout` from the first token)."""
         try:
-            result = await asyncio.to_thread(handle.wait, self.transfer_timeout)
+            result = await handle.wait_async(self.transfer_timeout)
         except BaseException:
             handle.cancel()
             raise
         if not result.state.is_terminal:
             handle.cancel()
-            result = await asyncio.to_thread(handle.wait, 2.0)
+            result = await handle.wait_async(2.0)
         timings.transfer = time.monotonic() - timings.first  # the part not hidden by compute
+        span.settled(result)
         return self._settle(result, target, timings.transfer)
 
     def _settle(
@@ -272,11 +209,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         """Record a finished transfer's metrics; raise a ServiceError naming `target` unless the
         receiver acknowledged it."""
         backend = target.backend
-        outcome = "ok" if result.ok else result.state.name.lower()
-        self.metrics.transfer_seconds.labels(backend, outcome).observe(seconds)
-        if not result.ok:
+        if result.ok:
+            self.metrics.transfer_seconds.labels(backend, "OK").observe(seconds)
+        else:
             error = result.error or ServiceError(grpc.StatusCode.ABORTED, result.state.name)
             code, message = status_of(error)
+            self.metrics.transfer_seconds.labels(backend, status_name(code)).observe(seconds)
             raise ServiceError(code, f"target: KV transfer to {target.worker_id!r}: {message}")
         self.metrics.transfer_bytes.labels(backend).inc(result.num_bytes)
         return result
@@ -318,10 +256,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseResponse:
-        with span(TRACER, "prefill.release", context):
-            return worker_pb2.ReleaseResponse(
-                released=self.release(request.request_id, request.generation)
-            )
+        return worker_pb2.ReleaseResponse(
+            released=self.release(request.request_id, request.generation)
+        )
 
     def release(self, request_id: str, generation: int = 0) -> bool:
         """Cancel a prefill in progress (its blocks are freed by its own cleanup)."""
@@ -346,53 +283,57 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         ]
 
 
-class ChunkFeeder:
-    """Step hook (engine thread): hands the sender each finished chunk's full blocks, then the
-    rest once the request is PREFILLED. Quick and non-blocking: `StreamSendHandle.add` only
-    records the part for the sender thread. A preemption (the request's blocks were freed and
-    will be recomputed) or an early finish cancels the transfer instead."""
+class KVExport:
+    """Step hook (engine thread) of one Prefill: hands the sender the blocks the engine's KV
+    connector reports final (each finished chunk's with `overlap`, else none before
+    PREFILLED), then the rest and the first tokens as the trailer once the request is
+    PREFILLED; a first token that ended the request finishes the send without KV. Quick and
+    non-blocking: `StreamSendHandle.add` only records the part for the sender thread. A
+    preemption (the request's blocks were freed and will be recomputed) cancels the send."""
 
-    def __init__(self, handle: StreamSendHandle, block_size: int, num_blocks: int) -> None:
+    def __init__(self, handle: StreamSendHandle, num_blocks: int, *, overlap: bool) -> None:
         self.handle = handle
-        self.block_size = block_size
         self.num_blocks = num_blocks
+        self.overlap = overlap
         self.sent = 0  # blocks handed to the sender
         self.preemptions: int | None = None
         self.done = False
+        self.parts = 0  # block sets handed to the sender
+        self.events: ChunkEvents | None = None
 
-    def __call__(self, engine: LLMEngine, request_id: str) -> None:
+    def __call__(self, engine: LLMEngine, request_id: str, output: RequestOutput | None) -> None:
         if self.done:
             return
         if self.handle.record.state.is_terminal:
             self.done = True
             return
-        request = engine.scheduler.get_request(request_id)
-        if request is None:
+        if output is not None and output.finished:  # the first token ended it: no KV left
+            self._finish(output, kv=False)
             return
-        head = request.seqs[0]
+        ready = disagg.ready_blocks(engine, request_id)
+        if ready is None:
+            return
+        if self.events is not None:
+            self.events(ready)
         if self.preemptions is None:
-            self.preemptions = head.num_preemptions
-        seq = disagg.parked_sequence(request) or head  # n > 1: any parked child's table
-        status = seq.status
-        if head.num_preemptions != self.preemptions or status.is_finished:
+            self.preemptions = ready.preemptions
+        if ready.preemptions != self.preemptions:
             self._stop()
             return
-        if status is SequenceStatus.PREFILLED:
-            ready = self.num_blocks
-        elif status is SequenceStatus.RUNNING:
-            ready = min(seq.num_computed_tokens // self.block_size, self.num_blocks)
-        else:
-            return
-        if ready > self.sent:
-            table = engine.scheduler.block_manager.block_table(seq.seq_id)
-            if len(table) < ready:
+        if (self.overlap or ready.prefilled) and len(ready.block_ids) > self.sent:
+            self.handle.add(self.sent, ready.block_ids[self.sent :])
+            self.sent = len(ready.block_ids)
+            self.parts += 1
+        if ready.prefilled:
+            if self.sent != self.num_blocks or output is None:
                 self._stop()
                 return
-            self.handle.add(self.sent, table[self.sent : ready])
-            self.sent = ready
-        if status is SequenceStatus.PREFILLED:
-            self.handle.finish()
-            self.done = True
+            self._finish(output, kv=True)
+
+    def _finish(self, output: RequestOutput, *, kv: bool) -> None:
+        trailer = worker_pb2.FirstTokens(tokens=first_tokens(output)).SerializeToString()
+        self.handle.finish(trailer, kv=kv)
+        self.done = True
 
     def _stop(self) -> None:
         self.done = True

@@ -64,7 +64,13 @@ def test_packages_respect_layering(package: str) -> None:
     assert not bad, "\n".join(bad)
 
 
-CONTROL_PLANE_KVMESH = ("kvmesh.v1", "kvmesh.security")  # stubs; grpc-only auth and TLS
+# stubs; grpc-only auth and TLS; OpenTelemetry-only tracing and logging setup
+CONTROL_PLANE_KVMESH = (
+    "kvmesh.v1",
+    "kvmesh.security",
+    "kvmesh.telemetry.tracing",
+    "kvmesh.telemetry.logs",
+)
 
 
 def test_control_plane_imports_only_generated_stubs_and_security_from_kvmesh() -> None:

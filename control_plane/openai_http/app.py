@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
+from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,11 +27,11 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control_plane.front_door import FrontDoor
 from control_plane.openai_http.auth import ApiKeyMiddleware
-from control_plane.openai_http.errors import ApiError, from_failure
+from control_plane.openai_http.errors import ApiError, from_failure, grpc_code
 from control_plane.openai_http.schema import Kind, ParsedRequest, parse
 from control_plane.openai_http.stream import DONE, Answer, sse
 from control_plane.run import RpcFailure
@@ -114,7 +115,11 @@ class OpenAIApp:
         return await self.generate(request, "chat")
 
     async def generate(self, request: Request, kind: Kind) -> Response:
-        parsed, answer = await self.accept(request, kind)
+        try:
+            parsed, answer = await self.accept(request, kind)
+        except ApiError as error:  # refused before a run: counted like the door's refusals
+            self.door.count_rejected(grpc_code(error))
+            raise
         responses = self.door.generate(parsed.request)
         prompt_param = "prompt" if kind == "completion" else "messages"
         try:
@@ -288,7 +293,13 @@ def openai_app(
     api_keys: Sequence[str] = (),
     on_refused: Callable[[], object] | None = None,
     max_body_bytes: int = DEFAULT_BODY_BYTES,
-) -> Starlette:
+) -> ASGIApp:
     """The HTTP door's app; with `api_keys`, every /v1 route requires one of them
-    (`on_refused` is called for each request refused); bodies over `max_body_bytes` get 413."""
-    return OpenAIApp(door, registry, api_keys, on_refused, max_body_bytes).asgi()
+    (`on_refused` is called for each request refused); bodies over `max_body_bytes` get 413.
+    Traced by the OpenTelemetry ASGI middleware: a SERVER span per request (but /health and
+    /metrics), child of the caller's W3C `traceparent`; the front door makes it the request
+    span."""
+    app = OpenAIApp(door, registry, api_keys, on_refused, max_body_bytes).asgi()
+    return OpenTelemetryMiddleware(  # type: ignore[no-any-return]
+        app, excluded_urls="/health,/metrics", exclude_spans=["receive", "send"]
+    )

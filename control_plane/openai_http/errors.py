@@ -23,6 +23,13 @@ _STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.FAILED_PRECONDITION: (503, "service_unavailable"),
 }
+# HTTP status of an answer given before a run starts -> the gRPC status it is counted as.
+_HTTP_CODE = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
 # A worker's field name (the start of its INVALID_ARGUMENT message) -> the request's param.
 _PROMPT_FIELDS = ("prompt", "text", "token_ids", "chat")
 _FIELD = re.compile(r"^(?:sampling\.)?([A-Za-z_]+)")
@@ -57,6 +64,11 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def grpc_code(error: ApiError) -> grpc.StatusCode:
+    """The gRPC status an HTTP refusal is counted as (metrics speak gRPC code names)."""
+    return _HTTP_CODE.get(error.status, grpc.StatusCode.UNKNOWN)
 
 
 def bad_param(param: str, message: str) -> ApiError:

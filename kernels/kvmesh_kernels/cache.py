@@ -163,11 +163,42 @@ def _block_ids(cache: PagedKVCache, block_ids: Any, name: str = "block_ids") -> 
     return ids  # [N]
 
 
+def _runs(ids: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first id, position in `ids`, length) of each run of consecutive ids."""
+    values = ids.tolist()
+    runs, start = [], 0
+    for end in range(1, len(values) + 1):
+        if end == len(values) or values[end] != values[end - 1] + 1:
+            runs.append((values[start], start, end - start))
+            start = end
+    return runs
+
+
+def _select_rows(src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """src[ids] along dim 0. On CPU one copy per run of consecutive ids: for block-sized rows
+    `index_select` / `index_copy_` run at a fraction of memcpy speed there."""
+    if src.device.type != "cpu":
+        return src.index_select(0, ids)
+    out = torch.empty((int(ids.numel()), *src.shape[1:]), dtype=src.dtype)
+    for first, at, length in _runs(ids):
+        out[at : at + length].copy_(src[first : first + length])
+    return out
+
+
+def _put_rows(dst: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[ids] = src along dim 0 (per run of consecutive ids on CPU, as `_select_rows`)."""
+    if dst.device.type != "cpu":
+        dst.index_copy_(0, ids, src.to(dst.device))
+        return
+    for first, at, length in _runs(ids):
+        dst[first : first + length].copy_(src[at : at + length])
+
+
 def gather_blocks(cache: PagedKVCache, block_ids: Any) -> PackedBlocks:
     """Copy the given blocks (all layers, scales too) into one contiguous PackedBlocks."""
     ids = _block_ids(cache, block_ids)
-    data = raw_view(cache.data).index_select(0, ids).view(cache.data.dtype)
-    scales = None if cache.scales is None else cache.scales.index_select(0, ids)
+    data = _select_rows(raw_view(cache.data), ids).view(cache.data.dtype)
+    scales = None if cache.scales is None else _select_rows(cache.scales, ids)
     return PackedBlocks(cache.spec, data, scales)
 
 
@@ -182,9 +213,9 @@ def scatter_blocks(cache: PagedKVCache, block_ids: Any, packed: PackedBlocks) ->
         )
     if (packed.scales is None) != (cache.scales is None):
         raise ValueError("packed.scales must be present exactly when the cache is quantized")
-    raw_view(cache.data).index_copy_(0, ids, raw_view(packed.data).to(cache.data.device))
+    _put_rows(raw_view(cache.data), ids, raw_view(packed.data))
     if cache.scales is not None and packed.scales is not None:
-        cache.scales.index_copy_(0, ids, packed.scales.to(cache.scales.device))
+        _put_rows(cache.scales, ids, packed.scales)
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}

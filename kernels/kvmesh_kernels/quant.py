@@ -5,7 +5,7 @@
 
 int8 uses QMAX = 127 with round-to-nearest; fp8 e4m3 uses QMAX = 448 and a saturating cast.
 Scales are dynamic (computed on write, no calibration). The choice of grouping is measured in
-bench/kv_quant_error.py and explained in docs/ARCHITECTURE.md ("Kernels").
+bench/kv_quant_error.py and explained in docs/KERNELS.md ("KV quantization").
 """
 
 from __future__ import annotations

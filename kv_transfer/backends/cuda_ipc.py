@@ -1,7 +1,14 @@
-"""Same-node GPU backend: the sender's staging ring shared through a CUDA IPC handle.
+"""Same-node GPU backend: the receiver's cache (or the sender's staging ring) shared through a
+CUDA IPC handle.
 
-The control channel is the shared-memory backend's Unix socket and protocol (HELLO, BEGIN,
-FRAME with a slot index, FRAME_ACK, END, DONE); only the ring differs. The receiver's address is
+The control channel is the shared-memory backend's Unix socket and protocol, in the same two
+modes. **registered** (default when the receiver's cache is a CUDA tensor without scales): the
+receiver's HELLO_ACK carries the IPC handle of its cache's storage; per transfer BEGIN is
+answered with the write window (byte offsets of the reserved blocks), the sender gathers its
+blocks straight into them (`index_select` into the mapped storage, one device copy),
+synchronizes, and commits them, exactly as `shm` does into a host cache (the same sender and
+receiver code). **staging**: the sender's ring is shared instead (HELLO, BEGIN, FRAME with a
+slot index, FRAME_ACK, END, DONE). The receiver's address is
 `unix:PATH#TOKEN`: a peer must run as our uid (SO_PEERCRED) and present TOKEN in its HELLO, or
 it is refused before any handle is opened. The HELLO then carries the ring's IPC handle
 (JSON, hex bytes; never pickle); the receiver opens it once per connection, copies each frame
@@ -30,8 +37,7 @@ from kv_transfer.errors import (
     error_to_wire,
 )
 from kv_transfer.header import MsgType, frame_header
-from kv_transfer.interface import DEFAULT_FRAME_BYTES
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import KVLayout, split_hello
 
 HANDSHAKE_SECONDS = 10.0
 _HANDLE_FIELDS = (  # torch.UntypedStorage._share_cuda_() order
@@ -103,7 +109,7 @@ def authenticate(conn: socket.socket, token: str, deadline: float) -> tuple[KVLa
     header, payload = recv_msg(conn, deadline)
     if header.msg_type is not MsgType.HELLO:
         raise FrameError("msg_type", f"expected HELLO, got {header.msg_type.name}")
-    layout, extras = shm._split_hello(payload)
+    layout, extras = split_hello(payload)
     offered = extras.get("token")
     if not isinstance(offered, str) or not hmac.compare_digest(offered, token):
         error = AuthenticationError("wrong or missing token")
@@ -124,16 +130,14 @@ class Receiver(shm.Receiver):
     def address(self) -> str:
         return f"{self._server.address}#{self._token}"
 
-    def _serve(self, conn: socket.socket) -> None:
-        theirs, extras = authenticate(conn, self._token, time.monotonic() + HANDSHAKE_SECONDS)
-        ours = self.layout.to_bytes()
+    def _read_hello(self, conn: socket.socket) -> tuple[KVLayout, dict[str, object]]:
+        return authenticate(conn, self._token, time.monotonic() + HANDSHAKE_SECONDS)
+
+    def _serve_staging(
+        self, conn: socket.socket, ours: bytes, extras: dict[str, object], slot_bytes: int
+    ) -> None:
+        """Open the sender's device ring from its IPC handle; copy each frame out of its slot."""
         ack = frame_header(MsgType.HELLO_ACK, bytes(16), 0, ours)
-        if theirs != self.layout:
-            send_msg(conn, ack, ours)
-            self.layout.check_compatible(theirs)
-        slot_bytes = extras.get("slot_bytes")
-        if not isinstance(slot_bytes, int) or slot_bytes <= 0:
-            raise FrameError("slot_bytes", f"must be a positive int, got {slot_bytes!r}")
         _require_cuda(self.store)
         storage = torch.UntypedStorage._new_shared_cuda(*decode_handle(extras.get("handle")))
         ring = torch.empty(0, dtype=torch.uint8, device=storage.device)
@@ -146,9 +150,16 @@ class Receiver(shm.Receiver):
             del ring, storage  # closes the IPC mapping
             torch.cuda.ipc_collect()
 
+    def _registration(self) -> tuple[dict[str, object], list[int]]:
+        """The IPC handle of the cache's storage (a CUDA cache without scales)."""
+        if not self.store.device_window:
+            raise BackendUnavailableError("registered cuda_ipc needs a CUDA cache without scales")
+        storage = self.store.cache.untyped_storage()
+        return {"handle": encode_handle(storage._share_cuda_()), "bytes": storage.nbytes()}, []
+
     def _dispatch(self, header, payload, ring, slot_bytes, begun):  # type: ignore[no-untyped-def]
         reply = super()._dispatch(header, payload, ring, slot_bytes, begun)
-        if header.msg_type is MsgType.FRAME:
+        if header.msg_type is MsgType.FRAME and ring is not None:
             torch.cuda.synchronize(ring.device)  # the copy out of the slot is done: ack frees it
         return reply
 
@@ -159,27 +170,40 @@ class Sender(shm.Sender):
         store: BlockStore,
         address: str,
         *,
-        frame_bytes: int = DEFAULT_FRAME_BYTES,
+        frame_bytes: int | None = None,
         slots: int = 4,
+        mode: str = "auto",
     ) -> None:
         _require_cuda(store)
         base, self._token = split_address(address)
         self._ring_storage: torch.Tensor | None = None
-        super().__init__(store, base, frame_bytes=frame_bytes, slots=slots, checksum=False)
+        super().__init__(
+            store, base, frame_bytes=frame_bytes, slots=slots, checksum=False, mode=mode
+        )
 
-    def _connect(self, deadline: float) -> None:
+    def _hello(self, extras: dict[str, object]) -> bytes:
+        return hello_payload(self.layout, self._token, extras)
+
+    def _map_window(self, conn: socket.socket, extras: dict[str, object]) -> torch.Tensor:
+        """Open the receiver's cache storage from its IPC handle: uint8 [bytes] on its GPU."""
+        storage = torch.UntypedStorage._new_shared_cuda(*decode_handle(extras.get("handle")))
+        window = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        return window.set_(storage)
+
+    def _connect_staging(self, deadline: float) -> None:
         device = self.store.cache.device
         ring = torch.empty(self._slots * self._slot_bytes, dtype=torch.uint8, device=device)
         handle = encode_handle(ring.untyped_storage()._share_cuda_())
-        extras = {"slot_bytes": self._slot_bytes, "handle": handle}
-        hello = hello_payload(self.layout, self._token, extras)
-        conn = self._handshake(hello, deadline, peer_refusal=True)
+        hello = self._hello({"slot_bytes": self._slot_bytes, "handle": handle})
+        conn, _ = self._handshake(hello, deadline, peer_refusal=True)
         self._conn, self._ring = conn, ring
 
     def _publish(self, slot: torch.Tensor) -> None:
-        torch.cuda.current_stream(slot.device).synchronize()
+        torch.cuda.synchronize(slot.device)  # the copy into the slot or window has landed
+        if slot.device != self.store.cache.device:
+            torch.cuda.synchronize(self.store.cache.device)
 
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
-        self._conn = self._ring = None
+        self._conn = self._ring = self._window = None

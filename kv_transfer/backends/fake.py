@@ -69,4 +69,4 @@ class Sender(KVSender):
         except TransferCancelledError:
             core.on_cancel(frame_header(MsgType.CANCEL, tid, epoch))
             raise
-        core.on_end(frame_header(MsgType.END, tid, epoch))
+        core.on_end(*plan.end_frame())

@@ -48,7 +48,7 @@ from kv_transfer.interface import (
     Waiter,
     fill_frame,
 )
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import KVLayout, split_hello
 from kv_transfer.state import TransferRecord
 
 if not torch.distributed.is_available():  # pragma: no cover - builds without distributed
@@ -234,7 +234,7 @@ class Receiver(KVReceiver):
     def _serve(self, link_id: str) -> None:
         scope = f"kvmesh/link/{link_id}/"
         try:
-            theirs, extras = _split_hello(self._store.get(scope + "hello"))
+            theirs, extras = split_hello(self._store.get(scope + "hello"))
             ours = self.layout.to_bytes()
             max_frame = extras.get("max_frame")
             ack: dict[str, str] = {"layout": ours.decode()}
@@ -300,7 +300,7 @@ class Receiver(KVReceiver):
                 return frame_header(MsgType.FRAME_ACK, tid, epoch), None
             if kind is MsgType.END:
                 begun.discard(tid)
-                self.core.on_end(header)
+                self.core.on_end(header, data)
                 return frame_header(MsgType.DONE, tid, epoch), None
             if kind is MsgType.CANCEL:
                 begun.discard(tid)
@@ -312,17 +312,6 @@ class Receiver(KVReceiver):
             wire = error_to_wire(exc)
             body = torch.frombuffer(bytearray(wire), dtype=torch.uint8).to(link.device)
             return frame_header(MsgType.ERROR, tid, epoch, wire), body
-
-
-def _split_hello(payload: bytes) -> tuple[KVLayout, dict[str, object]]:
-    layout_bytes, _, extra = bytes(payload).partition(b"\0")
-    try:
-        extras = json.loads(extra or b"{}")
-    except ValueError:
-        raise FrameError("hello", "bad extras") from None
-    if not isinstance(extras, dict):
-        raise FrameError("hello", "bad extras")
-    return KVLayout.from_bytes(layout_bytes), extras
 
 
 class _LinkPool:
@@ -425,6 +414,9 @@ class Sender(KVSender):
         super().__init__(store, frame_bytes)
         self.address = address
         self.device = store.cache.device
+        # Host payloads may cross hosts: always hashed. Device (NCCL) payloads are not hashed.
+        if checksum is False and self.device.type == "cpu":
+            raise FrameError("checksum", "payload checksums are always on for host tensors")
         self.checksum = self.device.type == "cpu" if checksum is None else checksum
         self._max_frame = self.max_frame_bytes
         self._staging = [
@@ -476,7 +468,11 @@ class Sender(KVSender):
         if pending is not None:
             self._reply(link, pending, MsgType.FRAME_ACK, waiter)
         self._check_or_cancel(link, plan, waiter)
-        self._exchange(link, frame_header(MsgType.END, tid, epoch), None, waiter, MsgType.DONE)
+        end, trailer = plan.end_frame()
+        tail = None
+        if trailer:
+            tail = torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(self.device)
+        self._exchange(link, end, tail, waiter, MsgType.DONE)
 
     def _check_or_cancel(self, link: _Link, plan: SendPlan, waiter: Waiter) -> None:
         """Between frames (nothing in flight): on cancel or expiry tell the receiver, then raise."""

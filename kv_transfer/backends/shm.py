@@ -1,19 +1,29 @@
-"""Same-host CPU backend: a shared-memory ring of staging slots plus a Unix-socket control channel.
+"""Same-host CPU backend over a Unix-socket control channel, in one of two modes.
 
-The sender creates one segment per connection (`slots` x `slot_bytes`, random name), sends its
+**registered** (one copy; the default when the receiver's cache lies in shared memory,
+`kv_transfer.registered`): HELLO asks for it; the receiver answers HELLO_ACK and passes its
+cache's memfd (SCM_RIGHTS; the peer's uid was checked, no name exists anywhere). BEGIN is
+answered with ACCEPT carrying the write window: the byte offsets of exactly the reserved
+blocks. Per frame the sender copies its blocks straight into those offsets and commits them
+with a FRAME header (FLAG_IN_PLACE, no payload, no reply unless refused); END is answered DONE
+once every block was committed. The sender checks its window's lease before every write.
+
+**staging** (two copies; for comparison and for a cache that is not in shared memory): the
+sender creates one segment per connection (`slots` x `slot_bytes`, random name), sends its
 name in HELLO, and unlinks it as soon as the receiver has attached (HELLO_ACK): after the
 handshake no name exists, so no process death can leak it. Per frame the sender gathers blocks
 into a free slot and sends a FRAME header (aux = slot); the receiver scatters from the slot into
 the reserved blocks and answers FRAME_ACK, which frees the slot.
+
+Payload checksums are off by default here (the bytes never leave this host's memory; headers
+are always checked); `checksum=True` hashes every frame on both sides.
 """
 
 from __future__ import annotations
 
-import _posixshmem
 import contextlib
 import dataclasses
 import json
-import mmap
 import os
 import select
 import socket
@@ -23,177 +33,91 @@ from multiprocessing import shared_memory
 
 import torch
 
+from kv_transfer.backends.shm_receiver import HANDSHAKE_SECONDS, SEGMENT_PREFIX, Receiver
 from kv_transfer.blocks import BlockStore
 from kv_transfer.control import recv_msg, send_msg, unix_path
 from kv_transfer.errors import (
+    BackendUnavailableError,
     FrameError,
     PeerError,
     TransferCancelledError,
     TransferError,
-    error_to_wire,
     parse_wire_error,
 )
-from kv_transfer.header import FLAG_IN_SLOT, FrameHeader, MsgType, frame_header
+from kv_transfer.header import (
+    FLAG_IN_PLACE,
+    FLAG_IN_SLOT,
+    FLAG_NO_CHECKSUM,
+    FrameHeader,
+    MsgType,
+    frame_header,
+)
 from kv_transfer.interface import (
     DEFAULT_FRAME_BYTES,
-    KVReceiver,
     KVSender,
     SendPlan,
     Waiter,
     fill_frame,
 )
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import split_hello
+from kv_transfer.registered import Grant, SharedRegion, write_granted
 from kv_transfer.state import TransferRecord
-from kv_transfer.unix_server import UnixServer
 
-HANDSHAKE_SECONDS = 10.0
-IDLE_SECONDS = 600.0  # an idle connection is closed; the sender reconnects on its next send
-SEGMENT_PREFIX = "kvmesh_"
-
-
-def _split_hello(payload: bytes | bytearray) -> tuple[KVLayout, dict[str, object]]:
-    layout_bytes, _, extra = bytes(payload).partition(b"\0")
-    try:
-        extras = json.loads(extra or b"{}")
-    except ValueError:
-        raise FrameError("hello", "bad extras") from None
-    if not isinstance(extras, dict):
-        raise FrameError("hello", "bad extras")
-    return KVLayout.from_bytes(layout_bytes), extras
-
-
-class Receiver(KVReceiver):
-    def __init__(self, store: BlockStore) -> None:
-        super().__init__(store)
-        self._server = UnixServer(self._serve, "kv-shm")
-
-    @property
-    def address(self) -> str:
-        return self._server.address
-
-    def close(self) -> None:
-        self._server.close()
-
-    def _serve(self, conn: socket.socket) -> None:
-        header, payload = recv_msg(conn, time.monotonic() + HANDSHAKE_SECONDS)
-        if header.msg_type is not MsgType.HELLO:
-            raise FrameError("msg_type", f"expected HELLO, got {header.msg_type.name}")
-        theirs, extras = _split_hello(payload)
-        ours = self.layout.to_bytes()
-        ack = frame_header(MsgType.HELLO_ACK, bytes(16), 0, ours)
-        if theirs != self.layout:  # the sender raises the mismatch from our layout
-            send_msg(conn, ack, ours)
-            self.layout.check_compatible(theirs)
-        slot_bytes = extras.get("slot_bytes")
-        if not isinstance(slot_bytes, int) or slot_bytes <= 0:
-            raise FrameError("slot_bytes", f"must be a positive int, got {slot_bytes!r}")
-        segment = _Attached(str(extras.get("segment", "")))
-        send_msg(conn, ack, ours)  # attached: the sender may now unlink the name
-        ring = torch.frombuffer(segment.buf, dtype=torch.uint8)  # [slots * slot_bytes]
-        try:
-            self._loop(conn, ring, slot_bytes)
-        finally:
-            del ring  # the tensor must not outlive the mapping
-            segment.close()
-
-    def _loop(self, conn: socket.socket, ring: torch.Tensor, slot_bytes: int) -> None:
-        begun: set[bytes] = set()
-        can_reply = True  # after a failed reply keep reading: a CANCEL may still be buffered
-        try:
-            while True:
-                header, payload = recv_msg(conn, time.monotonic() + IDLE_SECONDS)
-                reply = self._dispatch(header, payload, ring, slot_bytes, begun)
-                if reply is not None and can_reply:
-                    try:
-                        send_msg(conn, *reply)
-                    except PeerError:
-                        can_reply = False
-        except TransferError as exc:
-            self.core.fail_ids(begun, PeerError(f"sender connection lost: {exc}"))
-            raise
-
-    def _dispatch(
-        self,
-        header: FrameHeader,
-        payload: bytearray,
-        ring: torch.Tensor,
-        slot_bytes: int,
-        begun: set[bytes],
-    ) -> tuple[FrameHeader, bytes] | None:
-        tid, epoch, kind = header.transfer_id, header.epoch, header.msg_type
-        try:
-            if kind is MsgType.BEGIN:
-                self.core.on_begin(header, payload)
-                begun.add(tid)
-                return frame_header(MsgType.ACCEPT, tid, epoch), b""
-            if kind is MsgType.FRAME:
-                start = header.aux * slot_bytes
-                if header.payload_len > slot_bytes or start + slot_bytes > ring.numel():
-                    raise FrameError("aux", f"slot {header.aux} or length outside the ring")
-                self.core.on_frame(header, ring[start : start + header.payload_len])
-                return frame_header(MsgType.FRAME_ACK, tid, epoch, aux=header.aux), b""
-            if kind is MsgType.END:
-                self.core.on_end(header)
-                return frame_header(MsgType.DONE, tid, epoch), b""
-            if kind is MsgType.CANCEL:
-                with contextlib.suppress(TransferError):
-                    self.core.on_cancel(header)
-                return None
-            raise FrameError("msg_type", f"unexpected {kind.name}")
-        except TransferError as exc:
-            wire = error_to_wire(exc)
-            return frame_header(MsgType.ERROR, tid, epoch, wire, aux=header.aux), wire
-
-
-class _Attached:
-    """A peer's segment mapped without registering it with this process's resource tracker
-    (the creator owns the name and unlinks it)."""
-
-    def __init__(self, name: str) -> None:
-        if not name.startswith(SEGMENT_PREFIX) or "/" in name:
-            raise FrameError("segment", f"unexpected segment name {name!r}")
-        try:
-            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
-        except OSError as exc:
-            raise PeerError(f"cannot attach segment: {exc}") from None
-        try:
-            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        self.buf = memoryview(self._mmap)
-
-    def close(self) -> None:
-        self.buf.release()
-        self._mmap.close()
+__all__ = ["Receiver", "Sender", "split_hello"]
+MODES = ("auto", "registered", "staging")
+COMMIT_BYTES = 16 << 20  # registered mode: bytes one commit covers unless frame_bytes is set
+CHECKSUM_DEFAULT = False  # same-host memory: headers checked, payload hashing on request
 
 
 class Sender(KVSender):
+    """`mode`: "registered" (one copy into the receiver's cache; fails unless it is shared),
+    "staging" (slots), or "auto" (registered when the receiver offers it, else staging).
+    `frame_bytes`: the staging slot size, and in registered mode how many bytes one commit
+    covers (default 16 MiB there: a commit moves no bytes, fewer wake the receiver less)."""
+
     def __init__(
         self,
         store: BlockStore,
         address: str,
         *,
-        frame_bytes: int = DEFAULT_FRAME_BYTES,
+        frame_bytes: int | None = None,
         slots: int = 4,
-        checksum: bool = True,
+        checksum: bool = CHECKSUM_DEFAULT,
+        mode: str = "auto",
     ) -> None:
-        super().__init__(store, frame_bytes)
+        super().__init__(store, frame_bytes or DEFAULT_FRAME_BYTES)
+        self._commit_bytes = frame_bytes or COMMIT_BYTES
+        if mode not in MODES:
+            raise FrameError("mode", f"must be one of {MODES}, got {mode!r}")
         self._path = unix_path(address)
         self._slots = slots
         self.checksum = checksum
-        self._slot_bytes = self.max_frame_bytes
+        self.mode = mode
         self._conn: socket.socket | None = None
         self._segment: shared_memory.SharedMemory | None = None
         self._ring: torch.Tensor | None = None
+        self._window: torch.Tensor | None = None  # registered: the receiver's mapped cache
+        self._slot_bytes = self.max_frame_bytes
         self._close_lock = threading.Lock()  # close() runs on the caller's and transfer threads
         self._connect(time.monotonic() + HANDSHAKE_SECONDS)
 
+    @property
+    def blocks_per_frame(self) -> int:
+        size = self.frame_bytes if self._window is None else self._commit_bytes
+        return max(1, size // self.layout.bytes_per_block)
+
+    @property
+    def registered(self) -> bool:
+        """True while connected in registered (one-copy) mode."""
+        return self._window is not None
+
     def _handshake(
         self, hello: bytes, deadline: float, *, peer_refusal: bool = False
-    ) -> socket.socket:
+    ) -> tuple[socket.socket, torch.Tensor | None]:
         """Connect to the receiver, send `hello` and wait for a HELLO_ACK whose layout is
-        compatible with ours; the connection is closed on any failure. With `peer_refusal`, an
-        ERROR reply raises the receiver's own error."""
+        compatible with ours; returns the connection and, in registered mode, the receiver's
+        mapped cache. The connection is closed on any failure. With `peer_refusal`, an ERROR
+        reply raises the receiver's own error."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.settimeout(max(0.01, deadline - time.monotonic()))
@@ -204,33 +128,72 @@ class Sender(KVSender):
                 raise parse_wire_error(bytes(payload))
             if header.msg_type is not MsgType.HELLO_ACK:
                 raise PeerError(f"expected HELLO_ACK, got {header.msg_type.name}")
-            self.layout.check_compatible(KVLayout.from_bytes(bytes(payload)))
+            theirs, extras = split_hello(payload)
+            self.layout.check_compatible(theirs)
+            registered = extras.get("mode") == "registered"
+            window = self._map_window(conn, extras) if registered else None
         except OSError as exc:
             conn.close()
             raise PeerError(f"cannot connect to {self._path}: {exc}") from None
         except BaseException:
             conn.close()
             raise
-        return conn
+        return conn, window
 
     def _connect(self, deadline: float) -> None:
+        if self.mode != "staging":
+            try:
+                self._connect_registered(deadline)
+                return
+            except BackendUnavailableError:
+                if self.mode == "registered":
+                    raise
+        self._connect_staging(deadline)
+
+    def _connect_registered(self, deadline: float) -> None:
+        hello = self._hello({"mode": "registered"})
+        conn, window = self._handshake(hello, deadline, peer_refusal=True)
+        if window is None:
+            conn.close()
+            raise PeerError("the receiver answered registered mode without its cache")
+        self._conn, self._window = conn, window
+
+    def _connect_staging(self, deadline: float) -> None:
         name = f"{SEGMENT_PREFIX}{os.urandom(8).hex()}"
         segment = shared_memory.SharedMemory(name, create=True, size=self._slots * self._slot_bytes)
         try:
-            extras = json.dumps({"segment": name, "slot_bytes": self._slot_bytes}).encode()
-            hello = self.layout.to_bytes() + b"\0" + extras
-            conn = self._handshake(hello, deadline)
+            hello = self._hello({"segment": name, "slot_bytes": self._slot_bytes})
+            conn, _ = self._handshake(hello, deadline)
         finally:
             segment.unlink()  # attached by the peer (or refused): the name is no longer needed
         self._conn, self._segment = conn, segment
         self._ring = torch.frombuffer(segment.buf, dtype=torch.uint8)  # [slots * slot_bytes]
+
+    @property
+    def stale(self) -> bool:
+        """An idle connection the receiver closed (or wrote to): it is of no further use, and
+        in registered mode it still maps the receiver's cache, so it must be closed."""
+        conn = self._conn
+        if conn is None:
+            return True
+        try:
+            return bool(select.select([conn], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+
+    def _hello(self, extras: dict[str, object]) -> bytes:
+        return self.layout.to_bytes() + b"\0" + json.dumps(extras).encode()
+
+    def _map_window(self, conn: socket.socket, extras: dict[str, object]) -> torch.Tensor:
+        """The receiver's registered cache, mapped here: uint8 [bytes]."""
+        return _map_region(conn, extras)
 
     def close(self) -> None:
         """Idempotent and safe from two threads at once (a transfer aborting on its deadline
         while the owner closes): each resource is taken under the lock, closed once."""
         with self._close_lock:
             conn, segment = self._conn, self._segment
-            self._conn = self._segment = self._ring = None
+            self._conn = self._segment = self._ring = self._window = None
         if conn is not None:
             conn.close()
         if segment is not None:
@@ -243,7 +206,10 @@ class Sender(KVSender):
         if self._conn is None:
             self._connect(min(waiter.deadline, time.monotonic() + HANDSHAKE_SECONDS))
         try:
-            self._run(plan, waiter)
+            if self._window is not None:
+                self._run_registered(plan, waiter)
+            else:
+                self._run(plan, waiter)
         except BaseException as exc:
             self._abort(plan, exc)
             raise
@@ -255,6 +221,42 @@ class Sender(KVSender):
             with contextlib.suppress(TransferError):
                 send_msg(self._conn, frame_header(MsgType.CANCEL, tid, epoch))
         self.close()
+
+    def _run_registered(self, plan: SendPlan, waiter: Waiter) -> None:
+        """BEGIN → window; per frame: copy into the window, commit; END → DONE."""
+        assert self._conn is not None and self._window is not None
+        conn, window = self._conn, self._window
+        tid, epoch = plan.request.transfer_id, plan.request.epoch
+        begin = plan.begin_payload()
+        send_msg(conn, frame_header(MsgType.BEGIN, tid, epoch, begin), begin)
+        grant = Grant.decode(self._expect_msg(MsgType.ACCEPT, waiter)[1])
+        if int(grant.kv.numel()) != int(plan.dst.numel()):
+            raise FrameError("grant", f"{grant.kv.numel()} blocks for {plan.dst.numel()}")
+        rows = self.store.row_views()
+        flags = FLAG_IN_PLACE | (0 if self.checksum else FLAG_NO_CHECKSUM)
+        for index in plan.iter_frames(waiter):
+            conn.settimeout(waiter.check())  # a commit blocked on a full socket ends in time
+            self._poll_refusal(tid)
+            lo, n = plan.frames[index]
+            digest = write_granted(rows, window, grant, plan.src[lo : lo + n], lo, self.checksum)
+            self._publish(window)  # the writes are visible before their commit goes out
+            header = FrameHeader(
+                MsgType.FRAME, tid, epoch, index, plan.frame_count, lo, n,
+                n * self.layout.bytes_per_block, checksum=digest, flags=flags,
+            )  # fmt: skip
+            send_msg(conn, header)
+        waiter.check()  # a streamed plan stops early on cancel or expiry
+        send_msg(conn, *plan.end_frame())  # the producer's trailer rides the END
+        self._expect(MsgType.DONE, waiter)
+
+    def _poll_refusal(self, tid: bytes) -> None:
+        """Raise at once if the receiver refused a commit or cancelled transfer `tid` (no
+        waiting; a revoke of an earlier transfer is ignored)."""
+        assert self._conn is not None
+        while select.select([self._conn], [], [], 0)[0]:
+            header, payload = recv_msg(self._conn, time.monotonic() + HANDSHAKE_SECONDS)
+            if header.msg_type is not MsgType.CANCEL or header.transfer_id == tid:
+                raise _peer_reason(header, payload)
 
     def _run(self, plan: SendPlan, waiter: Waiter) -> None:
         assert self._conn is not None and self._ring is not None
@@ -280,13 +282,16 @@ class Sender(KVSender):
         for _ in range(self._slots - len(free)):
             self._expect(MsgType.FRAME_ACK, waiter)
         waiter.check()  # a streamed plan stops early on cancel or expiry
-        send_msg(conn, frame_header(MsgType.END, tid, epoch))
+        send_msg(conn, *plan.end_frame())
         self._expect(MsgType.DONE, waiter)
 
     def _publish(self, slot: torch.Tensor) -> None:
         """Make a filled slot visible to the receiver before its FRAME header goes out."""
 
     def _expect(self, kind: MsgType, waiter: Waiter) -> FrameHeader:
+        return self._expect_msg(kind, waiter)[0]
+
+    def _expect_msg(self, kind: MsgType, waiter: Waiter) -> tuple[FrameHeader, bytearray]:
         """Next message must be `kind`; ERROR and CANCEL raise the peer's reason."""
         assert self._conn is not None
         while True:
@@ -296,9 +301,30 @@ class Sender(KVSender):
                 continue
             header, payload = recv_msg(self._conn, waiter.deadline)
             if header.msg_type is kind:
-                return header
-            if header.msg_type is MsgType.ERROR:
-                raise parse_wire_error(bytes(payload))
-            if header.msg_type is MsgType.CANCEL:
-                raise TransferCancelledError("cancelled by the receiver")
-            raise PeerError(f"expected {kind.name}, got {header.msg_type.name}")
+                return header, payload
+            raise _peer_reason(header, payload, kind)
+
+
+def _map_region(conn: socket.socket, extras: dict[str, object]) -> torch.Tensor:
+    """Receive the descriptor of the receiver's cache (SCM_RIGHTS) and map it: uint8 [bytes]."""
+    size = extras.get("bytes")
+    if not isinstance(size, int) or size <= 0:
+        raise FrameError("bytes", f"must be a positive int, got {size!r}")
+    _, fds, _, _ = socket.recv_fds(conn, 1, 1)
+    if len(fds) != 1:
+        raise PeerError("the receiver passed no cache descriptor")
+    region = SharedRegion(size, fds[0])
+    region.close()  # mapped: the descriptor is no longer needed
+    return region.bytes
+
+
+def _peer_reason(
+    header: FrameHeader, payload: bytearray, expected: MsgType | None = None
+) -> TransferError:
+    """The error an unexpected message from the receiver stands for."""
+    if header.msg_type is MsgType.ERROR:
+        return parse_wire_error(bytes(payload))
+    if header.msg_type is MsgType.CANCEL:
+        return TransferCancelledError("cancelled by the receiver")
+    wanted = expected.name if expected is not None else "nothing"
+    return PeerError(f"expected {wanted}, got {header.msg_type.name}")

@@ -18,6 +18,8 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvmesh.cli.bench_disagg",
     "kvmesh.cli.bench_transfer",
     "kvmesh.cli.bench_cold_start",
+    "kvmesh.cli.bench_serve",
+    "kvmesh.cli.bench_tiers",
 )
 
 

@@ -3,13 +3,15 @@
 Both start the system with `kvmesh.cli.up.LocalSystem` (one process per role) and measure from
 the client side with `kvmesh.client.AsyncClient`.
 
-- ttft: N sequential requests (after one warm-up) on a system with one prefill and one decode
-  worker; the usage's TtftBreakdown (queue, prefill, transfer, first decode) averaged, beside the
-  front door's TTFT and the client-observed one. `--overlap both` (default) runs the system twice,
-  with the prefill worker's `--transfer-overlap` (each chunk's blocks sent while the next chunk
-  computes) and `--no-transfer-overlap`, and prints them side by side; `--prefill-chunk` is the
-  prefill worker's `--max-num-batched-tokens`.
-- w4 (docs/BENCHMARKS.md, Workloads): 16 steady decoders (prompt 128, output 512) while
+- ttft: N sequential requests (after one warm-up) against each system in `--systems`
+  (colocated: one colocated worker; disaggregated: one prefill and one decode worker). Per
+  system the p50 of the front door's TTFT, of the usage's TtftBreakdown phases (prefill,
+  transfer, first decode) and of `overhead`, the part of each request's TTFT that no phase
+  claims (queueing, routing, the control plane's calls and hops), beside the client-observed
+  TTFT. `--overlap on|off` is the prefill worker's `--transfer-overlap` (each chunk's blocks sent
+  while the next chunk computes); `--prefill-chunk` the prefill worker's
+  `--max-num-batched-tokens`.
+- w4 (docs/WORKLOADS.md): 16 steady decoders (prompt 128, output 512) while
   2048-token prompts arrive
   every 2 s (output 16), for colocated without chunked prefill, colocated with chunked prefill at
   each `--chunks` size, and disaggregated; every worker uses `--threads` torch threads (1).
@@ -31,20 +33,24 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvmesh.v1.transfer import DEFAULT_BACKEND, WORKER_BACKENDS
+
 W4 = {"steady": 16, "steady_prompt": 128, "steady_output": 512, "long_prompt": 2048,
       "long_output": 16, "interval": 2.0}  # fmt: skip
 
 
 def register(subparsers: Any) -> None:
-    ttft = subparsers.add_parser("ttft", help="TTFT breakdown (queue/prefill/transfer/decode)")
+    ttft = subparsers.add_parser("ttft", help="TTFT breakdown per system (p50 of each phase)")
     ttft.add_argument("--model", default=None, help="checkpoint (default: the test-size tiny)")
     ttft.add_argument("--requests", type=int, default=20)
-    ttft.add_argument("--prompt-len", type=int, default=512)
+    ttft.add_argument("--prompt-len", type=int, default=256)
     ttft.add_argument("--max-tokens", type=int, default=8)
-    ttft.add_argument("--transfer-backend", default="shm", choices=("shm", "grpc", "gloo"))
+    ttft.add_argument("--systems", default="colocated,disaggregated",
+                      help="comma-separated: colocated, disaggregated")  # fmt: skip
+    ttft.add_argument("--transfer-backend", default=DEFAULT_BACKEND, choices=WORKER_BACKENDS)
     ttft.add_argument("--threads", type=int, default=None, help="torch threads per worker")
-    ttft.add_argument("--overlap", default="both", choices=("both", "on", "off"),
-                      help="prefill --transfer-overlap (both: one system each)")  # fmt: skip
+    ttft.add_argument("--overlap", default="on", choices=("on", "off"),
+                      help="the prefill worker's --transfer-overlap")  # fmt: skip
     ttft.add_argument("--prefill-chunk", type=int, default=None,
                       help="prefill worker's --max-num-batched-tokens (chunk size)")  # fmt: skip
     ttft.add_argument("--json", action="store_true")
@@ -55,7 +61,7 @@ def register(subparsers: Any) -> None:
     w4.add_argument("--chunks", default="256,512,1024", help="chunked-prefill sizes to sweep")
     w4.add_argument("--modes", default="colocated,chunked,disaggregated")
     w4.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    w4.add_argument("--transfer-backend", default="shm", choices=("shm", "grpc", "gloo"))
+    w4.add_argument("--transfer-backend", default=DEFAULT_BACKEND, choices=WORKER_BACKENDS)
     w4.add_argument("--interval", type=float, default=W4["interval"],
                     help="seconds between long prompts (W4: 2)")  # fmt: skip
     w4.add_argument("--max-long", type=int, default=0,
@@ -67,34 +73,51 @@ def register(subparsers: Any) -> None:
 # -- TTFT ------------------------------------------------------------------------------------
 
 
-def run_ttft(args: argparse.Namespace) -> int:
-    from kvmesh.cli.up import LocalSystem, UpConfig
+TTFT_KEYS = ("ttft", "prefill", "transfer", "first_decode", "overhead", "queue", "client_ttft")
+TTFT_SYSTEMS = ("colocated", "disaggregated")
+
+
+def ttft_config(system: str, args: argparse.Namespace) -> Any:
+    """The UpConfig of one system of `kvmesh bench ttft`."""
+    from kvmesh.cli.up import UpConfig
     from kvmesh.models.tiny import tiny_model_path
 
-    modes = {"both": ["overlap", "whole"], "on": ["overlap"], "off": ["whole"]}[args.overlap]
-    keys = ["client_ttft", "ttft", "queue", "prefill", "transfer", "first_decode"]
-    means: dict[str, dict[str, float]] = {}
-    for mode in modes:
-        prefill_args = ["--transfer-overlap" if mode == "overlap" else "--no-transfer-overlap"]
-        if args.prefill_chunk:
-            prefill_args += ["--max-num-batched-tokens", str(args.prefill_chunk)]
-        config = UpConfig(model=args.model or str(tiny_model_path()), port=0,
-                          transfer_backend=args.transfer_backend, threads=args.threads,
-                          role_args={"prefill": tuple(prefill_args)})  # fmt: skip
-        with LocalSystem(config) as system:
-            rows = asyncio.run(_ttft_requests(system.endpoint, args))[1:]  # first: warm-up
-        means[mode] = {k: statistics.fmean(r[k] for r in rows) for k in keys}
+    role_args: dict[str, tuple[str, ...]] = {}
+    chunk = ("--max-num-batched-tokens", str(args.prefill_chunk)) if args.prefill_chunk else ()
+    common: dict[str, Any] = {"model": args.model or str(tiny_model_path()), "port": 0,
+                              "threads": args.threads}  # fmt: skip
+    if system == "colocated":
+        role_args["colocated"] = chunk
+        return UpConfig(colocated=1, prefill=0, decode=0, role_args=role_args, **common)
+    overlap = "--transfer-overlap" if args.overlap == "on" else "--no-transfer-overlap"
+    role_args["prefill"] = (overlap, *chunk)
+    return UpConfig(transfer_backend=args.transfer_backend, role_args=role_args, **common)
+
+
+def run_ttft(args: argparse.Namespace) -> int:
+    from kvmesh.cli.up import LocalSystem
+
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(systems) - set(TTFT_SYSTEMS))
+    if unknown:
+        raise SystemExit(f"--systems: unknown {unknown}; choose from {TTFT_SYSTEMS}")
+    p50: dict[str, dict[str, float]] = {}
+    for system in systems:
+        with LocalSystem(ttft_config(system, args)) as running:
+            rows = asyncio.run(_ttft_requests(running.endpoint, args))[1:]  # first: warm-up
+        p50[system] = {k: statistics.median(r[k] for r in rows) for k in TTFT_KEYS}
     if args.json:
         print(json.dumps({"requests": args.requests, "prompt_len": args.prompt_len,
-                          "backend": args.transfer_backend, "prefill_chunk": args.prefill_chunk,
-                          "mean_seconds": means}))  # fmt: skip
+                          "backend": args.transfer_backend, "overlap": args.overlap,
+                          "prefill_chunk": args.prefill_chunk, "p50_seconds": p50}))  # fmt: skip
         return 0
     print(f"TTFT over {args.requests} requests, prompt {args.prompt_len} tokens, "
-          f"transfer {args.transfer_backend}, prefill chunk {args.prefill_chunk or 'default'} "
-          "(mean, ms; transfer = after the first token)")  # fmt: skip
-    print(f"  {'':<13}" + "".join(f"{m:>10}" for m in modes))
-    for key in keys:
-        print(f"  {key:<13}" + "".join(f"{means[m][key] * 1000:10.2f}" for m in modes))
+          f"transfer {args.transfer_backend} (overlap {args.overlap}), prefill chunk "
+          f"{args.prefill_chunk or 'default'} (p50, ms; overhead = TTFT - prefill - transfer "
+          "- first decode)")  # fmt: skip
+    print(f"  {'':<13}" + "".join(f"{s:>15}" for s in systems))
+    for key in TTFT_KEYS:
+        print(f"  {key:<13}" + "".join(f"{p50[s][key] * 1000:15.2f}" for s in systems))
     return 0
 
 
@@ -114,11 +137,18 @@ async def _ttft_requests(endpoint: str, args: argparse.Namespace) -> list[dict[s
                 first = first or time.perf_counter()
                 usage = chunk.usage or usage
             assert usage is not None and first is not None
-            rows.append({"client_ttft": first - start, "ttft": usage.ttft_seconds,
-                         "queue": usage.queue_seconds, "prefill": usage.prefill_seconds,
-                         "transfer": usage.transfer_seconds,
-                         "first_decode": usage.first_decode_seconds})  # fmt: skip
+            rows.append(ttft_row(usage, first - start))
     return rows
+
+
+def ttft_row(usage: Any, client_ttft: float) -> dict[str, float]:
+    """One request's TTFT phases (seconds); `overhead` is what no phase claims."""
+    row = {"client_ttft": client_ttft, "ttft": usage.ttft_seconds,
+           "queue": usage.queue_seconds, "prefill": usage.prefill_seconds,
+           "transfer": usage.transfer_seconds,
+           "first_decode": usage.first_decode_seconds}  # fmt: skip
+    row["overhead"] = row["ttft"] - row["prefill"] - row["transfer"] - row["first_decode"]
+    return row
 
 
 # -- W4 --------------------------------------------------------------------------------------

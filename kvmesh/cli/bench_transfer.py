@@ -2,7 +2,10 @@
 
 The same block set (`--mib` of bfloat16 blocks) moves from a sender process to a receiver
 process (`kv_transfer.peer`) over each backend; the baseline is one torch copy of the same bytes
-in this process. The gRPC stream is also compared with sending the bytes as ONE message.
+in this process. Shared memory runs in both modes, registered (one copy into the receiver's
+cache) and staging (slots), each also with payload checksums (`+xxh3`) to show what integrity
+costs; gloo and gRPC run with their default checksums on. The gRPC stream is also compared
+with sending the bytes as ONE message.
 Every peer pair is connected and warmed up first; then each of `--repeat` rounds times one
 memcpy and one transfer per backend back to back, so a round's ratios share the machine's load.
 The report keeps each row's best run and the range of its per-round ratios.
@@ -30,15 +33,24 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("transfer", help="KV transfer bandwidth per backend vs memcpy")
     parser.add_argument("--mib", type=int, default=256, help="block set size in MiB")
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds (best is kept)")
-    parser.add_argument("--backends", default="shm,gloo,grpc", help="comma-separated backends")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
-        "--no-checksum",
-        dest="checksum",
-        action="store_false",
-        help="senders skip payload checksums (headers stay checked)",
+        "--rows", default=",".join(ROWS), help=f"comma-separated rows of {', '.join(ROWS)}"
     )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
+
+
+# row -> (backend, sender options); a row's receiver cache is in shared memory for shm
+ROWS: dict[str, tuple[str, dict[str, Any]]] = {
+    "shm": ("shm", {"mode": "registered", "checksum": False}),
+    "shm+xxh3": ("shm", {"mode": "registered", "checksum": True}),
+    "shm_staging": ("shm", {"mode": "staging", "checksum": False}),
+    "shm_staging+xxh3": ("shm", {"mode": "staging", "checksum": True}),
+    "gloo": ("gloo", {}),
+    "grpc": ("grpc", {}),
+    "grpc_unary": ("grpc", {}),
+}
+TARGETS = {"shm": 0.85, "grpc": 0.25, "gloo": 0.25}  # vs memcpy of the same bytes
 
 
 class _Peer:
@@ -84,17 +96,18 @@ def _timed(fn: Any) -> float:
 
 
 class _Pair:
-    """A connected receiver/sender pair for one backend; `op` is "send" or "unary" (gRPC)."""
+    """A connected receiver/sender pair for one row; `op` is "send" or "unary" (gRPC)."""
 
-    def __init__(self, backend: str, blocks: int, op: str, checksum: bool) -> None:
+    def __init__(self, row: str, blocks: int) -> None:
+        backend, options = ROWS[row]
+        op = "unary" if row == "grpc_unary" else "send"
         store = {**BLOCK, "num_blocks": blocks, "dtype": "bfloat16"}
-        options: dict[str, Any] = {} if checksum else {"checksum": False}
         receiver_options: dict[str, Any] = {}
         if op == "unary":
             limit = blocks * BLOCK_BYTES + (1 << 20)
             options = {**options, "max_message_bytes": limit}
             receiver_options = {"max_message_bytes": limit}
-        self.name, self.op, self.ids = backend, op, list(range(blocks))
+        self.name, self.op, self.ids = row, op, list(range(blocks))
         self.receiver = _Peer(backend, {**store, "seed": 1}, receiver_options=receiver_options)
         self.sender = _Peer(backend, {**store, "seed": 2})
         if self.sender.call("connect", address=self.receiver.address, options=options) != {
@@ -126,12 +139,14 @@ def run(args: argparse.Namespace) -> int:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     _memcpy_seconds(src, dst)
+    rows = [r for r in args.rows.split(",") if r]
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown:
+        raise SystemExit(f"--rows: unknown {unknown}; choose from {sorted(ROWS)}")
     pairs: dict[str, _Pair] = {}
     try:
-        for backend in [b for b in args.backends.split(",") if b]:
-            pairs[backend] = _Pair(backend, blocks, "send", args.checksum)
-            if backend == "grpc":
-                pairs["grpc_unary"] = _Pair("grpc", blocks, "unary", args.checksum)
+        for row in rows:
+            pairs[row] = _Pair(row, blocks)
         for pair in pairs.values():  # warm-up: connections, pages, buffers
             pair.seconds()
         times: dict[str, list[float]] = {"memcpy": [], **{name: [] for name in pairs}}
@@ -142,13 +157,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for pair in pairs.values():
             pair.close()
-    report = _report(nbytes, times, args.checksum)
+    report = _report(nbytes, times)
     if args.json:
         print(json.dumps(report))
         return 0
     print(
         f"KV transfer of {nbytes / 2**20:.0f} MiB ({blocks} blocks of {BLOCK_BYTES >> 10} KiB), "
-        f"best of {args.repeat} rounds, payload checksums {'on' if args.checksum else 'off'}"
+        f"bfloat16, best of {args.repeat} rounds, ISA {report['isa']}, "
+        f"load average {report['load_average']}"
     )
     for name, gbps in report["gbps"].items():
         if name == "memcpy":
@@ -156,13 +172,23 @@ def run(args: argparse.Namespace) -> int:
             continue
         lo, hi = report["vs_memcpy_range"][name]
         ratio = report["vs_memcpy"][name]
-        print(f"  {name:<12} {gbps:7.2f} GB/s   {ratio:5.2f}x memcpy (rounds {lo:.2f}-{hi:.2f}x)")
+        target = f"  (target {TARGETS[name]:.2f}x)" if name in TARGETS else ""
+        print(
+            f"  {name:<17} {gbps:7.2f} GB/s   {ratio:5.2f}x memcpy "
+            f"(rounds {lo:.2f}-{hi:.2f}x){target}"
+        )
     if "grpc_stream_vs_unary" in report:
         print(f"  gRPC stream vs one message: {report['grpc_stream_vs_unary']:.2f}x")
     return 0
 
 
-def _report(nbytes: int, times: dict[str, list[float]], checksum: bool) -> dict[str, Any]:
+def _isa() -> str:
+    from kvmesh_kernels.cpu_build import isa_level
+
+    return isa_level() or "unknown"
+
+
+def _report(nbytes: int, times: dict[str, list[float]]) -> dict[str, Any]:
     best = {name: nbytes / min(ts) / 1e9 for name, ts in times.items()}
     rounds = {
         name: [m / t for m, t in zip(times["memcpy"], ts, strict=True)]
@@ -171,11 +197,18 @@ def _report(nbytes: int, times: dict[str, list[float]], checksum: bool) -> dict[
     }
     report: dict[str, Any] = {
         "bytes": nbytes,
-        "checksum": checksum,
+        "dtype": "bfloat16",
+        "isa": _isa(),
+        "load_average": round(os.getloadavg()[0], 2),
+        "memcpy_gbps": round(best["memcpy"], 3),
         "gbps": {k: round(v, 3) for k, v in best.items()},
         "vs_memcpy": {k: round(v / best["memcpy"], 3) for k, v in best.items() if k != "memcpy"},
         "vs_memcpy_range": {k: [round(min(r), 3), round(max(r), 3)] for k, r in rounds.items()},
+        "targets": {k: v for k, v in TARGETS.items() if k in best},
+        "checksums": {row: ROWS[row][1].get("checksum", True) for row in best if row in ROWS},
     }
+    if "shm" in best and "shm_staging" in best:
+        report["registered_vs_staging"] = round(best["shm"] / best["shm_staging"], 2)
     if "grpc" in best and "grpc_unary" in best:
         report["grpc_stream_vs_unary"] = round(best["grpc"] / best["grpc_unary"], 2)
     return report

@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvmesh.cli.up",
     "kvmesh.cli.generate",
     "kvmesh.cli.kernels",
+    "kvmesh.cli.tune",
 )
 
 
@@ -35,7 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    add_log_flags_everywhere(parser)
     return parser
+
+
+def add_log_flags_everywhere(parser: argparse.ArgumentParser, subcommand: bool = False) -> None:
+    """`--log-level` / `--log-format` on `parser` and every (nested) subcommand."""
+    from kvmesh.telemetry.logs import add_log_flags
+
+    add_log_flags(parser, subcommand=subcommand)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                add_log_flags_everywhere(sub, subcommand=True)
 
 
 def package_version() -> str:
@@ -56,11 +69,12 @@ def package_version() -> str:
 # Processes that share cores lose badly from any spin: two W1 engines on two cores ran at
 # 235 tok/s each spinning against about 600 passive (docs/BENCHMARKS.md "OpenMP wait policy").
 # So a single engine spins a bounded number of iterations (GOMP_SPINCOUNT) then sleeps; `kvmesh up`,
-# which starts several workers on one host, makes them all passive. Applied before torch loads
+# which starts several workers on one host, makes them all passive (so do `kvmesh tune` and
+# `kvmesh bench serve`, which start systems like it). Applied before torch loads
 # OpenMP (commands import torch only when they run); an explicit OMP_WAIT_POLICY or
 # GOMP_SPINCOUNT wins.
 OMP_SPIN_DEFAULT = "20000"
-SHARED_CORE_COMMANDS = ("up",)
+SHARED_CORE_COMMANDS = ("up", "tune")
 
 
 def apply_omp_defaults(shares_cores: bool = False) -> None:
@@ -77,7 +91,11 @@ def apply_omp_defaults(shares_cores: bool = False) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    apply_omp_defaults(shares_cores=args.command in SHARED_CORE_COMMANDS)
+    serving_bench = args.command == "bench" and args.bench == "serve"  # may start a system
+    apply_omp_defaults(shares_cores=args.command in SHARED_CORE_COMMANDS or serving_bench)
+    from kvmesh.telemetry.logs import setup_from_args
+
+    setup_from_args(args, f"kvmesh-{args.command}")
     result = args.func(args)
     return int(result or 0)
 

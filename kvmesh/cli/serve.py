@@ -39,8 +39,4 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvmesh serve {args.role}: this installation has no {args.role} role "
               f"({module_name} is missing)", file=sys.stderr)  # fmt: skip
         return 2
-    if args.role == "control":
-        from kvmesh.telemetry.tracing import setup_tracing
-
-        setup_tracing("kvmesh-control")
     return int(getattr(module, function)(list(args.role_args)) or 0)

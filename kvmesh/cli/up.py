@@ -45,13 +45,14 @@ from kvmesh.service.engine_flags import (
     env_values,
     validate,
 )
+from kvmesh.v1.transfer import DEFAULT_BACKEND, WORKER_BACKENDS
 
 CONTROL_READY = re.compile(r"listening on (\S+)")
 INTERNAL_READY = re.compile(r"internal ControlService on (\S+)")
 INTERNAL_HOST = "127.0.0.1"  # every worker runs on this host: the internal door stays local
+METRICS_READY = re.compile(r"control plane metrics on (\S+)")
 HTTP_READY = re.compile(r"OpenAI-compatible API on (\S+)/v1")
 WORKER_READY = re.compile(r"KVMESH_READY (\{.*\})")
-TRANSFER_BACKENDS = ("shm", "grpc", "gloo")
 UP_OWN_FIELDS = ("num_threads",)  # `--threads` also sets OMP_NUM_THREADS
 DEMO_PROMPT = "What is the capital of France?"
 
@@ -68,7 +69,7 @@ class UpConfig:
     port: int = 50051  # 0 picks a free port
     internal_port: int = 0  # the control plane's internal door (0 picks a free port)
     http_port: int | None = None  # OpenAI-compatible HTTP API (0 picks a free port; None: off)
-    transfer_backend: str = "shm"
+    transfer_backend: str = DEFAULT_BACKEND
     threads: int | None = None  # torch threads per worker
     startup_timeout: float = 180.0
     drain_seconds: float = 30.0  # the control plane's drain cap (its bound is sized per request)
@@ -135,6 +136,7 @@ class LocalSystem:
         self.endpoint = ""
         self.internal_endpoint = ""  # the control plane's internal door (workers' --control)
         self.http_url = ""  # http://HOST:PORT of the OpenAI-compatible API, when enabled
+        self.control_metrics = ""  # HOST:PORT of the control plane's Prometheus endpoint
         self.model_dir = ""
         self.control: Child | None = None
         self.workers: list[Worker] = []
@@ -176,7 +178,8 @@ class LocalSystem:
         argv = [*kvmesh_argv(), "serve", "control", "--host", c.host, "--port", str(c.port),
                 "--internal-port", str(c.internal_port), "--internal-host", INTERNAL_HOST,
                 "--transfer-backends", c.transfer_backend, "--drain-seconds",
-                str(c.drain_seconds), *c.tls_args(), *c.control_args]  # fmt: skip
+                str(c.drain_seconds), "--metrics-port", self._metrics_port(), *c.tls_args(),
+                *c.control_args]  # fmt: skip
         if c.api_key_file:
             argv += ["--api-key-file", c.api_key_file]
         if self.endpoint:  # a restart keeps the addresses clients and workers know
@@ -185,13 +188,19 @@ class LocalSystem:
         if c.http_port is not None:  # a restart keeps the HTTP address too
             port = self.http_url.rsplit(":", 1)[1] if self.http_url else str(c.http_port)
             argv += ["--http-port", port]
-        self.control = self.supervisor.start("control", argv, self.env)
+        self.control = self.supervisor.start("control", argv, {**self.env, **role_env("control")})
         if c.http_port is not None:  # printed before the gRPC lines
             self.http_url = self.supervisor.wait_for(self.control, HTTP_READY, deadline).group(1)
+        metrics = self.supervisor.wait_for(self.control, METRICS_READY, deadline)
+        self.control_metrics = metrics.group(1)
         internal = self.supervisor.wait_for(self.control, INTERNAL_READY, deadline)
         self.internal_endpoint = internal.group(1)
         self.endpoint = self.supervisor.wait_for(self.control, CONTROL_READY, deadline).group(1)
         return self.endpoint
+
+    def _metrics_port(self) -> str:
+        """A free port at first (0), the same one on a restart."""
+        return self.control_metrics.rsplit(":", 1)[1] if self.control_metrics else "0"
 
     def start_worker(
         self, role: str, deadline: float | None = None, name: str | None = None
@@ -208,7 +217,7 @@ class LocalSystem:
             argv += ["--transfer-backend", c.transfer_backend]
         if c.threads is not None:
             argv += ["--num-threads", str(c.threads)]
-        env = dict(self.env)
+        env = {**self.env, **role_env(role)}
         if c.threads is not None:
             env["OMP_NUM_THREADS"] = str(c.threads)
         worker = Worker(role, self.supervisor.start(name, argv, env))
@@ -259,6 +268,11 @@ class LocalSystem:
         return [c for c in children if not c.alive()]
 
 
+def role_env(role: str) -> dict[str, str]:
+    """A child's tracing service name: `OTEL_SERVICE_NAME` (default "kvmesh") + "-ROLE"."""
+    return {"OTEL_SERVICE_NAME": f"{os.environ.get('OTEL_SERVICE_NAME') or 'kvmesh'}-{role}"}
+
+
 def kvmesh_argv() -> list[str]:
     """How to run the `kvmesh` command with this interpreter."""
     return [sys.executable, "-m", "kvmesh.cli.main"]
@@ -299,7 +313,7 @@ def register(subparsers: Any) -> None:
     add("--port", type=int, default=None, help="front door port (default 50051; --demo: any)")
     add("--http-port", type=int, default=None,
         help="OpenAI-compatible HTTP API port (default 8000; --demo: any; -1: off)")  # fmt: skip
-    add("--transfer-backend", choices=TRANSFER_BACKENDS, default="shm",
+    add("--transfer-backend", choices=WORKER_BACKENDS, default=DEFAULT_BACKEND,
         help="KV transfer backend between prefill and decode (default %(default)s)")  # fmt: skip
     add("--threads", "--num-threads", type=int, default=None,
         help="torch (and OpenMP) threads per worker process")  # fmt: skip
@@ -423,6 +437,7 @@ def print_banner(system: LocalSystem, endpoint: str) -> None:
     if system.http_url:
         print(f"  OpenAI-compatible API on {system.http_url}/v1", flush=True)
     print(f"  internal door {system.internal_endpoint} (ControlService; cluster token required)")
+    print(f"  control plane metrics http://{system.control_metrics}/metrics")
     for w in system.workers:
         print(f"  {w.child.name}: {w.ready.get('address', '?')} "
               f"(metrics {w.ready.get('metrics_address') or 'off'})")  # fmt: skip

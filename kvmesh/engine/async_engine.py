@@ -18,11 +18,12 @@ Every wait is bounded:
                                        request is cleaned up and TimeoutError raised
     stop() / shutdown()                joins the engine thread within `timeout` s
 
-A stream may carry a step hook (`open_stream(..., on_step=fn)`): `fn(engine, request_id)` runs on
-the engine thread after every step while the stream is open, before that step's outputs are
-handed out (one hook per stream, so bounded; it must be quick and must never wait on I/O; the
-prefill worker uses it to hand each finished chunk's blocks to a sender thread). A hook that
-raises is logged and removed.
+A stream may carry a step hook (`open_stream(..., on_step=fn)`): `fn(engine, request_id, output)`
+runs on the engine thread after every step while the stream is open, before that step's outputs
+are handed out (`output`: the request's output of that step, or None; one hook per stream, so
+bounded; it must be quick and must never wait on I/O; the prefill worker's KV export uses it to
+hand finished blocks and the first token to a sender thread). A hook that raises is logged and
+removed.
 
 Leaving a stream early (break, cancel, disconnect, `close()`) runs its cleanup (abort by
 default) on the engine thread, which frees the request's blocks. The engine never imports
@@ -53,7 +54,7 @@ T = TypeVar("T")
 LOG = logging.getLogger("kvmesh.engine")
 IDLE_WAIT_SECONDS = 0.05  # how long an idle engine thread sleeps between command checks
 Cleanup = Callable[["LLMEngine", str], object]
-StepHook = Callable[["LLMEngine", str], object]
+StepHook = Callable[["LLMEngine", str, "RequestOutput | None"], object]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +65,15 @@ class LoadSnapshot:
     running: int = 0
     waiting: int = 0
     steps: int = 0
+    prefix_query_tokens: int = 0  # cumulative, like the two below
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (shutdown or a failed step); nothing more runs on it."""
+
+    status_name = "UNAVAILABLE"  # the gRPC status it is answered with
 
 
 def abort_request(engine: LLMEngine, request_id: str) -> object:
@@ -214,7 +220,7 @@ class AsyncLLMEngine:
         """Subscribe to `request_id` and run `start(engine)` in the same command (it adds the
         request; an output it returns is the stream's first). `cleanup(engine, request_id)`
         runs when the stream is left before its request finished. `on_step(engine,
-        request_id)` runs on the engine thread after each step while the stream is open."""
+        request_id, output)` runs on the engine thread after each step while the stream is open."""
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -314,7 +320,7 @@ class AsyncLLMEngine:
                     self._steps += 1
                     self._refresh_load()
                     if self._hooks:
-                        self._run_hooks()
+                        self._run_hooks(outputs)
                     for output in outputs:
                         self._push(output)
         except BaseException as exc:  # the loop must report, not vanish
@@ -322,6 +328,10 @@ class AsyncLLMEngine:
             LOG.exception("engine thread failed")
         finally:
             self._stopping.set()
+            try:
+                self.engine.close()
+            except Exception:
+                LOG.exception("closing the engine failed")
             self._stopped.set()
             self._fail_pending(EngineDeadError(f"engine is not running ({self.error!r})"))
 
@@ -338,10 +348,11 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
 
-    def _run_hooks(self) -> None:
+    def _run_hooks(self, outputs: list[RequestOutput]) -> None:
+        by_request = {output.request_id: output for output in outputs}
         for request_id, hook in list(self._hooks.items()):
             try:
-                hook(self.engine, request_id)
+                hook(self.engine, request_id, by_request.get(request_id))
             except Exception:
                 LOG.exception("step hook of %r failed; removed", request_id)
                 self._hooks.pop(request_id, None)
@@ -376,6 +387,9 @@ class AsyncLLMEngine:
             running=scheduler.num_running,
             waiting=scheduler.num_waiting,
             steps=self._steps,
+            prefix_query_tokens=metrics.prefix_query_tokens,
+            prefix_hit_tokens=metrics.prefix_hit_tokens,
+            preemptions=scheduler.num_preemptions,
         )
 
     # -- either thread ---------------------------------------------------------------------

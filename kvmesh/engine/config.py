@@ -18,6 +18,7 @@ DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("auto", "native", "transformers")
 FLOAT32_PACKINGS = ("auto", "on", "off")
 COMPILE_MODES = ("off", "on")
+PREEMPTIONS = ("auto", "swap", "recompute")
 
 
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -78,6 +79,10 @@ class EngineConfig:
     max_num_seqs: int = _setting(256, "most sequences in one step")
     max_num_batched_tokens: int = _setting(2048, "most tokens in one step")
     enable_chunked_prefill: bool = _setting(True, "split long prompts over several steps")
+    long_prefill_token_threshold: int | None = _setting(
+        None,
+        "chunked prefill: most prompt tokens of one sequence in one step (default: the budget)",
+    )
     enable_prefix_caching: bool = _setting(True, "reuse cached KV blocks of equal prefixes")
     policy: str = _setting("continuous", "batching (static: a benchmark baseline)", POLICIES)
     allocation: str = _setting("paged", "KV allocation (contiguous: a baseline)", ALLOCATIONS)
@@ -88,6 +93,24 @@ class EngineConfig:
         SCHEDULING_POLICIES,
     )
     max_decode_stall_tokens: int = _setting(512, "prefill-first: prompt tokens decodes may wait")
+    host_kv_gib: float | None = _setting(
+        None, "host-memory KV tier below the device cache, GiB (pinned on CUDA; default: none)"
+    )
+    disk_kv_dir: str | None = _setting(
+        None,
+        "folder of the disk KV tier below the host tier (which defaults to 1 GiB when "
+        "--host-kv-gib is not set)",
+    )
+    disk_kv_gib: float = _setting(4.0, "disk KV tier capacity, GiB")
+    disk_kv_persist: bool = _setting(
+        False, "keep (and verify) the disk tier's blocks across restarts"
+    )
+    preemption: str = _setting(
+        "auto",
+        "preempted sequences: swap (to the host tier), recompute, or auto (by estimated "
+        "cost); without a host tier always recompute",
+        PREEMPTIONS,
+    )
     num_threads: int | None = _setting(None, "torch CPU threads (default: torch's)")
     show_progress: bool = _setting(False, "print the KV capacity line at start")
 
@@ -101,6 +124,8 @@ class EngineConfig:
         _choice("policy", self.policy, POLICIES)
         _choice("allocation", self.allocation, ALLOCATIONS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _choice("preemption", self.preemption, PREEMPTIONS)
+        self._check_tiers()
         for name in (
             "block_size",
             "max_num_seqs",
@@ -108,14 +133,23 @@ class EngineConfig:
             "max_decode_stall_tokens",
         ):
             _positive(name, getattr(self, name))
-        for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads"):
+        optional = ("kv_cache_memory", "num_kv_blocks", "max_model_len", "num_threads",
+                    "long_prefill_token_threshold")  # fmt: skip
+        for name in optional:
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if not 0.0 < self.memory_utilization <= 1.0:
             raise InvalidParameterError("memory_utilization", "must be in (0, 1]")
 
+    def _check_tiers(self) -> None:
+        for name in ("host_kv_gib", "disk_kv_gib"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise InvalidParameterError(name, f"must be a positive number; got {value!r}")
+
 
 DEFAULT_CPU_KV_BYTES = 1024**3
+DEFAULT_HOST_KV_GIB = 1.0  # the host tier under a disk tier when host_kv_gib is not set
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -1,35 +1,45 @@
-"""Disaggregation on an LLMEngine: prefill-only export and decode-side import of KV.
+"""The engine's KV connector: prefill-only export and decode-side import of KV.
 
-Functions, not methods, so the engine core stays as it is; all of them must run on the thread
-that drives the engine (they touch the scheduler and the block manager).
+The public face of disaggregation on an LLMEngine (in the spirit of vLLM's KV connector and
+SGLang's KV sender / receiver): functions over the engine's public API, all run on the thread
+that drives the engine (`AsyncLLMEngine.call` / `open_stream`).
 
-Prefill role:  add_request(..., prefill_only=True) → step until PREFILLED
-               → prefilled_block_ids → ship the KV → release_prefilled
-Decode role:   reserve_blocks (empty blocks for the prompt) → KV lands in them
-               → join_prefilled (joins the running batch with the first tokens)
-               or free_reservation when the KV never came.
+Export (prefill role):
+    add_request(request with prefill_only=True)     queued; scheduled until its first token
+    ready_blocks(request_id)                        blocks whose KV is final now, and whether
+                                                    the request is PREFILLED (the exporter
+                                                    decides when to ship them: each chunk's,
+                                                    or all at once, is its policy)
+    release(request_id)                             drop it in any state (blocks to the pool or
+                                                    the prefix cache)
+Import (decode role):
+    reserve(request)                                empty blocks for the prompt's incoming KV,
+                                                    the request WAITING_FOR_REMOTE_KV
+    import_prefilled(request, first_tokens, ...)    the KV landed: join the running batch with
+                                                    the first tokens, in one engine command
+    release(request_id)                             drop it (waiting or running)
 
 With n > 1 completions the prompt's KV still travels once: the prefill side samples the n
 first tokens from the prompt's last logits row (its request forks at the final chunk), the
 decode side reserves the prompt blocks once plus `n - 1` spare blocks (what the n sequences'
 first decode step needs beyond one sequence's: the copies of a shared partial last block, or
 a fresh block each when the prompt fills its last block), held under child 1's sequence id
-and freed when `join_prefilled` forks the n sequences.
+and freed when `import_prefilled` forks the n sequences.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 from kvmesh.engine.detokenizer import SequenceText
-from kvmesh.engine.engine import LLMEngine, _Tracked
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.errors import InvalidParameterError
-from kvmesh.engine.outputs import RequestMetrics, RequestOutput
+from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampler import TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import is_prefilled, stop_status, validate_request
-from kvmesh.engine.sequence import Request, Sequence, SequenceStatus, child_seq_id
+from kvmesh.engine.sequence import Request, Sequence, SequenceStatus
 
 
 def build_request(
@@ -55,18 +65,40 @@ def build_request(
 
 def add_request(engine: LLMEngine, request: Request) -> None:
     """Queue a built request (like LLMEngine.add_request, but keeping its prefix-cache salt)."""
-    engine.scheduler.add_request(request)
-    _track(engine, request)
+    engine.add_built_request(request)
 
 
-def prefilled_block_ids(engine: LLMEngine, request_id: str) -> list[int]:
-    """Block ids holding a PREFILLED request's prompt KV, in logical order (n > 1 children
-    share them: nothing was written after the fork)."""
+@dataclass(frozen=True)
+class ReadyBlocks:
+    """How much of a prefill-only request's KV is final now (`ready_blocks`)."""
+
+    block_ids: list[int]  # the leading blocks of the prompt whose KV is final, logical order
+    prefilled: bool  # first token sampled: `block_ids` hold the whole prompt
+    preemptions: int  # a change means its blocks were freed (to be recomputed)
+    computed_tokens: int  # prompt tokens whose KV is computed (chunk progress)
+
+
+def ready_blocks(engine: LLMEngine, request_id: str) -> ReadyBlocks | None:
+    """The blocks of a queued prefill-only request whose KV no later step changes (every full
+    block its finished chunks filled; all of the prompt's once PREFILLED), or None when the
+    scheduler no longer holds it (finished or released). n > 1 children share them."""
     request = engine.scheduler.get_request(request_id)
-    seq = None if request is None else parked_sequence(request)
-    if seq is None:
-        raise InvalidParameterError("request_id", f"{request_id!r} is not prefilled")
-    return engine.scheduler.block_manager.block_table(seq.seq_id)
+    if request is None:
+        return None
+    head = request.seqs[0]
+    seq = parked_sequence(request) or head
+    bm = engine.scheduler.block_manager
+    prompt_blocks = -(-len(head.prompt_ids) // bm.block_size)
+    if seq.status is SequenceStatus.PREFILLED:
+        ready = prompt_blocks
+    elif seq.status is SequenceStatus.RUNNING:
+        ready = min(seq.num_computed_tokens // bm.block_size, prompt_blocks)
+    else:
+        ready = 0
+    table = bm.block_table(seq.seq_id) if ready else []
+    prefilled = seq.status is SequenceStatus.PREFILLED
+    computed = min(seq.num_computed_tokens, len(seq.prompt_ids))
+    return ReadyBlocks(table[:ready], prefilled, head.num_preemptions, computed)
 
 
 def parked_sequence(request: Request) -> Sequence | None:
@@ -74,7 +106,7 @@ def parked_sequence(request: Request) -> Sequence | None:
     return next((s for s in request.seqs if s.status is SequenceStatus.PREFILLED), None)
 
 
-def release_prefilled(engine: LLMEngine, request_id: str) -> bool:
+def release(engine: LLMEngine, request_id: str) -> bool:
     """Drop a prefill-only request in any state (its blocks go back to the pool or the prefix
     cache); True when it was held."""
     request = engine.scheduler.get_request(request_id)
@@ -83,7 +115,7 @@ def release_prefilled(engine: LLMEngine, request_id: str) -> bool:
         engine.scheduler.release_prefilled(request_id)
     else:
         engine.scheduler.abort_request(request_id)
-    _forget(engine, request_id)
+    engine.forget_request(request_id)
     return held
 
 
@@ -94,63 +126,34 @@ def spare_blocks(n: int) -> int:
     return n - 1
 
 
-def reserve_blocks(engine: LLMEngine, seq_id: str, num_tokens: int, n: int = 1) -> list[int] | None:
-    """Allocate empty blocks for `num_tokens` prompt tokens, plus `spare_blocks` held under
-    child 1's id for an n > 1 request; None (nothing held) when the pool is short now."""
-    bm = engine.scheduler.block_manager
-    spare_id, spare = child_seq_id(seq_id, 1), spare_blocks(n)
-    if bm.has(seq_id) or (spare and bm.has(spare_id)):
-        raise InvalidParameterError("request_id", f"{seq_id!r} already holds blocks")
-    if -(-num_tokens // bm.block_size) + spare > bm.num_free_blocks:
-        return None
-    if bm.allocate(seq_id, num_tokens) is None:
-        return None
-    if spare and bm.allocate(spare_id, spare * bm.block_size) is None:
-        bm.free(seq_id)
-        return None
-    return bm.block_table(seq_id)
+def reserve(engine: LLMEngine, request: Request) -> list[int] | None:
+    """Hold a request whose prompt KV will come from another worker: empty blocks for the
+    prompt (once, whatever n) plus `spare_blocks(n)`, the request waiting for its KV (never
+    scheduled) until `import_prefilled`, or `release`; the prompt's block ids, or None
+    (nothing held) when the pool is short now."""
+    return engine.scheduler.add_remote_request(request, spare_blocks(request.params.n))
 
 
-def free_reservation(engine: LLMEngine, seq_id: str, n: int = 1) -> bool:
-    """Free reserved blocks (and an n > 1 request's spares) that never joined the batch;
-    True when there were any."""
-    if engine.scheduler.get_request(seq_id) is not None:
-        return False
-    bm = engine.scheduler.block_manager
-    ids = (seq_id, child_seq_id(seq_id, 1)) if spare_blocks(n) else (seq_id,)
-    held = [sid for sid in ids if bm.has(sid)]
-    for sid in held:
-        bm.free(sid)
-    return bool(held)
-
-
-def join_prefilled(
+def import_prefilled(
     engine: LLMEngine,
     request: Request,
     first_tokens: Seq[int],
     first_logprobs: Seq[TokenLogprobs | None] = (),
+    *,
+    kv_complete: bool = True,
 ) -> RequestOutput:
     """Join a request whose prompt KV sits in its reserved blocks as its n completions
     (`first_tokens[i]` is completion i's); returns the output carrying the first tokens
-    (finished when they already end every completion)."""
-    rid = request.request_id
-    bm = engine.scheduler.block_manager
-    spare_id = child_seq_id(rid, 1)
-    if request.params.n > 1 and bm.has(spare_id):
-        bm.free(spare_id)  # the forks' first writes take these blocks back
+    (finished when they already end every completion). `kv_complete=False` (no KV came: the
+    producer's request ended at its first token) is accepted only when the first tokens end
+    every completion (InvalidParameterError naming `first_tokens` otherwise)."""
+    if not kv_complete and not first_tokens_finish(engine, request, first_tokens):
+        raise InvalidParameterError(
+            "first_tokens", "no KV came with them, yet they do not end every completion"
+        )
     num_prompt = len(request.seqs[0].prompt_ids)
     engine.scheduler.add_prefilled_request(request, num_prompt, first_tokens)
-    tracked = _track(engine, request)
-    now = time.monotonic()
-    for index, seq in enumerate(list(request.seqs)):
-        logprobs = first_logprobs[index] if index < len(first_logprobs) else None
-        if logprobs is not None:
-            engine._step_logprobs[seq.seq_id] = logprobs
-        try:
-            engine._record_token(tracked, seq, now)
-        finally:
-            engine._step_logprobs.pop(seq.seq_id, None)
-    return engine._emit(tracked)
+    return engine.emit_imported(request, first_logprobs)
 
 
 def first_tokens_finish(engine: LLMEngine, request: Request, first_tokens: Seq[int]) -> bool:
@@ -182,18 +185,3 @@ def _first_token_finishes(engine: LLMEngine, request: Request, first_token: int)
     )
     text.append([first_token])
     return text.stopped_by is not None
-
-
-def _track(engine: LLMEngine, request: Request) -> _Tracked:
-    tracked = _Tracked(request, None, metrics=RequestMetrics(request.arrival_time))
-    engine._tracked[request.request_id] = tracked
-    for seq in request.seqs:
-        engine._seq_request[seq.seq_id] = request.request_id
-    return tracked
-
-
-def _forget(engine: LLMEngine, request_id: str) -> None:
-    tracked = engine._tracked.pop(request_id, None)
-    if tracked is not None:
-        for seq in tracked.request.seqs:
-            engine._seq_request.pop(seq.seq_id, None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -58,6 +59,8 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._seq_request: dict[str, str] = {}
         self._step_logprobs: dict[str, TokenLogprobs] = {}
+        # Called with the tokens each non-empty step schedules (in the stepping thread).
+        self.step_observers: list[Callable[[int], None]] = []
         if self.config.show_progress:
             print(self.parts.capacity_line(), file=sys.stderr)
 
@@ -80,6 +83,10 @@ class LLMEngine:
             request_id, prompt_ids, params, arrival_time=arrival, prefill_only=prefill_only
         )
         self.scheduler.add_request(request)
+        tiers = self.parts.tiers
+        if tiers is not None and tiers.disk is not None:  # disk reads start now, before admission
+            manager = self.scheduler.block_manager
+            tiers.prefetch(manager.block_hashes(prompt_ids, request.seqs[0].extra_key))
         self._tracked[request_id] = _Tracked(request, text, metrics=RequestMetrics(arrival))
         self._seq_request[request_id] = request_id
         return request
@@ -112,14 +119,69 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
 
+    def close(self) -> None:
+        """Release what outlives a step: the KV tiers' reader (a persistent disk tier is
+        written back). Idempotent."""
+        tiers = self.parts.tiers
+        if tiers is not None and not tiers.closed:
+            if tiers.disk is not None and tiers.disk.persist:
+                self.scheduler.block_manager.evict_all()  # device-cached blocks go down too
+            tiers.close()
+
+    # -- built requests (the KV connector in kvmesh.engine.disagg adds and imports these) ---
+    def add_built_request(self, request: Request) -> None:
+        """Queue a Request built elsewhere (validated, carrying its prefix-cache salt)."""
+        self.scheduler.add_request(request)
+        self._track(request)
+
+    def forget_request(self, request_id: str) -> None:
+        """Stop tracking a request the scheduler no longer holds (its outputs end here)."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None:
+            for seq in tracked.request.seqs:
+                self._seq_request.pop(seq.seq_id, None)
+
+    def emit_imported(
+        self, request: Request, first_logprobs: Seq[TokenLogprobs | None] = ()
+    ) -> RequestOutput:
+        """Track a request the scheduler just joined with tokens sampled elsewhere (its
+        sequences' output ids) and return the output carrying them; `first_logprobs[i]` is
+        completion i's first token's logprobs."""
+        tracked = self._track(request)
+        now = time.monotonic()
+        for index, seq in enumerate(list(request.seqs)):
+            logprobs = first_logprobs[index] if index < len(first_logprobs) else None
+            if logprobs is not None:
+                self._step_logprobs[seq.seq_id] = logprobs
+            try:
+                self._record_token(tracked, seq, now)
+            finally:
+                self._step_logprobs.pop(seq.seq_id, None)
+        return self._emit(tracked)
+
+    def _track(self, request: Request) -> _Tracked:
+        tracked = _Tracked(request, None, metrics=RequestMetrics(request.arrival_time))
+        self._tracked[request.request_id] = tracked
+        for seq in request.seqs:
+            self._seq_request[seq.seq_id] = request.request_id
+        return tracked
+
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; outputs of every request that changed."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        if self.parts.tiers is not None:
+            self.parts.tiers.prepare_step()  # reloads land before any write or read
+        for observe in self.step_observers:
+            observe(plan.num_batched_tokens)
         self.runner.copy_blocks(plan.copy_pairs)
+        started = time.perf_counter()
         logits = self.runner.execute(plan)  # [sampling chunks, vocab]
+        tokens = sum(len(chunk.token_ids) for chunk in plan.chunks)
+        if self.parts.tiers is not None and tokens > 2 * len(plan.chunks):  # mostly prompt
+            self.parts.tiers.rates.observe_compute(tokens, time.perf_counter() - started)
         sampled = self._sample(plan, logits)
         changed = self.scheduler.update(plan, sampled)
         now = time.monotonic()

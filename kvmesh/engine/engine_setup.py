@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvmesh.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from kvmesh.engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_HOST_KV_GIB, EngineConfig
 from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.loader import LoadedModel, load_model
 from kvmesh.engine.runner import ModelRunner
@@ -20,6 +20,8 @@ from kvmesh.engine.sampler import Sampler
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.memory import BlockManager
 from kvmesh.memory.planner import KVModelShape, plan_kv_capacity
+from kvmesh.memory.tiers.build import GIB, TierSettings, build_store, persistent_seed
+from kvmesh.memory.tiers.store import TieredStore
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class EngineParts:
     sampler: Sampler
     max_model_len: int
     eos_token_id: int | None
+    tiers: TieredStore | None = None
 
     def capacity_line(self) -> str:
         """Start-up summary: blocks, tokens, max concurrency at max model length."""
@@ -62,18 +65,45 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_chunked_prefill=config.enable_chunked_prefill,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
         enable_prefix_caching=config.enable_prefix_caching,
         policy=config.policy,
         allocation=config.allocation,
         scheduling_policy=config.scheduling_policy,
         max_decode_stall_tokens=config.max_decode_stall_tokens,
+        preemption=config.preemption,
         eos_token_id=eos,
     )
+    tiers = build_tiers(config, runner, str(loaded.path))
     block_manager = BlockManager(
-        num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        num_blocks,
+        config.block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+        hash_seed=None if tiers is None else persistent_seed(tiers, str(loaded.path)),
+        tiers=tiers,
     )
     scheduler = Scheduler(scheduler_config, block_manager)
-    return EngineParts(loaded, runner, scheduler, Sampler(), max_model_len, eos)
+    return EngineParts(loaded, runner, scheduler, Sampler(), max_model_len, eos, tiers)
+
+
+def build_tiers(config: EngineConfig, runner: ModelRunner, model_id: str) -> TieredStore | None:
+    """The host/disk tiers of `config` (None with neither host_kv_gib nor disk_kv_dir)."""
+    if config.host_kv_gib is None and config.disk_kv_dir is None:
+        return None
+    settings = TierSettings(
+        int((config.host_kv_gib or DEFAULT_HOST_KV_GIB) * GIB),
+        config.disk_kv_dir,
+        int(config.disk_kv_gib * GIB),
+        config.disk_kv_persist,
+    )
+    try:
+        return build_store(runner.kv_cache, settings, model_id)
+    except ValueError as exc:
+        text = str(exc)
+        field = "host_kv_gib"
+        if "disk" in text:
+            field = "disk_kv_dir" if "folder" in text else "disk_kv_gib"
+        raise InvalidParameterError(field, text) from None
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 class InvalidParameterError(ValueError):
     """A request or option carries a bad value; `.field` names it and the message starts with it."""
 
+    status_name = "INVALID_ARGUMENT"  # the gRPC status it is answered with (kvmesh.v1.status)
+
     def __init__(self, field: str, message: str) -> None:
         self.field = field
         self.message = message

@@ -117,6 +117,19 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return int(self.loaded.hf_config.vocab_size)
 
+    def move_kv_cache(self, data: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Re-home the cache into `data` (and `scales`), same shapes and dtypes, contents kept:
+        memory a KV receiver registers (a shared mapping). Runs on the engine thread; nothing
+        else holds the old tensors (every step takes its views from `kv_cache`)."""
+        old = self.kv_cache
+        same = data.shape == old.data.shape and data.dtype == old.data.dtype
+        if not same or (scales is None) != (old.scales is None):
+            raise ValueError("move_kv_cache: new tensors must match the cache's shapes and dtypes")
+        data.copy_(old.data)
+        if scales is not None and old.scales is not None:
+            scales.copy_(old.scales)
+        self.kv_cache = PagedKVCache(old.spec, data, scales)
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst (all layers, K and V) before a step writes into dst."""
         if not pairs:

@@ -22,9 +22,11 @@ if TYPE_CHECKING:
 
 
 class SequenceStatus(enum.Enum):
-    """Lifecycle: WAITING -> RUNNING -> FINISHED_* (or PREFILLED in prefill-only mode)."""
+    """Lifecycle: WAITING -> RUNNING -> FINISHED_* (or PREFILLED in prefill-only mode; or
+    WAITING_FOR_REMOTE_KV -> RUNNING when the prompt's KV comes from another worker)."""
 
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks held, the KV arriving; not scheduled
     RUNNING = "running"
     PREFILLED = "prefilled"  # prompt computed, first token sampled, blocks held for transfer
     FINISHED_STOPPED = "finished_stopped"

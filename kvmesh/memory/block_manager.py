@@ -19,13 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvmesh.memory.block_pool import BlockPool
 from kvmesh.memory.errors import CapacityError, SequenceExistsError, UnknownSequenceError
 from kvmesh.memory.hashing import BlockHasher, HashFn, chain_hashes
 from kvmesh.memory.metrics import MemoryMetrics
 from kvmesh.memory.prefix_cache import BlockRef, PrefixCache
+from kvmesh.memory.tier_link import TierLink
+
+if TYPE_CHECKING:
+    from kvmesh.memory.tiers.store import TieredStore
 
 ADMISSION_POLICIES = ("slru", "lru")
 _new_result = tuple.__new__  # _new_result(AllocResult, (new, pairs)): no Python-level __new__
@@ -61,6 +65,7 @@ class BlockManager:
         admission: str = "slru",
         protected_fraction: float = 0.5,
         hash_fn: HashFn | None = None,
+        tiers: TieredStore | None = None,
     ) -> None:
         if admission not in ADMISSION_POLICIES:
             raise ValueError(f"admission must be one of {ADMISSION_POLICIES}, got {admission!r}")
@@ -68,17 +73,20 @@ class BlockManager:
             raise ValueError(f"protected_fraction must be in [0, 1], got {protected_fraction}")
         self._cache = PrefixCache()
         self._pool = BlockPool(
-            num_blocks,
-            block_size,
-            protected_capacity=int(num_blocks * protected_fraction),
-            on_evict=self._cache.forget,
+            num_blocks, block_size, protected_capacity=int(num_blocks * protected_fraction)
         )
+        self._pool.on_evict = self._cache.forget
         self._bs = block_size
         self._hash: HashFn = hash_fn or BlockHasher(hash_seed).hash_block
+        self.tiers = tiers
+        self._link = None if tiers is None else TierLink(tiers, self._pool, self._cache, self._hash)
+        if self._link is not None:
+            self._pool.on_evict = self._link.evicted
         self._promote_on_hit = admission == "slru"
         self.admission = admission
         self.enable_prefix_caching = enable_prefix_caching
         self._seqs: dict[str, _Seq] = {}
+        self._swapped: dict[str, _Seq] = {}  # swapped out to the host tier
         self._queries = self._query_tokens = self._hit_tokens = self._cow_copies = 0
 
     # -- properties --------------------------------------------------------------------------
@@ -141,7 +149,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         bs, parent_hash, parent_ref = self._bs, None, None
-        for start in range(0, max(0, len(token_ids) - 1) // bs * bs, bs):
+        limit = max(0, len(token_ids) - 1) // bs * bs
+        for start in range(0, limit, bs):
             tokens = token_ids[start : start + bs]
             block_hash = self._hash(parent_hash, tokens, extra_key)
             ref = self._cache.match(block_hash, parent_ref, tokens, extra_key)
@@ -152,11 +161,22 @@ class BlockManager:
                 self._pool.protect(ref[0])
             seq.blocks.append(ref[0])
             parent_hash, parent_ref = block_hash, ref
+        if self._link is not None:
+            parent_hash, parent_ref = self._link.reload_prefix(
+                seq.blocks, token_ids[:limit], bs, extra_key, (parent_hash, parent_ref)
+            )
         seq.num_tokens = len(seq.blocks) * bs
         seq.num_committed = len(seq.blocks)
         seq.last_hash, seq.last_ref = parent_hash, parent_ref
         self._hit_tokens += seq.num_tokens
         return seq.num_tokens
+
+    def evict_all(self) -> None:
+        """Evict every unreferenced cached block (each spills to the tiers, if any): what a
+        persistent disk tier needs at shutdown."""
+        taken = self._take_blocks(self._pool.num_free)
+        for block in taken or ():
+            self._pool.decref(block)
 
     def allocate(self, seq_id: str, num_tokens: int) -> AllocResult | None:
         """Cover `num_tokens` slots in total (creating the seq if new); None if blocks run out.
@@ -171,7 +191,7 @@ class BlockManager:
         blocks_needed = -(-num_tokens // bs)
         if seq is None:
             self._check_capacity(num_tokens, blocks_needed)
-            new = self._pool.allocate(blocks_needed)
+            new = self._take_blocks(blocks_needed)
             if new is None:
                 return None
             self._seqs[seq_id] = _Seq(list(new), num_tokens)
@@ -183,7 +203,7 @@ class BlockManager:
             seq.num_tokens = num_tokens
             return _new_result(AllocResult, ([], []))
         self._check_capacity(num_tokens, blocks_needed)
-        new = self._pool.allocate(grow + cow)
+        new = self._take_blocks(grow + cow)
         if new is None:
             return None
         pairs: list[tuple[int, int]] = []
@@ -198,6 +218,13 @@ class BlockManager:
             blocks.extend(new)
         seq.num_tokens = num_tokens
         return _new_result(AllocResult, (new, pairs))
+
+    def _take_blocks(self, count: int) -> list[int] | None:
+        """Pool allocation; blocks it evicted are copied to the tiers before it returns."""
+        new = self._pool.allocate(count)
+        if self.tiers is not None:
+            self.tiers.flush_spills()
+        return new
 
     def _check_capacity(self, num_tokens: int, blocks_needed: int) -> None:
         if not isinstance(num_tokens, int) or num_tokens < 0:
@@ -255,6 +282,8 @@ class BlockManager:
             )
             if is_new:
                 self._pool.mark_cached(block)
+                if self.tiers is not None:
+                    self.tiers.discard(block_hash)
             if ref is None:
                 seq.chain_broken = True
                 return
@@ -277,8 +306,39 @@ class BlockManager:
             parent.chain_broken,
         )
 
+    def swap_out(self, seq_id: str) -> bool:
+        """Copy the sequence's blocks to the host tier, then release them (as `free`); its
+        table comes back with `swap_in`. False (nothing changed) when the host has no room."""
+        seq = self._get(seq_id)
+        if self.tiers is None or not self.tiers.swap_out(seq_id, seq.blocks):
+            return False
+        self.free(seq_id)
+        self._swapped[seq_id] = seq
+        return True
+
+    def is_swapped(self, seq_id: str) -> bool:
+        return seq_id in self._swapped
+
+    def swap_in(self, seq_id: str) -> bool:
+        """Give a swapped-out sequence fresh blocks; the tiers copy its KV in before the next
+        step. False (nothing changed) when blocks run out."""
+        seq = self._swapped[seq_id]
+        new = self._take_blocks(len(seq.blocks))
+        if new is None:
+            return False
+        assert self.tiers is not None
+        self.tiers.swap_in(seq_id, new)
+        seq.blocks = new
+        self._seqs[seq_id] = self._swapped.pop(seq_id)
+        return True
+
     def free(self, seq_id: str) -> None:
         """Release the sequence's blocks tail first; cached ones become evictable, others free."""
+        if seq_id in self._swapped:
+            del self._swapped[seq_id]
+            assert self.tiers is not None
+            self.tiers.drop_swapped(seq_id)
+            return
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise UnknownSequenceError(f"seq_id {seq_id!r} is not tracked")
@@ -324,3 +384,5 @@ class BlockManager:
         self._pool.check_integrity(refs)
         cached = {b for b in range(self._pool.num_blocks) if self._pool.is_cached(b)}
         self._cache.check_integrity(self._hash, cached)
+        if self.tiers is not None:
+            self.tiers.check_integrity(self._cache.hashes(), set(self._swapped))

@@ -31,7 +31,7 @@ class BlockPool:
         block_size: int,
         *,
         protected_capacity: int | None = None,
-        on_evict: Callable[[int], None] | None = None,
+        on_evict: Callable[[int], object] | None = None,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 class CapacityError(ValueError):
     """A request needs more blocks than the whole pool holds, so it can never be scheduled."""
 
+    status_name = "RESOURCE_EXHAUSTED"  # the gRPC status it is answered with
+
 
 class UnknownSequenceError(KeyError):
     """A call named a `seq_id` the block manager does not track."""

@@ -44,6 +44,12 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._index)
 
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._index
+
+    def hashes(self) -> set[int]:
+        return set(self._index)
+
     def match(
         self,
         block_hash: int,
@@ -96,10 +102,11 @@ class PrefixCache:
         )
         return ref, True
 
-    def forget(self, block: int) -> None:
-        """Drop an evicted block from the index."""
+    def forget(self, block: int) -> CachedBlock:
+        """Drop an evicted block from the index; return what it held."""
         entry = self._entries.pop(block)
         del self._index[entry.block_hash]
+        return entry
 
     def check_integrity(self, hash_fn: HashFn, cached_blocks: set[int]) -> None:
         """AssertionError unless index, entries and the pool's cached blocks agree."""

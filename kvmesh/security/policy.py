@@ -11,6 +11,7 @@ import grpc
 from kvmesh.security.credentials import bearer_metadata
 from kvmesh.security.interceptors import BearerAuth, attach_metadata
 from kvmesh.security.tls import TlsConfig
+from kvmesh.telemetry.tracing import client_interceptors
 
 Options = Sequence[tuple[str, int | str]]
 
@@ -57,8 +58,11 @@ class Security:
         return bearer_metadata(self.token)
 
     def aio_channel(self, target: str, options: Options = ()) -> grpc.aio.Channel:
-        """An internal grpc.aio channel: every call carries the token, over TLS when set."""
-        interceptors: Any = attach_metadata(self.call_metadata()) if self.token else None
+        """An internal grpc.aio channel: every call carries the token and the trace context
+        (a CLIENT span per call), over TLS when set."""
+        interceptors: Any = client_interceptors()
+        if self.token:
+            interceptors += attach_metadata(self.call_metadata())
         if self.tls is not None:
             credentials = self.tls.channel_credentials()
             return grpc.aio.secure_channel(

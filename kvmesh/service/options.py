@@ -21,7 +21,9 @@ from kvmesh.service.engine_flags import (
     engine_values,
 )
 from kvmesh.service.server import DEFAULT_MAX_MESSAGE_BYTES
+from kvmesh.telemetry.logs import add_log_flags
 from kvmesh.v1 import worker_pb2
+from kvmesh.v1.transfer import BACKENDS, WORKER_BACKENDS
 
 if TYPE_CHECKING:
     from kvmesh.service.runtime import WorkerRuntime
@@ -51,8 +53,8 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
         p.add_argument(
             "--transfer-backend",
             action="append",
-            choices=("shm", "gloo", "grpc", "cuda_ipc", "fake"),
-            help="KV transfer backend(s) (repeatable; default shm and grpc)",
+            choices=BACKENDS,
+            help=f"KV transfer backend(s) (repeatable; default {', '.join(WORKER_BACKENDS)})",
         )
         p.add_argument(
             "--transfer-port",
@@ -79,6 +81,7 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
         help="largest gRPC message of the worker port (default %(default)s)",
     )
     add_security_flags(p)
+    add_log_flags(p)
     return p
 
 

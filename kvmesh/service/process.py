@@ -15,13 +15,15 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NoReturn, Protocol
+from typing import NoReturn, Protocol
 
 from kvmesh.engine.errors import InvalidParameterError, UnsupportedModelError
 from kvmesh.service.options import ROLES, build_runtime, engine_config, parse
 from kvmesh.service.runtime import WorkerRuntime
 from kvmesh.service.server import WorkerServer, print_ready, run_until_signal
+from kvmesh.telemetry.logs import setup_from_args
 from kvmesh.telemetry.metrics import WorkerMetrics, serve_metrics
+from kvmesh.telemetry.tier_metrics import register_tier_metrics
 from kvmesh.v1 import worker_pb2
 
 LOG = logging.getLogger("kvmesh.service")
@@ -48,17 +50,16 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
     """Parse options, start everything, print the ready line, run until SIGTERM/SIGINT, drain,
     and end the process with the exit code."""
     args = parse(role, argv, transfer=role != "colocated")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    setup_from_args(args, f"kvmesh-{role}")
     from kvmesh.security.flags import security_from_args
+    from kvmesh.telemetry.tracing import setup_tracing
 
-    try:  # before the model loads: a missing token fails in one line
+    try:  # before the model loads: a missing token or a bad OTEL_* variable fails in one line
         security = security_from_args(args)
+        setup_tracing(f"kvmesh-{role}")
     except ValueError as error:
         print(f"kvmesh serve {role}: {error}", file=sys.stderr)
         return 2
-    from kvmesh.telemetry.tracing import setup_tracing
-
-    setup_tracing(f"kvmesh-{role}")
     try:
         config = engine_config(args)  # resolves --model: a bad one fails before anything starts
     except InvalidParameterError as error:
@@ -74,8 +75,9 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
             await runtime.engine.shutdown()
 
     async def serve(runtime: WorkerRuntime, stop: asyncio.Event) -> None:
-        metrics = WorkerMetrics()
-        bind_load_gauges(metrics, runtime.engine.load)
+        metrics = WorkerMetrics(role)
+        bind_engine_metrics(metrics, runtime)
+        register_tier_metrics(metrics.registry, lambda: runtime.engine.engine)
         server = WorkerServer(
             args.host,
             args.port,
@@ -155,10 +157,12 @@ def worker_info(
     )
 
 
-def bind_load_gauges(metrics: WorkerMetrics, load: Callable[[], Any]) -> None:
-    """Block and queue gauges read the engine's load snapshot at every scrape (read-only)."""
+def bind_engine_metrics(metrics: WorkerMetrics, runtime: WorkerRuntime) -> None:
+    """Engine families read the engine's load snapshot at every scrape (read-only); block
+    gauges too; the engine thread observes the tokens of every step."""
+    load = runtime.engine.load
     metrics.blocks.labels("used").set_function(lambda: load().total_blocks - load().free_blocks)
     metrics.blocks.labels("free").set_function(lambda: load().free_blocks)
     metrics.blocks.labels("cached").set_function(lambda: load().cached_blocks)
-    metrics.running.set_function(lambda: load().running)
-    metrics.waiting.set_function(lambda: load().waiting)
+    observe = metrics.bind_engine(load, runtime.model.model_name)
+    runtime.engine.engine.step_observers.append(observe)

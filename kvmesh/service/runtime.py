@@ -137,15 +137,18 @@ class WorkerRuntime:
         prepare pool, so the event loop (heartbeats, streams) never waits for them; when its
         lane for large prompts is full, RESOURCE_EXHAUSTED with a retry delay."""
         try:
-            message = request.request
-            self.check_size(message)  # refused at once, before any thread is taken
-            prepared = await self.prepare_pool.run(
-                prompt_bytes(message), lambda: self.prepare(message)
-            )
-            return worker_pb2.PrepareResponse(request=prepared)
+            return worker_pb2.PrepareResponse(request=await self.prepare_request(request.request))
         except Exception as exc:
             await abort_with(context, exc)
             raise
+
+    async def prepare_request(
+        self, message: generation_pb2.GenerateRequest
+    ) -> worker_pb2.EngineRequest:
+        """`prepare` in a thread of the prepare pool (size-checked first, before any thread is
+        taken); RESOURCE_EXHAUSTED with a retry delay when its lane for large prompts is full."""
+        self.check_size(message)
+        return await self.prepare_pool.run(prompt_bytes(message), lambda: self.prepare(message))
 
     def check_size(self, message: generation_pb2.GenerateRequest) -> None:
         """The size bounds of a client request (cheap: lengths only; InvalidParameterError)."""

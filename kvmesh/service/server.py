@@ -24,10 +24,10 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
 
 from kvmesh.security import Security
+from kvmesh.telemetry.request_scope import RequestScope
+from kvmesh.telemetry.tracing import server_interceptors
 from kvmesh.v1 import wire
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a worker port's largest message (prepared prompts)
@@ -67,10 +67,11 @@ class WorkerServer:
         self.reflection = reflection
         self.security = security or Security()
         self.auth = self.security.internal_interceptors(on_refused)
-        # The token check first (a refused call's bytes are never parsed), then the decode check.
+        # Tracing sees every outcome; the token check comes before any parsing (a refused
+        # call's bytes are never parsed), then the decode check, then the request id's scope.
         self.server = grpc.aio.server(
             options=server_options(max_message_bytes),
-            interceptors=[*self.auth, wire.DecodeCheck()],
+            interceptors=[*server_interceptors(), *self.auth, wire.DecodeCheck(), RequestScope()],
         )
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.service_names: list[str] = []
@@ -135,20 +136,6 @@ def print_ready(role: str, address: str, worker_id: str, **extra: Any) -> None:
     """The one machine-readable line supervisors and tests wait for."""
     line = {"role": role, "address": address, "worker_id": worker_id, **extra}
     print(READY_PREFIX + json.dumps(line, sort_keys=True), flush=True)
-
-
-def trace_context(context: grpc.aio.ServicerContext) -> otel_context.Context:
-    """The caller's trace context from W3C headers in the call metadata."""
-    carrier = {key: value for key, value in (context.invocation_metadata() or ()) if
-               isinstance(value, str)}  # fmt: skip
-    return propagate.extract(carrier)
-
-
-def span(tracer: trace.Tracer, name: str, context: grpc.aio.ServicerContext) -> Any:
-    """A server span for one call, child of the caller's span."""
-    return tracer.start_as_current_span(
-        name, context=trace_context(context), kind=trace.SpanKind.SERVER
-    )
 
 
 def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:

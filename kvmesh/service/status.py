@@ -1,100 +1,47 @@
-"""Exceptions → precise gRPC status codes, once, at the edge.
+"""Exceptions → precise gRPC status codes, once, at the edge of a worker's calls.
 
-| exception                                   | code                |
-|---------------------------------------------|---------------------|
-| InvalidParameterError (field named)         | INVALID_ARGUMENT    |
-| CapacityError, ServiceError(RESOURCE_...)   | RESOURCE_EXHAUSTED  |
-| kv_transfer errors (matched by `.code`)      | see TRANSFER_CODES  |
-| EngineDeadError (the engine thread stopped) | UNAVAILABLE         |
-| TimeoutError (an engine wait ran out)       | DEADLINE_EXCEEDED   |
-| anything else                               | INTERNAL (logged)   |
-
-INVALID_ARGUMENT carries a `google.rpc.BadRequest` detail naming the field (sampling fields as
-`sampling.<name>`), RESOURCE_EXHAUSTED a `RetryInfo` and the retry trailers (see kvmesh.v1.wire).
+The mapping itself is `kvmesh.v1.status` (shared with the control plane): InvalidParameterError
+(field named) → INVALID_ARGUMENT, CapacityError → RESOURCE_EXHAUSTED (with a retry delay),
+EngineDeadError → UNAVAILABLE, kv_transfer errors by `.code`, TimeoutError →
+DEADLINE_EXCEEDED, anything else INTERNAL (logged).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 
 import grpc
 
-from kvmesh.engine.async_engine import EngineDeadError
-from kvmesh.engine.errors import InvalidParameterError
-from kvmesh.memory.errors import CapacityError
-from kvmesh.v1 import generation_pb2, wire
+from kvmesh.v1.status import Failure, failure_of
 
 LOG = logging.getLogger("kvmesh.service")
-SAMPLING_FIELDS = frozenset(generation_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 CAPACITY_RETRY_MS = 200  # retry delay suggested with a worker's RESOURCE_EXHAUSTED
-_LEADING_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
-
-# kv_transfer.errors.TransferError.code -> status (matched by name: kvmesh never imports it)
-TRANSFER_CODES = {
-    "layout_mismatch": grpc.StatusCode.FAILED_PRECONDITION,
-    "stale_epoch": grpc.StatusCode.FAILED_PRECONDITION,
-    "unknown_transfer": grpc.StatusCode.FAILED_PRECONDITION,
-    "bad_state": grpc.StatusCode.FAILED_PRECONDITION,
-    "bad_frame": grpc.StatusCode.INVALID_ARGUMENT,
-    "checksum": grpc.StatusCode.DATA_LOSS,
-    "cancelled": grpc.StatusCode.ABORTED,
-    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-    "peer": grpc.StatusCode.UNAVAILABLE,
-    "auth": grpc.StatusCode.PERMISSION_DENIED,
-    "unavailable": grpc.StatusCode.FAILED_PRECONDITION,
-}
 
 
-class ServiceError(Exception):
+class ServiceError(Failure):
     """A failure with a chosen status code; the message names the field or fact."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(code, message)
+
+
+def worker_failure(error: BaseException) -> Failure:
+    """The status a worker answers `error` with."""
+    return failure_of(
+        error, exhausted_retry_ms=CAPACITY_RETRY_MS, internal="internal error in the worker"
+    )
 
 
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC code and message for an exception raised while serving a call."""
-    if isinstance(error, ServiceError):
-        return error.code, error.message
-    if isinstance(error, InvalidParameterError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
-    if isinstance(error, CapacityError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, EngineDeadError):
-        return grpc.StatusCode.UNAVAILABLE, str(error)
-    transfer_code = getattr(error, "code", None)
-    if isinstance(transfer_code, str) and transfer_code in TRANSFER_CODES:
-        return TRANSFER_CODES[transfer_code], f"kv transfer: {error}"
-    if isinstance(transfer_code, str) and transfer_code == "transfer_error":
-        return grpc.StatusCode.ABORTED, f"kv transfer: {error}"
-    if isinstance(error, TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
-    return grpc.StatusCode.INTERNAL, f"internal error in the worker: {error}"
-
-
-def field_of(error: BaseException, code: grpc.StatusCode, message: str) -> str | None:
-    """The request field an INVALID_ARGUMENT names (None for other codes)."""
-    if code != grpc.StatusCode.INVALID_ARGUMENT:
-        return None
-    if isinstance(error, InvalidParameterError):
-        name = error.field
-    else:
-        match = _LEADING_FIELD.match(message)
-        if match is None:
-            return None
-        name = match.group(1)
-    return f"sampling.{name}" if name in SAMPLING_FIELDS else name
+    failure = worker_failure(error)
+    return failure.code, failure.message
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) -> None:
     """End the call with the status for `error`, with its BadRequest / RetryInfo detail
     (raises, as context.abort does)."""
-    code, message = status_of(error)
-    if code == grpc.StatusCode.INTERNAL:
-        LOG.error("a call failed: %s", message, exc_info=error)
-    retry = CAPACITY_RETRY_MS if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
-    field = field_of(error, code, message)
-    await wire.abort(context, wire.failure_status(code, message, field=field, retry_after_ms=retry))
+    failure = worker_failure(error)
+    if failure.code == grpc.StatusCode.INTERNAL:
+        LOG.error("a call failed: %s", failure.message, exc_info=error)
+    await failure.abort(context)

@@ -6,10 +6,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from opentelemetry import trace
+
 from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.service.convert import decode_responses
 from kvmesh.v1 import worker_pb2
+
+TOKENS_GENERATED = "kvmesh.tokens_generated"
 
 
 async def responses(
@@ -23,8 +27,11 @@ async def responses(
 ) -> AsyncIterator[worker_pb2.DecodeResponse]:
     """Responses for `first` (already taken from the stream), then the rest of the stream
     until the request finished; the first response carries the timings. With `tokenizer`,
-    logprobs carry their tokens' text."""
+    logprobs carry their tokens' text. The current (server) span gets a `first_token` event
+    and, at the end, `kvmesh.tokens_generated` (all completions together)."""
     timed = False
+    span = trace.get_current_span()
+    tokens = 0
 
     async def outputs() -> AsyncIterator[RequestOutput]:
         if first is not None:
@@ -34,11 +41,18 @@ async def responses(
         async for output in stream:
             yield output
 
-    async for output in outputs():
-        for response in decode_responses(output, tokenizer):
-            if not timed:
-                response.first_decode_seconds = time.monotonic() - started
-                response.queue_seconds = queue_seconds
-                response.prefill_seconds = prefill_seconds
-                timed = True
-            yield response
+    try:
+        async for output in outputs():
+            for response in decode_responses(output, tokenizer):
+                if not timed:
+                    response.first_decode_seconds = time.monotonic() - started
+                    response.queue_seconds = queue_seconds
+                    response.prefill_seconds = prefill_seconds
+                    timed = True
+                if response.token_ids and not tokens:
+                    span.add_event("first_token", {"kvmesh.completion.index": response.index})
+                tokens += len(response.token_ids)
+                yield response
+    finally:
+        if span.is_recording():  # not when the call's span already ended (a cancelled call)
+            span.set_attribute(TOKENS_GENERATED, tokens)

@@ -2,12 +2,20 @@
 
 Honoured variables (read once, at `setup_tracing`):
 - `OTEL_SDK_DISABLED=true`: no tracing at all.
-- `OTEL_TRACES_EXPORTER`: `otlp` (gRPC OTLP; the exporter reads `OTEL_EXPORTER_OTLP_*`),
-  `console`, or `none`. Default: `otlp` when `OTEL_EXPORTER_OTLP_ENDPOINT` or
-  `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set, else `none`.
+- `OTEL_TRACES_EXPORTER`: `otlp`, `console`, or `none`, or a comma-separated list of them
+  (`otlp_proto_grpc` / `otlp_proto_http` name OTLP with that protocol). Default: `otlp` when
+  `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set, else `none`.
+- `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL`: `grpc` (default) or
+  `http/protobuf`; the exporter itself reads the other `OTEL_EXPORTER_OTLP_*` variables
+  (endpoint, headers, certificates, timeout) and `OTEL_BSP_*` tunes its batching.
 - `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`: the resource (via `Resource.create`).
 With exporter `none` a real SDK tracer provider still runs (spans get ids, so trace context
 propagates through the services and appears in logs) but nothing is exported.
+
+gRPC calls are traced by `opentelemetry-instrumentation-grpc`: `server_interceptors()` goes
+first on every grpc.aio server (a SERVER span per call, child of the caller's W3C
+`traceparent`), `client_interceptors()` on every internal grpc.aio channel (a CLIENT span per
+call, its context injected into the metadata). Health checks and heartbeats are not traced.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -26,7 +35,9 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 
-EXPORTERS = ("otlp", "console", "none")
+EXPORTERS = ("otlp", "otlp_proto_grpc", "otlp_proto_http", "console", "none")
+PROTOCOLS = ("grpc", "http/protobuf")
+UNTRACED_METHODS = ("/kvmesh.v1.ControlService/Heartbeat",)
 
 
 class TracingConfigError(ValueError):
@@ -38,6 +49,11 @@ class TracingConfig:
     disabled: bool
     exporter: str
     service_name: str
+    protocol: str = "grpc"
+
+    @property
+    def exporters(self) -> tuple[str, ...]:
+        return tuple(self.exporter.split(","))
 
     @classmethod
     def from_env(cls, default_service: str, env: Mapping[str, str] | None = None) -> TracingConfig:
@@ -45,45 +61,62 @@ class TracingConfig:
         endpoints = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
         has_endpoint = any(env.get(k) for k in endpoints)
         exporter = env.get("OTEL_TRACES_EXPORTER", "otlp" if has_endpoint else "none").lower()
-        if exporter not in EXPORTERS:
+        names = [name.strip() for name in exporter.split(",") if name.strip()] or ["none"]
+        if any(name not in EXPORTERS for name in names):
             raise TracingConfigError(
                 f"OTEL_TRACES_EXPORTER={exporter!r} is not supported; use one of {EXPORTERS}"
             )
+        key = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+        if not env.get(key):
+            key = "OTEL_EXPORTER_OTLP_PROTOCOL"
+        protocol = env.get(key) or "grpc"
+        if protocol not in PROTOCOLS:
+            raise TracingConfigError(f"{key}={protocol!r} is not supported; use one of {PROTOCOLS}")
         return cls(
             disabled=env.get("OTEL_SDK_DISABLED", "").lower() == "true",
-            exporter=exporter,
-            service_name=env.get("OTEL_SERVICE_NAME", default_service),
+            exporter=",".join(names),
+            service_name=env.get("OTEL_SERVICE_NAME") or default_service,
+            protocol=protocol,
         )
 
 
-def _exporter(name: str) -> SpanExporter | None:
+def _exporters(config: TracingConfig) -> list[SpanExporter]:
+    """One exporter per name of `OTEL_TRACES_EXPORTER` (`none` adds nothing)."""
+    return [e for e in (_exporter(n, config.protocol) for n in config.exporters) if e is not None]
+
+
+def _exporter(name: str, protocol: str) -> SpanExporter | None:
     if name == "console":
         return ConsoleSpanExporter()
-    if name == "otlp":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    if name == "none":
+        return None
+    if name == "otlp_proto_http" or (name == "otlp" and protocol == "http/protobuf"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as HttpExporter,
+        )
 
-        return OTLPSpanExporter()
-    return None
+        return HttpExporter()
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
 
 
 def setup_tracing(default_service: str) -> TracerProvider | None:
     """Install a global tracer provider for this process; returns it (None when disabled).
 
-    Call once at process start, before serving. Shut it down with `provider.shutdown()` to flush.
+    Call once at process start, before serving (TracingConfigError for a bad variable). The
+    provider flushes at interpreter exit; `provider.shutdown()` flushes earlier.
     """
     config = TracingConfig.from_env(default_service)
     if config.disabled:
         return None
     resource = Resource.create({SERVICE_NAME: config.service_name})
     provider = TracerProvider(resource=resource)
-    exporter = _exporter(config.exporter)
-    if exporter is not None:
-        processor = (
-            SimpleSpanProcessor(exporter)
-            if config.exporter == "console"
-            else BatchSpanProcessor(exporter)
+    for exporter in _exporters(config):
+        console = isinstance(exporter, ConsoleSpanExporter)
+        provider.add_span_processor(
+            SimpleSpanProcessor(exporter) if console else BatchSpanProcessor(exporter)
         )
-        provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
     return provider
 
@@ -91,3 +124,31 @@ def setup_tracing(default_service: str) -> TracerProvider | None:
 def tracer(name: str) -> trace.Tracer:
     """The tracer for a kvmesh component (a no-op tracer until `setup_tracing` ran)."""
     return trace.get_tracer(name)
+
+
+def _traced() -> Any:
+    from opentelemetry.instrumentation.grpc import filters
+
+    untraced: list[Any] = [filters.health_check()]
+    untraced += [filters.full_method_name(name) for name in UNTRACED_METHODS]
+    return filters.negate(filters.any_of(*untraced))
+
+
+def server_interceptors() -> list[Any]:
+    """The tracing interceptor of a grpc.aio server (put it first: it sees every outcome)."""
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+    return [aio_server_interceptor(filter_=_traced())]
+
+
+def client_interceptors() -> list[Any]:
+    """The tracing interceptors of a grpc.aio channel (one per call shape)."""
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+    return list(aio_client_interceptors(filter_=_traced()))
+
+
+def mark_failed(span: trace.Span, code_name: str, message: str) -> None:
+    """Span status ERROR with the gRPC status name as `error.type` and in the description."""
+    span.set_attribute("error.type", code_name)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code_name}: {message}"))

@@ -151,14 +151,20 @@ def _unary(parse: Callable[[bytes], Any], behaviour: Any) -> Any:
 
 def _streaming(parse: Callable[[bytes], Any], behaviour: Any) -> Any:
     async def checked(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        result = behaviour(await decoded(parse, raw, context), context)
-        if inspect.isasyncgen(result):
-            async for response in result:
-                yield response
-        else:  # a coroutine writing with context.write
-            await result
+        async for response in responses_of(behaviour(await decoded(parse, raw, context), context)):
+            yield response
 
     return checked
+
+
+async def responses_of(result: Any) -> AsyncIterator[Any]:
+    """What a unary-stream behaviour returned, as responses: an async generator's, or none
+    from a coroutine that writes with `context.write` (awaited)."""
+    if inspect.isasyncgen(result):
+        async for response in result:
+            yield response
+    else:
+        await result
 
 
 async def decoded(

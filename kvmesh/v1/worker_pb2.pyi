@@ -178,26 +178,30 @@ class PrepareResponse(_message.Message):
     def __init__(self, request: _Optional[_Union[EngineRequest, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request", "generation", "lease_seconds")
+    __slots__ = ("request", "prompt", "generation", "lease_seconds")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request: EngineRequest
+    prompt: _generation_pb2.GenerateRequest
     generation: int
     lease_seconds: float
-    def __init__(self, request: _Optional[_Union[EngineRequest, _Mapping]] = ..., generation: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, request: _Optional[_Union[EngineRequest, _Mapping]] = ..., prompt: _Optional[_Union[_generation_pb2.GenerateRequest, _Mapping]] = ..., generation: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "transfer_id", "epoch", "layout")
+    __slots__ = ("block_ids", "transfer_id", "epoch", "layout", "request")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     transfer_id: str
     epoch: int
     layout: KVCacheLayout
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., transfer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., layout: _Optional[_Union[KVCacheLayout, _Mapping]] = ...) -> None: ...
+    request: EngineRequest
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., transfer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., layout: _Optional[_Union[KVCacheLayout, _Mapping]] = ..., request: _Optional[_Union[EngineRequest, _Mapping]] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("worker_id", "epoch", "generation", "backend", "endpoint", "block_ids", "transfer_id", "layout")
@@ -228,6 +232,12 @@ class FirstToken(_message.Message):
     token_id: int
     logprobs: _generation_pb2.TokenLogprobs
     def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+
+class FirstTokens(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[FirstToken]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request", "target")

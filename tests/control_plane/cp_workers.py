@@ -27,6 +27,15 @@ LENGTH = generation_pb2.FINISH_REASON_LENGTH
 UNFINISHED = generation_pb2.FINISH_REASON_UNSPECIFIED
 
 
+LEASE_SECONDS = 10.0
+_LANDED: dict[str, asyncio.Event] = {}  # transfer id -> the fake KV (and first token) landed
+
+
+def landed(transfer_id: str) -> asyncio.Event:
+    """The event a fake Prefill sets when its transfer's final frame reached the decode side."""
+    return _LANDED.setdefault(transfer_id, asyncio.Event())
+
+
 class FakeWorker(
     worker_pb2_grpc.PrefillServiceServicer,
     worker_pb2_grpc.DecodeServiceServicer,
@@ -46,6 +55,7 @@ class FakeWorker(
         self.epoch = next(_EPOCHS)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.held: dict[str, worker_pb2.HeldBlockSet] = {}
+        self.reserved: dict[str, worker_pb2.EngineRequest] = {}
         self.released: list[tuple[str, int]] = []
         self.calls: list[str] = []
         self.metadata: list[dict[str, str]] = []
@@ -158,25 +168,35 @@ class FakeWorker(
     ) -> worker_pb2.PrepareResponse:
         self._record("Prepare", context)
         await self._pause()
-        req = request.request
+        engine = await self._prepare(request.request, context)
+        return worker_pb2.PrepareResponse(request=engine)
+
+    async def _prepare(
+        self, req: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.EngineRequest:
         ids = list(req.token_ids.ids)
         if req.HasField("text"):
             ids = list(req.text.encode())
         elif req.HasField("chat"):  # a template-free rendering: the contents' bytes
             ids = list("".join(m.content for m in req.chat.messages).encode())
-        if not ids:  # as a real worker: nothing to condition the first token on
+        engine = worker_pb2.EngineRequest(
+            request_id=req.request_id, prompt_ids=ids, sampling=req.sampling,
+            cache_salt=req.cache_salt,
+        )  # fmt: skip
+        await self._check(engine, context)
+        return engine
+
+    @staticmethod
+    async def _check(engine: worker_pb2.EngineRequest, context: grpc.aio.ServicerContext) -> None:
+        """INVALID_ARGUMENT as a real worker answers a prompt it cannot run."""
+        if not engine.prompt_ids:  # nothing to condition the first token on
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: no tokens")
-        for i, token in enumerate(ids):
+        for i, token in enumerate(engine.prompt_ids):
             if not 0 <= token < VOCAB:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"token_ids.ids[{i}] = {token} is outside [0, {VOCAB})",
                 )
-        engine = worker_pb2.EngineRequest(
-            request_id=req.request_id, prompt_ids=ids, sampling=req.sampling,
-            cache_salt=req.cache_salt,
-        )  # fmt: skip
-        return worker_pb2.PrepareResponse(request=engine)
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -190,6 +210,7 @@ class FakeWorker(
         if self.prefill_gate is not None:
             await self.prefill_gate.wait()
         self._free(req.request_id, target.generation)  # acknowledged by the decode side
+        landed(target.transfer_id).set()  # the final frame, with the first token
         first = worker_pb2.FirstToken(index=0, token_id=req.prompt_ids[-1])
         return worker_pb2.PrefillResponse(
             first_tokens=[first], cached_tokens=0, queue_seconds=0.001,
@@ -213,21 +234,29 @@ class FakeWorker(
         if self.reserve_error is not None:
             await context.abort(self.reserve_error, "no free KV blocks")
         req = request.request
+        if request.HasField("prompt"):  # as a real decode worker: it prepares the prompt
+            req = await self._prepare(request.prompt, context)
+        else:
+            await self._check(req, context)
         blocks = -(-len(req.prompt_ids) // self.block_size)
         self._hold(req.request_id, request.generation, worker_pb2.BLOCK_SET_STATE_RESERVED, blocks)
+        self.reserved[req.request_id] = req
         await self._pause()
         return worker_pb2.ReserveResponse(
-            block_ids=list(range(blocks)), transfer_id=f"t-{req.request_id}", epoch=self.epoch,
-            layout=layout(block_size=self.block_size),
+            block_ids=list(range(blocks)), transfer_id=f"t-{req.request_id}-{request.generation}",
+            epoch=self.epoch, layout=layout(block_size=self.block_size), request=req,
         )  # fmt: skip
 
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         self._record("Decode", context)
+        first = [t.token_id for t in request.first_tokens]
+        if not first:  # opened while Prefill runs: the first token comes with the KV
+            await asyncio.wait_for(landed(request.transfer_id).wait(), LEASE_SECONDS)
+            first = [self.reserved[request.request_id].prompt_ids[-1]]
         held = self.held[request.request_id]
         held.state = worker_pb2.BLOCK_SET_STATE_DECODING
-        first = [t.token_id for t in request.first_tokens]
         async for response in self._tokens(first, request.request_id, request.generation):
             yield response
 

@@ -39,7 +39,7 @@ async def silence_and_kill(cp: Harness, worker: FakeWorker, task: asyncio.Task) 
     """The worker stops heartbeating and dies; returns once the reaper declared it dead."""
     task.cancel()
     await worker.kill()
-    expiries = cp.server.cluster.metrics.lease_expiries.labels(worker.role)
+    expiries = cp.server.cluster.metrics.worker_leases.labels(worker.role, "expired")
     for _ in range(200):
         if expiries._value.get() >= 1:
             return

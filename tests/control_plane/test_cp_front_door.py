@@ -50,7 +50,7 @@ async def test_disaggregated_request_streams_tokens_usage_and_releases_everythin
         assert breakdown.transfer_seconds == pytest.approx(0.003)
         assert breakdown.first_decode_seconds == pytest.approx(0.01)
         assert breakdown.queue_seconds >= 0.001
-        assert prefill.calls == ["Prepare", "Prefill"]
+        assert prefill.calls == ["Prefill"]  # the prompt was prepared by Reserve
         assert decode.calls[:2] == ["Reserve", "Decode"]
         assert decode.held == {} and prefill.held == {}
         assert_ledger_empty(cp)
@@ -240,3 +240,30 @@ async def test_layout_mismatch_is_failed_precondition_naming_the_layout() -> Non
         await cp.add("d0", "decode", block_size=32)
         code, details, _ = await status_of(cp.generation.Generate(text_request(), timeout=5))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "layout" in details
+
+
+@run_async
+async def test_token_ids_route_without_prepare_and_decode_opens_with_prefill() -> None:
+    """No call before Reserve (token ids are routed as they are); Decode is opened while
+    Prefill still runs and waits for the KV; the ledger keeps its order (PREFILLING until
+    Prefill returned), and the first token comes from the decode side."""
+    async with control_plane() as cp:
+        prefill = await cp.add("p0", "prefill")
+        decode = await cp.add("d0", "decode")
+        prefill.prefill_gate = asyncio.Event()
+        ids = generation_pb2.TokenIds(ids=[7, 8, 9])
+        request = generation_pb2.GenerateRequest(request_id="early", token_ids=ids)
+        call = cp.generation.Generate(request, timeout=10)
+        await asyncio.wait_for(prefill.prefill_started.wait(), 5)
+        for _ in range(200):
+            if "Decode" in decode.calls:
+                break
+            await asyncio.sleep(0.01)
+        assert decode.calls == ["Reserve", "Decode"]  # opened while Prefill is held
+        assert cp.server.cluster.ledger.get("early").state.value == "PREFILLING"
+        prefill.prefill_gate.set()
+        code, _, responses = await status_of(call)
+        assert code == grpc.StatusCode.OK
+        assert list(responses[0].token_ids) == [9]  # the decode side's first token
+        assert prefill.calls == ["Prefill"]
+        assert len(cp.server.cluster.ledger) == 0

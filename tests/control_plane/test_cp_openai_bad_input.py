@@ -56,6 +56,11 @@ def test_bad_bodies_are_refused_naming_the_param(
             assert got == status, error
             assert text in error["message"] and error["param"] == param
             assert prefill.calls == []
+            counted = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 413}
+            requests = cp.server.cluster.metrics.requests
+            assert {c: requests.labels(c)._value.get() for c in counted} == {
+                c: float(code == status) for c, code in counted.items()
+            }, "a refused request is counted once, under its gRPC code"
 
     run_async(scenario)()
 

@@ -29,7 +29,7 @@ SOURCE_ROOTS = ("kvmesh", "control_plane", "prefill_svc", "decode_svc", "kv_tran
 # Values standing in for `$(VAR)` references Kubernetes expands from the container's env.
 ENV_SAMPLES = {"POD_IP": "10.1.2.3", "POD_NAME": "kvmesh-decode-5d9c7-abcde"}
 VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-METRIC = re.compile(r"\bkvmesh_[a-z0-9_]+\b")
+METRIC = re.compile(r"\bkvmesh[_:][a-z0-9_:]+\b")
 EXPOSITION_SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
 TOKEN_SECRET = "kvmesh-cluster-token"
 TOKEN_FILE = "/var/run/secrets/kvmesh/token"
@@ -369,7 +369,7 @@ def test_mesh_retries_only_unavailable_and_never_generate() -> None:
 
 
 def metric_names_in_code() -> set[str]:
-    literal = re.compile(r"[\"'](kvmesh_[a-z0-9_]+)[\"']")
+    literal = re.compile(r"[\"'](kvmesh[_:][a-z0-9_:]+)[\"']")
     names: set[str] = set()
     for root in SOURCE_ROOTS:
         for path in (ROOT / root).rglob("*.py"):
@@ -387,7 +387,7 @@ def rule_expressions() -> Iterator[tuple[str, str]]:
 
 def test_alert_rules_use_metrics_defined_in_code() -> None:
     known = metric_names_in_code()
-    assert "kvmesh_control_ttft_seconds" in known
+    assert "kvmesh:time_to_first_token_seconds" in known
     rules = list(rule_expressions())
     assert len(rules) >= 3
     for name, expr in rules:

@@ -13,6 +13,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.llm import LLM
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sequence import Request
 from kvmesh.models.tiny import build_tiny_model
 
 PROMPTS = ([11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25, 26, 27, 28])
@@ -79,12 +80,14 @@ def test_calls_streams_load_and_shutdown(checkpoint: Path) -> None:
         engine = AsyncLLMEngine(EngineConfig(model=str(checkpoint), num_kv_blocks=64))
         total = engine.load().total_blocks
         try:
-            blocks = await engine.call(disagg.reserve_blocks, "held", 40)
+            held = Request.from_prompt("held", list(range(1, 41)), SamplingParams())
+            blocks = await engine.call(disagg.reserve, held)
             assert blocks is not None and len(blocks) == 3
             assert engine.load().free_blocks == total - 3  # refreshed before the call returned
             with pytest.raises(InvalidParameterError):  # the command's exception comes back
-                await engine.call(disagg.reserve_blocks, "held", 40)
-            assert await engine.call(disagg.free_reservation, "held") is True
+                await engine.call(disagg.reserve, held)
+            assert await engine.call(disagg.release, "held") is True
+            assert engine.load().free_blocks == total
 
             with pytest.raises(TimeoutError):
                 await engine.call(lambda e: __import__("time").sleep(0.3), timeout=0.05)
@@ -161,7 +164,7 @@ def test_step_hook_sees_each_chunk_on_the_engine_thread(checkpoint: Path) -> Non
             seen: list[tuple[int, bool]] = []
             threads: set[str] = set()
 
-            def hook(e: LLMEngine, request_id: str) -> None:
+            def hook(e: LLMEngine, request_id: str, output: object) -> None:
                 threads.add(threading.current_thread().name)
                 request = e.scheduler.get_request(request_id)
                 if request is not None:
@@ -182,7 +185,7 @@ def test_step_hook_sees_each_chunk_on_the_engine_thread(checkpoint: Path) -> Non
             assert threads == {"kvmesh-engine"}
             assert not engine._hooks  # dropped with the finished stream
 
-            def bad(e: LLMEngine, request_id: str) -> None:
+            def bad(e: LLMEngine, request_id: str, output: object) -> None:
                 raise RuntimeError("boom")
 
             stream = await engine.open_stream(
@@ -195,3 +198,22 @@ def test_step_hook_sees_each_chunk_on_the_engine_thread(checkpoint: Path) -> Non
             await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_step_observers_see_every_scheduled_token(checkpoint: Path) -> None:
+    """What `kvmesh:iteration_tokens_total` observes: each step's scheduled tokens, so the sum
+    is the prompt tokens computed (not cached) plus one per decode step."""
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), num_kv_blocks=64))
+    seen: list[int] = []
+    engine.step_observers.append(seen.append)
+    prefix = list(range(30, 62))  # two full 16-token blocks
+    finals = []
+    for i, prompt in enumerate(([*prefix, 5], [*prefix, 6, 7])):
+        engine.add_request(f"r{i}", prompt, PARAMS)
+        while engine.has_unfinished():
+            finals += [out for out in engine.step() if out.finished]
+    cached = [out.num_cached_tokens for out in finals]
+    assert cached == [0, 32]
+    computed = sum(len(out.prompt_token_ids) for out in finals) - sum(cached)
+    assert sum(seen) == computed + 2 * (PARAMS.max_tokens - 1)
+    assert engine.scheduler.block_manager.metrics().prefix_hit_tokens == 32

@@ -51,6 +51,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 CONFIGS: dict[str, dict[str, Any]] = {
     "plain": {"enable_chunked_prefill": False, "enable_prefix_caching": False},
     "chunked": {"max_num_batched_tokens": 24, "enable_prefix_caching": False},
+    "chunk-cap": {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 8},
     "prefix-cache": {"max_num_batched_tokens": 64},
     "preemption": {"num_kv_blocks": 8, "max_num_batched_tokens": 32},
     "static": {"policy": "static"},

@@ -80,3 +80,30 @@ def test_import_needs_one_first_token_per_completion() -> None:
         sched.add_prefilled_request(request("remote", 6, n=3), 6, first_tokens=[1, 2])
     assert info.value.field == "first_tokens"
     assert sched.num_running == 0 and sched.get_request("remote") is None
+
+
+def test_request_waiting_for_remote_kv_holds_blocks_unscheduled_until_imported() -> None:
+    """WAITING_FOR_REMOTE_KV: the prompt's blocks and the forks' spares are held, nothing is
+    scheduled; the import joins it as n decodes (spares freed), an abort frees everything."""
+    sched, bm = make_scheduler(num_blocks=16)
+    waiting = request("remote", 6, n=3, max_tokens=4)
+    table = sched.add_remote_request(waiting, spare_blocks=2)
+    assert table == bm.block_table("remote") and len(table) == 2
+    assert bm.num_free_blocks == 16 - 2 - 2
+    assert waiting.seqs[0].status is SequenceStatus.WAITING_FOR_REMOTE_KV
+    assert sched.schedule().is_empty and not sched.has_unfinished()
+    with pytest.raises(InvalidParameterError, match="already exists"):
+        sched.add_remote_request(request("remote", 6, n=3), spare_blocks=2)
+    assert sched.add_prefilled_request(waiting, 6, first_tokens=[50, 51, 52]) == []
+    assert bm.num_free_blocks == 16 - 2 and sched.num_running == 3
+    sched.abort_request("remote")
+    assert bm.num_free_blocks == 16
+
+    assert bm.allocate("other", 14 * 4) is not None  # 2 blocks left
+    assert sched.add_remote_request(request("short", 12)) is None and bm.num_free_blocks == 2
+    bm.free("other")
+    dropped = request("dropped", 6, n=2)
+    assert sched.add_remote_request(dropped, spare_blocks=1) is not None
+    assert [s.seq_id for s in sched.abort_request("dropped")] == ["dropped"]
+    assert bm.num_free_blocks == 16 and sched.get_request("dropped") is None
+    bm.check_integrity()

@@ -93,12 +93,16 @@ def test_without_cuda_the_backend_is_unavailable() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA device")
-def test_cuda_ipc_moves_blocks_exactly_in_process() -> None:
+@pytest.mark.parametrize("mode", ["registered", "staging"])
+def test_cuda_ipc_moves_blocks_exactly_in_process(mode: str) -> None:
+    """Registered: one device copy into the receiver's cache under a granted window (the shm
+    protocol); staging: through the sender's shared ring."""
     gen = torch.Generator().manual_seed(0)
     src = BlockStore(torch.randn(SHAPE, generator=gen).to(torch.bfloat16).cuda())
     dst = BlockStore(torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda"))
     receiver = cuda_ipc.Receiver(dst)
-    sender = cuda_ipc.Sender(src, receiver.address, frame_bytes=1024)
+    sender = cuda_ipc.Sender(src, receiver.address, frame_bytes=1024, mode=mode)
+    assert sender.registered is (mode == "registered")
     try:
         req = TransferRequest(new_transfer_id(), 1)
         handle = receiver.expect(req, [4, 5, 6], time.monotonic() + 10)

@@ -10,7 +10,7 @@ import torch
 
 from kv_transfer import BlockStore, TransferRequest, TransferState, get_backend, new_transfer_id
 from kv_transfer.errors import FrameError, TransferError, UnknownTransferError
-from kv_transfer.header import MsgType, frame_header
+from kv_transfer.header import MAX_TRAILER, MsgType, frame_header
 from kv_transfer.interface import KVReceiver, KVSender
 
 SHAPE = (48, 2, 2, 4, 2, 8)  # [num_blocks, layers, 2, block_size, heads, head_dim]
@@ -178,3 +178,42 @@ def test_receiver_end_before_every_block_fails() -> None:
     with pytest.raises(FrameError):
         receiver.core.on_end(frame_header(MsgType.END, req.transfer_id, req.epoch))
     assert handle.wait(1).state is TransferState.FAILED
+
+
+def test_trailer_rides_the_final_frame(pair: tuple[KVSender, KVReceiver]) -> None:
+    """The producer's trailer (the first token) reaches the receiver's result with the END."""
+    sender, receiver = pair
+    src_ids, dst_ids = ids()
+    req = TransferRequest(new_transfer_id(), 3)
+    got = receiver.expect(req, dst_ids, soon())
+    handle = sender.start_stream(req, dst_ids, deadline=soon())
+    handle.add(0, src_ids)
+    handle.finish(b"first-token\x00\x01")
+    result = got.wait(5)
+    assert result.ok and result.kv_complete and result.trailer == b"first-token\x00\x01"
+    assert handle.wait(5).ok
+
+
+def test_no_kv_end_completes_with_the_trailer_only(pair: tuple[KVSender, KVReceiver]) -> None:
+    """A producer whose request ended at its first token finishes without KV: the receiver
+    completes with `kv_complete` False (and refuses such an END without the flag)."""
+    sender, receiver = pair
+    src_ids, dst_ids = ids()
+    req = TransferRequest(new_transfer_id(), 3)
+    got = receiver.expect(req, dst_ids, soon())
+    handle = sender.start_stream(req, dst_ids, deadline=soon())
+    handle.add(0, src_ids[:4])
+    with pytest.raises(TransferError, match="4 of 12"):
+        handle.finish(b"x")
+    handle.finish(b"ended", kv=False)
+    result = got.wait(5)
+    assert result.ok and not result.kv_complete and result.trailer == b"ended"
+
+
+def test_oversized_trailer_refused_by_the_producer(pair: tuple[KVSender, KVReceiver]) -> None:
+    sender, _ = pair
+    _, dst_ids = ids()
+    handle = sender.start_stream(TransferRequest(new_transfer_id(), 3), dst_ids, deadline=soon())
+    with pytest.raises(TransferError, match="trailer"):
+        handle.finish(bytes(MAX_TRAILER + 1), kv=False)
+    handle.cancel()

@@ -122,11 +122,17 @@ class ControlDriver:
         )
         return self.d.Decode(message, timeout=30)
 
-    def generate(self, rid: str, ids: list[int], generation: int = 1, **sampling: Any) -> Any:
+    def generate(
+        self, rid: str, ids: list[int], generation: int = 1, *, named: bool = False, **sampling: Any
+    ) -> Any:
+        """As the control plane does: Decode opened right after Reserve, while Prefill runs
+        (the first tokens come with the KV). `named`: Decode after Prefill, naming them."""
         request = self.prepare(rid, ids, **sampling)
         reservation = self.reserve(request, generation)
+        stream = None if named else self.decode_call(rid, reservation, generation, [])
         response = self.prefill(request, self.target(reservation, generation))
-        stream = self.decode_call(rid, reservation, generation, response.first_tokens)
+        if stream is None:
+            stream = self.decode_call(rid, reservation, generation, response.first_tokens)
         return response, list(stream)
 
 
@@ -138,14 +144,24 @@ def test_disaggregated_greedy_matches_offline(
     driver = ControlDriver(prefill, decode, backend)
     for i, prompt in enumerate(PROMPTS):
         rid = f"{backend}-{i}"
-        response, stream = driver.generate(rid, prompt, temperature=0.0, max_tokens=MAX_TOKENS)
+        named = i % 2 == 1  # Decode naming the first tokens itself, after Prefill
+        response, stream = driver.generate(
+            rid, prompt, temperature=0.0, max_tokens=MAX_TOKENS, named=named
+        )
         assert response.transfer_bytes > 0
         tokens = [t for r in stream for t in r.token_ids]
+        assert tokens[0] == response.first_tokens[0].token_id
         assert tokens == offline[i], f"prompt {i} over {backend}"
         assert stream[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
         assert stream[-1].completion_tokens == MAX_TOKENS
     wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 1.0, "decode blocks freed")
     wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 1.0, "prefill blocks freed")
+    if backend == "shm":  # one copy into the decode worker's cache, which lives in a memfd
+        region = decode.role.table.receivers["shm"].store.region
+        assert region is not None
+        region.offset_of(decode.runtime.kv_cache_tensors()[0])  # the engine's cache is in it
+        senders = prefill.role.senders.idle("shm")
+        assert senders and all(s.registered for s in senders)
 
 
 def test_decode_stream_logprobs_carry_token_text(pair: Any, svc_model_dir: Path) -> None:

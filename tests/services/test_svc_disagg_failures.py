@@ -45,10 +45,14 @@ def test_decode_cancelled_mid_stream_frees_blocks_within_a_second(driver: Contro
 
 
 def test_reservation_lease_expiry_frees_blocks(driver: ControlDriver) -> None:
+    leases = driver.decode.role.servicer.metrics.reservation_leases
+    granted, expired = (leases.labels(e)._value.get() for e in ("granted", "expired"))
     request = driver.prepare("lease", list(range(1, 40)), max_tokens=4)
     driver.reserve(request, generation=1, lease=0.3)
     assert driver.decode.free_blocks() == NUM_BLOCKS - 3
     wait_until(lambda: all_free(driver), 2.0, "reservation reclaimed by its lease")
+    wait_until(lambda: leases.labels("expired")._value.get() == expired + 1, 1.0, "counted")
+    assert leases.labels("granted")._value.get() == granted + 1
 
 
 def test_stale_generation_epoch_and_transfer_are_refused(driver: ControlDriver) -> None:
@@ -58,9 +62,20 @@ def test_stale_generation_epoch_and_transfer_are_refused(driver: ControlDriver) 
         driver.reserve(request, generation=6)
     assert stale_reserve.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert (stale_reserve.value.details() or "").startswith("generation")
+    registry = driver.prefill_worker.role.servicer.metrics.registry
+    code = {"status": "FAILED_PRECONDITION"}
+
+    def failures() -> tuple[float | None, float | None]:
+        transfers = registry.get_sample_value(
+            "kvmesh_kv_transfer_seconds_count", {"backend": driver.backend, **code}
+        )
+        return transfers, registry.get_sample_value("kvmesh_requests_total", code)
+
+    before = failures()
     with pytest.raises(grpc.RpcError) as stale_transfer:  # frames carry generation 6: refused
         driver.prefill(request, driver.target(reservation, 6))
     assert stale_transfer.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert failures() == ((before[0] or 0) + 1, (before[1] or 0) + 1)
     wait_until(lambda: driver.prefill_worker.free_blocks() == NUM_BLOCKS, 1.0, "prefill freed")
     first = [{"index": 0, "token_id": 1}]
     for field, change in (("epoch", {"epoch": 12345}), ("generation", {"generation": 6})):

@@ -93,8 +93,8 @@ def test_multi_chunk_prompt_matches_offline(
     assert response.transfer_bytes > 0
     if mode == "overlap":  # 2 blocks per 32-token chunk; the last chunk's with the first token
         assert parts == [(0, 2), (2, 2), (4, 2), (6, 2), (8, 2)]
-    else:
-        assert parts == []
+    else:  # the same send, every block at once when the request is PREFILLED
+        assert parts == [(0, 10)]
     wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 1.0, "decode blocks freed")
     wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 1.0, "prefill blocks freed")
 
@@ -108,15 +108,15 @@ def start_slow_prefill(
     prefill = prefills["overlap"]
     driver = ControlDriver(prefill, decode, backends_here()[0])
     first_part = threading.Event()
-    feed = prefill_service.ChunkFeeder.__call__
+    feed = prefill_service.KVExport.__call__
 
-    def slow(self: Any, engine: Any, request_id: str) -> None:
-        feed(self, engine, request_id)
+    def slow(self: Any, engine: Any, request_id: str, output: Any) -> None:
+        feed(self, engine, request_id, output)
         if self.sent:
             first_part.set()
         time.sleep(0.1)  # engine thread: leaves time to act between chunks
 
-    monkeypatch.setattr(prefill_service.ChunkFeeder, "__call__", slow)
+    monkeypatch.setattr(prefill_service.KVExport, "__call__", slow)
     request = driver.prepare(rid, [first_id, *PROMPT[1:]], max_tokens=MAX_TOKENS)
     reservation = driver.reserve(request, generation=generation)
     target = driver.target(reservation, generation)
@@ -151,12 +151,19 @@ def test_release_between_parts_frees_both_sides(
     assert not decode.role.held()
 
 
-def test_first_token_that_ends_the_request_cancels_the_stream(workers: Any) -> None:
+@pytest.mark.parametrize("mode", ["overlap", "whole"])
+def test_first_token_that_ends_the_request_finishes_the_send_without_kv(
+    workers: Any, mode: str
+) -> None:
+    """The send ends with the first token alone (the chunks already out are all that moved);
+    the decode worker streams it without waiting for KV that will never come."""
     prefills, decode = workers
-    prefill = prefills["overlap"]
+    prefill = prefills[mode]
     driver = ControlDriver(prefill, decode, backends_here()[0])
-    response, stream = driver.generate("one", [901, *PROMPT[1:]], temperature=0.0, max_tokens=1)
-    assert response.transfer_bytes == 0
+    rid = f"one-{mode}"
+    response, stream = driver.generate(rid, [901, *PROMPT[1:]], temperature=0.0, max_tokens=1)
+    if mode == "whole":
+        assert response.transfer_bytes == 0
     assert [t for r in stream for t in r.token_ids] == [response.first_tokens[0].token_id]
     assert stream[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
     wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 1.0, "decode blocks freed")

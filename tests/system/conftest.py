@@ -1,21 +1,57 @@
-"""Shared by the system tests: one disaggregated system (1 prefill + 1 decode, shared memory)
-and the offline engine on the same tiny test model, for greedy parity."""
+"""Shared by the system tests: one disaggregated system (1 prefill + 1 decode, shared memory),
+tracing to a real OTLP receiver, the offline engine on the same tiny test model, for greedy parity,
+and a tiny model with a chat template."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from otlp_receiver import Receiver, otlp_receiver
 from sys_harness import GREEDY, local_system
 
 from kvmesh.cli.up import LocalSystem
 
 
 @pytest.fixture(scope="session")
-def shm_system() -> Iterator[tuple[LocalSystem, str]]:
-    with local_system(transfer_backend="shm") as started:
-        yield started
+def otlp() -> Iterator[tuple[Receiver, dict[str, str]]]:
+    """A real OTLP/gRPC receiver on loopback and the OTEL_* variables that export to it."""
+    with otlp_receiver() as (receiver, endpoint):
+        yield (
+            receiver,
+            {
+                "OTEL_TRACES_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+                "OTEL_BSP_SCHEDULE_DELAY": "100",
+            },
+        )
+
+
+@pytest.fixture(scope="session")
+def shm_system(otlp: tuple[Receiver, dict[str, str]]) -> Iterator[tuple[LocalSystem, str]]:
+    """Traces exported to `otlp`'s receiver, JSON logs, the OpenAI HTTP door on."""
+    env = {**otlp[1], "KVMESH_LOG_FORMAT": "json"}
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        patch.delenv("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", raising=False)
+        with local_system(transfer_backend="shm", http_port=0) as started:
+            yield started
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny test checkpoint (random weights, byte tokenizer, a simple chat template)."""
+    from kvmesh.models.tiny import build_tiny_model
+    from kvmesh.models.tokenizer import set_chat_template
+
+    folder: Path = tmp_path_factory.mktemp("tiny-llama")
+    build_tiny_model(folder, "llama", "test", 0)
+    set_chat_template(folder)
+    return str(folder)
 
 
 @pytest.fixture(scope="session")

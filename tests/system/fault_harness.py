@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sys_harness import live_workers, sample
+from sys_harness import live_workers, sample, total
 
 from kvmesh.cli.up import LocalSystem, Worker
 from kvmesh.client import Client, KvmeshError
@@ -44,7 +44,7 @@ class Stream:
 def running(system: LocalSystem, role: str = "decode") -> dict[str, float]:
     """Sequences in the batch of every ready, live worker of `role`."""
     return {
-        w.child.name: sample(w.ready["metrics_address"], "kvmesh_running_sequences")
+        w.child.name: total(w.ready["metrics_address"], "kvmesh:num_requests_running")
         for w in system.workers
         if w.role == role and w.ready and w.child.alive()
     }
@@ -54,12 +54,12 @@ def admitted(system: LocalSystem) -> dict[str, float]:
     """Requests each live decode worker took so far (running + waiting + finished): it only
     grows while nothing fails, even when a stream ends as another starts."""
     finished = {
-        w.child.name: sample(w.ready["metrics_address"], "kvmesh_requests_total", status="ok")
+        w.child.name: sample(w.ready["metrics_address"], "kvmesh_requests_total", status="OK")
         for w in system.workers
         if w.role == "decode" and w.ready and w.child.alive()
     }
     waiting = {
-        w.child.name: sample(w.ready["metrics_address"], "kvmesh_waiting_sequences")
+        w.child.name: total(w.ready["metrics_address"], "kvmesh:num_requests_waiting")
         for w in system.workers
         if w.role == "decode" and w.ready and w.child.alive()
     }
@@ -73,7 +73,7 @@ def busiest(system: LocalSystem, role: str) -> Worker:
     """The live worker of `role` that finished the most requests (the one streams used)."""
     workers = [w for w in system.workers if w.role == role and w.ready and w.child.alive()]
     return max(workers, key=lambda w: sample(w.ready["metrics_address"],
-                                             "kvmesh_requests_total", status="ok"))  # fmt: skip
+                                             "kvmesh_requests_total", status="OK"))  # fmt: skip
 
 
 def start_stream(endpoint: str, index: int, max_tokens: int, **extra: Any) -> Stream:

@@ -27,22 +27,20 @@ def free_port() -> int:
 
 @contextmanager
 def local_system(**overrides: Any) -> Iterator[tuple[LocalSystem, str]]:
-    """A started LocalSystem (front door on a free port, control metrics on another) on the
-    tiny test model unless `model` is given."""
+    """A started LocalSystem (front door on a free port; `kvmesh up` puts the control plane's
+    metrics on another) on the tiny test model unless `model` is given."""
     from kvmesh.models.tiny import tiny_model_path
 
-    metrics_port = free_port()
     overrides.setdefault("model", str(tiny_model_path()))
     overrides.setdefault("drain_seconds", 2.0)
     config = UpConfig(
         port=0,
         startup_timeout=240.0,
-        control_args=(*CONTROL_ARGS, "--metrics-port", str(metrics_port)),
+        control_args=CONTROL_ARGS,
         worker_args=WORKER_ARGS,
         **overrides,
     )
     with LocalSystem(config) as system:
-        system.control_metrics = f"127.0.0.1:{metrics_port}"  # type: ignore[attr-defined]
         yield system, system.endpoint
 
 
@@ -61,6 +59,12 @@ def sample(address: str, name: str, **labels: str) -> float:
     return scrape(address).get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def total(address: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels` (others free)."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in scrape(address).items() if n == name and wanted <= set(ls))
+
+
 def used_blocks(system: LocalSystem) -> dict[str, float]:
     """KV blocks in use (held by requests) on every live, ready worker."""
     return {
@@ -71,13 +75,13 @@ def used_blocks(system: LocalSystem) -> dict[str, float]:
 
 
 def ledger_entries(system: LocalSystem) -> float:
-    return sample(system.control_metrics, "kvmesh_control_ledger_entries")  # type: ignore[attr-defined]
+    """Live ledger entries, all states together."""
+    return total(system.control_metrics, "kvmesh_control_ledger_entries")
 
 
 def live_workers(system: LocalSystem, role: str) -> float:
     """Workers of `role` the control plane counts as alive."""
-    address = system.control_metrics  # type: ignore[attr-defined]
-    return sample(address, "kvmesh_control_workers", role=role)
+    return sample(system.control_metrics, "kvmesh_control_workers", role=role)
 
 
 def wait_until(predicate: Callable[[], bool], seconds: float, what: str) -> float:

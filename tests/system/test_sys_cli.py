@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from sys_harness import GREEDY, free_port, sample
+from sys_harness import GREEDY, free_port, sample, total
 
 from kvmesh.cli.supervisor import Supervisor
 from kvmesh.models.tiny import tiny_model_path
@@ -44,6 +44,7 @@ def test_up_generate_parity_over_grpc_transfer_and_sigterm(offline: Any) -> None
         assert endpoint == f"127.0.0.1:{port}"
         http = supervisor.wait_for(up, r"OpenAI-compatible API on (\S+)", deadline).group(1)
         assert http == f"http://127.0.0.1:{http_port}/v1"
+        control = supervisor.wait_for(up, r"control plane metrics http://(\S+)/metrics", deadline)
         metrics = supervisor.wait_for(up, r"prefill-0: \S+ \(metrics (\S+)\)", deadline).group(1)
 
         lines = [_generate_json(endpoint, p) for p in PROMPTS]
@@ -53,6 +54,9 @@ def test_up_generate_parity_over_grpc_transfer_and_sigterm(offline: Any) -> None
             assert line["usage"]["completion_tokens"] == GREEDY["max_tokens"]
             assert line["usage"]["prompt_tokens"] in (3, 37)
         assert sample(metrics, "kvmesh_kv_transfer_bytes_total", backend="grpc") > 0
+        ok = sample(control.group(1), "kvmesh_control_requests_total", status="OK")
+        tokens = total(control.group(1), "kvmesh:generation_tokens_total")
+        assert (ok, tokens) == (len(PROMPTS), len(PROMPTS) * GREEDY["max_tokens"])
 
         bad = _generate(endpoint, "hello", "--top-p", "0")
         assert bad.returncode == 2 and "top_p" in bad.stderr

@@ -21,18 +21,6 @@ IGNORE_EOS = {"ignore_eos": True}  # a kvmesh extension field, sent as extra_bod
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny test checkpoint (random weights, byte tokenizer, a simple chat template)."""
-    from kvmesh.models.tiny import build_tiny_model
-    from kvmesh.models.tokenizer import set_chat_template
-
-    folder: Path = tmp_path_factory.mktemp("tiny-llama")
-    build_tiny_model(folder, "llama", "test", 0)
-    set_chat_template(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
 def system(tiny_model: str) -> Iterator[LocalSystem]:
     with local_system(model=tiny_model, http_port=0) as (started, _):
         yield started
@@ -120,7 +108,7 @@ def test_logprobs_errors_health_and_metrics(system: LocalSystem) -> None:
 def test_client_leaving_mid_stream_frees_every_block(system: LocalSystem) -> None:
     client = api(system)
     model = client.models.list().data[0].id
-    metrics = system.control_metrics  # type: ignore[attr-defined]
+    metrics = system.control_metrics
     cancelled = sample(metrics, "kvmesh_control_requests_total", status="CANCELLED")
     stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=1500,
                                        extra_body=IGNORE_EOS, stream=True)  # fmt: skip

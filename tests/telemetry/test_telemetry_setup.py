@@ -31,10 +31,62 @@ def test_unknown_exporter_names_the_variable() -> None:
 
 
 def test_metrics_endpoint_serves_recorded_values() -> None:
-    metrics = WorkerMetrics()
-    metrics.transfer_seconds.labels(backend="shm", outcome="completed").observe(0.02)
+    metrics = WorkerMetrics("prefill")
+    metrics.transfer_seconds.labels(backend="shm", status="OK").observe(0.02)
     metrics.blocks.labels(state="free").set(17)
     port = serve_metrics(metrics, 0)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert 'kvmesh_kv_transfer_seconds_count{backend="shm",outcome="completed"} 1.0' in body
+    assert 'kvmesh_kv_transfer_seconds_count{backend="shm",status="OK"} 1.0' in body
     assert 'kvmesh_kv_blocks{state="free"} 17.0' in body
+
+
+def test_otlp_protocol_picks_the_grpc_or_http_exporter() -> None:
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter as Console
+
+    from kvmesh.telemetry.tracing import _exporters
+
+    def chosen(**env: str) -> list[type]:
+        config = TracingConfig.from_env("k", env={"OTEL_TRACES_EXPORTER": "otlp", **env})
+        return [type(exporter) for exporter in _exporters(config)]
+
+    assert chosen() == [Grpc]
+    assert chosen(OTEL_EXPORTER_OTLP_PROTOCOL="grpc") == [Grpc]
+    assert chosen(OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf") == [Http]
+    assert chosen(
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf"
+    ) == [Http]
+    assert chosen(OTEL_TRACES_EXPORTER="otlp_proto_http, console") == [Http, Console]
+    assert chosen(OTEL_TRACES_EXPORTER="none") == []
+
+
+def test_unknown_protocol_names_the_variable() -> None:
+    with pytest.raises(TracingConfigError, match="OTEL_EXPORTER_OTLP_PROTOCOL"):
+        TracingConfig.from_env("k", env={"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+
+
+def test_health_checks_and_heartbeats_are_not_traced() -> None:
+    import grpc
+
+    from kvmesh.telemetry.tracing import _traced
+
+    def call(method: str) -> grpc.aio.ClientCallDetails:
+        return grpc.aio.ClientCallDetails(method.encode(), None, None, None, None)
+
+    traced = _traced()
+    assert not traced(call("/grpc.health.v1.Health/Check"))
+    assert not traced(call("/kvmesh.v1.ControlService/Heartbeat"))
+    assert traced(call("/kvmesh.v1.ControlService/Register"))
+    assert traced(call("/kvmesh.v1.DecodeService/Decode"))
+
+
+def test_each_role_registers_only_what_it_records() -> None:
+    def families(role: str) -> set[str]:
+        return {m.name for m in WorkerMetrics(role).registry.collect()}
+
+    assert "kvmesh_kv_transfer_seconds" in families("prefill")
+    assert "kvmesh_kv_transfer_seconds" not in families("decode") | families("colocated")
+    assert "kvmesh_reservation_leases" in families("decode") - families("prefill")
+    with pytest.raises(ValueError, match="role"):
+        WorkerMetrics("router")

@@ -35,6 +35,7 @@ class SchedulerConfig:
     policy: str = "continuous"
     allocation: str = "paged"
     scheduling_policy: str = "decode-first"
+    preemption: str = "recompute"  # or "swap" / "auto" (with a host KV tier)
     max_decode_stall_tokens: int = 512  # prefill-first only
     eos_token_id: int | None = None
 

@@ -13,14 +13,14 @@ from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.scheduler import policy
 from kvmesh.engine.scheduler.config import SchedulerConfig
 from kvmesh.engine.scheduler.plan import ScheduledChunk, SchedulerOutput, new_chunk
-from kvmesh.engine.scheduler.state import PREFILLED, RUNNING, WAITING, SchedulerState
+from kvmesh.engine.scheduler.state import PREFILLED, REMOTE_KV, RUNNING, WAITING, SchedulerState
 from kvmesh.engine.scheduler.stops import (
     prepare_stop_check,
     stop_status,
     validate_import,
     validate_request,
 )
-from kvmesh.engine.sequence import Request, Sequence
+from kvmesh.engine.sequence import Request, Sequence, child_seq_id
 from kvmesh.memory import BlockManager
 
 
@@ -30,7 +30,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.state = SchedulerState(block_manager)
+        self.state = SchedulerState(block_manager, config.preemption)
         self.num_preemptions = 0
         # prefill-first: prompt tokens computed in prompt-only steps since the decodes last
         # ran, its limit, and whether a running sequence may still be prefilling (cleared once
@@ -257,7 +257,11 @@ class Scheduler:
         state.waiting.append(seq)
 
     def abort_request(self, request_id: str) -> list[Sequence]:
-        """Free every block of the request at once; the sequences it ended. Idempotent."""
+        """Free every block of the request at once (a request waiting for remote KV: its
+        spares too); the sequences it ended. Idempotent."""
+        request = self.state.requests.get(request_id)
+        if request is not None and request.seqs[0].status is REMOTE_KV:
+            self._free_spares(request_id)
         return self.state.abort(request_id)
 
     def finish_sequence(
@@ -281,23 +285,54 @@ class Scheduler:
         return len(self.state.waiting)
 
     # -- disaggregation (see `kvmesh.engine.scheduler`) --------------------------------------
+    def add_remote_request(self, request: Request, spare_blocks: int = 0) -> list[int] | None:
+        """Hold a request whose prompt KV another worker computes: empty blocks for the prompt
+        (plus `spare_blocks` for its forks' first step, held under child 1's id) and the
+        request in WAITING_FOR_REMOTE_KV, never scheduled, until `add_prefilled_request` joins
+        it (or `abort_request` drops it). The prompt's block ids, or None (nothing held) when
+        the pool is short now."""
+        state, bm = self.state, self.block_manager
+        rid, seq = request.request_id, request.seqs[0]
+        spare_id = child_seq_id(rid, 1)
+        if rid in state.requests or bm.has(seq.seq_id) or (spare_blocks and bm.has(spare_id)):
+            raise InvalidParameterError("request_id", f"{rid!r} already exists")
+        validate_request(request, self.config, bm.num_blocks, state.block_size)
+        if -(-seq.num_tokens // bm.block_size) + spare_blocks > bm.num_free_blocks:
+            return None
+        if bm.allocate(seq.seq_id, seq.num_tokens) is None:
+            return None
+        if spare_blocks and bm.allocate(spare_id, spare_blocks * bm.block_size) is None:
+            bm.free(seq.seq_id)
+            return None
+        seq.status = REMOTE_KV
+        state.requests[rid] = request
+        state.seqs[seq.seq_id] = seq
+        return bm.block_table(seq.seq_id)
+
     def add_prefilled_request(
         self, request: Request, num_computed_tokens: int, first_tokens: Seq[int]
     ) -> list[Sequence]:
         """Join a request whose prompt KV was computed elsewhere directly as decodes.
 
-        The caller allocated `request.seqs[0].seq_id` in the BlockManager for the prompt and
-        wrote its KV. `first_tokens[i]` is completion i's first token (`params.n` of them):
+        The request waits for its KV (`add_remote_request`), or the caller allocated
+        `request.seqs[0].seq_id` in the BlockManager for the prompt; either way its KV was
+        written there. `first_tokens[i]` is completion i's first token (`params.n` of them):
         with n > 1 the sequence is forked into n children sharing the prompt blocks copy on
-        write, as a local request forks at its final prefill chunk. Returns the sequences
-        whose first token already ends them (their blocks freed).
+        write, as a local request forks at its final prefill chunk (its spares are freed
+        first: the forks' first writes take them back). Returns the sequences whose first
+        token already ends them (their blocks freed).
         """
         state, bm = self.state, self.block_manager
-        if request.request_id in state.requests:
-            raise InvalidParameterError("request_id", f"{request.request_id!r} already exists")
+        rid, seq = request.request_id, request.seqs[0]
+        remote = state.requests.get(rid) is request and seq.status is REMOTE_KV
+        if rid in state.requests and not remote:
+            raise InvalidParameterError("request_id", f"{rid!r} already exists")
         validate_request(request, self.config, bm.num_blocks, state.block_size)
-        seq = request.seqs[0]
         validate_import(seq, num_computed_tokens, first_tokens, bm)
+        if remote:
+            del state.requests[rid]
+            del state.seqs[seq.seq_id]
+        self._free_spares(rid)
         prepare_stop_check(seq, self.config)
         commit = self.config.enable_prefix_caching
         state.join_prefilled(request, num_computed_tokens, len(first_tokens), commit=commit)
@@ -308,6 +343,11 @@ class Scheduler:
                 state.running.remove(child)
                 ended.append(child)
         return ended
+
+    def _free_spares(self, request_id: str) -> None:
+        spare_id = child_seq_id(request_id, 1)
+        if spare_id not in self.state.seqs and self.block_manager.has(spare_id):
+            self.block_manager.free(spare_id)
 
     def release_prefilled(self, request_id: str) -> list[Sequence]:
         """Free the blocks of a PREFILLED request (its KV was shipped) and forget it.

@@ -80,8 +80,14 @@ def newest_unplanned(state: SchedulerState, seq: Sequence) -> Sequence:
 
 
 def _start(state: SchedulerState, config: SchedulerConfig, seq: Sequence, budget: int) -> int:
-    """Look up the prefix and allocate a first chunk; its size, or 0 (nothing held)."""
-    _lookup(state, config, seq)
+    """Look up the prefix and allocate a first chunk; its size, or 0 (nothing held; a
+    swapped-out sequence stays swapped out)."""
+    bm = state.block_manager
+    if bm.is_swapped(seq.seq_id):
+        if not bm.swap_in(seq.seq_id):  # its KV lands before the step; progress is kept
+            return 0
+    else:
+        _lookup(state, config, seq)
     size = chunk_size(seq, budget, config)
     target = seq.num_computed_tokens + size
     if config.allocation == "contiguous":

@@ -16,17 +16,23 @@ from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.scheduler.plan import ScheduledChunk, new_chunk
 from kvmesh.engine.sequence import Request, Sequence, SequenceStatus, child_seq_id
 from kvmesh.memory import AllocResult, BlockManager
+from kvmesh.memory.tiers.costs import PreemptionChooser
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 PREFILLED = SequenceStatus.PREFILLED
+REMOTE_KV = SequenceStatus.WAITING_FOR_REMOTE_KV
 
 
 class SchedulerState:
     """Every request and live sequence, the queues, and the chunks of the step being planned."""
 
-    def __init__(self, block_manager: BlockManager) -> None:
+    def __init__(self, block_manager: BlockManager, preemption: str = "recompute") -> None:
         self.block_manager = block_manager
+        tiers = block_manager.tiers
+        self.chooser = None  # swap or recompute, when there is a host tier to swap to
+        if tiers is not None:
+            self.chooser = PreemptionChooser(preemption, tiers.device.block_bytes, tiers.rates)
         self.block_size = block_manager.block_size
         self.requests: dict[str, Request] = {}
         self.seqs: dict[str, Sequence] = {}  # live sequences (waiting, running, prefilled)
@@ -126,15 +132,26 @@ class SchedulerState:
 
     # -- leaving -----------------------------------------------------------------------------
     def preempt(self, seq: Sequence) -> None:
-        """Recompute later: free blocks, restart from token 0, front of the waiting queue."""
-        self.block_manager.free(seq.seq_id)
+        """Swap out (KV to the host tier, kept progress) or recompute later (blocks freed,
+        restart from token 0), as the chooser decides; front of the waiting queue."""
+        if not self._swap_out(seq):
+            self.block_manager.free(seq.seq_id)
+            seq.num_computed_tokens = 0
         self.tables.pop(seq.seq_id, None)
         self.running.remove(seq)
         seq.status = WAITING
-        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.preempted.append(seq.seq_id)
+
+    def _swap_out(self, seq: Sequence) -> bool:
+        chooser, bm = self.chooser, self.block_manager
+        if chooser is None:
+            return False
+        blocks = len(bm.block_table(seq.seq_id))
+        swapped = chooser.prefers_swap(blocks, seq.num_computed_tokens) and bm.swap_out(seq.seq_id)
+        chooser.count(swapped)
+        return swapped
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         """Finish a running `seq` that a stop rule ended: free its blocks, forget it."""
@@ -185,7 +202,7 @@ class SchedulerState:
             self.running.remove(seq)
         elif seq.status is WAITING:
             self.waiting.remove(seq)
-        if self.block_manager.has(seq.seq_id):
+        if self.block_manager.has(seq.seq_id) or self.block_manager.is_swapped(seq.seq_id):
             self.block_manager.free(seq.seq_id)
         self.tables.pop(seq.seq_id, None)
         self.seqs.pop(seq.seq_id, None)

@@ -1,0 +1,190 @@
+"""Disk tier: one file per block under a folder, bounded by capacity and watermarks.
+
+Files are `<block hash hex>.kvblock` in the `blockfile` format, written atomically. Without
+`persist` the folder's block files are removed at start (and the tier holds only what this
+process wrote); with it they are verified (header, layout, checksum) and kept, oldest first
+in the LRU order, and the folder's hash seed is reused so equal prefixes hash alike again.
+A file that fails verification at any time is deleted and counted in `num_corrupt`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from kvmesh.memory.tiers import blockfile
+from kvmesh.memory.tiers.blockfile import BlockMeta
+from kvmesh.memory.tiers.watermarks import Watermarks
+
+SUFFIX = ".kvblock"
+SEED_FILE = "hash-seed"
+LOCK_FILE = "lock"
+
+
+class DiskTier:
+    """Block files of one cache layout (`layout`, `payload_bytes` per block) in `folder`."""
+
+    name = "disk"
+
+    def __init__(
+        self,
+        folder: str | Path,
+        capacity: int,
+        layout: dict[str, Any],
+        payload_bytes: int,
+        *,
+        persist: bool = False,
+        watermarks: Watermarks | None = None,
+    ) -> None:
+        if capacity <= 0:
+            raise ValueError(f"disk tier capacity must be positive, got {capacity} blocks")
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_folder(self.folder)
+        self.capacity = capacity
+        self.layout = layout
+        self.payload_bytes = payload_bytes
+        self.persist = persist
+        self.watermarks = watermarks or Watermarks()
+        self.num_corrupt = 0
+        self._index: OrderedDict[int, BlockMeta] = OrderedDict()
+        if persist:
+            self._scan()
+        else:
+            self._wipe()
+
+    @property
+    def num_used(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._index
+
+    def hashes(self) -> set[int]:
+        return set(self._index)
+
+    def meta(self, block_hash: int) -> BlockMeta | None:
+        return self._index.get(block_hash)
+
+    def path(self, block_hash: int) -> Path:
+        return self.folder / f"{block_hash:032x}{SUFFIX}"
+
+    def hash_seed(self) -> bytes:
+        """The folder's hash seed (created once, private to the owner)."""
+        path = self.folder / SEED_FILE
+        try:
+            seed = path.read_bytes()
+            if len(seed) == 16:
+                return seed
+        except FileNotFoundError:
+            pass
+        seed = os.urandom(16)
+        fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(seed)
+        os.replace(path.with_suffix(".tmp"), path)
+        return seed
+
+    def close(self) -> None:
+        """Release the folder for another process (the block files stay)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    # -- blocks ------------------------------------------------------------------------------
+    def put(self, meta: BlockMeta, payload: bytes | memoryview) -> None:
+        """Write one block (replacing nothing: a hash has one copy)."""
+        assert meta.block_hash not in self._index, "a hash has one disk copy"
+        blockfile.write_atomic(
+            self.path(meta.block_hash), blockfile.encode(meta, self.layout, payload)
+        )
+        self._index[meta.block_hash] = meta
+
+    def read(self, block_hash: int) -> bytes | None:
+        """The raw file (thread-safe: no bookkeeping); None when it is gone."""
+        try:
+            return self.path(block_hash).read_bytes()
+        except OSError:
+            return None
+
+    def verify(self, block_hash: int, data: bytes | None) -> memoryview | None:
+        """The payload of `data` when it is this block's intact file; else None, and the
+        block is dropped (counted as corrupt when a file was there)."""
+        decoded = None
+        if data is not None:
+            decoded = blockfile.decode(data, self.layout, block_hash, self.payload_bytes)
+        meta = self._index.get(block_hash)
+        if decoded is None or meta is None or decoded[0] != meta:
+            self.num_corrupt += data is not None
+            self.remove(block_hash)
+            return None
+        return decoded[1]
+
+    def remove(self, block_hash: int) -> None:
+        self._index.pop(block_hash, None)
+        self.path(block_hash).unlink(missing_ok=True)
+
+    def touch(self, block_hash: int) -> None:
+        self._index.move_to_end(block_hash)
+
+    def oldest(self) -> int | None:
+        return next(iter(self._index), None)
+
+    # -- start -------------------------------------------------------------------------------
+    def _block_files(self) -> list[Path]:
+        return [p for p in self.folder.iterdir() if p.name.endswith(SUFFIX)]
+
+    def _wipe(self) -> None:
+        for path in self._block_files():
+            path.unlink(missing_ok=True)
+        for path in self.folder.glob(f".*{SUFFIX}.*.tmp"):
+            path.unlink(missing_ok=True)
+
+    def _scan(self) -> None:
+        """Keep the files that verify (oldest first); delete the rest and any torn write."""
+        for path in self.folder.glob(f".*{SUFFIX}.*.tmp"):
+            path.unlink(missing_ok=True)
+        found = sorted(self._block_files(), key=lambda p: p.stat().st_mtime)
+        for path in found:
+            meta = self._verify_file(path)
+            if meta is None:
+                self.num_corrupt += 1
+                path.unlink(missing_ok=True)
+            else:
+                self._index[meta.block_hash] = meta
+        while len(self._index) > self.capacity:
+            oldest = self.oldest()
+            assert oldest is not None
+            self.remove(oldest)
+
+    def _verify_file(self, path: Path) -> BlockMeta | None:
+        try:
+            block_hash = int(path.name.removesuffix(SUFFIX), 16)
+            data = path.read_bytes()
+        except (OSError, ValueError):
+            return None
+        decoded = blockfile.decode(data, self.layout, block_hash, self.payload_bytes)
+        return None if decoded is None else decoded[0]
+
+    def check_integrity(self) -> None:
+        """AssertionError unless the index and the folder's block files agree."""
+        on_disk = {int(p.name.removesuffix(SUFFIX), 16) for p in self._block_files()}
+        assert on_disk == set(self._index), "disk index and block files differ"
+        assert len(self._index) <= self.capacity, "disk tier over capacity"
+
+
+def _lock_folder(folder: Path) -> int | None:
+    """An exclusive lock on the folder for this process's life: two engines sharing one disk
+    tier would delete each other's files. ValueError when another process holds it."""
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(
+            f"disk KV folder {folder} is in use by another process; give each engine its own"
+        ) from None
+    return fd

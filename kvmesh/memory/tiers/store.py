@@ -1,0 +1,351 @@
+"""TieredStore: the host and disk tiers below the device cache, and every copy between them.
+
+Rules (one authoritative copy of each block hash):
+- A published prefix block lives in exactly one tier: device, host or disk (the hash sets are
+  disjoint). Moving down frees the upper copy (the device block is evicted, the host slot
+  freed once the file is written); moving up frees the lower copy as soon as the upper one is
+  claimed (a reload's host slot stays in flight until its copy to the device completes).
+- The device publishing a hash frees any lower copy of it (`discard`).
+- Evicted device blocks spill to host (`spill`, copied by `flush_spills` before the block
+  manager hands the block to anyone); a full host demotes its least recently used block to
+  disk, a full disk drops its oldest. Above a tier's high watermark it sheds to its low one.
+- A reload claimed by a lookup (`take`) is copied into its device block by `prepare_step`,
+  which the engine runs before the step that reads it. Disk reads run on a background thread:
+  `prefetch` starts them when a request arrives, so admission finds the block on the host;
+  a lookup waits for a started read at most `reload_deadline_s`, then counts a miss.
+- A disk file that fails verification is a miss and is deleted: it is never fed to attention.
+- Swapped-out sequences hold host slots of their own until swapped in or dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+from kvmesh.memory.tiers.blockfile import BlockMeta
+from kvmesh.memory.tiers.costs import Rates
+from kvmesh.memory.tiers.device import DeviceBlocks
+from kvmesh.memory.tiers.disk import DiskTier
+from kvmesh.memory.tiers.host import HostTier
+from kvmesh.memory.tiers.stats import SwapCounters, TierCounters, TierSnapshot, snapshot
+
+
+class TieredStore:
+    """Host tier (required) and optional disk tier under one device cache."""
+
+    def __init__(
+        self,
+        device: DeviceBlocks,
+        host: HostTier,
+        disk: DiskTier | None = None,
+        *,
+        reload_deadline_s: float = 5.0,
+    ) -> None:
+        self.device, self.host, self.disk = device, host, disk
+        self.reload_deadline_s = reload_deadline_s
+        self.host_stats, self.disk_stats = TierCounters(), TierCounters()
+        self.swap_stats = SwapCounters()
+        self.rates = Rates()
+        if disk is not None:
+            self.disk_stats.corrupt = disk.num_corrupt
+        self._spills: list[tuple[int, int, BlockMeta]] = []  # (device block, host slot, meta)
+        self._reloads: list[tuple[int, int]] = []  # (host slot, device block)
+        self._reload_started: float | None = None
+        self._in_flight: list[tuple[torch.cuda.Event | None, list[int], float]] = []
+        self._reads: dict[int, Future[bytes | None]] = {}
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-tier-read")
+        self.closed = False
+        self._probe_bandwidth()
+
+    def _probe_bandwidth(self) -> None:
+        """A first copy-bandwidth sample (device block 0 into a free host slot, both unused
+        yet), so the swap/recompute estimate works before the first real copy."""
+        slots = self.host.take_free(1)
+        assert slots is not None
+        self._to_host([0], slots)
+        self.host.release(slots)
+
+    def close(self) -> None:
+        """Stop the reader; a persistent disk tier first receives the host's cached blocks
+        (so a restart finds chains whole: their heads stay on the host longest)."""
+        self.closed = True
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        self._reads.clear()
+        if self.disk is not None and self.disk.persist:
+            self.flush_spills()
+            self._release_done()
+            self._shed_host(self.host.num_cached)
+        if self.disk is not None:
+            self.disk.close()
+
+    # -- spill (device -> host -> disk) ------------------------------------------------------
+    def spill(self, block_id: int, meta: BlockMeta) -> None:
+        """A device block holding `meta` is being evicted: queue its copy down."""
+        assert meta.block_hash not in self.host and not self._on_disk(meta.block_hash), (
+            "an evicted device block's hash already has a lower copy"
+        )
+        if not self.host.num_free and not self.host.num_cached:
+            self.flush_spills()  # queued spills become demotable host blocks
+        slot = self._free_host_slot()
+        if slot is None:
+            self.host_stats.dropped += 1
+            return
+        self._spills.append((block_id, slot, meta))
+
+    def flush_spills(self) -> None:
+        """Copy the queued spills out of their device blocks (before anyone reuses them)."""
+        if not self._spills:
+            return
+        spills, self._spills = self._spills, []
+        self._to_host([s[0] for s in spills], [s[1] for s in spills])
+        for _, slot, meta in spills:
+            self.host.add(meta, slot)
+        self.host_stats.spills += len(spills)
+        self.host_stats.bytes_in += len(spills) * self.device.block_bytes
+        self._shed_host(self.host.watermarks.excess(self.host.num_used, self.host.capacity))
+
+    def _to_host(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        started = time.perf_counter()
+        self.device.to_host(block_ids, self.host, slots)
+        self.rates.observe_copy(len(slots) * self.device.block_bytes, time.perf_counter() - started)
+
+    def _free_host_slot(self) -> int | None:
+        if not self.host.num_free and self._reloads:
+            self._run_reloads()  # their device blocks are allocated: landing early is safe
+            self._release_done()
+        if not self.host.num_free:
+            self._shed_host(1)
+        slots = self.host.take_free(1)
+        return None if slots is None else slots[0]
+
+    def _shed_host(self, count: int) -> None:
+        """Demote up to `count` least recently used host blocks to disk (or drop them)."""
+        for _ in range(count):
+            entry = self.host.oldest()
+            if entry is None:
+                return
+            if self.disk is not None:
+                payload = self.device.payload(self.host, entry.slot)
+                self._make_disk_room()
+                self.disk.put(entry.meta, payload)
+                self.disk_stats.spills += 1
+                self.disk_stats.bytes_in += len(payload)
+            else:
+                self.host_stats.dropped += 1
+            self.host.pop(entry.meta.block_hash, inflight=False)
+
+    def _make_disk_room(self) -> None:
+        disk = self.disk
+        assert disk is not None
+        excess = disk.watermarks.excess(disk.num_used + 1, disk.capacity)
+        excess = max(excess, disk.num_used + 1 - disk.capacity)
+        for _ in range(excess):
+            oldest = disk.oldest()
+            if oldest is None:
+                return
+            self._forget_read(oldest)
+            disk.remove(oldest)
+            self.disk_stats.dropped += 1
+
+    # -- lookup and reload (disk -> host -> device) ------------------------------------------
+    def contains(self, block_hash: int) -> bool:
+        return block_hash in self.host or self._on_disk(block_hash)
+
+    def _on_disk(self, block_hash: int) -> bool:
+        return self.disk is not None and block_hash in self.disk
+
+    def take(self, meta: BlockMeta, block_id: int) -> bool:
+        """Claim the lower copy of exactly `meta` for device block `block_id` (copied there by
+        the next `prepare_step`); False (nothing changed) when no intact copy is found."""
+        self._collect_reads()
+        entry = self.host.get(meta.block_hash)
+        if entry is not None:
+            if entry.meta != meta:
+                return False
+            self.host.pop(meta.block_hash, inflight=True)
+            self.host_stats.hits += 1
+            self._queue_reload(entry.slot, block_id)
+            return True
+        return self._take_from_disk(meta, block_id)
+
+    def _take_from_disk(self, meta: BlockMeta, block_id: int) -> bool:
+        disk = self.disk
+        if disk is None or disk.meta(meta.block_hash) != meta:
+            return False
+        payload = self._read_disk(meta.block_hash)
+        if payload is None:
+            self.disk_stats.corrupt = disk.num_corrupt
+            return False
+        slot = self._free_host_slot()
+        if slot is None:
+            return False
+        self.device.load_payload(self.host, slot, payload)
+        disk.remove(meta.block_hash)
+        self.host.hold([slot])
+        self.disk_stats.hits += 1
+        self.disk_stats.reloads += 1
+        self.disk_stats.bytes_out += len(payload)
+        self._queue_reload(slot, block_id)
+        return True
+
+    def _read_disk(self, block_hash: int) -> memoryview | None:
+        """The verified payload of a disk block: from its started read (bounded wait) or now."""
+        assert self.disk is not None
+        future = self._reads.pop(block_hash, None)
+        if future is None:
+            data = self.disk.read(block_hash)
+        else:
+            try:
+                data = future.result(timeout=self.reload_deadline_s)
+            except FutureTimeout:
+                return None  # a miss; the read finishes unused
+        return self.disk.verify(block_hash, data)
+
+    def _queue_reload(self, slot: int, block_id: int) -> None:
+        if not self._reloads:
+            self._reload_started = time.perf_counter()
+        self._reloads.append((slot, block_id))
+
+    def discard(self, block_hash: int) -> None:
+        """The device published `block_hash`: free any lower copy."""
+        if self.host.pop(block_hash, inflight=False) is None and self._on_disk(block_hash):
+            assert self.disk is not None
+            self._forget_read(block_hash)
+            self.disk.remove(block_hash)
+
+    # -- prefetch ----------------------------------------------------------------------------
+    def prefetch(self, block_hashes: Iterable[int]) -> int:
+        """Start background reads of the disk blocks among `block_hashes`; how many started.
+        A finished read moves its block to the host tier at the next lookup or step."""
+        if self.disk is None or self.closed:
+            return 0
+        started = 0
+        for block_hash in block_hashes:
+            if block_hash not in self.disk or block_hash in self._reads:
+                continue
+            if len(self._reads) >= self.host.capacity // 2:
+                break
+            self._reads[block_hash] = self._reader.submit(self.disk.read, block_hash)
+            started += 1
+        return started
+
+    def _collect_reads(self) -> None:
+        """Promote finished background reads into host slots (verified; bad ones dropped)."""
+        disk = self.disk
+        for block_hash in [h for h, f in self._reads.items() if f.done()]:
+            data = self._reads.pop(block_hash).result()
+            meta = disk.meta(block_hash) if disk is not None else None
+            if disk is None or meta is None or not self.host.num_free:
+                continue
+            payload = disk.verify(block_hash, data)
+            self.disk_stats.corrupt = disk.num_corrupt
+            if payload is None:
+                continue
+            slot = self._free_host_slot()
+            assert slot is not None
+            self.device.load_payload(self.host, slot, payload)
+            disk.remove(block_hash)
+            self.host.add(meta, slot)
+            self.disk_stats.reloads += 1
+            self.disk_stats.bytes_out += len(payload)
+
+    def _forget_read(self, block_hash: int) -> None:
+        future = self._reads.pop(block_hash, None)
+        if future is not None:
+            future.cancel()
+
+    # -- the step ----------------------------------------------------------------------------
+    def prepare_step(self) -> None:
+        """Run the queued reloads and swap-ins into their device blocks (before the step's
+        first write or read of them); release host slots whose copies completed."""
+        self.flush_spills()
+        self._release_done()
+        self._collect_reads()
+        self._run_reloads()
+
+    def _run_reloads(self) -> None:
+        if not self._reloads:
+            return
+        reloads, self._reloads = self._reloads, []
+        slots, blocks = [r[0] for r in reloads], [r[1] for r in reloads]
+        copy_started = time.perf_counter()
+        event = self.device.from_host(self.host, slots, blocks)
+        if event is None:  # on CUDA the copy is asynchronous: its time is in the latency
+            self.host_stats.copy_seconds += time.perf_counter() - copy_started
+            self.host_stats.copy_bytes += len(slots) * self.device.block_bytes
+        assert self._reload_started is not None
+        self._in_flight.append((event, slots, self._reload_started))
+        if event is None:
+            self._release_done()
+
+    def _release_done(self) -> None:
+        for event, slots, started in self._in_flight:
+            if event is not None:
+                event.synchronize()
+            seconds = time.perf_counter() - started
+            self.rates.observe_copy(len(slots) * self.device.block_bytes, seconds)
+            self.host_stats.reload_seconds += seconds
+            self.host_stats.reload_batches += 1
+            self.host_stats.reloads += len(slots)
+            self.host_stats.bytes_out += len(slots) * self.device.block_bytes
+            self.host.release(slots)
+        self._in_flight = []
+
+    # -- swap --------------------------------------------------------------------------------
+    def swap_out(self, seq_id: str, block_ids: Sequence[int]) -> bool:
+        """Copy a preempted sequence's blocks to host slots of its own; False (nothing
+        changed) when the host cannot hold them even after demoting cached blocks."""
+        count = len(block_ids)
+        if count > self.host.num_free + self.host.num_cached:
+            return False
+        self._shed_host(max(0, count - self.host.num_free))
+        slots = self.host.take_free(count)
+        if slots is None:
+            return False
+        self._to_host(block_ids, slots)
+        self.host.park(seq_id, slots)
+        self.swap_stats.swapped_out += 1
+        self.swap_stats.swap_bytes += count * self.device.block_bytes
+        return True
+
+    def swap_in(self, seq_id: str, block_ids: Sequence[int]) -> None:
+        """Queue the copy of a swapped-out sequence into its new device blocks."""
+        slots = self.host.unpark(seq_id)
+        assert slots is not None and len(slots) == len(block_ids), f"{seq_id!r} not swapped"
+        self.host.hold(slots)
+        for slot, block in zip(slots, block_ids, strict=True):
+            self._queue_reload(slot, block)
+        self.swap_stats.swapped_in += 1
+        self.swap_stats.swap_bytes += len(slots) * self.device.block_bytes
+
+    def drop_swapped(self, seq_id: str) -> None:
+        slots = self.host.unpark(seq_id)
+        if slots is not None:
+            self.host.release(slots)
+
+    # -- observability -----------------------------------------------------------------------
+    def metrics(self) -> list[TierSnapshot]:
+        size = self.device.block_bytes
+        tiers = [snapshot("host", self.host.capacity, self.host.num_used, size, self.host_stats)]
+        if self.disk is not None:
+            used = self.disk.num_used
+            tiers.append(snapshot("disk", self.disk.capacity, used, size, self.disk_stats))
+        return tiers
+
+    def check_integrity(self, device_hashes: set[int], swapped: set[str]) -> None:
+        """AssertionError unless every hash has one copy, each tier is consistent and the
+        host holds exactly the `swapped` sequences."""
+        assert not self._spills, "spills queued outside an allocation"
+        self.host.check_integrity()
+        assert self.host.parked_ids() == swapped, "swapped sequences differ from the host's"
+        host = self.host.hashes()
+        assert not host & device_hashes, "a hash is cached on both the device and the host"
+        if self.disk is not None:
+            self.disk.check_integrity()
+            disk = self.disk.hashes()
+            assert not disk & device_hashes, "a hash is cached on both the device and disk"
+            assert not disk & host, "a hash is cached on both the host and disk"

@@ -1,0 +1,150 @@
+"""Engine with host and disk KV tiers under a device pool too small for the shared prefixes:
+greedy output is the transformers output, with blocks spilled and reloaded; a persistent disk
+tier serves hits after a restart."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.models.tiny import build_tiny_model
+from kvmesh.telemetry.tier_metrics import register_tier_metrics
+
+MAX_NEW = 6
+BLOCK_BYTES = 16384  # the tiny llama: 2 layers x (K, V) x 16 tokens x 2 heads x 32 x 4 bytes
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama", "test", seed=0)
+
+
+def make_prompts() -> list[list[int]]:
+    """Two 48-token shared prefixes (3 blocks each), each with two different tails."""
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(10, 1000) for _ in range(48)] for _ in range(2)]
+    return [p + [rng.randrange(10, 1000) for _ in range(9)] for p in prefixes for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint: Path) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(str(checkpoint), attn_implementation="sdpa")
+    result = []
+    for prompt in make_prompts():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+        result.append(out[0, len(prompt) :].tolist())
+    return result
+
+
+def gib(blocks: int) -> float:
+    return blocks * BLOCK_BYTES / 2**30
+
+
+def run_each(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """One request at a time (so each evicts the previous prefix from the 5-block pool)."""
+    outputs = [llm.generate([p], GREEDY)[0] for p in prompts]
+    return [o.outputs[0].token_ids for o in outputs], [o.num_cached_tokens for o in outputs]
+
+
+def tiers_of(llm: LLM) -> dict[str, Any]:
+    store = llm.engine.parts.tiers
+    assert store is not None
+    llm.engine.scheduler.block_manager.check_integrity()
+    return {s.tier: s for s in store.metrics()}
+
+
+def test_host_tier_spills_and_reloads_with_identical_greedy_output(
+    checkpoint: Path, expected: list[list[int]]
+) -> None:
+    llm = LLM(str(checkpoint), num_kv_blocks=5, host_kv_gib=gib(32))
+    order = [0, 2, 1, 3]  # prefix 0, prefix 1, then each again: the device holds only one
+    tokens, cached = run_each(llm, [make_prompts()[i] for i in order])
+    assert tokens == [expected[i] for i in order]
+    assert cached[2:] == [48, 48]
+    host = tiers_of(llm)["host"]
+    assert host.spills >= 3 and host.hits >= 3 and host.reloads >= 3
+    registry = CollectorRegistry()  # what a worker's metrics port serves
+    register_tier_metrics(registry, lambda: llm.engine)
+    text = generate_latest(registry).decode()
+    assert f'kvmesh_kv_tier_capacity_bytes{{tier="host"}} {32 * BLOCK_BYTES}.0' in text
+    assert f'kvmesh_kv_tier_hits_total{{tier="host"}} {float(host.hits)}' in text
+    assert 'kvmesh_preemptions_total{mode="swap"} 0.0' in text
+
+
+def test_persistent_disk_tier_serves_hits_after_restart(
+    checkpoint: Path, expected: list[list[int]], tmp_path: Path
+) -> None:
+    options = {
+        "num_kv_blocks": 5,
+        "host_kv_gib": gib(2),
+        "disk_kv_dir": str(tmp_path),
+        "disk_kv_persist": True,
+    }
+    first = LLM(str(checkpoint), **options)
+    tokens, _ = run_each(first, [make_prompts()[0], make_prompts()[2]])
+    assert tokens == [expected[0], expected[2]]
+    assert tiers_of(first)["disk"].spills >= 1
+    first.engine.close()
+    del first
+    again = LLM(str(checkpoint), **options)
+    tokens, cached = run_each(again, [make_prompts()[1]])
+    assert tokens == [expected[1]] and cached[0] > 0
+    assert tiers_of(again)["disk"].hits >= 1
+
+
+def test_swap_preemption_keeps_greedy_output(checkpoint: Path, expected: list[list[int]]) -> None:
+    """`auto` with measured rates: moving a few 16 KiB blocks is far cheaper than recomputing
+    their tokens, so it swaps (the path `swap` always takes)."""
+    llm = LLM(
+        str(checkpoint), num_kv_blocks=9, host_kv_gib=gib(32), preemption="auto",
+        max_num_batched_tokens=64,
+    )  # fmt: skip
+    outputs = llm.generate(make_prompts(), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    chooser = llm.engine.scheduler.state.chooser
+    assert chooser is not None and llm.engine.scheduler.num_preemptions > 0
+    assert chooser.num_swap + chooser.num_recompute == llm.engine.scheduler.num_preemptions
+    store = llm.engine.parts.tiers
+    assert store is not None
+    assert chooser.num_swap > 0 and store.swap_stats.swapped_in == store.swap_stats.swapped_out
+    llm.engine.scheduler.block_manager.check_integrity()
+
+
+def prefill_blocks(llm: LLM, request_id: str, prompt: list[int]) -> tuple[torch.Tensor, int]:
+    """Run `prompt` prefill-only (as a prefill worker does) and return the KV of its full
+    blocks as the sender would gather it, and the tokens it found cached."""
+    engine = llm.engine
+    engine.add_request(request_id, prompt, GREEDY, prefill_only=True)
+    for _ in range(50):
+        if engine.scheduler.num_prefilled:
+            break
+        engine.step()
+    assert engine.scheduler.num_prefilled == 1
+    table = engine.scheduler.block_manager.block_table(request_id)
+    full = len(prompt) // 16
+    data = engine.runner.kv_cache.data[torch.tensor(table[:full])].clone()
+    cached = engine.scheduler.get_request(request_id).seqs[0].num_cached_tokens  # type: ignore[union-attr]
+    engine.scheduler.release_prefilled(request_id)
+    return data, cached
+
+
+def test_prefill_worker_ships_a_prefix_reloaded_from_the_host_tier(checkpoint: Path) -> None:
+    prompts = make_prompts()
+    reference, _ = prefill_blocks(LLM(str(checkpoint), num_kv_blocks=5), "ref", prompts[0])
+    llm = LLM(str(checkpoint), num_kv_blocks=5, host_kv_gib=gib(16))
+    run_each(llm, [prompts[1], prompts[2]])  # prefix 0, then prefix 1 evicts it to the host
+    shipped, cached = prefill_blocks(llm, "p", prompts[0])
+    assert cached == 48 and tiers_of(llm)["host"].hits >= 1
+    torch.testing.assert_close(shipped, reference)

@@ -1,0 +1,182 @@
+"""Registered receiver memory: one copy into the receiver's shared cache, grant and commit.
+
+In-process tests drive `ReceiverCore` directly (the checks a commit must pass); the process
+tests run the shm backend between two real peers."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from kvt_peers import SPEC, Peer
+
+from kv_transfer.blocks import BlockStore
+from kv_transfer.errors import (
+    ChecksumError,
+    DeadlineExpiredError,
+    FrameError,
+    StaleEpochError,
+    TransferError,
+)
+from kv_transfer.header import FLAG_IN_PLACE, FLAG_NO_CHECKSUM, FrameHeader, MsgType, frame_header
+from kv_transfer.receiver_core import ReceiverCore
+from kv_transfer.registered import Grant, shared_tensors, write_granted
+from kv_transfer.state import TransferRequest, TransferState
+
+SHAPE = (16, 2, 2, 4, 2, 8)  # [num_blocks, L, 2, bs, H, D]
+BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 4  # float32 KV of one block
+
+
+def stores(scales: bool = False) -> tuple[BlockStore, BlockStore]:
+    """(receiver store in shared memory, sender store with random blocks)."""
+    scales_shape = SHAPE[:5] if scales else None
+    cache, cache_scales, region = shared_tensors(SHAPE, torch.float32, scales_shape)
+    receiver = BlockStore(cache, cache_scales, region=region)
+    src_scales = torch.rand(SHAPE[:5]) if scales else None
+    return receiver, BlockStore(torch.randn(SHAPE), src_scales)
+
+
+def begin(core: ReceiverCore, tid: bytes, epoch: int, dst: list[int]) -> Grant:
+    payload = torch.tensor(dst, dtype=torch.int32).numpy().tobytes()
+    return Grant.decode(core.grant(frame_header(MsgType.BEGIN, tid, epoch, payload), payload))
+
+
+def commit(
+    tid: bytes, epoch: int, lo: int, n: int, checksum: int | None = None, size: int = BLOCK_BYTES
+) -> FrameHeader:
+    """The sender's commit of blocks lo..lo+n-1 (`size` bytes each)."""
+    flags = FLAG_IN_PLACE | (FLAG_NO_CHECKSUM if checksum is None else 0)
+    return FrameHeader(
+        MsgType.FRAME, tid, epoch, frame_index=lo, frame_count=16, block_offset=lo,
+        num_blocks=n, payload_len=n * size, checksum=checksum or 0, flags=flags,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("scales", [False, True])
+def test_one_copy_lands_bit_exact_and_only_in_granted_blocks(scales: bool) -> None:
+    receiver, sender = stores(scales)
+    core, tid, dst, src = ReceiverCore(receiver), os.urandom(16), [3, 9, 4], [7, 0, 15]
+    before = receiver.cache.clone()
+    handle = core.expect(TransferRequest(tid, 5), dst, time.monotonic() + 10)
+    grant = begin(core, tid, 5, dst)
+    kv, sc = receiver.region_offsets(torch.tensor(dst))  # the sender learns only these
+    assert torch.equal(grant.kv, kv) and (sc is None or torch.equal(grant.scales, sc))
+    assert receiver.region is not None
+    ids = torch.tensor(src)
+    digest = write_granted(sender.row_views(), receiver.region.bytes, grant, ids, 0, True)
+    core.on_written(commit(tid, 5, 0, 3, digest, receiver.layout.bytes_per_block))
+    core.on_end(frame_header(MsgType.END, tid, 5))
+    assert handle.wait(1).state is TransferState.COMPLETED
+    assert torch.equal(receiver.cache[dst], sender.cache[src])
+    others = [i for i in range(16) if i not in dst]
+    assert torch.equal(receiver.cache[others], before[others])
+    if scales:
+        assert receiver.scales is not None and sender.scales is not None
+        assert torch.equal(receiver.scales[dst], sender.scales[src])
+
+
+def _live(core: ReceiverCore, dst: list[int], seconds: float = 10) -> tuple:
+    receiver_tid = os.urandom(16)
+    handle = core.expect(TransferRequest(receiver_tid, 5), dst, time.monotonic() + seconds)
+    return receiver_tid, handle, begin(core, receiver_tid, 5, dst)
+
+
+@pytest.mark.parametrize(
+    ("case", "error"),
+    [
+        ("stale_epoch", StaleEpochError),
+        ("outside_window", FrameError),
+        ("bad_checksum", ChecksumError),
+        ("after_lease", DeadlineExpiredError),
+    ],
+)
+def test_refused_commit_changes_nothing(case: str, error: type[TransferError]) -> None:
+    receiver, sender = stores()
+    core = ReceiverCore(receiver)
+    tid, handle, grant = _live(core, [2, 3], seconds=0.3 if case == "after_lease" else 10)
+    assert receiver.region is not None
+    write_granted(sender.row_views(), receiver.region.bytes, grant, torch.tensor([5, 6]), 0, False)
+    header = {
+        "stale_epoch": commit(tid, 4, 0, 2),
+        "outside_window": commit(tid, 5, 1, 2),
+        "bad_checksum": commit(tid, 5, 0, 2, checksum=12345),
+        "after_lease": commit(tid, 5, 0, 2),
+    }[case]
+    if case == "after_lease":
+        time.sleep(0.35)
+    with pytest.raises(error):
+        core.on_written(header)
+    expected = TransferState.EXPIRED if case == "after_lease" else TransferState.IN_FLIGHT
+    assert handle.state is expected  # the lease ended it; a refused commit never does
+    res = core._reservations.get(tid)
+    assert res is None or (res.blocks_written == 0 and not res.frames_seen)
+    if case != "after_lease":  # the honest commit still completes the transfer
+        core.on_written(commit(tid, 5, 0, 2))
+        core.on_end(frame_header(MsgType.END, tid, 5))
+        assert handle.wait(1).state is TransferState.COMPLETED
+
+
+def test_sender_stops_writing_when_its_window_expires() -> None:
+    receiver, sender = stores()
+    core = ReceiverCore(receiver)
+    _, _, grant = _live(core, [1], seconds=0.03)  # less than the safety margin left
+    assert receiver.region is not None
+    before = receiver.cache.clone()
+    with pytest.raises(TransferError, match="write window expired"):
+        write_granted(sender.row_views(), receiver.region.bytes, grant, torch.tensor([0]), 0, False)
+    assert torch.equal(receiver.cache, before)
+
+
+def test_grant_needs_a_shared_cache() -> None:
+    core = ReceiverCore(BlockStore(torch.zeros(SHAPE)))
+    tid = os.urandom(16)
+    core.expect(TransferRequest(tid, 1), [0], time.monotonic() + 5)
+    with pytest.raises(FrameError, match="not in shared memory"):
+        begin(core, tid, 1, [0])
+
+
+def test_registered_mode_between_processes_and_staging_fallback() -> None:
+    """A peer whose cache is shared serves registered mode (one copy into it); one whose cache
+    is not refuses it (BackendUnavailableError), and `auto` falls back to staging slots."""
+    spec = {**SPEC, "dtype": "bfloat16"}
+    shared = Peer("shm", {**spec, "seed": 1})
+    private = Peer("shm", {**spec, "seed": 2, "shared": False})
+    try:
+        refused = shared.call("connect", address=private.address, options={"mode": "registered"})
+        assert refused["error"] == "BackendUnavailableError", refused
+        for receiver, sender, mode in ((shared, private, "registered"), (private, shared, "auto")):
+            connected = sender.call("connect", address=receiver.address, options={"mode": mode})
+            assert connected == {"ok": True}
+            t, src, dst = os.urandom(16).hex(), [1, 5, 2, 60], [7, 8, 9, 33]
+            receiver.call("expect", tid=t, epoch=2, dst=dst, seconds=10)
+            sent = sender.call("send", tid=t, epoch=2, src=src, dst=dst, seconds=10)
+            assert sent["state"] == "COMPLETED", sent
+            assert receiver.call("wait", tid=t)["state"] == "COMPLETED"
+            assert receiver.call("digest", ids=dst) == sender.call("digest", ids=src)
+    finally:
+        shared.close()
+        private.close()
+
+
+def test_cancel_revokes_a_granted_window_but_not_a_completed_one() -> None:
+    receiver, _ = stores()
+    core = ReceiverCore(receiver)
+    revoked: list[bytes] = []
+    handles = {}
+    for name in ("cancelled", "completed"):
+        tid = os.urandom(16)
+        handles[name] = (
+            tid,
+            core.expect(TransferRequest(tid, 5), [name == "completed"], time.monotonic() + 10),
+        )
+        payload = torch.tensor([name == "completed"], dtype=torch.int32).numpy().tobytes()
+        begin_header = frame_header(MsgType.BEGIN, tid, 5, payload)
+        core.grant(begin_header, payload, revoke=lambda t=tid: revoked.append(t))
+    tid, handle = handles["completed"]
+    core.on_written(commit(tid, 5, 0, 1))
+    core.on_end(frame_header(MsgType.END, tid, 5))
+    for _, handle in handles.values():
+        handle.cancel()
+    assert revoked == [handles["cancelled"][0]]

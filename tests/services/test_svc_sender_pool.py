@@ -1,0 +1,34 @@
+"""The prefill worker's sender pool closes idle senders whose decode worker is gone."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kv_transfer.backends import shm
+from kv_transfer.blocks import BlockStore
+from kv_transfer.registered import shared_tensors
+from prefill_svc.senders import SenderPool
+
+SHAPE = (8, 1, 2, 4, 1, 8)
+
+
+def test_prune_closes_senders_of_a_vanished_receiver() -> None:
+    cache, _, region = shared_tensors(SHAPE, torch.float32)
+    receiver = shm.Receiver(BlockStore(cache, region=region))
+    pool = SenderPool(BlockStore(torch.zeros(SHAPE)), ["shm"])
+    try:
+        sender = pool.acquire("shm", receiver.address)
+        assert isinstance(sender, shm.Sender) and sender.registered  # maps the receiver's cache
+        pool.release("shm", receiver.address, sender)
+        assert pool.prune() == 0 and pool.idle("shm") == [sender]
+        receiver.close()  # the decode worker went away
+        limit = time.monotonic() + 5
+        while sender.stale is False and time.monotonic() < limit:
+            time.sleep(0.01)
+        assert pool.prune() == 1 and pool.idle("shm") == []
+        assert not sender.registered  # closed: the mapping is dropped with it
+    finally:
+        pool.close()
+        receiver.close()
