@@ -211,7 +211,7 @@ class LocalSystem:
         name = name or f"{role}-{sum(w.role == role for w in self.workers)}"
         argv = [*kvmesh_argv(), "serve", role, "--control", self.internal_endpoint,
                 "--model", self.model_dir, "--host", c.host, "--port", "0",
-                "--metrics-port", "0", *c.tls_args(), *c.worker_args,
+                "--metrics-port", "0", *c.tls_args(), *own_disk_dir(c.worker_args, name),
                 *c.role_args.get(role, ())]  # fmt: skip
         if role != "colocated":
             argv += ["--transfer-backend", c.transfer_backend]
@@ -266,6 +266,19 @@ class LocalSystem:
         if self.control is not None:
             children.append(self.control)
         return [c for c in children if not c.alive()]
+
+
+def own_disk_dir(argv: Sequence[str], name: str) -> tuple[str, ...]:
+    """`argv` with `--disk-kv-dir DIR` turned into DIR/`name`: a disk tier's folder is locked
+    by one engine, so each worker gets its own, and a restarted worker (same name) finds its
+    files again."""
+    words = list(argv)
+    for i, word in enumerate(words):
+        if word == "--disk-kv-dir" and i + 1 < len(words):
+            words[i + 1] = os.path.join(words[i + 1], name)
+        elif word.startswith("--disk-kv-dir="):
+            words[i] = "--disk-kv-dir=" + os.path.join(word.split("=", 1)[1], name)
+    return tuple(words)
 
 
 def role_env(role: str) -> dict[str, str]:

@@ -6,7 +6,7 @@ import pytest
 
 from kvmesh.cli.main import build_parser, main
 from kvmesh.cli.restarts import RestartPolicy
-from kvmesh.cli.up import config_from_args
+from kvmesh.cli.up import config_from_args, own_disk_dir
 
 
 def test_restarts_are_on_by_default_with_the_documented_policy() -> None:
@@ -28,3 +28,13 @@ def test_restart_and_drain_flags_set_the_config() -> None:
 def test_a_bad_restart_value_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["up", "--crash-loop-limit", "0"]) == 2
     assert "crash_loop_limit is out of range" in capsys.readouterr().err
+
+
+def test_each_worker_gets_its_own_disk_tier_folder() -> None:
+    config = config_from_args(build_parser().parse_args(["up", "--disk-kv-dir", "kv"]))
+    decode = own_disk_dir(config.worker_args, "decode-0")
+    prefill = own_disk_dir(config.worker_args, "prefill-0")
+    assert decode[decode.index("--disk-kv-dir") + 1] == "kv/decode-0"
+    assert prefill[prefill.index("--disk-kv-dir") + 1] == "kv/prefill-0"
+    assert own_disk_dir(("--disk-kv-dir=kv",), "decode-1") == ("--disk-kv-dir=kv/decode-1",)
+    assert own_disk_dir(("--dtype", "float32"), "decode-0") == ("--dtype", "float32")

@@ -64,11 +64,17 @@ def per_index(stream: list[Any]) -> dict[int, list[int]]:
 
 
 def shape(stream: list[Any]) -> list[tuple[Any, ...]]:
-    """What a client sees of each response, timings left out."""
+    """What a client sees of each response, timings and log-probability values left out."""
     return [
-        (r.index, list(r.token_ids), r.text, r.finish_reason, r.completion_tokens, r.logprobs)
+        (r.index, list(r.token_ids), r.text, r.finish_reason, r.completion_tokens,
+         [(t.token_id, list(t.top_token_ids), t.token) for t in r.logprobs])
         for r in stream
-    ]
+    ]  # fmt: skip
+
+
+def logprob_values(stream: list[Any]) -> list[float]:
+    """Every log-probability a stream carries, in order."""
+    return [v for r in stream for t in r.logprobs for v in (t.logprob, *t.top_logprobs)]
 
 
 def check_integrity(worker: RunningWorker) -> None:
@@ -95,6 +101,8 @@ def test_seeded_n3_matches_colocated_and_offline(workers: Any, llm: LLM) -> None
     local = list(worker_pb2_grpc.ColocatedServiceStub(colocated.channel).Generate(request))
     assert all(len(r.logprobs) == len(r.token_ids) for r in stream)  # first ones included
     assert shape(stream) == shape(local)
+    # equal up to float32 rounding: the batches the two workers ran differ in composition
+    assert logprob_values(stream) == pytest.approx(logprob_values(local), abs=1e-5)
     finals = [r for r in stream if r.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED]
     assert [(r.index, r.completion_tokens) for r in finals] == [(0, 8), (1, 8), (2, 8)]
     wait_until(lambda: all_free(driver), 1.0, "every block free on both workers")
