@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -107,6 +108,7 @@ class OpenAIBackend:
                  model: str | None = None, api_key: str | None = None) -> None:  # fmt: skip
         import httpx
 
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
         if endpoint not in ENDPOINTS:
             raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
