@@ -102,7 +102,7 @@ def test_seeded_n3_matches_colocated_and_offline(workers: Any, llm: LLM) -> None
     assert all(len(r.logprobs) == len(r.token_ids) for r in stream)  # first ones included
     assert shape(stream) == shape(local)
     # equal up to float32 rounding: the batches the two workers ran differ in composition
-    assert logprob_values(stream) == pytest.approx(logprob_values(local), abs=1e-5)
+    assert logprob_values(stream) == pytest.approx(logprob_values(local), rel=1e-4, abs=1e-4)
     finals = [r for r in stream if r.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED]
     assert [(r.index, r.completion_tokens) for r in finals] == [(0, 8), (1, 8), (2, 8)]
     wait_until(lambda: all_free(driver), 1.0, "every block free on both workers")
