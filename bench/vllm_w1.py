@@ -5,7 +5,7 @@ and transformers, so it never shares kvmesh's environment):
 
     VENV/bin/python bench/vllm_w1.py --model DIR [--num-requests 64] [--threads 2]
 
-Builds the W1 requests (docs/WORKLOADS.md) with the same generator as kvmesh's
+Builds the W1 requests (docs/BENCHMARK_SUITE.md) with the same generator as kvmesh's
 bench (copied here so this
 file imports nothing from kvmesh), submits them all at once to `LLM.generate` as token-id prompts
 (`skip_tokenizer_init=True`, otherwise default engine settings), greedy, EOS ignored, exactly

@@ -11,7 +11,7 @@ the client side with `kvmesh.client.AsyncClient`.
   TTFT. `--overlap on|off` is the prefill worker's `--transfer-overlap` (each chunk's blocks sent
   while the next chunk computes); `--prefill-chunk` the prefill worker's
   `--max-num-batched-tokens`.
-- w4 (docs/WORKLOADS.md): 16 steady decoders (prompt 128, output 512) while
+- w4 (docs/BENCHMARK_SUITE.md): 16 steady decoders (prompt 128, output 512) while
   2048-token prompts arrive
   every 2 s (output 16), for colocated without chunked prefill, colocated with chunked prefill at
   each `--chunks` size, and disaggregated; every worker uses `--threads` torch threads (1).

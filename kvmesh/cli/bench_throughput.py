@@ -1,4 +1,4 @@
-"""`kvmesh bench throughput`: W1, W3 and W3-unique (docs/WORKLOADS.md) on the engine.
+"""`kvmesh bench throughput`: W1, W3 and W3-unique (docs/BENCHMARK_SUITE.md) on the engine.
 
 W1: 64 requests, all at time 0 (`random.Random(0)`; per request in order: prompt length
 randint(32, 512), output length randint(16, 256), prompt ids randrange(10, vocab - 10)), greedy,

@@ -1,4 +1,4 @@
-"""Requests of the serving benchmark: the workloads of docs/WORKLOADS.md, or a JSONL trace.
+"""Requests of the serving benchmark: the workloads of docs/BENCHMARK_SUITE.md, or a JSONL trace.
 
 Synthetic prompts are token ids drawn with `random.Random(seed)` (`randrange(10, vocab - 10)`),
 so their lengths are exact on any server that accepts token-id prompts; `as_text` decodes them

@@ -1,4 +1,4 @@
-"""Tiny random-weight checkpoints of the benchmark workloads (docs/WORKLOADS.md), built
+"""Tiny random-weight checkpoints of the benchmark workloads (docs/BENCHMARK_SUITE.md), built
 locally (no network).
 
 `build_tiny_model(out_dir, arch, size, seed)` writes config.json, model.safetensors (float32),
@@ -29,7 +29,7 @@ INITIALIZER_RANGE = 0.2
 
 @dataclass(frozen=True)
 class TinySize:
-    """One row of the benchmark model table (docs/WORKLOADS.md), plus Mistral's sliding window
+    """One row of the benchmark model table (docs/BENCHMARK_SUITE.md), plus Mistral's sliding window
     for that size."""
 
     vocab_size: int
