@@ -1,8 +1,10 @@
 """One attempt of a request through the workers, in the order of docs/PROTOCOL.md.
 
-Disaggregated: route (prefix affinity on the prompt's token ids) → ledger.open → Reserve
-(decode; it prepares a text or chat prompt and returns the token ids) → Prefill, with the Decode
-stream opened at the same time (it waits for the KV, whose final frame carries the first token).
+Disaggregated: route (prefix affinity on the prompt's token ids, or on a text or chat prompt's
+leading characters) → ledger.open → PrefillAhead and Reserve at once (the prefill computes
+while the decode worker reserves; both prepare a text or chat prompt themselves) → the
+reservation named to the prefill worker as PrefillAhead's second message, and the Decode stream
+opened (it waits for the KV, whose final frame carries the first token).
 Colocated: Prepare → ledger.open → ColocatedService.Generate stream. Responses go to the run's
 queue; failures raise RpcFailure (final) or WorkerLost (the caller may retry).
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -109,40 +111,52 @@ class Driver:
     async def _disaggregated(
         self, run: Run, prefills: list[WorkerRecord], decodes: list[WorkerRecord]
     ) -> None:
-        routing = self._cluster.config.routing
-        engine = engine_request(run)  # None: a text or chat prompt, prepared by Reserve
+        engine = engine_request(run)  # None: a text or chat prompt, prepared by both workers
         ids = [] if engine is None else engine.prompt_ids
-        salt = run.request.cache_salt
-        pairs = order_pairs(prefills, decodes, ids, run.max_tokens(), salt, routing)
-        pairs.sort(key=lambda pair: sum(w.worker_id in run.avoid for w in pair))
-        generation = self._open(run)
-        decode, reservation = await self._reserve(run, engine, generation, pairs)
-        if reservation.HasField("request"):
-            engine = reservation.request
-        assert engine is not None
-        run.timings.prompt_tokens = len(engine.prompt_ids)
-        if not ids:  # now the token ids are known: route the prefill by prefix affinity
-            pairs = order_pairs(prefills, [decode], engine.prompt_ids, 1, salt, routing)
-            pairs.sort(key=lambda pair: pair[0].worker_id in run.avoid)
-        prefill = next(p for p, d in pairs if d is decode)
-        run.event("routed", prefill=prefill.worker_id, decode=decode.worker_id)
-        run.timings.queue = self._cluster.clock() - run.arrival
-        request = worker_pb2.DecodeRequest(
-            request_id=run.request_id,
-            epoch=reservation.epoch,
-            generation=generation,
-            transfer_id=reservation.transfer_id,
+        pairs = order_pairs(
+            prefills,
+            decodes,
+            ids,
+            run.max_tokens(),
+            run.request.cache_salt,
+            self._cluster.config.routing,
+            text=prompt_text(run.request),
         )
-        with self._streaming(
-            run, decode, "decode", self._decode_stub(decode).Decode, request
-        ) as call:
-            first = asyncio.ensure_future(call.read())  # read as it arrives, relayed after
-            first.add_done_callback(_retrieve)
-            try:
-                await self._prefill(run, engine, generation, prefill, decode, reservation)
-            except BaseException:
-                first.cancel()
-                raise
+        pairs.sort(key=lambda pair: sum(w.worker_id in run.avoid for w in pair))
+        prefill = pairs[0][0]
+        generation = self._open(run)
+        self._cluster.ledger.expect(run.request_id, generation, ref(prefill))
+        method = self._prefill_stub(prefill).PrefillAhead
+        messages: asyncio.Queue[worker_pb2.PrefillRequest | None] = asyncio.Queue()
+        messages.put_nowait(prefill_start(run, engine, generation))
+        with contextlib.ExitStack() as decoding:
+            with self._streaming(run, prefill, "prefill", method, drain(messages)) as ahead:
+                candidates = [d for p, d in pairs if p is prefill]
+                decode, reservation = await self._reserve(run, engine, generation, candidates)
+                engine = reservation.request if reservation.HasField("request") else engine
+                assert engine is not None
+                run.timings.prompt_tokens = len(engine.prompt_ids)
+                run.event("routed", prefill=prefill.worker_id, decode=decode.worker_id)
+                run.timings.queue = self._cluster.clock() - run.arrival
+                self._grant(run, generation, prefill, decode, reservation, messages)
+                request = worker_pb2.DecodeRequest(
+                    request_id=run.request_id,
+                    epoch=reservation.epoch,
+                    generation=generation,
+                    transfer_id=reservation.transfer_id,
+                )
+                stub = self._decode_stub(decode)
+                call = decoding.enter_context(
+                    self._streaming(run, decode, "decode", stub.Decode, request)
+                )
+                first = asyncio.ensure_future(call.read())  # read as it arrives, relayed after
+                first.add_done_callback(_retrieve)
+                try:
+                    await self._prefilled(run, generation, prefill, ahead)
+                except BaseException:
+                    first.cancel()
+                    raise
+            # The prefill worker's part is done: its loss no longer concerns this request.
             self._cluster.ledger.decoding(run.request_id, generation)
             await self._relay(run, decode, "decode", call, first)
 
@@ -151,11 +165,11 @@ class Driver:
         run: Run,
         engine: worker_pb2.EngineRequest | None,
         generation: int,
-        pairs: list[tuple[WorkerRecord, WorkerRecord]],
+        decodes: list[WorkerRecord],
     ) -> tuple[WorkerRecord, worker_pb2.ReserveResponse]:
         ledger, config = self._cluster.ledger, self._cluster.config
         exhausted, refused = False, []
-        for decode in dict.fromkeys(d for _, d in pairs):
+        for decode in dict.fromkeys(decodes):
             ledger.expect(run.request_id, generation, ref(decode))
             lease = min(config.reservation_lease_seconds, run.timeout())
             request = worker_pb2.ReserveRequest(generation=generation, lease_seconds=lease)
@@ -190,15 +204,16 @@ class Driver:
             "no decode worker accepted the reservation: " + "; ".join(refused),
         )
 
-    async def _prefill(
+    def _grant(
         self,
         run: Run,
-        engine: worker_pb2.EngineRequest,
         generation: int,
         prefill: WorkerRecord,
         decode: WorkerRecord,
         reservation: worker_pb2.ReserveResponse,
+        messages: asyncio.Queue[worker_pb2.PrefillRequest | None],
     ) -> None:
+        """Name the reservation to the prefill worker, which may now write into it."""
         backend = common_backend(prefill, decode, self._cluster.config.transfer_backends) or ""
         target = worker_pb2.KVTarget(
             worker_id=decode.worker_id,
@@ -211,9 +226,20 @@ class Driver:
             layout=reservation.layout,
         )
         self._cluster.ledger.prefilling(run.request_id, generation, ref(prefill))
-        request = worker_pb2.PrefillRequest(request=engine, target=target)
-        stub = self._prefill_stub(prefill)
-        response = await self._call(run, prefill, "prefill", stub.Prefill, request)
+        messages.put_nowait(worker_pb2.PrefillRequest(target=target))
+        messages.put_nowait(None)
+
+    async def _outcome(self, run: Run, worker: WorkerRecord, call: Any) -> Any:
+        try:
+            return await call
+        except grpc.aio.AioRpcError as error:
+            raise map_error(error, worker, "prefill") from None
+
+    async def _prefilled(
+        self, run: Run, generation: int, prefill: WorkerRecord, ahead: Any
+    ) -> None:
+        """Wait for PrefillAhead's answer: the KV landed on the decode side."""
+        response = await self._outcome(run, prefill, ahead)
         self._cluster.ledger.transferred(run.request_id, generation, ref(prefill))
         timings = run.timings
         timings.queue += response.queue_seconds
@@ -235,8 +261,9 @@ class Driver:
     def _streaming(
         self, run: Run, worker: WorkerRecord, what: str, method: Any, request: Any
     ) -> Iterator[Any]:
-        """A worker's response stream, opened now (under the run's deadline and trace context,
-        counted as a call in flight) and cancelled when the block ends."""
+        """A worker call with a stream (of responses, or of requests: `request` an async
+        iterator), opened now (under the run's deadline and trace context, counted as a call
+        in flight) and cancelled when the block ends."""
         with run.calling(ref(worker)), run.traced():
             call = method(request, timeout=run.timeout())
             try:
@@ -281,6 +308,14 @@ class Driver:
             )
 
 
+async def drain(
+    queue: asyncio.Queue[worker_pb2.PrefillRequest | None],
+) -> AsyncIterator[worker_pb2.PrefillRequest]:
+    """A request stream fed through `queue`, ended by None."""
+    while (message := await queue.get()) is not None:
+        yield message
+
+
 def _retrieve(future: asyncio.Future[Any]) -> None:
     """Mark a read's failure retrieved (the relay, or the failure that stopped it, reports)."""
     if not future.cancelled():
@@ -293,6 +328,26 @@ def client_request(run: Run) -> generation_pb2.GenerateRequest:
     request.CopyFrom(run.request)
     request.request_id = run.request_id
     return request
+
+
+def prefill_start(
+    run: Run, engine: worker_pb2.EngineRequest | None, generation: int
+) -> worker_pb2.PrefillRequest:
+    """PrefillAhead's first message: the request (prepared, or the client's) and generation."""
+    if engine is None:
+        return worker_pb2.PrefillRequest(prompt=client_request(run), generation=generation)
+    return worker_pb2.PrefillRequest(request=engine, generation=generation)
+
+
+def prompt_text(request: generation_pb2.GenerateRequest) -> list[str]:
+    """A text or chat prompt's parts for routing (the text; each message's role and content);
+    empty for token ids."""
+    which = request.WhichOneof("prompt")
+    if which == "text":
+        return [request.text]
+    if which == "chat":
+        return [part for m in request.chat.messages for part in (m.role, m.content)]
+    return []
 
 
 def engine_request(run: Run) -> worker_pb2.EngineRequest | None:

@@ -2,7 +2,9 @@
 
 Prefill: rendezvous hashing on the prompt's first block (salted by the cache salt) picks the
 worker most likely to hold that prefix in its cache, unless its queue exceeds the least-loaded
-worker's by more than `affinity_slack`; then the least-loaded one wins. Decode: workers with
+worker's by more than `affinity_slack`; then the least-loaded one wins. A text or chat prompt
+is routed before anyone tokenizes it, on its leading characters (`text_prefix_key`, about the
+characters of the first block), as SGLang's cache-aware router does. Decode: workers with
 enough free blocks for prompt + max_tokens first, then most free blocks, fewest running.
 A prefill and a decode worker are paired only when their KV layouts are equal.
 """
@@ -18,6 +20,7 @@ from control_plane.registry import WorkerRecord
 from kvmesh.v1.transfer import BACKENDS
 
 AFFINITY_BLOCKS = 1
+CHARS_PER_TOKEN = 4  # a rough tokenizer average: how many characters a block's key covers
 DEFAULT_TRANSFER_BACKENDS = BACKENDS  # every backend, in order of preference
 
 
@@ -46,6 +49,20 @@ def prefix_key(prompt_ids: Sequence[int], block_size: int, salt: bytes, blocks: 
     head = list(prompt_ids[: max(1, block_size) * blocks])
     digest = hashlib.blake2b(salt, digest_size=16)
     digest.update(struct.pack(f"<{len(head)}i", *head))
+    return digest.digest()
+
+
+def text_prefix_key(parts: Sequence[str], block_size: int, salt: bytes, blocks: int = 1) -> bytes:
+    """Digest of the first characters of a prompt given as text `parts` (the text; or a
+    conversation's roles and contents in order), about as many as `blocks` blocks of tokens."""
+    budget = max(1, block_size) * blocks * CHARS_PER_TOKEN
+    digest = hashlib.blake2b(salt, digest_size=16, person=b"text")
+    for part in parts:
+        head = part[:budget].encode()
+        digest.update(struct.pack("<I", len(head)) + head)
+        budget -= min(budget, len(part))
+        if budget == 0:
+            break
     return digest.digest()
 
 
@@ -107,9 +124,10 @@ def order_pairs(
     max_tokens: int,
     salt: bytes,
     config: RoutingConfig,
+    text: Sequence[str] = (),
 ) -> list[tuple[WorkerRecord, WorkerRecord]]:
     """Compatible (prefill, decode) pairs, best first: equal layouts and a common transfer
-    backend.
+    backend. Prefill affinity is on `prompt_ids`, or on `text` (a prompt not yet tokenized).
 
     Raises NoRouteError: UNAVAILABLE when a role has no live worker, FAILED_PRECONDITION when
     no prefill worker's layout equals any decode worker's, or they share no transfer backend.
@@ -118,7 +136,10 @@ def order_pairs(
         missing = "prefill" if not prefills else "decode"
         raise NoRouteError("UNAVAILABLE", f"no live {missing} worker is registered")
     block_size = prefills[0].layout.block_size
-    key = prefix_key(prompt_ids, block_size, salt, config.affinity_blocks)
+    if text:
+        key = text_prefix_key(text, block_size, salt, config.affinity_blocks)
+    else:
+        key = prefix_key(prompt_ids, block_size, salt, config.affinity_blocks)
     ordered_decodes = order_decode(decodes, blocks_needed(len(prompt_ids) + max_tokens, block_size))
     pairs = [
         (p, d)

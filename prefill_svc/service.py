@@ -20,7 +20,8 @@ import asyncio
 import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -28,6 +29,7 @@ from opentelemetry import trace
 from kv_transfer.interface import KVSender, StreamSendHandle
 from kv_transfer.state import TransferRequest, TransferResult
 from kvmesh.engine import disagg
+from kvmesh.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sequence import Request
 from kvmesh.service.convert import first_tokens
@@ -35,11 +37,9 @@ from kvmesh.service.runtime import WorkerRuntime, check_layout
 from kvmesh.service.status import ServiceError, abort_with, status_of
 from kvmesh.telemetry.metrics import WorkerMetrics, status_name
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from prefill_svc.export import KVExport
 from prefill_svc.senders import SenderPool
 from prefill_svc.spans import ChunkEvents, TransferSpan
-
-if TYPE_CHECKING:
-    from kvmesh.engine.engine import LLMEngine
 
 DEFAULT_TRANSFER_TIMEOUT = 30.0
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
@@ -79,7 +79,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.transfer_timeout = transfer_timeout
         self.transfer_overlap = transfer_overlap
         self.active: dict[str, ActivePrefill] = {}
-        self.released: set[str] = set()  # cancelled by Release, not by their caller
+        # Calls cancelled by Release, not by their caller.
+        self.released: set[asyncio.Task[Any]] = set()
 
     async def Prepare(
         self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
@@ -89,14 +90,26 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
-        rid = request.request.request_id
         timings = Timings(time.monotonic())
+        return await self._serve(context, self._prefill_known(request, context, timings))
+
+    async def PrefillAhead(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.PrefillRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.PrefillResponse:
+        timings = Timings(time.monotonic())
+        return await self._serve(context, self._prefill_ahead(request_iterator, context, timings))
+
+    async def _serve(
+        self, context: grpc.aio.ServicerContext, body: Awaitable[worker_pb2.PrefillResponse]
+    ) -> worker_pb2.PrefillResponse:
+        """Run a Prefill call's body, mapping its failure to the call's status once."""
+        task = asyncio.current_task()
         try:
-            engine_request = self.runtime.request_from(request.request, prefill_only=True)
-            self._check_target(request.target, engine_request)
-            return await self._prefill(engine_request, request.target, context, timings)
+            return await body
         except asyncio.CancelledError:
-            if rid not in self.released:  # the caller cancelled: nobody awaits a status
+            if task not in self.released:  # the caller cancelled: nobody awaits a status
                 raise
             self.metrics.request_done(grpc.StatusCode.ABORTED)
             await context.abort(grpc.StatusCode.ABORTED, "request_id: released by Release")
@@ -106,9 +119,60 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             await abort_with(context, exc)
             raise
         finally:
-            self.released.discard(rid)
+            self.released.discard(task)
 
-    def _check_target(self, target: worker_pb2.KVTarget, request: Request) -> None:
+    async def _prefill_known(
+        self,
+        message: worker_pb2.PrefillRequest,
+        context: grpc.aio.ServicerContext,
+        timings: Timings,
+    ) -> worker_pb2.PrefillResponse:
+        request = self.runtime.request_from(message.request, prefill_only=True)
+        self._check_target(message.target, request, message.target.generation)
+        self._check_new(request)
+        target: asyncio.Future[worker_pb2.KVTarget] = asyncio.get_running_loop().create_future()
+        target.set_result(message.target)
+        return await self._prefill(request, message.target.generation, target, context, timings)
+
+    async def _prefill_ahead(
+        self,
+        messages: AsyncIterator[worker_pb2.PrefillRequest],
+        context: grpc.aio.ServicerContext,
+        timings: Timings,
+    ) -> worker_pb2.PrefillResponse:
+        first = await anext(aiter(messages), None)
+        if first is None:
+            raise ServiceError(INVALID_ARGUMENT, "request: the call carried no message")
+        if first.HasField("target"):
+            raise ServiceError(INVALID_ARGUMENT, "target: comes in the call's second message")
+        if first.generation == 0:
+            raise ServiceError(INVALID_ARGUMENT, "generation: must be non-zero")
+        prepared = first.request
+        if first.HasField("prompt"):
+            prepared = await self.runtime.prepare_request(first.prompt)
+        request = self.runtime.request_from(prepared, prefill_only=True)
+        self._check_new(request)
+        target = asyncio.ensure_future(self._second_target(messages, request, first.generation))
+        target.add_done_callback(_retrieve)
+        try:
+            return await self._prefill(request, first.generation, target, context, timings)
+        finally:
+            target.cancel()
+
+    async def _second_target(
+        self,
+        messages: AsyncIterator[worker_pb2.PrefillRequest],
+        request: Request,
+        generation: int,
+    ) -> worker_pb2.KVTarget:
+        """The target of PrefillAhead's second message, checked."""
+        message = await anext(aiter(messages), None)
+        if message is None or not message.HasField("target"):
+            raise ServiceError(INVALID_ARGUMENT, "target: the call ended without one")
+        self._check_target(message.target, request, generation)
+        return message.target
+
+    def _check_target(self, target: worker_pb2.KVTarget, request: Request, generation: int) -> None:
         mismatch = check_layout(self.runtime.layout, target.layout, "target.layout")
         if mismatch is not None:
             raise ServiceError(FAILED_PRECONDITION, mismatch)
@@ -131,6 +195,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             raise ServiceError(INVALID_ARGUMENT, "target.transfer_id: not 32 hex digits") from None
         if target.generation == 0:
             raise ServiceError(INVALID_ARGUMENT, "target.generation: must be non-zero")
+        if target.generation != generation:
+            raise ServiceError(
+                FAILED_PRECONDITION,
+                f"target.generation: {target.generation} is not the call's {generation}",
+            )
+
+    def _check_new(self, request: Request) -> None:
         if request.request_id in self.active:
             raise ServiceError(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request.request_id!r} in progress"
@@ -139,17 +210,38 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     async def _prefill(
         self,
         request: Request,
-        target: worker_pb2.KVTarget,
+        generation: int,
+        target: asyncio.Future[worker_pb2.KVTarget],
         context: grpc.aio.ServicerContext,
         timings: Timings,
     ) -> worker_pb2.PrefillResponse:
-        """Prefill with its KV (and then its first tokens) streamed to `target`."""
+        """Prefill at once, its KV (and then its first tokens) streamed to `target` once known."""
         rid, engine = request.request_id, self.runtime.engine
         remaining = context.time_remaining()
         deadline = time.monotonic() + (self.transfer_timeout if remaining is None else remaining)
-        active = ActivePrefill(target.generation, deadline, asyncio.current_task())
+        self.active[rid] = active = ActivePrefill(generation, deadline, asyncio.current_task())
+        export = KVExport(overlap=self.transfer_overlap)
+        export.events = ChunkEvents(trace.get_current_span())
+        run = EngineRun(engine, request, export, timings)
+        try:
+            if not target.done():  # compute while the decode worker reserves
+                await run.start()
+            return await self._ship(await target, run, export, active, timings)
+        finally:
+            run.close()  # the release, queued on the engine before the caller hears back
+            self.active.pop(rid, None)
+
+    async def _ship(
+        self,
+        target: worker_pb2.KVTarget,
+        run: EngineRun,
+        export: KVExport,
+        active: ActivePrefill,
+        timings: Timings,
+    ) -> worker_pb2.PrefillResponse:
+        """Send the request's KV to `target` as the engine finalises it; the response once the
+        receiver acknowledged the last frame."""
         active.num_blocks = len(target.block_ids)
-        self.active[rid] = active
         backend, endpoint = target.backend, target.endpoint
         sender = self.senders.take_idle(backend, endpoint)
         handle: StreamSendHandle | None = None
@@ -158,28 +250,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                 if sender is None:
                     sender = await asyncio.to_thread(self.senders.acquire, backend, endpoint)
                 transfer = TransferRequest(bytes.fromhex(target.transfer_id), target.generation)
-                handle = sender.start_stream(transfer, list(target.block_ids), deadline=deadline)
-                export = KVExport(handle, len(target.block_ids), overlap=self.transfer_overlap)
-                export.events = ChunkEvents(trace.get_current_span())
-                stream = await engine.open_stream(
-                    rid,
-                    lambda e: disagg.add_request(e, request),
-                    cleanup=disagg.release,
-                    on_step=export,
+                handle = sender.start_stream(
+                    transfer, list(target.block_ids), deadline=active.deadline
                 )
+                export.attach(handle, len(target.block_ids))
                 try:
-                    timings.added = time.monotonic()
-                    first = await anext(stream)
-                    timings.first = time.monotonic()
+                    output = await run.first()
                     active.state = worker_pb2.BLOCK_SET_STATE_SENDING
                     result = await self._await_sent(handle, target, timings, span)
                 finally:
                     span.parts = export.parts
-                    stream.close()  # the release, queued on the engine before the caller hears back
                 self.metrics.request_done(grpc.StatusCode.OK)
-                return self._response(first, timings, result)
+                return self._response(output, timings, result)
             finally:
-                self.active.pop(rid, None)
                 if sender is not None:
                     self._give_back(backend, endpoint, sender, handle)
 
@@ -265,7 +348,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         active = self.active.get(request_id)
         if active is None or generation not in (0, active.generation) or active.task is None:
             return False
-        self.released.add(request_id)
+        self.released.add(active.task)
         active.task.cancel()
         return True
 
@@ -283,58 +366,44 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         ]
 
 
-class KVExport:
-    """Step hook (engine thread) of one Prefill: hands the sender the blocks the engine's KV
-    connector reports final (each finished chunk's with `overlap`, else none before
-    PREFILLED), then the rest and the first tokens as the trailer once the request is
-    PREFILLED; a first token that ended the request finishes the send without KV. Quick and
-    non-blocking: `StreamSendHandle.add` only records the part for the sender thread. A
-    preemption (the request's blocks were freed and will be recomputed) cancels the send."""
+class EngineRun:
+    """The engine side of one Prefill: the request's stream, opened once, and its first
+    output (the first tokens, once PREFILLED)."""
 
-    def __init__(self, handle: StreamSendHandle, num_blocks: int, *, overlap: bool) -> None:
-        self.handle = handle
-        self.num_blocks = num_blocks
-        self.overlap = overlap
-        self.sent = 0  # blocks handed to the sender
-        self.preemptions: int | None = None
-        self.done = False
-        self.parts = 0  # block sets handed to the sender
-        self.events: ChunkEvents | None = None
+    def __init__(
+        self, engine: AsyncLLMEngine, request: Request, export: KVExport, timings: Timings
+    ) -> None:
+        self.engine, self.request, self.export, self.timings = engine, request, export, timings
+        self.stream: RequestStream | None = None
+        self._first: asyncio.Future[RequestOutput] | None = None
 
-    def __call__(self, engine: LLMEngine, request_id: str, output: RequestOutput | None) -> None:
-        if self.done:
+    async def start(self) -> None:
+        if self.stream is not None:
             return
-        if self.handle.record.state.is_terminal:
-            self.done = True
-            return
-        if output is not None and output.finished:  # the first token ended it: no KV left
-            self._finish(output, kv=False)
-            return
-        ready = disagg.ready_blocks(engine, request_id)
-        if ready is None:
-            return
-        if self.events is not None:
-            self.events(ready)
-        if self.preemptions is None:
-            self.preemptions = ready.preemptions
-        if ready.preemptions != self.preemptions:
-            self._stop()
-            return
-        if (self.overlap or ready.prefilled) and len(ready.block_ids) > self.sent:
-            self.handle.add(self.sent, ready.block_ids[self.sent :])
-            self.sent = len(ready.block_ids)
-            self.parts += 1
-        if ready.prefilled:
-            if self.sent != self.num_blocks or output is None:
-                self._stop()
-                return
-            self._finish(output, kv=True)
+        request = self.request
+        self.stream = await self.engine.open_stream(
+            request.request_id,
+            lambda e: disagg.add_request(e, request),
+            cleanup=disagg.release,
+            on_step=self.export,
+        )
+        self.timings.added = time.monotonic()
+        self._first = asyncio.ensure_future(anext(self.stream))
+        self._first.add_done_callback(lambda _: setattr(self.timings, "first", time.monotonic()))
 
-    def _finish(self, output: RequestOutput, *, kv: bool) -> None:
-        trailer = worker_pb2.FirstTokens(tokens=first_tokens(output)).SerializeToString()
-        self.handle.finish(trailer, kv=kv)
-        self.done = True
+    async def first(self) -> RequestOutput:
+        await self.start()
+        assert self._first is not None
+        return await self._first
 
-    def _stop(self) -> None:
-        self.done = True
-        self.handle.cancel()
+    def close(self) -> None:
+        if self._first is not None:
+            self._first.cancel()
+        if self.stream is not None:
+            self.stream.close()
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a failed future's exception retrieved (whoever awaits it reports it)."""
+    if not future.cancelled():
+        future.exception()

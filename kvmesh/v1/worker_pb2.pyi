@@ -240,12 +240,16 @@ class FirstTokens(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request", "target")
+    __slots__ = ("request", "target", "prompt", "generation")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     request: EngineRequest
     target: KVTarget
-    def __init__(self, request: _Optional[_Union[EngineRequest, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
+    prompt: _generation_pb2.GenerateRequest
+    generation: int
+    def __init__(self, request: _Optional[_Union[EngineRequest, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., prompt: _Optional[_Union[_generation_pb2.GenerateRequest, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_tokens", "cached_tokens", "queue_seconds", "prefill_seconds", "transfer_seconds", "transfer_bytes")

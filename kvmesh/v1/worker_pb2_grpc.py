@@ -165,6 +165,11 @@ class PrefillServiceStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillAhead = channel.stream_unary(
+                '/kvmesh.v1.PrefillService/PrefillAhead',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kvmesh.v1.PrefillService/Release',
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
@@ -190,6 +195,16 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillAhead(self, request_iterator, context):
+        """Prefill before the destination is known. The first message carries `request` or `prompt`
+        (no target) and starts the prefill; the second carries only `target`, the decode worker's
+        reservation, and the KV moves only after it. A call that ends without a target is
+        INVALID_ARGUMENT; cancelling it releases everything, as for Prefill.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Release everything held for a request (idempotent).
         """
@@ -207,6 +222,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillAhead': grpc.stream_unary_rpc_method_handler(
+                    servicer.PrefillAhead,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
@@ -269,6 +289,33 @@ class PrefillService:
             request,
             target,
             '/kvmesh.v1.PrefillService/Prefill',
+            kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillAhead(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvmesh.v1.PrefillService/PrefillAhead',
             kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,

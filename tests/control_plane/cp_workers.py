@@ -203,8 +203,34 @@ class FakeWorker(
     ) -> worker_pb2.PrefillResponse:
         self._record("Prefill", context)
         req, target = request.request, request.target
+        self._hold(req.request_id, target.generation, worker_pb2.BLOCK_SET_STATE_FILLING, 0)
+        return await self._prefill(req, target)
+
+    async def PrefillAhead(
+        self,
+        requests: AsyncIterator[worker_pb2.PrefillRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.PrefillResponse:
+        """As a real prefill worker: holds from the first message, ships after the second."""
+        self._record("PrefillAhead", context)
+        messages = aiter(requests)
+        start = await anext(messages)
+        req = start.request
+        if start.HasField("prompt"):
+            req = await self._prepare(start.prompt, context)
+        else:
+            await self._check(req, context)
+        self._hold(req.request_id, start.generation, worker_pb2.BLOCK_SET_STATE_FILLING, 0)
+        second = await anext(messages, None)
+        if second is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target: none")
+        return await self._prefill(req, second.target)
+
+    async def _prefill(
+        self, req: worker_pb2.EngineRequest, target: worker_pb2.KVTarget
+    ) -> worker_pb2.PrefillResponse:
         blocks = len(target.block_ids)
-        self._hold(req.request_id, target.generation, worker_pb2.BLOCK_SET_STATE_FILLING, blocks)
+        self.held[req.request_id].num_blocks = blocks
         self.prefill_started.set()
         await self._pause()
         if self.prefill_gate is not None:

@@ -212,7 +212,7 @@ async def test_message_over_the_door_limit_is_refused_at_once() -> None:
         assert_nothing_started(cp)
         code, _, _ = await status_of(cp.generation.Generate(text_request("ok"), timeout=5))
         assert code == grpc.StatusCode.OK  # the door still serves
-        assert prefill.calls == ["Prefill"]  # the prompt was prepared by Reserve
+        assert prefill.calls == ["PrefillAhead"]  # no Prepare: the prefill worker prepares it
 
 
 @run_async

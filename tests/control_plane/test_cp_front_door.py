@@ -50,7 +50,7 @@ async def test_disaggregated_request_streams_tokens_usage_and_releases_everythin
         assert breakdown.transfer_seconds == pytest.approx(0.003)
         assert breakdown.first_decode_seconds == pytest.approx(0.01)
         assert breakdown.queue_seconds >= 0.001
-        assert prefill.calls == ["Prefill"]  # the prompt was prepared by Reserve
+        assert prefill.calls == ["PrefillAhead"]  # no Prepare: the prefill worker prepares it
         assert decode.calls[:2] == ["Reserve", "Decode"]
         assert decode.held == {} and prefill.held == {}
         assert_ledger_empty(cp)
@@ -265,5 +265,5 @@ async def test_token_ids_route_without_prepare_and_decode_opens_with_prefill() -
         code, _, responses = await status_of(call)
         assert code == grpc.StatusCode.OK
         assert list(responses[0].token_ids) == [9]  # the decode side's first token
-        assert prefill.calls == ["Prefill"]
+        assert prefill.calls == ["PrefillAhead"]
         assert len(cp.server.cluster.ledger) == 0

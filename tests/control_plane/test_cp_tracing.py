@@ -86,7 +86,7 @@ def test_request_span_continues_the_caller_trace_without_text(
     ]  # fmt: skip
     assert {s.name.rsplit("/", 1)[1] for s in worker_calls} >= {
         "Reserve",
-        "Prefill",
+        "PrefillAhead",
         "Decode",
         "Release",
     }

@@ -22,7 +22,7 @@ async def test_decode_death_before_first_token_retries_on_another_decode_worker(
         await doomed.kill()
         code, _, responses = await status_of(call)
         assert code == grpc.StatusCode.OK and len(responses) == 4
-        assert prefill.calls == ["Prefill"] * 2  # prefill redone
+        assert prefill.calls == ["PrefillAhead"] * 2  # prefill redone
         assert spare.calls[:2] == ["Reserve", "Decode"] and spare.held == {}
         assert len(cp.server.cluster.ledger) == 0
         assert cp.server.cluster.metrics.retries._value.get() == 1
@@ -57,7 +57,7 @@ async def test_prefill_death_mid_transfer_releases_the_reservation_and_retries()
         await doomed.kill()
         code, _, _ = await status_of(call)
         assert code == grpc.StatusCode.OK
-        assert spare.calls == ["Prefill"]
+        assert spare.calls == ["PrefillAhead"]
         assert ("r", first_generation) in decode.released  # the first reservation
         assert decode.held == {} and len(cp.server.cluster.ledger) == 0
 

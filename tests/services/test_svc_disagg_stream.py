@@ -112,7 +112,7 @@ def start_slow_prefill(
 
     def slow(self: Any, engine: Any, request_id: str, output: Any) -> None:
         feed(self, engine, request_id, output)
-        if self.sent:
+        if self.parts:
             first_part.set()
         time.sleep(0.1)  # engine thread: leaves time to act between chunks
 

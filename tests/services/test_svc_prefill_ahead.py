@@ -1,0 +1,169 @@
+"""PrefillAhead: the prefill starts before the decode worker's reservation is known, and its KV
+moves only once the call's second message names it; real workers on loopback."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from svc_harness import NUM_BLOCKS, svc_loop, svc_model_dir, wait_until
+from test_svc_disagg import ControlDriver, backends_here
+from test_svc_disagg_stream import PROMPT, workers
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.v1 import worker_pb2
+from prefill_svc.export import KVExport
+
+__all__ = ["svc_loop", "svc_model_dir", "workers"]
+MAX_TOKENS = 8
+AHEAD_PROMPTS = {b: [200 + i, *PROMPT[1:]] for i, b in enumerate(backends_here())}
+
+
+class AheadCall:
+    """A PrefillAhead call whose messages the test sends one at a time."""
+
+    def __init__(self, driver: ControlDriver, first: worker_pb2.PrefillRequest) -> None:
+        self._messages: list[worker_pb2.PrefillRequest | None] = [first]
+        self._ready = threading.Condition()
+        self.future = driver.p.PrefillAhead.future(self._iterate(), timeout=30)
+
+    def _iterate(self) -> Iterator[worker_pb2.PrefillRequest]:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: bool(self._messages), timeout=30)
+                message = self._messages.pop(0) if self._messages else None
+            if message is None:
+                return
+            yield message
+
+    def send(self, message: worker_pb2.PrefillRequest | None) -> None:
+        with self._ready:
+            self._messages.append(message)
+            self._ready.notify()
+
+    def outcome(self) -> tuple[grpc.StatusCode, str]:
+        try:
+            self.future.result(timeout=30)
+        except grpc.RpcError as error:
+            return error.code(), error.details() or ""
+        return grpc.StatusCode.OK, ""
+
+
+@pytest.fixture
+def prefilled(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set once a prefill's first tokens were sampled (its whole KV is final)."""
+    done = threading.Event()
+    record = KVExport._record
+
+    def spy(self: KVExport, ready: Any, output: Any) -> None:
+        record(self, ready, output)
+        if ready is not None and ready.prefilled:
+            done.set()
+
+    monkeypatch.setattr(KVExport, "_record", spy)
+    return done
+
+
+@pytest.fixture
+def parts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    seen: list[tuple[int, int]] = []
+    attach = KVExport.attach
+
+    def spy(self: KVExport, handle: Any, num_blocks: int) -> None:
+        add = handle.add
+        handle.add = lambda offset, ids: (seen.append((offset, len(ids))), add(offset, ids))
+        attach(self, handle, num_blocks)
+
+    monkeypatch.setattr(KVExport, "attach", spy)
+    return seen
+
+
+@pytest.mark.parametrize("backend", backends_here())
+def test_target_named_after_the_prefill_finished_matches_offline(
+    workers: Any,
+    svc_model_dir: Any,
+    prefilled: threading.Event,
+    parts: list[tuple[int, int]],
+    backend: str,
+) -> None:
+    """The prefill computes with no destination; named afterwards, the reservation gets every
+    block in one part, and decoding from it equals the offline engine token for token."""
+    prefills, decode = workers
+    prefill = prefills["overlap"]
+    driver = ControlDriver(prefill, decode, backend)
+    prompt, rid, generation = AHEAD_PROMPTS[backend], f"ahead-{backend}", 7
+    request = driver.prepare(rid, prompt, temperature=0.0, max_tokens=MAX_TOKENS)
+    call = AheadCall(driver, worker_pb2.PrefillRequest(request=request, generation=generation))
+    assert prefilled.wait(10)
+    assert not call.future.done()  # waiting for its destination, blocks held
+    assert prefill.free_blocks() < NUM_BLOCKS
+    reservation = driver.reserve(request, generation)
+    call.send(worker_pb2.PrefillRequest(target=driver.target(reservation, generation)))
+    call.send(None)
+    assert call.outcome() == (grpc.StatusCode.OK, "")
+    assert parts == [(0, 10)]
+    tokens = [t for r in driver.decode_call(rid, reservation, generation, []) for t in r.token_ids]
+    llm = LLM(str(svc_model_dir), num_kv_blocks=NUM_BLOCKS, max_model_len=256, num_threads=1)
+    expected = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    assert tokens == expected[0].outputs[0].token_ids
+    wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 2.0, "prefill blocks freed")
+    wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 2.0, "decode blocks freed")
+
+
+def start_ahead(workers: Any, rid: str, generation: int) -> tuple[Any, ControlDriver, AheadCall]:
+    prefills, decode = workers
+    prefill = prefills["overlap"]
+    driver = ControlDriver(prefill, decode, backends_here()[0])
+    request = driver.prepare(rid, [300 + generation, *PROMPT[1:]], max_tokens=4)
+    call = AheadCall(driver, worker_pb2.PrefillRequest(request=request, generation=generation))
+    wait_until(lambda: prefill.free_blocks() < NUM_BLOCKS, 5.0, "prefill started")
+    return prefill, driver, call
+
+
+def test_a_call_ending_without_a_target_is_invalid_and_frees_everything(workers: Any) -> None:
+    prefill, _, call = start_ahead(workers, "no-target", 11)
+    call.send(None)
+    code, details = call.outcome()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("target:")
+    wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 2.0, "prefill blocks freed")
+
+
+def test_a_target_of_another_generation_is_refused_and_frees_everything(workers: Any) -> None:
+    prefill, driver, call = start_ahead(workers, "stale-target", 12)
+    request = driver.prepare("stale-target", [312, *PROMPT[1:]], max_tokens=4)
+    reservation = driver.reserve(request, 13)
+    call.send(worker_pb2.PrefillRequest(target=driver.target(reservation, 13)))
+    call.send(None)
+    code, details = call.outcome()
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "target.generation" in details
+    wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 2.0, "prefill blocks freed")
+    release = worker_pb2.ReleaseRequest(request_id="stale-target", generation=13)
+    driver.d.Release(release, timeout=5)
+    wait_until(lambda: driver.decode.free_blocks() == NUM_BLOCKS, 2.0, "decode blocks freed")
+
+
+def test_release_before_the_target_aborts_and_frees_everything(workers: Any) -> None:
+    prefill, driver, call = start_ahead(workers, "released-early", 14)
+    release = worker_pb2.ReleaseRequest(request_id="released-early", generation=14)
+    assert driver.p.Release(release, timeout=5).released
+    code, details = call.outcome()
+    assert code == grpc.StatusCode.ABORTED and "Release" in details
+    wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 2.0, "prefill blocks freed")
+    call.send(None)
+
+
+def test_a_first_message_with_a_target_is_invalid(workers: Any) -> None:
+    prefills, decode = workers
+    driver = ControlDriver(prefills["overlap"], decode, backends_here()[0])
+    request = driver.prepare("early-target", [400, *PROMPT[1:]], max_tokens=4)
+    target = worker_pb2.KVTarget(generation=15)
+    first = worker_pb2.PrefillRequest(request=request, target=target, generation=15)
+    code, details = grpc.StatusCode.OK, ""
+    try:
+        driver.p.PrefillAhead(iter([first]), timeout=10)
+    except grpc.RpcError as error:
+        code, details = error.code(), error.details() or ""
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("target:")
