@@ -5,8 +5,9 @@ leading characters) → ledger.open → PrefillAhead and Reserve at once (the pr
 while the decode worker reserves; both prepare a text or chat prompt themselves) → the
 reservation named to the prefill worker as PrefillAhead's second message, and the Decode stream
 opened (it waits for the KV, whose final frame carries the first token).
-Colocated: Prepare → ledger.open → ColocatedService.Generate stream. Responses go to the run's
-queue; failures raise RpcFailure (final) or WorkerLost (the caller may retry).
+Colocated: ledger.open → ColocatedService.Generate stream (the worker prepares the prompt).
+Responses go to the run's queue; failures raise RpcFailure (final) or WorkerLost (the caller
+may retry).
 """
 
 from __future__ import annotations
@@ -96,14 +97,6 @@ class Driver:
     def _decode_stub(self, worker: WorkerRecord) -> worker_pb2_grpc.DecodeServiceStub:
         return worker_pb2_grpc.DecodeServiceStub(self._cluster.channels.get(worker.address))
 
-    async def _prepare(self, run: Run, worker: WorkerRecord) -> worker_pb2.EngineRequest:
-        stub = self._prefill_stub(worker)
-        prepare = worker_pb2.PrepareRequest(request=client_request(run))
-        response = await self._call(run, worker, "prepare", stub.Prepare, prepare)
-        engine: worker_pb2.EngineRequest = response.request
-        run.timings.prompt_tokens = len(engine.prompt_ids)
-        return engine
-
     def _open(self, run: Run) -> int:
         run.generation = self._cluster.ledger.open(run.request_id, run.deadline).generation
         return run.generation
@@ -130,6 +123,7 @@ class Driver:
         messages: asyncio.Queue[worker_pb2.PrefillRequest | None] = asyncio.Queue()
         messages.put_nowait(prefill_start(run, engine, generation))
         with contextlib.ExitStack() as decoding:
+            decoding.callback(messages.put_nowait, None)  # the request stream ends, always
             with self._streaming(run, prefill, "prefill", method, drain(messages)) as ahead:
                 candidates = [d for p, d in pairs if p is prefill]
                 decode, reservation = await self._reserve(run, engine, generation, candidates)
@@ -249,12 +243,15 @@ class Driver:
 
     async def _colocated(self, run: Run, worker: WorkerRecord) -> None:
         run.event("routed", colocated=worker.worker_id)
-        engine = await self._prepare(run, worker)
+        engine = engine_request(run)
+        request = worker_pb2.ColocatedRequest(request=engine)
+        if engine is None:
+            request = worker_pb2.ColocatedRequest(prompt=client_request(run))
         generation = self._open(run)
         self._cluster.ledger.decoding(run.request_id, generation, ref(worker))
         run.timings.queue = self._cluster.clock() - run.arrival
         stub = worker_pb2_grpc.ColocatedServiceStub(self._cluster.channels.get(worker.address))
-        with self._streaming(run, worker, "generate", stub.Generate, engine) as call:
+        with self._streaming(run, worker, "generate", stub.Generate, request) as call:
             await self._relay(run, worker, "generate", call, colocated=True)
 
     @contextlib.contextmanager
@@ -289,6 +286,7 @@ class Driver:
                 if colocated and run.timings.ttft is None:
                     run.timings.queue += response.queue_seconds
                     run.timings.prefill = response.prefill_seconds
+                    run.timings.prompt_tokens = response.prompt_tokens
                 run.streamed |= bool(response.token_ids)
                 run.queue.put_nowait(run.response(response))
                 response = await call.read()

@@ -1,7 +1,8 @@
 """Colocated role: one engine does prefill and decode (small deployments; the baseline).
 
-Serves ColocatedService.Generate plus PrefillService.Prepare / Release (the control plane
-prepares and releases through the same calls it uses for prefill workers).
+Serves ColocatedService.Generate, which takes the client's request and prepares it here (or a
+prepared one), plus PrefillService.Prepare / Release (the control plane releases through the
+same call it uses for prefill workers).
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedServiceServicer):
         self.metrics = metrics
 
     async def Generate(
-        self, request: worker_pb2.EngineRequest, context: grpc.aio.ServicerContext
+        self, request: worker_pb2.ColocatedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         from kvmesh.engine import disagg
         from kvmesh.service.streaming import responses
 
         arrival = time.monotonic()
         try:
-            engine_request = self.runtime.request_from(request, prefill_only=False)
+            prepared = request.request
+            if request.HasField("prompt"):
+                prepared = await self.runtime.prepare_request(request.prompt)
+            engine_request = self.runtime.request_from(prepared, prefill_only=False)
             stream = await self.runtime.engine.open_stream(
                 engine_request.request_id, lambda e: disagg.add_request(e, engine_request)
             )
@@ -58,7 +62,9 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedServiceServicer):
                 prefill_seconds=sampled - added,
                 tokenizer=self.runtime.core.tokenizer,
             )
+            prompt_tokens = len(engine_request.seqs[0].prompt_ids)
             async for response in outputs:
+                response.prompt_tokens, prompt_tokens = prompt_tokens, 0
                 yield response
             if stream.finished:
                 code = grpc.StatusCode.OK
@@ -83,6 +89,15 @@ class ColocatedPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        error = ServiceError(grpc.StatusCode.UNIMPLEMENTED, "a colocated worker does not ship KV")
+        await abort_with(context, error)
+        raise error
+
+    async def PrefillAhead(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.PrefillRequest],
+        context: grpc.aio.ServicerContext,
     ) -> worker_pb2.PrefillResponse:
         error = ServiceError(grpc.StatusCode.UNIMPLEMENTED, "a colocated worker does not ship KV")
         await abort_with(context, error)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.v1 import generation_pb2 as kvmesh_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x1akvmesh/v1/generation.proto\"\xab\x01\n\rKVCacheLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x10\n\x08kv_dtype\x18\x06 \x01(\t\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x08 \x01(\t\"\xe4\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.kvmesh.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12(\n\x06layout\x18\x05 \x01(\x0b\x32\x18.kvmesh.v1.KVCacheLayout\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12H\n\x12transfer_endpoints\x18\x07 \x03(\x0b\x32,.kvmesh.v1.WorkerInfo.TransferEndpointsEntry\x12#\n\x05model\x18\x08 \x01(\x0b\x32\x14.kvmesh.v1.ModelInfo\x12\x17\n\x0fmetrics_address\x18\t \x01(\t\x1a\x38\n\x16TransferEndpointsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x94\x01\n\x0cHeldBlockSet\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.kvmesh.v1.BlockSetState\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x1f\n\x17lease_remaining_seconds\x18\x05 \x01(\x01\"p\n\nWorkerLoad\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\x15\n\rcached_blocks\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\"\x84\x01\n\x0fRegisterRequest\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.WorkerInfo\x12%\n\x04held\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.HeldBlockSet\x12#\n\x04load\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\"d\n\x10RegisterResponse\x12\x15\n\rcontrol_epoch\x18\x01 \x01(\x04\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\x12\"\n\x1aheartbeat_interval_seconds\x18\x03 \x01(\x01\"\x80\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12#\n\x04load\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12%\n\x04held\x18\x04 \x03(\x0b\x32\x17.kvmesh.v1.HeldBlockSet\"[\n\x11HeartbeatResponse\x12\x12\n\nregistered\x18\x01 \x01(\x08\x12\x15\n\rcontrol_epoch\x18\x02 \x01(\x04\x12\x1b\n\x13release_request_ids\x18\x03 \x03(\t\"x\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\"=\n\x0ePrepareRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.kvmesh.v1.GenerateRequest\"<\n\x0fPrepareResponse\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.EngineRequest\"\x92\x01\n\x0eReserveRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.EngineRequest\x12*\n\x06prompt\x18\x04 \x01(\x0b\x32\x1a.kvmesh.v1.GenerateRequest\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"\x9d\x01\n\x0fReserveResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12(\n\x06layout\x18\x04 \x01(\x0b\x32\x18.kvmesh.v1.KVCacheLayout\x12)\n\x07request\x18\x05 \x01(\x0b\x32\x18.kvmesh.v1.EngineRequest\"\xb5\x01\n\x08KVTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\x05\x12\x13\n\x0btransfer_id\x18\x07 \x01(\t\x12(\n\x06layout\x18\x08 \x01(\x0b\x32\x18.kvmesh.v1.KVCacheLayout\"Y\n\nFirstToken\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12*\n\x08logprobs\x18\x03 \x01(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\"4\n\x0b\x46irstTokens\x12%\n\x06tokens\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.FirstToken\"\xa0\x01\n\x0ePrefillRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.EngineRequest\x12#\n\x06target\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.KVTarget\x12*\n\x06prompt\x18\x03 \x01(\x0b\x32\x1a.kvmesh.v1.GenerateRequest\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"\xb7\x01\n\x0fPrefillResponse\x12+\n\x0c\x66irst_tokens\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.FirstToken\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x06 \x01(\x03\"\x88\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12+\n\x0c\x66irst_tokens\x18\x05 \x03(\x0b\x32\x15.kvmesh.v1.FirstToken\"\xdb\x02\n\x0e\x44\x65\x63odeResponse\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\x05\x12\x15\n\rcached_tokens\x18\t \x01(\x05\x12\x1c\n\x14\x66irst_decode_seconds\x18\n \x01(\x01\x12\x15\n\rqueue_seconds\x18\x0b \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x0c \x01(\x01\x42\r\n\x0bstop_reason\"H\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03*\xc7\x01\n\rBlockSetState\x12\x1f\n\x1b\x42LOCK_SET_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x42LOCK_SET_STATE_RESERVED\x10\x01\x12\x1b\n\x17\x42LOCK_SET_STATE_FILLING\x10\x02\x12\x1b\n\x17\x42LOCK_SET_STATE_SENDING\x10\x03\x12\x1f\n\x1b\x42LOCK_SET_STATE_TRANSFERRED\x10\x04\x12\x1c\n\x18\x42LOCK_SET_STATE_DECODING\x10\x05\x32\x9d\x01\n\x0e\x43ontrolService\x12\x43\n\x08Register\x12\x1a.kvmesh.v1.RegisterRequest\x1a\x1b.kvmesh.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.kvmesh.v1.HeartbeatRequest\x1a\x1c.kvmesh.v1.HeartbeatResponse2\x9f\x02\n\x0ePrefillService\x12@\n\x07Prepare\x12\x19.kvmesh.v1.PrepareRequest\x1a\x1a.kvmesh.v1.PrepareResponse\x12@\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse\x12G\n\x0cPrefillAhead\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse(\x01\x12@\n\x07Release\x12\x19.kvmesh.v1.ReleaseRequest\x1a\x1a.kvmesh.v1.ReleaseResponse2\xd4\x01\n\rDecodeService\x12@\n\x07Reserve\x12\x19.kvmesh.v1.ReserveRequest\x1a\x1a.kvmesh.v1.ReserveResponse\x12?\n\x06\x44\x65\x63ode\x12\x18.kvmesh.v1.DecodeRequest\x1a\x19.kvmesh.v1.DecodeResponse0\x01\x12@\n\x07Release\x12\x19.kvmesh.v1.ReleaseRequest\x1a\x1a.kvmesh.v1.ReleaseResponse2U\n\x10\x43olocatedService\x12\x41\n\x08Generate\x12\x18.kvmesh.v1.EngineRequest\x1a\x19.kvmesh.v1.DecodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x1akvmesh/v1/generation.proto\"\xab\x01\n\rKVCacheLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x10\n\x08kv_dtype\x18\x06 \x01(\t\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x08 \x01(\t\"\xe4\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.kvmesh.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12(\n\x06layout\x18\x05 \x01(\x0b\x32\x18.kvmesh.v1.KVCacheLayout\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12H\n\x12transfer_endpoints\x18\x07 \x03(\x0b\x32,.kvmesh.v1.WorkerInfo.TransferEndpointsEntry\x12#\n\x05model\x18\x08 \x01(\x0b\x32\x14.kvmesh.v1.ModelInfo\x12\x17\n\x0fmetrics_address\x18\t \x01(\t\x1a\x38\n\x16TransferEndpointsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x94\x01\n\x0cHeldBlockSet\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.kvmesh.v1.BlockSetState\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x1f\n\x17lease_remaining_seconds\x18\x05 \x01(\x01\"p\n\nWorkerLoad\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\x15\n\rcached_blocks\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\"\x84\x01\n\x0fRegisterRequest\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.WorkerInfo\x12%\n\x04held\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.HeldBlockSet\x12#\n\x04load\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\"d\n\x10RegisterResponse\x12\x15\n\rcontrol_epoch\x18\x01 \x01(\x04\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\x12\"\n\x1aheartbeat_interval_seconds\x18\x03 \x01(\x01\"\x80\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12#\n\x04load\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12%\n\x04held\x18\x04 \x03(\x0b\x32\x17.kvmesh.v1.HeldBlockSet\"[\n\x11HeartbeatResponse\x12\x12\n\nregistered\x18\x01 \x01(\x08\x12\x15\n\rcontrol_epoch\x18\x02 \x01(\x04\x12\x1b\n\x13release_request_ids\x18\x03 \x03(\t\"x\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\"i\n\x10\x43olocatedRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.EngineRequest\x12*\n\x06prompt\x18\x02 \x01(\x0b\x32\x1a.kvmesh.v1.GenerateRequest\"=\n\x0ePrepareRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.kvmesh.v1.GenerateRequest\"<\n\x0fPrepareResponse\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.EngineRequest\"\x92\x01\n\x0eReserveRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.EngineRequest\x12*\n\x06prompt\x18\x04 \x01(\x0b\x32\x1a.kvmesh.v1.GenerateRequest\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"\x9d\x01\n\x0fReserveResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12(\n\x06layout\x18\x04 \x01(\x0b\x32\x18.kvmesh.v1.KVCacheLayout\x12)\n\x07request\x18\x05 \x01(\x0b\x32\x18.kvmesh.v1.EngineRequest\"\xb5\x01\n\x08KVTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\x05\x12\x13\n\x0btransfer_id\x18\x07 \x01(\t\x12(\n\x06layout\x18\x08 \x01(\x0b\x32\x18.kvmesh.v1.KVCacheLayout\"Y\n\nFirstToken\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12*\n\x08logprobs\x18\x03 \x01(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\"4\n\x0b\x46irstTokens\x12%\n\x06tokens\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.FirstToken\"\xa0\x01\n\x0ePrefillRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.EngineRequest\x12#\n\x06target\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.KVTarget\x12*\n\x06prompt\x18\x03 \x01(\x0b\x32\x1a.kvmesh.v1.GenerateRequest\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"\xb7\x01\n\x0fPrefillResponse\x12+\n\x0c\x66irst_tokens\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.FirstToken\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x06 \x01(\x03\"\x88\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12+\n\x0c\x66irst_tokens\x18\x05 \x03(\x0b\x32\x15.kvmesh.v1.FirstToken\"\xf2\x02\n\x0e\x44\x65\x63odeResponse\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\x05\x12\x15\n\rcached_tokens\x18\t \x01(\x05\x12\x1c\n\x14\x66irst_decode_seconds\x18\n \x01(\x01\x12\x15\n\rqueue_seconds\x18\x0b \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x0c \x01(\x01\x12\x15\n\rprompt_tokens\x18\r \x01(\x05\x42\r\n\x0bstop_reason\"H\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03*\xc7\x01\n\rBlockSetState\x12\x1f\n\x1b\x42LOCK_SET_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x42LOCK_SET_STATE_RESERVED\x10\x01\x12\x1b\n\x17\x42LOCK_SET_STATE_FILLING\x10\x02\x12\x1b\n\x17\x42LOCK_SET_STATE_SENDING\x10\x03\x12\x1f\n\x1b\x42LOCK_SET_STATE_TRANSFERRED\x10\x04\x12\x1c\n\x18\x42LOCK_SET_STATE_DECODING\x10\x05\x32\x9d\x01\n\x0e\x43ontrolService\x12\x43\n\x08Register\x12\x1a.kvmesh.v1.RegisterRequest\x1a\x1b.kvmesh.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.kvmesh.v1.HeartbeatRequest\x1a\x1c.kvmesh.v1.HeartbeatResponse2\x9f\x02\n\x0ePrefillService\x12@\n\x07Prepare\x12\x19.kvmesh.v1.PrepareRequest\x1a\x1a.kvmesh.v1.PrepareResponse\x12@\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse\x12G\n\x0cPrefillAhead\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse(\x01\x12@\n\x07Release\x12\x19.kvmesh.v1.ReleaseRequest\x1a\x1a.kvmesh.v1.ReleaseResponse2\xd4\x01\n\rDecodeService\x12@\n\x07Reserve\x12\x19.kvmesh.v1.ReserveRequest\x1a\x1a.kvmesh.v1.ReserveResponse\x12?\n\x06\x44\x65\x63ode\x12\x18.kvmesh.v1.DecodeRequest\x1a\x19.kvmesh.v1.DecodeResponse0\x01\x12@\n\x07Release\x12\x19.kvmesh.v1.ReleaseRequest\x1a\x1a.kvmesh.v1.ReleaseResponse2X\n\x10\x43olocatedService\x12\x44\n\x08Generate\x12\x1b.kvmesh.v1.ColocatedRequest\x1a\x19.kvmesh.v1.DecodeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERINFO_TRANSFERENDPOINTSENTRY']._loaded_options = None
   _globals['_WORKERINFO_TRANSFERENDPOINTSENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERROLE']._serialized_start=3158
-  _globals['_WORKERROLE']._serialized_end=3275
-  _globals['_BLOCKSETSTATE']._serialized_start=3278
-  _globals['_BLOCKSETSTATE']._serialized_end=3477
+  _globals['_WORKERROLE']._serialized_start=3288
+  _globals['_WORKERROLE']._serialized_end=3405
+  _globals['_BLOCKSETSTATE']._serialized_start=3408
+  _globals['_BLOCKSETSTATE']._serialized_end=3607
   _globals['_KVCACHELAYOUT']._serialized_start=66
   _globals['_KVCACHELAYOUT']._serialized_end=237
   _globals['_WORKERINFO']._serialized_start=240
@@ -58,38 +58,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATRESPONSE']._serialized_end=1322
   _globals['_ENGINEREQUEST']._serialized_start=1324
   _globals['_ENGINEREQUEST']._serialized_end=1444
-  _globals['_PREPAREREQUEST']._serialized_start=1446
-  _globals['_PREPAREREQUEST']._serialized_end=1507
-  _globals['_PREPARERESPONSE']._serialized_start=1509
-  _globals['_PREPARERESPONSE']._serialized_end=1569
-  _globals['_RESERVEREQUEST']._serialized_start=1572
-  _globals['_RESERVEREQUEST']._serialized_end=1718
-  _globals['_RESERVERESPONSE']._serialized_start=1721
-  _globals['_RESERVERESPONSE']._serialized_end=1878
-  _globals['_KVTARGET']._serialized_start=1881
-  _globals['_KVTARGET']._serialized_end=2062
-  _globals['_FIRSTTOKEN']._serialized_start=2064
-  _globals['_FIRSTTOKEN']._serialized_end=2153
-  _globals['_FIRSTTOKENS']._serialized_start=2155
-  _globals['_FIRSTTOKENS']._serialized_end=2207
-  _globals['_PREFILLREQUEST']._serialized_start=2210
-  _globals['_PREFILLREQUEST']._serialized_end=2370
-  _globals['_PREFILLRESPONSE']._serialized_start=2373
-  _globals['_PREFILLRESPONSE']._serialized_end=2556
-  _globals['_DECODEREQUEST']._serialized_start=2559
-  _globals['_DECODEREQUEST']._serialized_end=2695
-  _globals['_DECODERESPONSE']._serialized_start=2698
-  _globals['_DECODERESPONSE']._serialized_end=3045
-  _globals['_RELEASEREQUEST']._serialized_start=3047
-  _globals['_RELEASEREQUEST']._serialized_end=3119
-  _globals['_RELEASERESPONSE']._serialized_start=3121
-  _globals['_RELEASERESPONSE']._serialized_end=3156
-  _globals['_CONTROLSERVICE']._serialized_start=3480
-  _globals['_CONTROLSERVICE']._serialized_end=3637
-  _globals['_PREFILLSERVICE']._serialized_start=3640
-  _globals['_PREFILLSERVICE']._serialized_end=3927
-  _globals['_DECODESERVICE']._serialized_start=3930
-  _globals['_DECODESERVICE']._serialized_end=4142
-  _globals['_COLOCATEDSERVICE']._serialized_start=4144
-  _globals['_COLOCATEDSERVICE']._serialized_end=4229
+  _globals['_COLOCATEDREQUEST']._serialized_start=1446
+  _globals['_COLOCATEDREQUEST']._serialized_end=1551
+  _globals['_PREPAREREQUEST']._serialized_start=1553
+  _globals['_PREPAREREQUEST']._serialized_end=1614
+  _globals['_PREPARERESPONSE']._serialized_start=1616
+  _globals['_PREPARERESPONSE']._serialized_end=1676
+  _globals['_RESERVEREQUEST']._serialized_start=1679
+  _globals['_RESERVEREQUEST']._serialized_end=1825
+  _globals['_RESERVERESPONSE']._serialized_start=1828
+  _globals['_RESERVERESPONSE']._serialized_end=1985
+  _globals['_KVTARGET']._serialized_start=1988
+  _globals['_KVTARGET']._serialized_end=2169
+  _globals['_FIRSTTOKEN']._serialized_start=2171
+  _globals['_FIRSTTOKEN']._serialized_end=2260
+  _globals['_FIRSTTOKENS']._serialized_start=2262
+  _globals['_FIRSTTOKENS']._serialized_end=2314
+  _globals['_PREFILLREQUEST']._serialized_start=2317
+  _globals['_PREFILLREQUEST']._serialized_end=2477
+  _globals['_PREFILLRESPONSE']._serialized_start=2480
+  _globals['_PREFILLRESPONSE']._serialized_end=2663
+  _globals['_DECODEREQUEST']._serialized_start=2666
+  _globals['_DECODEREQUEST']._serialized_end=2802
+  _globals['_DECODERESPONSE']._serialized_start=2805
+  _globals['_DECODERESPONSE']._serialized_end=3175
+  _globals['_RELEASEREQUEST']._serialized_start=3177
+  _globals['_RELEASEREQUEST']._serialized_end=3249
+  _globals['_RELEASERESPONSE']._serialized_start=3251
+  _globals['_RELEASERESPONSE']._serialized_end=3286
+  _globals['_CONTROLSERVICE']._serialized_start=3610
+  _globals['_CONTROLSERVICE']._serialized_end=3767
+  _globals['_PREFILLSERVICE']._serialized_start=3770
+  _globals['_PREFILLSERVICE']._serialized_end=4057
+  _globals['_DECODESERVICE']._serialized_start=4060
+  _globals['_DECODESERVICE']._serialized_end=4272
+  _globals['_COLOCATEDSERVICE']._serialized_start=4274
+  _globals['_COLOCATEDSERVICE']._serialized_end=4362
 # @@protoc_insertion_point(module_scope)

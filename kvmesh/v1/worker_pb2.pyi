@@ -165,6 +165,14 @@ class EngineRequest(_message.Message):
     cache_salt: bytes
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
+class ColocatedRequest(_message.Message):
+    __slots__ = ("request", "prompt")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    request: EngineRequest
+    prompt: _generation_pb2.GenerateRequest
+    def __init__(self, request: _Optional[_Union[EngineRequest, _Mapping]] = ..., prompt: _Optional[_Union[_generation_pb2.GenerateRequest, _Mapping]] = ...) -> None: ...
+
 class PrepareRequest(_message.Message):
     __slots__ = ("request",)
     REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -282,7 +290,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., generation: _Optional[int] = ..., transfer_id: _Optional[str] = ..., first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("index", "token_ids", "text", "logprobs", "finish_reason", "stop_token_id", "stop_string", "completion_tokens", "cached_tokens", "first_decode_seconds", "queue_seconds", "prefill_seconds")
+    __slots__ = ("index", "token_ids", "text", "logprobs", "finish_reason", "stop_token_id", "stop_string", "completion_tokens", "cached_tokens", "first_decode_seconds", "queue_seconds", "prefill_seconds", "prompt_tokens")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +303,7 @@ class DecodeResponse(_message.Message):
     FIRST_DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -307,7 +316,8 @@ class DecodeResponse(_message.Message):
     first_decode_seconds: float
     queue_seconds: float
     prefill_seconds: float
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., first_decode_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., first_decode_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "generation", "reason")

@@ -533,7 +533,7 @@ class ColocatedServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/kvmesh.v1.ColocatedService/Generate',
-                request_serializer=kvmesh_dot_v1_dot_worker__pb2.EngineRequest.SerializeToString,
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.ColocatedRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
 
@@ -543,7 +543,9 @@ class ColocatedServiceServicer:
     """
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Prepare (when given the client's request), prefill and decode on one engine, streaming
+        tokens; the first response carries the prompt's length. Cancelling the call aborts it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -553,7 +555,7 @@ def add_ColocatedServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.EngineRequest.FromString,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.ColocatedRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
     }
@@ -583,7 +585,7 @@ class ColocatedService:
             request,
             target,
             '/kvmesh.v1.ColocatedService/Generate',
-            kvmesh_dot_v1_dot_worker__pb2.EngineRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.ColocatedRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,

@@ -287,12 +287,19 @@ class FakeWorker(
             yield response
 
     async def Generate(
-        self, request: worker_pb2.EngineRequest, context: grpc.aio.ServicerContext
+        self, message: worker_pb2.ColocatedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         self._record("Generate", context)
+        request = message.request
+        if message.HasField("prompt"):  # as a real colocated worker: it prepares the prompt
+            request = await self._prepare(message.prompt, context)
+        else:
+            await self._check(request, context)
         self._hold(request.request_id, 0, worker_pb2.BLOCK_SET_STATE_DECODING, 1)
+        prompt_tokens = len(request.prompt_ids)
         async for response in self._tokens([request.prompt_ids[-1]], request.request_id, 0):
             response.queue_seconds, response.prefill_seconds = 0.004, 0.005
+            response.prompt_tokens, prompt_tokens = prompt_tokens, 0
             yield response
 
     async def _tokens(

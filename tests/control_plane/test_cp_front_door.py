@@ -81,7 +81,7 @@ async def test_colocated_worker_serves_whole_requests_when_no_pair_exists() -> N
         usage = responses[-1].usage
         assert usage.ttft_breakdown.prefill_seconds == pytest.approx(0.005)
         assert responses[0].request_id.startswith("req-")  # assigned by the server
-        assert worker.calls == ["Prepare", "Generate", "Release"] and worker.held == {}
+        assert worker.calls == ["Generate", "Release"] and worker.held == {}
         info = await cp.generation.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=5)
         assert (info.mode, info.vocab_size) == ("colocated", 256)
         assert_ledger_empty(cp)

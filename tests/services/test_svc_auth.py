@@ -38,6 +38,10 @@ def engine_request() -> worker_pb2.EngineRequest:
     return worker_pb2.EngineRequest(request_id="r", prompt_ids=[5, 17, 99], sampling=sampling)
 
 
+def colocated_request() -> worker_pb2.ColocatedRequest:
+    return worker_pb2.ColocatedRequest(request=engine_request())
+
+
 def test_forged_worker_calls_are_refused_and_leave_the_engine_untouched(
     worker: RunningWorker,
 ) -> None:
@@ -45,7 +49,9 @@ def test_forged_worker_calls_are_refused_and_leave_the_engine_untouched(
     prefill = worker_pb2_grpc.PrefillServiceStub(worker.channel)
     prompt = generation_pb2.GenerateRequest(request_id="r", text="hello")
     calls = {
-        "Generate": lambda md: list(colocated.Generate(engine_request(), metadata=md, timeout=5)),
+        "Generate": lambda md: list(
+            colocated.Generate(colocated_request(), metadata=md, timeout=5)
+        ),
         "Prepare": lambda md: prefill.Prepare(
             worker_pb2.PrepareRequest(request=prompt), metadata=md, timeout=5
         ),
@@ -70,7 +76,7 @@ def test_forged_worker_calls_are_refused_and_leave_the_engine_untouched(
     status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
     assert status == health_pb2.HealthCheckResponse.SERVING
     token = (("authorization", f"Bearer {TOKEN}"),)
-    responses = list(colocated.Generate(engine_request(), metadata=token, timeout=60))
+    responses = list(colocated.Generate(colocated_request(), metadata=token, timeout=60))
     assert sum(len(r.token_ids) for r in responses) == 4
 
 
@@ -96,7 +102,8 @@ def test_token_is_checked_before_the_bytes_and_bounds_hold_with_it(worker: Runni
     wide = engine_request()
     wide.sampling.n = 1000
     with pytest.raises(grpc.RpcError) as caught:
-        list(colocated.Generate(wide, metadata=token, timeout=5))
+        wrapped = worker_pb2.ColocatedRequest(request=wide)
+        list(colocated.Generate(wrapped, metadata=token, timeout=5))
     error = caught.value
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert wire.field_of(error) == "sampling.n"

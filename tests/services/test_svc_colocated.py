@@ -41,7 +41,7 @@ def engine_request(rid: str, ids: list[int], **sampling: Any) -> worker_pb2.Engi
 
 def generate(worker: RunningWorker, request: worker_pb2.EngineRequest) -> list[Any]:
     stub = worker_pb2_grpc.ColocatedServiceStub(worker.channel)
-    return list(stub.Generate(request, timeout=60))
+    return list(stub.Generate(worker_pb2.ColocatedRequest(request=request), timeout=60))
 
 
 def test_generate_matches_offline_engine(colocated: RunningWorker, svc_model_dir: Path) -> None:
@@ -64,6 +64,25 @@ def test_prepare_tokenizes_text(colocated: RunningWorker) -> None:
     request = generation_pb2.GenerateRequest(request_id="p", text="hi")
     prepared = stub.Prepare(worker_pb2.PrepareRequest(request=request), timeout=10).request
     assert list(prepared.prompt_ids) == [256, ord("h"), ord("i")]
+
+
+def test_generate_prepares_the_clients_text_itself(colocated: RunningWorker) -> None:
+    """Given the client's request, the worker tokenizes it (as Prepare would) and streams the
+    same tokens as for the prepared request, the prompt's length in its first response."""
+    stub = worker_pb2_grpc.ColocatedServiceStub(colocated.channel)
+    sampling = generation_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    client = generation_pb2.GenerateRequest(request_id="text", text="hi there", sampling=sampling)
+    from_text = list(stub.Generate(worker_pb2.ColocatedRequest(prompt=client), timeout=60))
+    prepared = engine_request("ids", [256, *b"hi there"], temperature=0.0, max_tokens=MAX_TOKENS)
+    from_ids = generate(colocated, prepared)
+    assert [t for r in from_text for t in r.token_ids] == [t for r in from_ids for t in r.token_ids]
+    assert [r.prompt_tokens for r in from_text][:2] == [9, 0]
+    empty = generation_pb2.GenerateRequest(request_id="empty", text="x" * (1 << 20))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(worker_pb2.ColocatedRequest(prompt=empty), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert (info.value.details() or "").startswith("prompt.text")  # type: ignore[attr-defined]
+    wait_until(lambda: colocated.free_blocks() == 48, 1.0, "all blocks free")
 
 
 BAD = [
@@ -94,7 +113,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(
 def test_cancel_mid_stream_frees_blocks(colocated: RunningWorker) -> None:
     stub = worker_pb2_grpc.ColocatedServiceStub(colocated.channel)
     request = engine_request("cancel-me", list(range(10, 60)), max_tokens=150, ignore_eos=True)
-    call = stub.Generate(request, timeout=60)
+    call = stub.Generate(worker_pb2.ColocatedRequest(request=request), timeout=60)
     first = next(call)
     assert first.token_ids
     assert colocated.free_blocks() < 48

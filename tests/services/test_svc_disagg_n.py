@@ -98,7 +98,8 @@ def test_seeded_n3_matches_colocated_and_offline(workers: Any, llm: LLM) -> None
     assert per_index(stream) == expected
     assert len({tuple(ids) for ids in expected.values()}) == 3  # the seeds differ per index
     request = driver.prepare("seeded-colocated", prompt, ignore_eos=True, **SEEDED)
-    local = list(worker_pb2_grpc.ColocatedServiceStub(colocated.channel).Generate(request))
+    stub = worker_pb2_grpc.ColocatedServiceStub(colocated.channel)
+    local = list(stub.Generate(worker_pb2.ColocatedRequest(request=request)))
     assert all(len(r.logprobs) == len(r.token_ids) for r in stream)  # first ones included
     assert shape(stream) == shape(local)
     # equal up to float32 rounding: the batches the two workers ran differ in composition
