@@ -183,8 +183,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             raise ServiceError(FAILED_PRECONDITION, "transfer_id: not this reservation's")
         if res.decoding:
             raise ServiceError(FAILED_PRECONDITION, "request_id: already decoding")
-        if message.first_tokens:
-            self._check_first_tokens(message.first_tokens, res, "first_tokens")
         res.decoding = True
         res.task = asyncio.current_task()
         return res
@@ -198,15 +196,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
     async def _await_kv(
         self, res: Reservation, message: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> tuple[list[worker_pb2.FirstToken], bool]:
-        """The first tokens and whether the KV came with them, once the transfer ended
-        (bounded by the lease and the call deadline). First tokens named by the call are
-        taken as they are, without waiting when they already end every completion."""
-        given = list(message.first_tokens)
+        """The first tokens (the transfer's trailer) and whether the KV came with them, once
+        the transfer ended (bounded by the lease and the call deadline)."""
         try:
-            ids = [t.token_id for t in given]
-            if given and await self._first_tokens_finish(res, ids):
-                res.handle.cancel()
-                return given, False
             limit = res.deadline - time.monotonic()
             remaining = context.time_remaining()
             if remaining is not None:
@@ -214,16 +206,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             result = await res.handle.wait_async(max(0.0, limit))
             raise_if_released(res)  # a Release cancels the receive, which ends the wait
             check_transfer(result)
-            if given:
-                return given, result.kv_complete
             return self._trailer_tokens(result, res), result.kv_complete
         except BaseException:
             self.table.drop(res)
             raise
-
-    async def _first_tokens_finish(self, res: Reservation, ids: list[int]) -> bool:
-        finish: bool = await self.runtime.engine.call(disagg.first_tokens_finish, res.request, ids)
-        return finish
 
     def _trailer_tokens(
         self, result: TransferResult, res: Reservation

@@ -35,6 +35,7 @@ from kvmesh.engine.sequence import Request
 from kvmesh.service.convert import first_tokens
 from kvmesh.service.runtime import WorkerRuntime, check_layout
 from kvmesh.service.status import ServiceError, abort_with, status_of
+from kvmesh.telemetry import request_scope
 from kvmesh.telemetry.metrics import WorkerMetrics, status_name
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from prefill_svc.export import KVExport
@@ -151,6 +152,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         if first.HasField("prompt"):
             prepared = await self.runtime.prepare_request(first.prompt)
         request = self.runtime.request_from(prepared, prefill_only=True)
+        request_scope.enter(request.request_id)
         self._check_new(request)
         target = asyncio.ensure_future(self._second_target(messages, request, first.generation))
         target.add_done_callback(_retrieve)

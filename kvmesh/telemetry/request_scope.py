@@ -1,9 +1,10 @@
 """A grpc.aio server interceptor that puts a worker call's request id in scope.
 
-The id is the request message's `request_id`, or its `request.request_id` (PrepareRequest,
-PrefillRequest, ReserveRequest, a colocated EngineRequest). While the call runs, log lines
-carry it (`kvmesh.telemetry.logs`) and the call's server span has it as `kvmesh.request_id`.
-Place it after the decode check: it reads parsed messages (streaming requests pass through).
+The id is the request message's `request_id`, or its `request.request_id` or
+`prompt.request_id` (PrepareRequest, PrefillRequest, ReserveRequest, ColocatedRequest). While
+the call runs, log lines carry it (`kvmesh.telemetry.logs`) and the call's server span has it
+as `kvmesh.request_id`. Place it after the decode check: it reads parsed messages. Calls with a
+request stream pass through; their handler calls `enter` once it knows the id.
 """
 
 from __future__ import annotations
@@ -23,17 +24,21 @@ REQUEST_ID_ATTRIBUTE = "kvmesh.request_id"
 def request_id_of(message: Any) -> str:
     """The request id a worker message names ("" when it names none)."""
     rid = getattr(message, "request_id", None)
-    if not rid:
-        inner = getattr(message, "request", None)
-        rid = getattr(inner, "request_id", None)
+    for inner in ("request", "prompt"):
+        if not rid:
+            rid = getattr(getattr(message, inner, None), "request_id", None)
     return rid if isinstance(rid, str) else ""
 
 
+def enter(request_id: str) -> None:
+    """Put `request_id` in scope for the rest of the current call (logs, server span)."""
+    if request_id:
+        bind_request_id(request_id)
+        trace.get_current_span().set_attribute(REQUEST_ID_ATTRIBUTE, request_id)
+
+
 def _enter(message: Any) -> None:
-    rid = request_id_of(message)
-    if rid:
-        bind_request_id(rid)
-        trace.get_current_span().set_attribute(REQUEST_ID_ATTRIBUTE, rid)
+    enter(request_id_of(message))
 
 
 def _unary(behaviour: Callable[..., Any]) -> Callable[..., Any]:

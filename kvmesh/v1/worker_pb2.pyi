@@ -276,18 +276,16 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "generation", "transfer_id", "first_tokens")
+    __slots__ = ("request_id", "epoch", "generation", "transfer_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     generation: int
     transfer_id: str
-    first_tokens: _containers.RepeatedCompositeFieldContainer[FirstToken]
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., generation: _Optional[int] = ..., transfer_id: _Optional[str] = ..., first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., generation: _Optional[int] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("index", "token_ids", "text", "logprobs", "finish_reason", "stop_token_id", "stop_string", "completion_tokens", "cached_tokens", "first_decode_seconds", "queue_seconds", "prefill_seconds", "prompt_tokens")

@@ -277,10 +277,9 @@ class FakeWorker(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         self._record("Decode", context)
-        first = [t.token_id for t in request.first_tokens]
-        if not first:  # opened while Prefill runs: the first token comes with the KV
-            await asyncio.wait_for(landed(request.transfer_id).wait(), LEASE_SECONDS)
-            first = [self.reserved[request.request_id].prompt_ids[-1]]
+        # Opened while the prefill runs: the first token comes with the KV.
+        await asyncio.wait_for(landed(request.transfer_id).wait(), LEASE_SECONDS)
+        first = [self.reserved[request.request_id].prompt_ids[-1]]
         held = self.held[request.request_id]
         held.state = worker_pb2.BLOCK_SET_STATE_DECODING
         async for response in self._tokens(first, request.request_id, request.generation):

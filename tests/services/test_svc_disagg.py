@@ -111,28 +111,22 @@ class ControlDriver:
         rid: str,
         reservation: worker_pb2.ReserveResponse,
         generation: int,
-        first: Any,
     ) -> Any:
         message = worker_pb2.DecodeRequest(
             request_id=rid,
             epoch=reservation.epoch,
             generation=generation,
             transfer_id=reservation.transfer_id,
-            first_tokens=first,
         )
         return self.d.Decode(message, timeout=30)
 
-    def generate(
-        self, rid: str, ids: list[int], generation: int = 1, *, named: bool = False, **sampling: Any
-    ) -> Any:
+    def generate(self, rid: str, ids: list[int], generation: int = 1, **sampling: Any) -> Any:
         """As the control plane does: Decode opened right after Reserve, while Prefill runs
-        (the first tokens come with the KV). `named`: Decode after Prefill, naming them."""
+        (the first tokens come with the KV)."""
         request = self.prepare(rid, ids, **sampling)
         reservation = self.reserve(request, generation)
-        stream = None if named else self.decode_call(rid, reservation, generation, [])
+        stream = self.decode_call(rid, reservation, generation)
         response = self.prefill(request, self.target(reservation, generation))
-        if stream is None:
-            stream = self.decode_call(rid, reservation, generation, response.first_tokens)
         return response, list(stream)
 
 
@@ -144,10 +138,7 @@ def test_disaggregated_greedy_matches_offline(
     driver = ControlDriver(prefill, decode, backend)
     for i, prompt in enumerate(PROMPTS):
         rid = f"{backend}-{i}"
-        named = i % 2 == 1  # Decode naming the first tokens itself, after Prefill
-        response, stream = driver.generate(
-            rid, prompt, temperature=0.0, max_tokens=MAX_TOKENS, named=named
-        )
+        response, stream = driver.generate(rid, prompt, temperature=0.0, max_tokens=MAX_TOKENS)
         assert response.transfer_bytes > 0
         tokens = [t for r in stream for t in r.token_ids]
         assert tokens[0] == response.first_tokens[0].token_id

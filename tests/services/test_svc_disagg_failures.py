@@ -33,10 +33,11 @@ def all_free(driver: ControlDriver) -> bool:
 
 
 def test_decode_cancelled_mid_stream_frees_blocks_within_a_second(driver: ControlDriver) -> None:
-    request = driver.prepare("cancel", list(range(10, 60)), max_tokens=150, ignore_eos=True)
+    # The longest the model takes (16 + 240 = max_model_len): decoding outlasts the checks.
+    request = driver.prepare("cancel", list(range(10, 26)), max_tokens=240, ignore_eos=True)
     reservation = driver.reserve(request, generation=3)
+    stream = driver.decode_call("cancel", reservation, 3)
     response = driver.prefill(request, driver.target(reservation, 3))
-    stream = driver.decode_call("cancel", reservation, 3, response.first_tokens)
     assert next(stream).token_ids == [response.first_tokens[0].token_id]
     next(stream)
     assert driver.decode.free_blocks() < NUM_BLOCKS
@@ -77,9 +78,8 @@ def test_stale_generation_epoch_and_transfer_are_refused(driver: ControlDriver) 
     assert stale_transfer.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert failures() == ((before[0] or 0) + 1, (before[1] or 0) + 1)
     wait_until(lambda: driver.prefill_worker.free_blocks() == NUM_BLOCKS, 1.0, "prefill freed")
-    first = [{"index": 0, "token_id": 1}]
     for field, change in (("epoch", {"epoch": 12345}), ("generation", {"generation": 6})):
-        call = driver.d.Decode(decode_request(reservation, first, **change), timeout=5)
+        call = driver.d.Decode(decode_request(reservation, **change), timeout=5)
         with pytest.raises(grpc.RpcError) as refused:
             list(call)
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -94,7 +94,7 @@ def test_stale_generation_epoch_and_transfer_are_refused(driver: ControlDriver) 
     wait_until(lambda: all_free(driver), 1.0, "released reservation freed")
 
 
-def decode_request(reservation: Any, first: list[dict[str, int]], **change: Any) -> Any:
+def decode_request(reservation: Any, **change: Any) -> Any:
     from kvmesh.v1 import worker_pb2
 
     fields: dict[str, Any] = {
@@ -102,9 +102,6 @@ def decode_request(reservation: Any, first: list[dict[str, int]], **change: Any)
         "epoch": reservation.epoch,
         "generation": 7,
         "transfer_id": reservation.transfer_id,
-        "first_tokens": [
-            worker_pb2.FirstToken(index=f["index"], token_id=f["token_id"]) for f in first
-        ],
     }
     fields.update(change)
     return worker_pb2.DecodeRequest(**fields)

@@ -143,7 +143,7 @@ def test_release_between_parts_frees_both_sides(
     wait_until(
         lambda: decode.role.table.get("between").handle.state.is_terminal, 2.0, "receive ended"
     )
-    decode_call = driver.decode_call("between", reservation, 2, [])
+    decode_call = driver.decode_call("between", reservation, 2)
     with pytest.raises(grpc.RpcError):
         list(decode_call)
     driver.d.Release(release, timeout=5)

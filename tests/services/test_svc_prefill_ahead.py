@@ -105,7 +105,7 @@ def test_target_named_after_the_prefill_finished_matches_offline(
     call.send(None)
     assert call.outcome() == (grpc.StatusCode.OK, "")
     assert parts == [(0, 10)]
-    tokens = [t for r in driver.decode_call(rid, reservation, generation, []) for t in r.token_ids]
+    tokens = [t for r in driver.decode_call(rid, reservation, generation) for t in r.token_ids]
     llm = LLM(str(svc_model_dir), num_kv_blocks=NUM_BLOCKS, max_model_len=256, num_threads=1)
     expected = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     assert tokens == expected[0].outputs[0].token_ids

@@ -105,18 +105,18 @@ def test_grpc_request_is_one_trace_from_the_caller_span(traced: Any) -> None:
     calls = {s.name for s in children(spans, root) if s.kind == SpanKind.SPAN_KIND_CLIENT}
     assert {
         "/kvmesh.v1.DecodeService/Reserve",
-        "/kvmesh.v1.PrefillService/Prefill",
+        "/kvmesh.v1.PrefillService/PrefillAhead",
         "/kvmesh.v1.DecodeService/Decode",
     } <= calls
-    assert "/kvmesh.v1.PrefillService/Prepare" not in calls  # Reserve tokenizes
+    assert "/kvmesh.v1.PrefillService/Prepare" not in calls  # the workers tokenize
     assert release & calls  # the releases are in the request's trace
-    for name in ("/kvmesh.v1.PrefillService/Prefill", "/kvmesh.v1.DecodeService/Decode"):
+    for name in ("/kvmesh.v1.PrefillService/PrefillAhead", "/kvmesh.v1.DecodeService/Decode"):
         client_span = one(spans, name, SpanKind.SPAN_KIND_CLIENT)
         server_span = one(spans, name, SpanKind.SPAN_KIND_SERVER)
         assert server_span.parent_id == client_span.span_id
         assert server_span.attributes["kvmesh.request_id"] == result.request_id
 
-    prefill = one(spans, "/kvmesh.v1.PrefillService/Prefill", SpanKind.SPAN_KIND_SERVER)
+    prefill = one(spans, "/kvmesh.v1.PrefillService/PrefillAhead", SpanKind.SPAN_KIND_SERVER)
     assert prefill.service == "kvmesh-prefill"
     chunks = [attrs for name, attrs in prefill.events if name == "prefill_chunk"]
     assert chunks and chunks[-1]["kvmesh.prefill.computed_tokens"] == usage.prompt_tokens
