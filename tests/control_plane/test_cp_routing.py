@@ -13,6 +13,7 @@ from control_plane.routing import (
     order_pairs,
     order_prefill,
     prefix_key,
+    text_prefix_key,
 )
 
 
@@ -42,6 +43,23 @@ def test_prefixes_spread_over_workers_and_salt_changes_the_key() -> None:
     }
     assert len(chosen) == len(PREFILLS)
     assert prefix_key([1] * 16, 16, b"tenant-a") != prefix_key([1] * 16, 16, b"tenant-b")
+
+
+def test_text_prompts_sharing_a_prefix_go_to_the_same_prefill_worker() -> None:
+    """A text or chat prompt is routed before anyone tokenizes it: on its leading characters
+    (a block's worth), so a shared system prompt keeps reaching the worker caching it."""
+    system = "You are a careful assistant. Answer in one sentence, cite nothing. " * 2
+    keys = {text_prefix_key(["system", system, "user", f"question {i}"], 16, b"") for i in range(8)}
+    assert len(keys) == 1
+    assert text_prefix_key([system + "a"], 16, b"") == text_prefix_key([system + "b"], 16, b"")
+    assert text_prefix_key(["hi"], 16, b"") != text_prefix_key(["ho"], 16, b"")
+    assert text_prefix_key(["ab", "c"], 16, b"") != text_prefix_key(["a", "bc"], 16, b"")
+    assert text_prefix_key(["x"], 16, b"tenant-a") != text_prefix_key(["x"], 16, b"tenant-b")
+    chosen = {
+        order_prefill(PREFILLS, text_prefix_key([f"{i} " * 40], 16, b""), RoutingConfig())[0]
+        for i in range(64)
+    }
+    assert len(chosen) == len(PREFILLS)
 
 
 def test_overloaded_affine_worker_is_skipped_for_the_least_loaded() -> None:
