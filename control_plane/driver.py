@@ -83,14 +83,6 @@ class Driver:
         with run.calling(ref(worker)), run.traced():
             return await method(request, timeout=run.timeout())
 
-    async def _call(
-        self, run: Run, worker: WorkerRecord, what: str, method: Any, request: Any
-    ) -> Any:
-        try:
-            return await self._invoke(run, worker, what, method, request)
-        except grpc.aio.AioRpcError as error:
-            raise map_error(error, worker, what) from None
-
     def _prefill_stub(self, worker: WorkerRecord) -> worker_pb2_grpc.PrefillServiceStub:
         return worker_pb2_grpc.PrefillServiceStub(self._cluster.channels.get(worker.address))
 
@@ -105,41 +97,24 @@ class Driver:
         self, run: Run, prefills: list[WorkerRecord], decodes: list[WorkerRecord]
     ) -> None:
         engine = engine_request(run)  # None: a text or chat prompt, prepared by both workers
-        ids = [] if engine is None else engine.prompt_ids
-        pairs = order_pairs(
-            prefills,
-            decodes,
-            ids,
-            run.max_tokens(),
-            run.request.cache_salt,
-            self._cluster.config.routing,
-            text=prompt_text(run.request),
-        )
-        pairs.sort(key=lambda pair: sum(w.worker_id in run.avoid for w in pair))
-        prefill = pairs[0][0]
+        prefill, candidates = self._route(run, engine, prefills, decodes)
         generation = self._open(run)
         self._cluster.ledger.expect(run.request_id, generation, ref(prefill))
+        run.timings.queue = self._cluster.clock() - run.arrival
         method = self._prefill_stub(prefill).PrefillAhead
         messages: asyncio.Queue[worker_pb2.PrefillRequest | None] = asyncio.Queue()
         messages.put_nowait(prefill_start(run, engine, generation))
         with contextlib.ExitStack() as decoding:
             decoding.callback(messages.put_nowait, None)  # the request stream ends, always
             with self._streaming(run, prefill, "prefill", method, drain(messages)) as ahead:
-                candidates = [d for p, d in pairs if p is prefill]
                 decode, reservation = await self._reserve(run, engine, generation, candidates)
                 engine = reservation.request if reservation.HasField("request") else engine
                 assert engine is not None
                 run.timings.prompt_tokens = len(engine.prompt_ids)
                 run.event("routed", prefill=prefill.worker_id, decode=decode.worker_id)
-                run.timings.queue = self._cluster.clock() - run.arrival
                 self._grant(run, generation, prefill, decode, reservation, messages)
-                request = worker_pb2.DecodeRequest(
-                    request_id=run.request_id,
-                    epoch=reservation.epoch,
-                    generation=generation,
-                    transfer_id=reservation.transfer_id,
-                )
                 stub = self._decode_stub(decode)
+                request = decode_request(run, generation, reservation)
                 call = decoding.enter_context(
                     self._streaming(run, decode, "decode", stub.Decode, request)
                 )
@@ -153,6 +128,28 @@ class Driver:
             # The prefill worker's part is done: its loss no longer concerns this request.
             self._cluster.ledger.decoding(run.request_id, generation)
             await self._relay(run, decode, "decode", call, first)
+
+    def _route(
+        self,
+        run: Run,
+        engine: worker_pb2.EngineRequest | None,
+        prefills: list[WorkerRecord],
+        decodes: list[WorkerRecord],
+    ) -> tuple[WorkerRecord, list[WorkerRecord]]:
+        """The prefill worker (prefix affinity, before any worker call) and the decode
+        workers to try in order, avoiding those this request already lost."""
+        pairs = order_pairs(
+            prefills,
+            decodes,
+            [] if engine is None else engine.prompt_ids,
+            run.max_tokens(),
+            run.request.cache_salt,
+            self._cluster.config.routing,
+            text=prompt_text(run.request),
+        )
+        pairs.sort(key=lambda pair: sum(w.worker_id in run.avoid for w in pair))
+        prefill = pairs[0][0]
+        return prefill, [d for p, d in pairs if p is prefill]
 
     async def _reserve(
         self,
@@ -326,6 +323,18 @@ def client_request(run: Run) -> generation_pb2.GenerateRequest:
     request.CopyFrom(run.request)
     request.request_id = run.request_id
     return request
+
+
+def decode_request(
+    run: Run, generation: int, reservation: worker_pb2.ReserveResponse
+) -> worker_pb2.DecodeRequest:
+    """The Decode call for a reservation (fenced by its epoch, generation and transfer id)."""
+    return worker_pb2.DecodeRequest(
+        request_id=run.request_id,
+        epoch=reservation.epoch,
+        generation=generation,
+        transfer_id=reservation.transfer_id,
+    )
 
 
 def prefill_start(
