@@ -121,7 +121,7 @@ class Scheduler:
         collects the sequences still prefilling; returns the budget left.
 
         Hot path. A decode whose token lands inside its cached (private) last block needs
-        no block manager call and no table diff: three list appends. Crossing into a new
+        no block manager call and no table diff: four list appends. Crossing into a new
         block, or a table not cached (new, forked or resumed), goes through `allocate`.
         """
         state = self.state

@@ -9,7 +9,8 @@ State of one live sequence:
 
 `tables` is also what the runner was told: a sequence is in it from the plan that first sends
 its table until it leaves (`departed`, sent with the next non-empty plan); a None entry is a
-table the runner holds but the next chunk replaces whole (a fork's shared last block).
+table the runner holds but the next chunk replaces whole (a fork's shared last block, or an
+n > 1 prompt before its final, forking chunk).
 """
 
 from __future__ import annotations
