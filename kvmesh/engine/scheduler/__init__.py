@@ -37,8 +37,9 @@ of sequences that left (`plan`).
 
 Modules, by type: `core` (the `Scheduler`), `policy` (admission order, chunk sizes, the
 preemption victim), `state` (queues, cached block tables, the step being planned), `step` (the
-step's columns), `stops` (request validation, stop rules), `plan` (`SchedulerOutput`,
-`NewSeq`, `ScheduledChunk`) and `config`.
+step's columns), `stops` (request validation, stop rules), `remote` (the decode role's
+requests whose prompt KV arrives from another worker), `plan` (`SchedulerOutput`, `NewSeq`,
+`ScheduledChunk`) and `config`.
 Blocks are published to the prefix cache in `update()`, once their KV is computed. The
 scheduler speaks policy only: integers, no tensors.
 """

@@ -11,17 +11,15 @@ from collections.abc import Sequence as Seq
 from itertools import islice
 
 from kvmesh.engine.errors import InvalidParameterError
-from kvmesh.engine.scheduler import policy
+from kvmesh.engine.scheduler import policy, remote
 from kvmesh.engine.scheduler.config import SchedulerConfig
 from kvmesh.engine.scheduler.plan import SchedulerOutput
 from kvmesh.engine.scheduler.state import PREFILLED, REMOTE_KV, RUNNING, WAITING, SchedulerState
 from kvmesh.engine.scheduler.stops import (
     prepare_stop_check,
-    stop_status,
-    validate_import,
     validate_request,
 )
-from kvmesh.engine.sequence import Request, Sequence, child_seq_id
+from kvmesh.engine.sequence import Request, Sequence
 from kvmesh.memory import BlockManager
 
 
@@ -275,11 +273,7 @@ class Scheduler:
 
     def _apply_stop(self, seq: Sequence) -> bool:
         """Finish `seq` (freeing its blocks) if a stop rule fires; True if it finished."""
-        stop = stop_status(seq, self.config.eos_token_id, self.config.max_model_len)
-        if stop is None:
-            return False
-        self.state.finish(seq, *stop)
-        return True
+        return self.state.finish_if_stopped(seq, self.config)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -302,7 +296,7 @@ class Scheduler:
         spares too); the sequences it ended. Idempotent."""
         request = self.state.requests.get(request_id)
         if request is not None and request.seqs[0].status is REMOTE_KV:
-            self._free_spares(request_id)
+            remote.free_spares(self.state, request_id)
         return self.state.abort(request_id)
 
     def finish_sequence(
@@ -325,30 +319,14 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.state.waiting)
 
-    # -- disaggregation (see `kvmesh.engine.scheduler`) --------------------------------------
+    # -- disaggregation (see `kvmesh.engine.scheduler` and `remote`) -------------------------
     def add_remote_request(self, request: Request, spare_blocks: int = 0) -> list[int] | None:
         """Hold a request whose prompt KV another worker computes: empty blocks for the prompt
         (plus `spare_blocks` for its forks' first step, held under child 1's id) and the
         request in WAITING_FOR_REMOTE_KV, never scheduled, until `add_prefilled_request` joins
         it (or `abort_request` drops it). The prompt's block ids, or None (nothing held) when
         the pool is short now."""
-        state, bm = self.state, self.block_manager
-        rid, seq = request.request_id, request.seqs[0]
-        spare_id = child_seq_id(rid, 1)
-        if rid in state.requests or bm.has(seq.seq_id) or (spare_blocks and bm.has(spare_id)):
-            raise InvalidParameterError("request_id", f"{rid!r} already exists")
-        validate_request(request, self.config, bm.num_blocks, state.block_size)
-        if -(-seq.num_tokens // bm.block_size) + spare_blocks > bm.num_free_blocks:
-            return None
-        if bm.allocate(seq.seq_id, seq.num_tokens) is None:
-            return None
-        if spare_blocks and bm.allocate(spare_id, spare_blocks * bm.block_size) is None:
-            bm.free(seq.seq_id)
-            return None
-        seq.status = REMOTE_KV
-        state.requests[rid] = request
-        state.seqs[seq.seq_id] = seq
-        return bm.block_table(seq.seq_id)
+        return remote.hold_for_remote_kv(self.state, self.config, request, spare_blocks)
 
     def add_prefilled_request(
         self, request: Request, num_computed_tokens: int, first_tokens: Seq[int]
@@ -363,32 +341,9 @@ class Scheduler:
         first: the forks' first writes take them back). Returns the sequences whose first
         token already ends them (their blocks freed).
         """
-        state, bm = self.state, self.block_manager
-        rid, seq = request.request_id, request.seqs[0]
-        remote = state.requests.get(rid) is request and seq.status is REMOTE_KV
-        if rid in state.requests and not remote:
-            raise InvalidParameterError("request_id", f"{rid!r} already exists")
-        validate_request(request, self.config, bm.num_blocks, state.block_size)
-        validate_import(seq, num_computed_tokens, first_tokens, bm)
-        if remote:
-            del state.requests[rid]
-            del state.seqs[seq.seq_id]
-        self._free_spares(rid)
-        prepare_stop_check(seq, self.config)
-        commit = self.config.enable_prefix_caching
-        state.join_prefilled(request, num_computed_tokens, len(first_tokens), commit=commit)
-        ended = []
-        for child, token in zip(list(request.seqs), first_tokens, strict=True):
-            child.append_token(token)
-            if self._apply_stop(child):
-                state.running.remove(child)
-                ended.append(child)
-        return ended
-
-    def _free_spares(self, request_id: str) -> None:
-        spare_id = child_seq_id(request_id, 1)
-        if spare_id not in self.state.seqs and self.block_manager.has(spare_id):
-            self.block_manager.free(spare_id)
+        return remote.join_prefilled(
+            self.state, self.config, request, num_computed_tokens, first_tokens
+        )
 
     def release_prefilled(self, request_id: str) -> list[Sequence]:
         """Free the blocks of a PREFILLED request (its KV was shipped) and forget it.

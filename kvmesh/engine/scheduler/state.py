@@ -18,8 +18,10 @@ from __future__ import annotations
 from collections import deque
 
 from kvmesh.engine.errors import InvalidParameterError
+from kvmesh.engine.scheduler.config import SchedulerConfig
 from kvmesh.engine.scheduler.plan import NewSeq
 from kvmesh.engine.scheduler.step import StepBuilder
+from kvmesh.engine.scheduler.stops import stop_status
 from kvmesh.engine.sequence import Request, Sequence, SequenceStatus, child_seq_id
 from kvmesh.memory import AllocResult, BlockManager
 from kvmesh.memory.tiers.costs import PreemptionChooser
@@ -171,6 +173,14 @@ class SchedulerState:
         del self.seqs[seq.seq_id]
         seq.finish(reason, stop_reason)
         self.forget_if_done(seq.request_id)
+
+    def finish_if_stopped(self, seq: Sequence, config: SchedulerConfig) -> bool:
+        """Finish `seq` (freeing its blocks) if a stop rule fires; True if it finished."""
+        stop = stop_status(seq, config.eos_token_id, config.max_model_len)
+        if stop is None:
+            return False
+        self.finish(seq, *stop)
+        return True
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Free every block of the request; the sequences it ended. Idempotent."""
