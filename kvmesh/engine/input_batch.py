@@ -137,7 +137,7 @@ class PersistentBatch:
             torch.from_numpy(blocks * block_size + positions % block_size),
             torch.from_numpy(seq_lens.astype(np.int32)),
             query_start_loc,
-            torch.from_numpy(table_rows.take(rows, axis=0)[:, :width]),  # [B, width] (a copy)
+            torch.from_numpy(table_rows[rows, :width]),  # [B, width] (a contiguous copy)
             sample_rows,
             starts,
             bounds,

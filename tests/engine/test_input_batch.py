@@ -105,6 +105,7 @@ def check_inputs(batch: PersistentBatch, plan: SchedulerOutput) -> None:
     assert got.sample_rows.tolist() == sampled
     width = max(len(c.block_table) for c in chunks)
     assert got.block_tables.shape == (len(chunks), width)
+    assert got.block_tables.is_contiguous()  # kernels take the rows as they are
     for row, chunk in zip(got.block_tables.tolist(), chunks, strict=True):
         assert tuple(row[: len(chunk.block_table)]) == chunk.block_table
 
