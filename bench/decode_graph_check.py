@@ -75,7 +75,7 @@ def time_decode_steps(runner: Any, device: torch.device) -> list[float]:
     execute = runner.execute
 
     def timed(plan: Any) -> torch.Tensor:
-        decode = all(len(chunk.token_ids) == 1 for chunk in plan.chunks)
+        decode = plan.num_decodes == len(plan.seq_ids)
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()

@@ -44,8 +44,7 @@ def record_w1(engine: LLMEngine) -> tuple[list[tuple[int, int]], float, int]:
     execute = engine.runner.execute
 
     def recording(plan: Any) -> torch.Tensor:
-        tokens = sum(len(chunk.token_ids) for chunk in plan.chunks)
-        shapes.append((tokens, sum(1 for chunk in plan.chunks if chunk.sample_seq_ids)))
+        shapes.append((len(plan.token_ids), plan.num_sampled_rows))
         return execute(plan)
 
     engine.runner.execute = recording  # type: ignore[method-assign]

@@ -188,9 +188,9 @@ def _check_one_token_each(
         "query_start_loc must be [batch + 1]",
     )
     if batch:
-        steps = torch.diff(query_start_loc)
+        expected = torch.arange(batch + 1, dtype=query_start_loc.dtype)
         _check(
-            int(query_start_loc[0]) == 0 and bool((steps == 1).all()),
+            torch.equal(query_start_loc.cpu(), expected),
             "one_token_each needs query_start_loc = 0..batch",
         )
         low, high = torch.aminmax(seq_lens)

@@ -2,9 +2,10 @@
 
 For each batch size, that many requests are prefilled, then every step times `schedule()` plus
 `update()` with fake sampled tokens (the stub's own work is not timed). With `--with-runner`
-the runner's host side is timed too: `ModelRunner.prepare` (flat inputs, the persistent block
-table's diffs, the step's validated AttentionPlan) on the tiny test model's cache, without
-the forward pass. Goal: <= 500 us per step at 256 running sequences, scheduler and runner.
+the runner's host side is timed too: `ModelRunner.prepare` (the plan's table diffs applied to
+the persistent batch, the flat inputs, the step's validated AttentionPlan) on the tiny test
+model's cache, without the forward pass; the runner sees every plan from the first.
+Goal: <= 500 us per step at 256 running sequences, scheduler and runner.
 Wall time includes the OS descheduling the process on a busy
 machine (the p99 tail); thread CPU time (`cpu_*_us`) is the scheduler's own work.
 """
@@ -16,6 +17,7 @@ import gc
 import json
 import random
 import time
+from itertools import chain
 from typing import Any
 
 DEFAULT_BATCHES = (32, 128, 256)
@@ -84,10 +86,10 @@ def measure(
     for index in range(num_seqs):
         prompt = [rng.randrange(10, 31990) for _ in range(rng.randint(32, 512))]
         sched.add_request(Request.from_prompt(f"r{index}", prompt, params))
-    _until_all_decode(sched, num_seqs)
     runner = (
         _host_runner(bm.num_blocks, block_size, -(-max_len // block_size)) if with_runner else None
     )
+    _until_all_decode(sched, num_seqs, runner)
     samples, cpu, runner_cpu = _timed_steps(sched, steps, num_seqs, runner)
     bm.check_integrity()
     samples.sort()
@@ -118,15 +120,18 @@ def _percentile(ordered: list[float], fraction: float) -> float:
 
 
 def _fake_sampled(output: Any) -> dict[str, int]:
-    return {seq_id: 11 for chunk in output.chunks for seq_id in chunk.sample_seq_ids}
+    return dict.fromkeys(chain.from_iterable(output.sample_groups()), 11)
 
 
-def _until_all_decode(sched: Any, num_seqs: int) -> None:
+def _until_all_decode(sched: Any, num_seqs: int, runner: Any) -> None:
+    """Step until every sequence decodes; the runner (if any) sees every plan, untimed."""
     while True:
         output = sched.schedule()
+        if runner is not None:
+            runner.prepare(output)
         sched.update(output, _fake_sampled(output))
-        all_decode = all(len(chunk.token_ids) == 1 for chunk in output.chunks)
-        if not sched.num_waiting and all_decode and len(output.chunks) == num_seqs:
+        all_decode = output.num_decodes == len(output.seq_ids) == num_seqs
+        if not sched.num_waiting and all_decode:
             return
 
 
@@ -156,13 +161,13 @@ def _timed_steps(
             output = sched.schedule()
             planned, cpu_planned = clock(), cpu_clock()
             if runner is not None:
-                runner.prepare(output.chunks)
+                runner.prepare(output)
                 runner_cpu.append((cpu_clock() - cpu_planned) / 1000.0)
             sampled = _fake_sampled(output)
             cpu_resumed, resumed = cpu_clock(), clock()
             sched.update(output, sampled)
             end, cpu_end = clock(), cpu_clock()
-            assert len(output.chunks) == num_seqs
+            assert len(output.seq_ids) == num_seqs
             wall.append((planned - start + end - resumed) / 1000.0)
             cpu.append((cpu_planned - cpu_start + cpu_end - cpu_resumed) / 1000.0)
     finally:

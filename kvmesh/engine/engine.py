@@ -179,8 +179,8 @@ class LLMEngine:
         self.runner.copy_blocks(plan.copy_pairs)
         started = time.perf_counter()
         logits = self.runner.execute(plan)  # [sampling chunks, vocab]
-        tokens = sum(len(chunk.token_ids) for chunk in plan.chunks)
-        if self.parts.tiers is not None and tokens > 2 * len(plan.chunks):  # mostly prompt
+        tokens = len(plan.token_ids)
+        if self.parts.tiers is not None and tokens > 2 * len(plan.seq_ids):  # mostly prompt
             self.parts.tiers.rates.observe_compute(tokens, time.perf_counter() - started)
         sampled = self._sample(plan, logits)
         changed = self.scheduler.update(plan, sampled)
@@ -199,11 +199,9 @@ class LLMEngine:
         rows: list[SamplingRow] = []
         seq_ids: list[str] = []
         chunk_row = 0
-        for chunk in plan.chunks:
-            if not chunk.sample_seq_ids:
-                continue
-            request = self._tracked[self._seq_request[chunk.seq_id]].request
-            for seq_id in chunk.sample_seq_ids:
+        for group in plan.sample_groups():  # the sequences sampling from each logits row
+            request = self._tracked[self._seq_request[group[0]]].request
+            for seq_id in group:
                 self._seq_request.setdefault(seq_id, request.request_id)
                 seq = _find_seq(request, seq_id)
                 index = request.seqs.index(seq)

@@ -15,33 +15,15 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.scheduler.plan import NewSeq, ScheduledChunk, plan_of_chunks
 
 WARMUP_TOKENS = 8  # the prompt chunk and the decode token together
 WARMUP_ENV = "KVMESH_WARMUP"
 MODES = ("full", "kernels", "off")
-
-
-@dataclass(frozen=True)
-class WarmupChunk:
-    """One chunk of the warm-up step (the runner's ChunkPlan)."""
-
-    seq_id: str
-    token_ids: tuple[int, ...]
-    start_pos: int
-    block_table: tuple[int, ...]
-    slot_mapping: tuple[int, ...]
-    sample_seq_ids: tuple[str, ...] = ("warmup",)
-
-
-@dataclass(frozen=True)
-class WarmupStep:
-    """A runner StepPlan of one chunk."""
-
-    chunks: tuple[WarmupChunk, ...]
-    copy_pairs: tuple[tuple[int, int], ...] = field(default=())
+WARMUP_ID = "warmup"
 
 
 @dataclass(frozen=True)
@@ -88,16 +70,20 @@ def load_kernels(device_type: str) -> str:
 
 
 def run_step(engine: LLMEngine) -> None:
-    """A prompt chunk at positions 0.. and one decode token after it, in the first blocks."""
+    """A prompt chunk at positions 0.. and one decode token after it, in the first blocks; the
+    runner then forgets the warm-up sequence."""
     runner = engine.runner
     block_size = runner.block_size
     total = min(WARMUP_TOKENS, block_size * runner.num_blocks)
     ids = tuple(i % runner.vocab_size for i in range(total))
-    slots = tuple(range(total))
     table = tuple(range(-(-total // block_size)))
     prompt = max(1, total - 1)
-    steps = [WarmupChunk("warmup", ids[:prompt], 0, table, slots[:prompt])]
+    sample = (WARMUP_ID,)
+    steps = [ScheduledChunk(WARMUP_ID, ids[:prompt], 0, table, (), sample)]
     if total > prompt:
-        steps.append(WarmupChunk("warmup", ids[prompt:], prompt, table, slots[prompt:]))
+        steps.append(ScheduledChunk(WARMUP_ID, ids[prompt:], prompt, table, (), sample))
+    new_seqs: tuple[NewSeq, ...] = (NewSeq(WARMUP_ID, table),)
     for chunk in steps:
-        runner.execute(WarmupStep((chunk,)))
+        runner.execute(plan_of_chunks((chunk,), block_size=block_size, new_seqs=new_seqs))
+        new_seqs = ()
+    runner.batch.remove((WARMUP_ID,))

@@ -68,3 +68,20 @@ def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> int:
 
 def sizes(output: SchedulerOutput) -> dict[str, int]:
     return {chunk.seq_id: len(chunk.token_ids) for chunk in output.chunks}
+
+
+class TableMirror:
+    """The runner's view of the block tables, rebuilt from nothing but the plans' diffs."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, tuple[int, ...]] = {}
+
+    def apply(self, output: SchedulerOutput) -> None:
+        for seq_id in output.finished_seq_ids:
+            del self.tables[seq_id]
+        for seq_id, table in output.new_seqs:
+            self.tables[seq_id] = table
+        for seq_id, added in output.new_block_ids:
+            self.tables[seq_id] += added
+        for seq_id, table in zip(output.seq_ids, output.block_tables, strict=True):
+            assert self.tables[seq_id] == table, seq_id

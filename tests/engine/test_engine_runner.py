@@ -8,7 +8,6 @@ chunks, exactly the flat batches the real scheduler produces.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,26 +18,11 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.errors import InvalidParameterError, UnsupportedModelError
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.runner import ModelRunner
+from kvmesh.engine.scheduler.plan import NewSeq, ScheduledChunk, plan_of_chunks
 from kvmesh.models.tiny import build_tiny_model
 
 BLOCK_SIZE = 4
 MAX_BLOCKS_PER_SEQ = 64
-
-
-@dataclass(frozen=True)
-class Chunk:
-    seq_id: str
-    token_ids: tuple[int, ...]
-    start_pos: int
-    block_table: tuple[int, ...]
-    slot_mapping: tuple[int, ...]
-    sample_seq_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Plan:
-    chunks: tuple[Chunk, ...]
-    copy_pairs: tuple[tuple[int, int], ...] = ()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
@@ -85,29 +69,20 @@ def run_paged(
         tuple(range(i * MAX_BLOCKS_PER_SEQ, (i + 1) * MAX_BLOCKS_PER_SEQ))
         for i in range(len(prompts))
     ]
+    new_seqs = [NewSeq(str(i), table) for i, table in enumerate(tables)]  # sent once
     while any(len(t) - len(p) < max_new for t, p in zip(tokens, prompts, strict=True)):
         active = [i for i in range(len(prompts)) if len(tokens[i]) - len(prompts[i]) < max_new]
         order = sorted(active, key=lambda i: len(tokens[i]) - computed[i] != 1)
         chunks = []
         for i in order:
             end = min(len(tokens[i]), computed[i] + chunk)
-            slots = tuple(
-                tables[i][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                for p in range(computed[i], end)
-            )
             sample = (str(i),) if end == len(tokens[i]) else ()
-            chunks.append(
-                Chunk(
-                    str(i),
-                    tuple(tokens[i][computed[i] : end]),
-                    computed[i],
-                    tables[i],
-                    slots,
-                    sample,
-                )
-            )
+            chunk_tokens = tuple(tokens[i][computed[i] : end])
+            chunks.append(ScheduledChunk(str(i), chunk_tokens, computed[i], tables[i], (), sample))
             computed[i] = end
-        logits = runner.execute(Plan(tuple(chunks)))
+        plan = plan_of_chunks(chunks, block_size=BLOCK_SIZE, new_seqs=new_seqs)
+        new_seqs = []
+        logits = runner.execute(plan)
         sampled = [i for i, c in zip(order, chunks, strict=True) if c.sample_seq_ids]
         assert logits.shape == (len(sampled), runner.vocab_size)
         for row, i in enumerate(sampled):

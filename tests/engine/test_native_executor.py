@@ -22,7 +22,7 @@ from kvmesh.engine.errors import UnsupportedModelError
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.native.llama import NativeCausalLM
 from kvmesh.engine.runner import ModelRunner
-from kvmesh.engine.warmup import WarmupChunk, WarmupStep
+from kvmesh.engine.scheduler.plan import NewSeq, ScheduledChunk, plan_of_chunks
 from kvmesh.models.tiny import build_tiny_model
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -72,10 +72,10 @@ def native_last_logits(path: Path, prompt: list[int], dtype: str) -> torch.Tenso
     """The native runner's logits for the last prompt token (one prefill chunk)."""
     loaded = load_model(EngineConfig(model=str(path), dtype=dtype, executor="native"))
     runner = ModelRunner(loaded, 64, 4, "auto")
-    slots = tuple(range(len(prompt)))
     table = tuple(range(-(-len(prompt) // 4)))
-    chunk = WarmupChunk("0", tuple(prompt), 0, table, slots, ("0",))
-    return runner.execute(WarmupStep((chunk,)))[0]  # [vocab] float32
+    chunk = ScheduledChunk("0", tuple(prompt), 0, table, (), ("0",))
+    plan = plan_of_chunks((chunk,), block_size=4, new_seqs=(NewSeq("0", table),))
+    return runner.execute(plan)[0]  # [vocab] float32
 
 
 def test_auto_picks_native_and_transformers_on_request(checkpoint: Path) -> None:

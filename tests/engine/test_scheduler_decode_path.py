@@ -12,7 +12,7 @@ import pytest
 from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
 from kvmesh.engine.sequence import Sequence
 from kvmesh.memory import BlockManager
-from tests.engine.scheduler_harness import make_scheduler, request
+from tests.engine.scheduler_harness import TableMirror, make_scheduler, request
 
 
 class ShadowKV:
@@ -80,17 +80,19 @@ def test_decode_path_matches_manager_and_shadow_kv(seed: int) -> None:
         ]
         n = rng.choice((1, 1, 2, 3))
         sched.add_request(request(f"r{index}", prompt, max_tokens=rng.randint(1, 14), n=n))
-    shadow = ShadowKV(block_size)
+    shadow, mirror = ShadowKV(block_size), TableMirror()
     for _ in range(500):
         if not sched.has_unfinished():
             break
         output = sched.schedule()
         check_plan_against_manager(output, bm)
+        mirror.apply(output)  # the diffs alone rebuild every scheduled table
         shadow.run(sched, output)
         sched.update(output, sampled_tokens(output, rng))
         bm.check_integrity()
     assert not sched.has_unfinished()
     assert bm.metrics().in_use_blocks == 0
+    assert set(mirror.tables) == set(sched.state.departed)  # the next plan frees the rest
 
 
 def test_decode_crossing_block_boundaries_gets_exact_slots() -> None:

@@ -33,6 +33,16 @@ def test_n_children_fork_at_final_prefill_chunk_and_share_blocks() -> None:
     bm.check_integrity()
 
 
+def test_a_one_token_final_chunk_inside_a_block_still_forks() -> None:
+    """The last prompt token alone, mid-block, looks like a decode: it must fork all the same."""
+    sched, _ = make_scheduler(num_blocks=32, max_num_batched_tokens=6)
+    sched.add_request(request("r", 7, n=2, max_tokens=2))
+    step(sched)  # six prompt tokens; the seventh is mid-block (block size 4)
+    final = sched.schedule()
+    assert list(final.sample_groups()) == [("r", "r#1")]
+    assert final.num_decodes == 0
+
+
 def test_n_children_finish_and_free_everything() -> None:
     sched, bm = make_scheduler(num_blocks=32)
     sched.add_request(request("r", 5, n=4, max_tokens=6))

@@ -31,9 +31,15 @@ and calls `release_prefilled`. Decode role: the service allocates the prompt's s
 BlockManager, writes the received KV and calls `add_prefilled_request`, which joins the
 request to the running batch as n decodes sharing those blocks copy on write.
 
+The plan (`SchedulerOutput`) carries the step column-wise plus the block-table diffs the
+runner's persistent batch needs: new sequences' tables once, appended block ids, and the ids
+of sequences that left (`plan`).
+
 Modules, by type: `core` (the `Scheduler`), `policy` (admission order, chunk sizes, the
-preemption victim), `state` (queues, cached block tables, the step being planned), `stops`
-(request validation, stop rules), `plan` (`ScheduledChunk`, `SchedulerOutput`) and `config`.
+preemption victim), `state` (queues, cached block tables, the step being planned), `step` (the
+step's columns), `stops` (request validation, stop rules), `remote` (the decode role's
+requests whose prompt KV arrives from another worker), `plan` (`SchedulerOutput`, `NewSeq`,
+`ScheduledChunk`) and `config`.
 Blocks are published to the prefix cache in `update()`, once their KV is computed. The
 scheduler speaks policy only: integers, no tensors.
 """
@@ -45,7 +51,7 @@ from kvmesh.engine.scheduler.config import (
     SchedulerConfig,
 )
 from kvmesh.engine.scheduler.core import Scheduler
-from kvmesh.engine.scheduler.plan import ScheduledChunk, SchedulerOutput
+from kvmesh.engine.scheduler.plan import NewSeq, ScheduledChunk, SchedulerOutput, plan_of_chunks
 from kvmesh.engine.scheduler.state import is_prefilled
 from kvmesh.engine.scheduler.stops import stop_status, validate_request
 
@@ -53,11 +59,13 @@ __all__ = [
     "ALLOCATIONS",
     "POLICIES",
     "SCHEDULING_POLICIES",
+    "NewSeq",
     "ScheduledChunk",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
     "is_prefilled",
+    "plan_of_chunks",
     "stop_status",
     "validate_request",
 ]

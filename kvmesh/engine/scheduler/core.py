@@ -8,19 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
+from itertools import islice
 
 from kvmesh.engine.errors import InvalidParameterError
-from kvmesh.engine.scheduler import policy
+from kvmesh.engine.scheduler import policy, remote
 from kvmesh.engine.scheduler.config import SchedulerConfig
-from kvmesh.engine.scheduler.plan import ScheduledChunk, SchedulerOutput, new_chunk
+from kvmesh.engine.scheduler.plan import SchedulerOutput
 from kvmesh.engine.scheduler.state import PREFILLED, REMOTE_KV, RUNNING, WAITING, SchedulerState
 from kvmesh.engine.scheduler.stops import (
     prepare_stop_check,
-    stop_status,
-    validate_import,
     validate_request,
 )
-from kvmesh.engine.sequence import Request, Sequence, child_seq_id
+from kvmesh.engine.sequence import Request, Sequence
 from kvmesh.memory import BlockManager
 
 
@@ -48,24 +47,35 @@ class Scheduler:
         if config.policy == "static" and not state.running:
             policy.enroll_static_batch(state, config)
         budget = config.max_num_batched_tokens
-        prefills: list[ScheduledChunk] = []
+        planned_prompts = False
         if self._prefill_first:
-            budget = self._plan_prefill_first(budget, prefills)
-        if not prefills:  # a decode-first step (also prefill-first's when it planned nothing)
+            budget, planned_prompts = self._plan_prefill_first(budget)
+        if not planned_prompts:  # a decode-first step (also prefill-first's when it planned none)
             prefilling: list[Sequence] = []
             budget = self._plan_decodes(budget, prefilling)
-            budget = self._plan_prompts(budget, prefilling, prefills)
+            planned = state.step.num_chunks
+            budget = self._plan_prompts(budget, prefilling)
             self._stalled_tokens = 0
-            self._maybe_prefilling = bool(prefilling or prefills) or not budget
-        return SchedulerOutput(
-            chunks=(*state.decodes, *prefills),
-            copy_pairs=tuple(state.copy_pairs),
-            num_batched_tokens=config.max_num_batched_tokens - budget,
-            preempted_seq_ids=tuple(state.preempted),
+            prompts = state.step.num_chunks > planned
+            self._maybe_prefilling = bool(prefilling) or prompts or not budget
+        return self._output(config.max_num_batched_tokens - budget)
+
+    def _output(self, num_batched_tokens: int) -> SchedulerOutput:
+        """Freeze the planned step; departures ride on the first plan with work for the runner."""
+        state = self.state
+        departed: tuple[str, ...] = ()
+        if state.step.num_chunks and state.departed:
+            departed, state.departed = tuple(state.departed), []
+        return state.step.build(
+            departed,
+            tuple(state.copy_pairs),
+            num_batched_tokens,
+            tuple(state.preempted),
+            state.block_size,
         )
 
-    def _plan_prefill_first(self, budget: int, prefills: list[ScheduledChunk]) -> int:
-        """Prefill-first: plan a prompt-only step into `prefills`; the budget left.
+    def _plan_prefill_first(self, budget: int) -> tuple[int, bool]:
+        """Prefill-first: plan a prompt-only step; the budget left and whether it planned any.
 
         Tried only while the decodes have waited less than `_stall_limit` prompt tokens and
         prompt work may exist (a waiting sequence, or a running one that may be prefilling).
@@ -74,119 +84,131 @@ class Scheduler:
         wait when a running sequence got no chunk in it.
         """
         if self._stalled_tokens >= self._stall_limit:
-            return budget
+            return budget, False
         state = self.state
         if not (state.waiting or self._maybe_prefilling):
-            return budget
+            return budget, False
         running = state.running
         prefilling = [
             seq for seq in running if len(seq.all_token_ids) - seq.num_computed_tokens != 1
         ]
-        left = self._plan_prompts(budget, prefilling, prefills)
-        if prefills:
-            self._maybe_prefilling = True
-            if len(running) > len(state.planned):
-                self._stalled_tokens += budget - left
-        return left
+        left = self._plan_prompts(budget, prefilling)
+        if not state.step.num_chunks:
+            return left, False
+        self._maybe_prefilling = True
+        if len(running) > len(state.planned):
+            self._stalled_tokens += budget - left
+        return left, True
 
-    def _plan_prompts(
-        self, budget: int, prefilling: list[Sequence], prefills: list[ScheduledChunk]
-    ) -> int:
-        """Prompt work into `prefills`: a chunk for each running sequence still prefilling,
-        oldest first, then (continuous batching) FCFS admission; the budget left."""
+    def _plan_prompts(self, budget: int, prefilling: list[Sequence]) -> int:
+        """Prompt work: a chunk for each running sequence still prefilling, oldest first, then
+        (continuous batching) FCFS admission; the budget left."""
         config = self.config
         for seq in prefilling:
             if budget == 0:
                 break
             size = policy.chunk_size(seq, budget, config) if seq.status is RUNNING else 0
-            chunk = self._plan_running(seq, size) if size else None
-            if chunk is not None:
-                prefills.append(chunk)
+            if size and self._plan_running(seq, size):
                 budget -= size
         if config.policy == "continuous":
-            budget = policy.admit_waiting(self.state, config, budget, prefills)
+            budget = policy.admit_waiting(self.state, config, budget)
         return budget
 
     def _plan_decodes(self, budget: int, prefilling: list[Sequence]) -> int:
-        """One token per running decode, oldest first, into `state.decodes`; collects the
-        sequences still prefilling; returns the budget left.
+        """One token per running decode, oldest first, into the step's decode columns;
+        collects the sequences still prefilling; returns the budget left.
 
         Hot path. A decode whose token lands inside its cached (private) last block needs
-        no block manager call: its slot is `table[pos // bs] * bs + pos % bs`. Crossing into
-        a new block, or a table not cached (new, forked or resumed), goes through `allocate`.
+        no block manager call and no table diff: four list appends. Crossing into a new
+        block, or a table not cached (new, forked or resumed), goes through `allocate`.
         """
         state = self.state
-        bs, tables, decodes = state.block_size, state.tables, state.decodes
-        append = decodes.append
+        bs, tables, step = state.block_size, state.tables, state.step
+        add_id, add_start = step.decode_ids.append, step.decode_starts.append
+        add_token, add_table = step.decode_tokens.append, step.decode_tables.append
         for seq in state.running[:]:  # a copy: preemption removes from `running`
-            if seq.status is not RUNNING:
-                continue  # preempted earlier in this loop
             start = seq.num_computed_tokens
             tokens = seq.all_token_ids
             if len(tokens) - start != 1:
-                prefilling.append(seq)
+                prefilling.append(seq)  # (or preempted earlier in this loop: skipped there)
                 continue
             if budget == 0:
                 break
-            seq_id = seq.seq_id
-            table = tables.get(seq_id)
-            offset = start % bs
-            if table is None or not offset:
-                chunk = self._plan_running(seq, 1)
-                if chunk is None:
+            table = tables.get(seq.seq_id)  # None once preempted earlier in this loop
+            if table is None or not start % bs:
+                if seq.status is not RUNNING or not self._plan_running(seq, 1):
                     continue
-                append(chunk)
             else:
-                slot = table[start // bs] * bs + offset
-                append(
-                    new_chunk(
-                        ScheduledChunk, (seq_id, (tokens[start],), start, table, (slot,), (seq_id,))
-                    )
-                )
+                add_id(seq.seq_id)
+                add_start(start)
+                add_token(tokens[start])
+                add_table(table)
             budget -= 1
         return budget
 
-    def _plan_running(self, seq: Sequence, size: int) -> ScheduledChunk | None:
-        """Chunk of `size` tokens for a running sequence, preempting others for blocks."""
+    def _plan_running(self, seq: Sequence, size: int) -> bool:
+        """Plan a chunk of `size` tokens for a running sequence, preempting others for blocks;
+        False when `seq` itself was preempted."""
         state = self.state
         start = seq.num_computed_tokens
         while True:
             result = self.block_manager.allocate(seq.seq_id, start + size)
             if result is not None:
-                return state.make_chunk(seq, start, size, result)
+                state.make_chunk(seq, start, size, result)
+                return True
             victim = policy.newest_unplanned(state, seq)
             state.preempt(victim)
             self.num_preemptions += 1
             if victim is seq:
-                return None
+                return False
 
     # -- results -----------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Sequence]:
         """Apply a step's results: progress, sampled tokens, commits, stops; changed seqs."""
         changed: list[Sequence] = []
-        append_changed = changed.append
+        state = self.state
+        num_decodes = output.num_decodes
+        left = self._update_decodes(output, sampled, changed)
+        seq_ids, starts = output.seq_ids, output.start_positions
+        prefills = range(num_decodes, len(seq_ids))
+        for index, size, sample_ids in zip(
+            prefills, output.prefill_lens, output.prefill_samples, strict=True
+        ):
+            seq = self._advance(seq_ids[index], starts[index], size)
+            if seq is None:
+                continue
+            if len(sample_ids) == 1:
+                if self._sample_one(seq, sampled[seq.seq_id], changed):
+                    left = True
+            elif sample_ids and self._sample_children(seq, sample_ids, sampled, changed):
+                left = True  # () mid-prefill; n children after a forking chunk
+        if left:
+            state.running = [seq for seq in state.running if seq.status is RUNNING]
+        return changed
+
+    def _update_decodes(
+        self, output: SchedulerOutput, sampled: Mapping[str, int], changed: list[Sequence]
+    ) -> bool:
+        """The decode section of `update` (hot path: one token each, sampled for itself);
+        True if a sequence left the batch."""
         left = False
+        append_changed = changed.append
         state = self.state
         bs, seqs = state.block_size, state.seqs
         commit = self.block_manager.commit if self.config.enable_prefix_caching else None
-        for seq_id, token_ids, start, _, _, sample_ids in output.chunks:
+        decodes = islice(output.seq_ids, output.num_decodes)
+        for seq_id, start in zip(decodes, output.start_positions, strict=False):  # [:D] of both
             seq = seqs.get(seq_id)
             if seq is None or seq.status is not RUNNING:
                 continue  # aborted or finished since it was planned
             assert seq.num_computed_tokens == start, (seq_id, start)
-            size = len(token_ids)
-            computed = start + size
-            seq.num_computed_tokens = computed
-            if commit and computed % bs < size:  # the chunk completed a block: publish it
+            computed = seq.num_computed_tokens = start + 1
+            tokens = seq.all_token_ids
+            if commit and not computed % bs:  # the token completed a block: publish it
                 # (this also brings the manager's slot count, which in-block decodes leave
                 # trailing by less than a block, up to `computed`)
-                commit(seq_id, seq.all_token_ids, computed, seq.extra_key)
-            if len(sample_ids) != 1:  # () mid-prefill; n children after a forking chunk
-                if sample_ids and self._sample_children(seq, sample_ids, sampled, changed):
-                    left = True
-                continue
-            token = sampled[seq_id]  # hot path: one token for the sequence itself
-            tokens = seq.all_token_ids
+                commit(seq_id, tokens, computed, seq.extra_key)
+            token = sampled[seq_id]
             if seq.first_token_time is None:
                 seq.append_token(token)
             else:  # `append_token` inlined
@@ -197,9 +219,26 @@ class Scheduler:
                 token in seq.stop_token_set or len(tokens) >= seq.token_limit
             ) and self._stop_or_park(seq):
                 left = True
-        if left:
-            state.running = [seq for seq in state.running if seq.status is RUNNING]
-        return changed
+        return left
+
+    def _advance(self, seq_id: str, start: int, size: int) -> Sequence | None:
+        """Count a prefill chunk's tokens as computed (publishing the blocks it completed); the
+        sequence, or None if it left since it was planned."""
+        seq = self.state.seqs.get(seq_id)
+        if seq is None or seq.status is not RUNNING:
+            return None
+        assert seq.num_computed_tokens == start, (seq_id, start)
+        computed = seq.num_computed_tokens = start + size
+        if self.config.enable_prefix_caching and computed % self.state.block_size < size:
+            self.block_manager.commit(seq_id, seq.all_token_ids, computed, seq.extra_key)
+        return seq
+
+    def _sample_one(self, seq: Sequence, token: int, changed: list[Sequence]) -> bool:
+        """Give `seq` its sampled token; True if it left the batch."""
+        seq.append_token(token)
+        changed.append(seq)
+        stops = token in seq.stop_token_set or seq.num_tokens >= seq.token_limit
+        return stops and self._stop_or_park(seq)
 
     def _sample_children(
         self,
@@ -234,11 +273,7 @@ class Scheduler:
 
     def _apply_stop(self, seq: Sequence) -> bool:
         """Finish `seq` (freeing its blocks) if a stop rule fires; True if it finished."""
-        stop = stop_status(seq, self.config.eos_token_id, self.config.max_model_len)
-        if stop is None:
-            return False
-        self.state.finish(seq, *stop)
-        return True
+        return self.state.finish_if_stopped(seq, self.config)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -261,7 +296,7 @@ class Scheduler:
         spares too); the sequences it ended. Idempotent."""
         request = self.state.requests.get(request_id)
         if request is not None and request.seqs[0].status is REMOTE_KV:
-            self._free_spares(request_id)
+            remote.free_spares(self.state, request_id)
         return self.state.abort(request_id)
 
     def finish_sequence(
@@ -284,30 +319,14 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.state.waiting)
 
-    # -- disaggregation (see `kvmesh.engine.scheduler`) --------------------------------------
+    # -- disaggregation (see `kvmesh.engine.scheduler` and `remote`) -------------------------
     def add_remote_request(self, request: Request, spare_blocks: int = 0) -> list[int] | None:
         """Hold a request whose prompt KV another worker computes: empty blocks for the prompt
         (plus `spare_blocks` for its forks' first step, held under child 1's id) and the
         request in WAITING_FOR_REMOTE_KV, never scheduled, until `add_prefilled_request` joins
         it (or `abort_request` drops it). The prompt's block ids, or None (nothing held) when
         the pool is short now."""
-        state, bm = self.state, self.block_manager
-        rid, seq = request.request_id, request.seqs[0]
-        spare_id = child_seq_id(rid, 1)
-        if rid in state.requests or bm.has(seq.seq_id) or (spare_blocks and bm.has(spare_id)):
-            raise InvalidParameterError("request_id", f"{rid!r} already exists")
-        validate_request(request, self.config, bm.num_blocks, state.block_size)
-        if -(-seq.num_tokens // bm.block_size) + spare_blocks > bm.num_free_blocks:
-            return None
-        if bm.allocate(seq.seq_id, seq.num_tokens) is None:
-            return None
-        if spare_blocks and bm.allocate(spare_id, spare_blocks * bm.block_size) is None:
-            bm.free(seq.seq_id)
-            return None
-        seq.status = REMOTE_KV
-        state.requests[rid] = request
-        state.seqs[seq.seq_id] = seq
-        return bm.block_table(seq.seq_id)
+        return remote.hold_for_remote_kv(self.state, self.config, request, spare_blocks)
 
     def add_prefilled_request(
         self, request: Request, num_computed_tokens: int, first_tokens: Seq[int]
@@ -322,32 +341,9 @@ class Scheduler:
         first: the forks' first writes take them back). Returns the sequences whose first
         token already ends them (their blocks freed).
         """
-        state, bm = self.state, self.block_manager
-        rid, seq = request.request_id, request.seqs[0]
-        remote = state.requests.get(rid) is request and seq.status is REMOTE_KV
-        if rid in state.requests and not remote:
-            raise InvalidParameterError("request_id", f"{rid!r} already exists")
-        validate_request(request, self.config, bm.num_blocks, state.block_size)
-        validate_import(seq, num_computed_tokens, first_tokens, bm)
-        if remote:
-            del state.requests[rid]
-            del state.seqs[seq.seq_id]
-        self._free_spares(rid)
-        prepare_stop_check(seq, self.config)
-        commit = self.config.enable_prefix_caching
-        state.join_prefilled(request, num_computed_tokens, len(first_tokens), commit=commit)
-        ended = []
-        for child, token in zip(list(request.seqs), first_tokens, strict=True):
-            child.append_token(token)
-            if self._apply_stop(child):
-                state.running.remove(child)
-                ended.append(child)
-        return ended
-
-    def _free_spares(self, request_id: str) -> None:
-        spare_id = child_seq_id(request_id, 1)
-        if spare_id not in self.state.seqs and self.block_manager.has(spare_id):
-            self.block_manager.free(spare_id)
+        return remote.join_prefilled(
+            self.state, self.config, request, num_computed_tokens, first_tokens
+        )
 
     def release_prefilled(self, request_id: str) -> list[Sequence]:
         """Free the blocks of a PREFILLED request (its KV was shipped) and forget it.

@@ -16,7 +16,6 @@ token from it.
 from __future__ import annotations
 
 from kvmesh.engine.scheduler.config import SchedulerConfig
-from kvmesh.engine.scheduler.plan import ScheduledChunk
 from kvmesh.engine.scheduler.state import RUNNING, SchedulerState
 from kvmesh.engine.scheduler.stops import max_total_tokens
 from kvmesh.engine.sequence import Sequence
@@ -33,9 +32,7 @@ def chunk_size(seq: Sequence, budget: int, config: SchedulerConfig) -> int:
     return remaining if remaining <= budget else budget
 
 
-def admit_waiting(
-    state: SchedulerState, config: SchedulerConfig, budget: int, prefills: list[ScheduledChunk]
-) -> int:
+def admit_waiting(state: SchedulerState, config: SchedulerConfig, budget: int) -> int:
     """Admit waiting sequences FCFS while budget, seats and blocks allow; budget left."""
     waiting = state.waiting
     max_seqs = config.max_num_seqs
@@ -47,7 +44,7 @@ def admit_waiting(
         waiting.popleft()
         seq.status = RUNNING
         state.running.append(seq)
-        prefills.append(state.make_chunk(seq, seq.num_computed_tokens, size, None))
+        state.make_chunk(seq, seq.num_computed_tokens, size, None)
         budget -= size
     return budget
 

@@ -6,6 +6,11 @@ State of one live sequence:
     WAITING     `waiting` (FIFO)          none (preempted ones restart from token 0)
     RUNNING     `running` (newest last)   its table; `tables` caches it as a tuple
     PREFILLED   only `seqs`               its table, until `release_prefilled` or abort
+
+`tables` is also what the runner was told: a sequence is in it from the plan that first sends
+its table until it leaves (`departed`, sent with the next non-empty plan); a None entry is a
+table the runner holds but the next chunk replaces whole (a fork's shared last block, or an
+n > 1 prompt before its final, forking chunk).
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ from __future__ import annotations
 from collections import deque
 
 from kvmesh.engine.errors import InvalidParameterError
-from kvmesh.engine.scheduler.plan import ScheduledChunk, new_chunk
+from kvmesh.engine.scheduler.config import SchedulerConfig
+from kvmesh.engine.scheduler.plan import NewSeq
+from kvmesh.engine.scheduler.step import StepBuilder
+from kvmesh.engine.scheduler.stops import stop_status
 from kvmesh.engine.sequence import Request, Sequence, SequenceStatus, child_seq_id
 from kvmesh.memory import AllocResult, BlockManager
 from kvmesh.memory.tiers.costs import PreemptionChooser
@@ -39,18 +47,20 @@ class SchedulerState:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: newest last
         # block tables as last planned; a table only grows, so the tuple is rebuilt only when
-        # the block manager reports new blocks or a copy (dropped on fork, preempt, finish)
-        self.tables: dict[str, tuple[int, ...]] = {}
-        # chunks of the step being planned; decode chunks on the fast path are not added to
-        # `planned` one by one: `sync_planned` catches up when preemption needs the set
-        self.decodes: list[ScheduledChunk] = []
+        # the block manager reports new blocks or a copy (None after a fork; dropped on
+        # preempt, finish)
+        self.tables: dict[str, tuple[int, ...] | None] = {}
+        self.departed: list[str] = []  # left `tables` since the last non-empty plan
+        # the step being planned; decodes on the fast path are not added to `planned` one by
+        # one: `sync_planned` catches up when preemption needs the set
+        self.step = StepBuilder()
         self.num_synced = 0
         self.planned: set[str] = set()
         self.copy_pairs: list[tuple[int, int]] = []
         self.preempted: list[str] = []
 
     def begin_step(self) -> None:
-        self.decodes = []
+        self.step = StepBuilder()
         self.num_synced = 0
         self.planned.clear()
         self.copy_pairs = []
@@ -58,48 +68,51 @@ class SchedulerState:
 
     def sync_planned(self) -> set[str]:
         """The ids of every sequence with a chunk (or a sampled row) in the step so far."""
-        decodes = self.decodes
+        decodes = self.step.decode_ids
         if self.num_synced < len(decodes):
-            self.planned.update(chunk[0] for chunk in decodes[self.num_synced :])
+            self.planned.update(decodes[self.num_synced :])
             self.num_synced = len(decodes)
         return self.planned
 
+    def forget_table(self, seq_id: str) -> None:
+        """Drop the cached table of a sequence leaving the batch; the runner is told."""
+        if seq_id in self.tables:
+            del self.tables[seq_id]
+            self.departed.append(seq_id)
+
     # -- chunks ------------------------------------------------------------------------------
-    def make_chunk(
-        self, seq: Sequence, start: int, size: int, result: AllocResult | None
-    ) -> ScheduledChunk:
-        """The chunk [start, start + size) of `seq`, whose blocks are already allocated."""
+    def make_chunk(self, seq: Sequence, start: int, size: int, result: AllocResult | None) -> None:
+        """Plan the chunk [start, start + size) of `seq`, whose blocks are already allocated,
+        with the table diff the runner needs."""
         seq_id = seq.seq_id
-        bm = self.block_manager
+        step = self.step
         table = self.tables.get(seq_id)
         if result is not None and result.copy_pairs:
             self.copy_pairs.extend(result.copy_pairs)
             table = None
         if table is None or result is None:
-            table = self.tables[seq_id] = tuple(bm.block_table(seq_id))
+            table = self.tables[seq_id] = tuple(self.block_manager.block_table(seq_id))
+            step.new_seqs.append(NewSeq(seq_id, table))
         elif result.new_blocks:  # appended in table order (no copy): extend the cached tuple
-            table = self.tables[seq_id] = table + tuple(result.new_blocks)
+            added = tuple(result.new_blocks)
+            table = self.tables[seq_id] = table + added
+            step.new_block_ids.append((seq_id, added))
         end = start + size
         tokens = seq.all_token_ids
-        if size == 1:
-            bs = self.block_size
-            slots: tuple[int, ...] = (table[start // bs] * bs + start % bs,)
-            token_ids: tuple[int, ...] = (tokens[start],)
-        else:
-            slots = tuple(bm.slot_mapping(seq_id, start, end))
-            token_ids = tuple(tokens[start:end])
         self.planned.add(seq_id)
         sample_ids: tuple[str, ...] = ()
         if end == len(tokens):
             sample_ids = self.fork_children(seq) if seq.params.n > 1 else (seq_id,)
-        return new_chunk(ScheduledChunk, (seq_id, token_ids, start, table, slots, sample_ids))
+        elif seq.params.n > 1:  # its final chunk forks: keep it off the decode fast path
+            self.tables[seq_id] = None
+        step.add(seq_id, start, tokens[start:end], table, sample_ids)
 
     def fork_children(self, seq: Sequence) -> tuple[str, ...]:
         """Fork the n children of a request at its final prefill chunk (once)."""
         request = self.requests[seq.request_id]
         if len(request.seqs) > 1:
             return (seq.seq_id,)
-        self.tables.pop(seq.seq_id, None)  # its last block is now shared: next write copies
+        self.tables[seq.seq_id] = None  # its last block is now shared: next write copies
         for index in range(1, seq.params.n):
             child = seq.fork(child_seq_id(seq.request_id, index))
             self.block_manager.fork(seq.seq_id, child.seq_id)
@@ -137,7 +150,7 @@ class SchedulerState:
         if not self._swap_out(seq):
             self.block_manager.free(seq.seq_id)
             seq.num_computed_tokens = 0
-        self.tables.pop(seq.seq_id, None)
+        self.forget_table(seq.seq_id)
         self.running.remove(seq)
         seq.status = WAITING
         seq.num_preemptions += 1
@@ -156,10 +169,18 @@ class SchedulerState:
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         """Finish a running `seq` that a stop rule ended: free its blocks, forget it."""
         self.block_manager.free(seq.seq_id)
-        self.tables.pop(seq.seq_id, None)
+        self.forget_table(seq.seq_id)
         del self.seqs[seq.seq_id]
         seq.finish(reason, stop_reason)
         self.forget_if_done(seq.request_id)
+
+    def finish_if_stopped(self, seq: Sequence, config: SchedulerConfig) -> bool:
+        """Finish `seq` (freeing its blocks) if a stop rule fires; True if it finished."""
+        stop = stop_status(seq, config.eos_token_id, config.max_model_len)
+        if stop is None:
+            return False
+        self.finish(seq, *stop)
+        return True
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Free every block of the request; the sequences it ended. Idempotent."""
@@ -204,7 +225,7 @@ class SchedulerState:
             self.waiting.remove(seq)
         if self.block_manager.has(seq.seq_id) or self.block_manager.is_swapped(seq.seq_id):
             self.block_manager.free(seq.seq_id)
-        self.tables.pop(seq.seq_id, None)
+        self.forget_table(seq.seq_id)
         self.seqs.pop(seq.seq_id, None)
 
     def forget_if_done(self, request_id: str) -> None:
