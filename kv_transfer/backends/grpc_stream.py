@@ -60,6 +60,7 @@ from kvmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
 from kvmesh.v1 import wire
 from kvmesh.v1.transfer import TransferCode
 
+keep_frames_in_heap()  # before grpc's threads first allocate (see kv_transfer.heap)
 # Frame payloads are read-only `bytes`; the receiver only reads them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 HANDSHAKE_SECONDS = 10.0
@@ -96,6 +97,14 @@ def readonly_bytes_tensor(message: bytes, offset: int) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         return torch.frombuffer(message, dtype=torch.uint8, offset=offset)
+
+
+def writable_bytes_tensor(message: bytes) -> torch.Tensor:
+    """A uint8 view of a `bytes` object this process just created and nothing else has seen
+    yet, to fill it in place (the sender's one copy); never used on shared or received bytes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(message, dtype=torch.uint8)
 
 
 class _Servicer(pb_grpc.KVTransferServiceServicer):
@@ -164,7 +173,6 @@ class Receiver(KVReceiver):
         security: Security | None = None,
     ) -> None:
         super().__init__(store)
-        keep_frames_in_heap()  # every received frame is a fresh bytes object
         self.security = security or Security()
         self._loop = _new_loop()
         self._server: grpc.aio.Server | None = None
@@ -274,7 +282,6 @@ class Sender(KVSender):
         security: Security | None = None,
     ) -> None:
         super().__init__(store, frame_bytes)
-        keep_frames_in_heap()  # every sent frame is a fresh bytes object
         self.checksum = True  # the bytes cross a network: every payload is hashed
         security = security or Security()
         self._metadata = security.call_metadata()
@@ -283,7 +290,6 @@ class Sender(KVSender):
         self._push = self._channel.stream_unary(  # raw bytes out (no serializer)
             PUSH_FRAMES, request_serializer=None, response_deserializer=pb.PushResult.FromString
         )
-        self._staging = torch.empty(self.max_frame_bytes, dtype=torch.uint8)
         request = pb.HandshakeRequest(layout=self.layout.to_bytes())
         try:
             reply = self._stub.Handshake(
@@ -301,19 +307,27 @@ class Sender(KVSender):
         tid, epoch = plan.request.transfer_id, plan.request.epoch
         begin = plan.begin_payload()
         yield frame_header(MsgType.BEGIN, tid, epoch, begin).encode() + begin
-        staging = self._staging.numpy()
         cancel = waiter.cancel
         for index in plan.iter_frames(waiter):
             if cancel.is_set():
                 yield frame_header(MsgType.CANCEL, tid, epoch).encode()
                 return
-            header, payload = _fill(self.store, plan, index, self._staging, self.checksum)
-            yield b"".join((header.encode(), staging[: payload.numel()].data))
+            yield self._message(plan, index)
         if cancel.is_set() or time.monotonic() >= waiter.deadline:  # a streamed plan stopped
             yield frame_header(MsgType.CANCEL, tid, epoch).encode()
             return
         end, trailer = plan.end_frame()
         yield end.encode() + trailer
+
+    def _message(self, plan: SendPlan, index: int) -> bytes:
+        """Frame `index` as one fresh message, header then payload, the blocks gathered
+        straight into it (one copy). Fresh per frame: grpc may keep what it was handed."""
+        n = plan.frames[index][1]
+        message = bytes(HEADER_SIZE + n * self.layout.bytes_per_block)
+        view = writable_bytes_tensor(message)  # uint8 [HEADER_SIZE + payload]
+        header, _ = _fill(self.store, plan, index, view[HEADER_SIZE:], self.checksum)
+        view[:HEADER_SIZE].numpy()[:] = memoryview(header.encode())
+        return message
 
     def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
         left = waiter.check()
