@@ -12,7 +12,7 @@ import torch
 
 from kv_transfer.errors import FrameError
 from kv_transfer.layout import KVLayout
-from kv_transfer.registered import SharedRegion
+from kv_transfer.registered import SharedRegion, consecutive
 
 
 class BlockStore:
@@ -103,9 +103,9 @@ class BlockStore:
         None (the payload must be gathered)."""
         if self._kv_rows is None or self.scales is not None or ids.numel() == 0:
             return None
-        first, n = int(ids[0]), int(ids.numel())
-        if n > 1 and not bool((ids[1:] - ids[:-1] == 1).all()):
+        if not consecutive(ids):
             return None
+        first, n = int(ids[0]), int(ids.numel())
         return self.cache.view(self.num_blocks, -1)[first : first + n].view(-1).view(torch.uint8)
 
     def scatter_from(self, ids: torch.Tensor, buf: torch.Tensor) -> None:
