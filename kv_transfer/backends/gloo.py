@@ -18,8 +18,10 @@ block ids of a host cache without scales are one byte range): a frame whose sour
 one run is sent from the cache itself, and one whose reserved blocks are one run is received
 straight into them (`ReceiverCore.on_frame_into`: fencing and the frame's fields checked
 first, the checksum verified in place after; a failed receive aborts the link before the
-blocks are released). Other frames go through a staging buffer (two per sender, one per link
-on the receiver, made on first use).
+blocks are released). Such a receive holds the reservation's lock, so a payload must follow
+its header at 16 MB/s or faster (`payload_seconds`): a cancel waits at most that long. Other
+frames go through a staging buffer (two per sender, one per link on the receiver, made on
+first use).
 
 Where the time goes (2-core machine, 128 MiB, host cache): per byte, gloo's TCP loop threads
 (epoll wake-ups and socket copies) cost more than the copies around them, and each frame
@@ -73,11 +75,20 @@ HANDSHAKE_SECONDS = 10.0
 IDLE_SECONDS = 600.0  # a receiver drops a link idle this long; senders rebuild theirs before
 REPLY_SECONDS = 10.0  # receiver's bound on delivering one reply
 MAX_FRAME_BYTES = 256 << 20
+PAYLOAD_GRACE_SECONDS = 0.25
+MIN_PAYLOAD_BYTES_PER_SECOND = 16e6  # a 16 MiB frame may take 1.3 s
 FRAME_BYTES = 16 << 20  # measured: 16 MiB frames took 0.6x the CPU of 2 MiB ones per byte
 _QUEUE = "kvmesh/hellos"
 _CLOSE = "!close"
 _RECEIVER, _SENDER = 0, 1
 _POOL_PER_PEER = 4
+
+
+def payload_seconds(nbytes: int) -> float:
+    """How long a FRAME's payload may take once its header arrived (the sender posts both at
+    once). A payload received into the reserved blocks holds the reservation's lock, so this
+    bounds how long a cancel can wait for it; a slower payload aborts the link."""
+    return PAYLOAD_GRACE_SECONDS + nbytes / MIN_PAYLOAD_BYTES_PER_SECOND
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -322,7 +333,8 @@ class Receiver(KVReceiver):
         data = b"" if kind is MsgType.FRAME else _control_payload(header, link, deadline)
         try:
             if kind is MsgType.FRAME:
-                self.core.on_frame_into(header, link.receiver(deadline), link.staging)
+                bound = min(deadline, time.monotonic() + payload_seconds(header.payload_len))
+                self.core.on_frame_into(header, link.receiver(bound), link.staging)
                 return frame_header(MsgType.FRAME_ACK, tid, epoch), None
             if kind is MsgType.BEGIN:
                 self.core.on_begin(header, data)
