@@ -14,6 +14,10 @@ answered with a write window over exactly the reserved blocks (their byte offset
 the transfer id, epoch and lease); the sender writes the blocks in place and commits each
 frame. A commit for another epoch, after the lease, outside the window or over blocks already
 committed is refused and changes nothing; END completes only when every block was committed.
+
+Receiving in place (`on_frame_into`): a backend that reads a frame's payload off the wire
+itself may read it straight into the reserved blocks when they are one run of the cache, after
+the same checks as `on_frame` and under the reservation's lock; the checksum is verified there.
 """
 
 from __future__ import annotations
