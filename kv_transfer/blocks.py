@@ -12,7 +12,7 @@ import torch
 
 from kv_transfer.errors import FrameError
 from kv_transfer.layout import KVLayout
-from kv_transfer.registered import SharedRegion
+from kv_transfer.registered import SharedRegion, consecutive
 
 
 class BlockStore:
@@ -96,6 +96,17 @@ class BlockStore:
             assert self.scales is not None
             torch.index_select(self.scales, 0, ids, out=scales_view)
         return n * self.layout.bytes_per_block
+
+    def run_view(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Blocks `ids` (int64 [n]) as one uint8 view [n * bytes_per_block] of the cache, their
+        payload in place, when they are consecutive ids of a host cache without scales; else
+        None (the payload must be gathered)."""
+        if self._kv_rows is None or self.scales is not None or ids.numel() == 0:
+            return None
+        if not consecutive(ids):
+            return None
+        first, n = int(ids[0]), int(ids.numel())
+        return self.cache.view(self.num_blocks, -1)[first : first + n].view(-1).view(torch.uint8)
 
     def scatter_from(self, ids: torch.Tensor, buf: torch.Tensor) -> None:
         """Write n blocks from the front of uint8 `buf` into cache rows `ids` (int64 [n])."""

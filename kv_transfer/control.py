@@ -13,10 +13,17 @@ from kv_transfer.header import HEADER_SIZE, NO_PAYLOAD_FLAGS, FrameHeader, decod
 MAX_CONTROL_PAYLOAD = 1 << 20
 
 
-def send_msg(sock: socket.socket, header: FrameHeader, payload: bytes | memoryview = b"") -> None:
-    """Write one message (header + payload); a broken connection raises `PeerError`."""
+def send_msg(
+    sock: socket.socket,
+    header: FrameHeader,
+    payload: bytes | memoryview = b"",
+    *,
+    after: bytes = b"",
+) -> None:
+    """Write one message (header + payload), behind `after` (encoded messages sent in the same
+    write); a broken connection raises `PeerError`."""
     try:
-        sock.sendall(header.encode())
+        sock.sendall(after + header.encode())
         if len(payload):
             sock.sendall(payload)
     except TimeoutError:

@@ -360,6 +360,14 @@ def fill_frame(
     offset, n = plan.frames[index]
     size = store.gather_into(plan.src[offset : offset + n], buf)
     payload = buf[:size]
+    return payload_header(plan, index, payload, checksum), payload
+
+
+def payload_header(
+    plan: SendPlan, index: int, payload: torch.Tensor, checksum: bool = True
+) -> FrameHeader:
+    """The FRAME header of frame `index` whose payload (uint8 [payload_len]) is `payload`."""
+    offset, n = plan.frames[index]
     header = frame_header(
         MsgType.FRAME,
         plan.request.transfer_id,
@@ -371,5 +379,6 @@ def fill_frame(
         num_blocks=n,
     )
     if not checksum:
+        size = int(payload.numel())
         header = dataclasses.replace(header, payload_len=size, flags=FLAG_NO_CHECKSUM)
-    return header, payload
+    return header

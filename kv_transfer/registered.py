@@ -137,18 +137,29 @@ def write_rows(
     window: torch.Tensor, offsets: torch.Tensor, src_rows: torch.Tensor, src_ids: torch.Tensor
 ) -> None:
     """`window[offsets[i]:][:row] = src_rows[src_ids[i]]` for every i, one copy per byte:
-    each run of adjacent destination rows is one `index_select` into the window."""
+    each run of adjacent destination rows is one copy into the window (a plain copy when the
+    source rows are a run too, else an `index_select`)."""
     row = int(src_rows.shape[1])
     for first, n in _runs(offsets, row):
         start = int(offsets[first])
         if start < 0 or start + n * row > window.numel():
             raise FrameError("grant", "offset outside the shared region")
         out = window[start : start + n * row].view(n, row)
-        ids = src_ids[first : first + n].to(src_rows.device)
+        ids = src_ids[first : first + n]  # int64 [n], on the host
+        if out.device == src_rows.device and consecutive(ids):  # one run: a plain copy
+            lo = int(ids[0])
+            out.copy_(src_rows[lo : lo + n])
+            continue
+        ids = ids.to(src_rows.device)
         if out.device == src_rows.device:
             torch.index_select(src_rows, 0, ids, out=out)
         else:  # another GPU of this node (CUDA IPC): gather there, then one peer copy
             out.copy_(torch.index_select(src_rows, 0, ids))
+
+
+def consecutive(ids: torch.Tensor) -> bool:
+    """Whether block ids (int64 [n]) are one run `a, a+1, ...`."""
+    return ids.numel() < 2 or bool((ids[1:] - ids[:-1] == 1).all())
 
 
 def rows_checksum(groups: list[tuple[torch.Tensor, torch.Tensor, int]]) -> int:

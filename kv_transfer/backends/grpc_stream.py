@@ -3,20 +3,30 @@
 `PushFrames` is a raw-bytes method (registered beside the generated service, not declared in
 the proto): each stream message is one kv_transfer frame, the fixed 80-byte header
 (`kv_transfer.header`) followed by `payload_len` raw bytes, with no protobuf encoding around it.
-The sender gathers blocks into one reused staging buffer behind the header slot and hands gRPC
-one `bytes` per frame; the receiver validates the header and fencing, then scatters straight
-from the received message into the reserved blocks. BEGIN carries the destination ids (u32),
-FRAME the blocks, END and CANCEL nothing; the call returns a protobuf `PushResult`.
-`PushBlocksUnary` (the whole block set as ONE protobuf message) remains as the baseline.
+The sender gathers each frame's blocks straight into a fresh `bytes` message behind its
+header (one copy) and hands it to gRPC; the receiver validates the header and fencing, then
+scatters straight from the received message into the reserved blocks. BEGIN carries the
+destination ids (u32), FRAME the blocks, END and CANCEL nothing; the call returns a protobuf
+`PushResult`. `PushBlocksUnary` (the whole block set as ONE protobuf message) remains as the
+baseline.
 
-Where the time goes (profiled on a 2-core machine, 64 MiB in 2 MiB frames): per frame the
-sender gathers the blocks (one copy), hashes them, and joins header and payload into one
-`bytes` (the second copy; grpc's API takes `bytes`), which grpc copies into its own slices and
-writes to the socket; the receiver gets a fresh `bytes` per message, verifies the hash and
-scatters from it. Fresh multi-MiB buffers were the largest single cost (page faults on every
-frame, 0.36 GB/s for the join alone): `kv_transfer.heap` keeps them in the heap. Frames of
-1, 2 and 4 MiB measured within noise of each other; 2 MiB stays the default (under the 8 MiB
-message limit with room).
+Where the time goes (perf and per-process CPU time, 2-core machine shared with other jobs,
+128 MiB in 2 MiB frames, about 135 ms of CPU for both processes together, 150-215 ms before):
+- sender (about 45-65 ms): zeroing the fresh message and gathering into it, the xxh3 pass,
+  and the kernel's copy into the socket, on the thread that feeds the call. A fresh message
+  per frame because grpc may keep a reference to what it sends; joining a staged payload
+  behind the header cost one more copy.
+- receiver (about 70 ms): the kernel's copy out of the socket (grpc's threads), then on the
+  event loop thread grpc's copies of the message's slices into one `bytes` (not avoidable
+  through grpc's Python API), the xxh3 pass and the scatter into the cache. Before
+  `kv_transfer.heap` limited glibc to one arena, a third of the receiver's samples were page
+  faults zeroing grpc's read buffers (its threads' arenas unmapped them after every frame).
+- measured and not kept: 512 KiB frames (more CPU per byte; 1 to 7 MiB alike, 2 MiB stays),
+  HTTP/2 frame size, window and BDP options (within noise), and verifying and scattering on
+  a worker thread while the loop takes the next message (more CPU, no faster on a loaded
+  machine). Not built: several streams in flight (a raw gRPC test with two streams was
+  within noise of one; both processes are CPU-bound on two cores, and the receiver handles
+  every stream on its one event loop thread).
 
 The receiver runs a `grpc.aio` server (uvloop when installed) on its own thread; the sender
 uses a synchronous channel. With a `Security` holding the cluster token, the receiver refuses
@@ -60,6 +70,7 @@ from kvmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
 from kvmesh.v1 import wire
 from kvmesh.v1.transfer import TransferCode
 
+keep_frames_in_heap()  # before grpc's threads first allocate (see kv_transfer.heap)
 # Frame payloads are read-only `bytes`; the receiver only reads them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 HANDSHAKE_SECONDS = 10.0
@@ -96,6 +107,14 @@ def readonly_bytes_tensor(message: bytes, offset: int) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         return torch.frombuffer(message, dtype=torch.uint8, offset=offset)
+
+
+def writable_bytes_tensor(message: bytes) -> torch.Tensor:
+    """A uint8 view of a `bytes` object this process just created and nothing else has seen
+    yet, to fill it in place (the sender's one copy); never used on shared or received bytes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(message, dtype=torch.uint8)
 
 
 class _Servicer(pb_grpc.KVTransferServiceServicer):
@@ -164,7 +183,6 @@ class Receiver(KVReceiver):
         security: Security | None = None,
     ) -> None:
         super().__init__(store)
-        keep_frames_in_heap()  # every received frame is a fresh bytes object
         self.security = security or Security()
         self._loop = _new_loop()
         self._server: grpc.aio.Server | None = None
@@ -274,7 +292,6 @@ class Sender(KVSender):
         security: Security | None = None,
     ) -> None:
         super().__init__(store, frame_bytes)
-        keep_frames_in_heap()  # every sent frame is a fresh bytes object
         self.checksum = True  # the bytes cross a network: every payload is hashed
         security = security or Security()
         self._metadata = security.call_metadata()
@@ -283,7 +300,6 @@ class Sender(KVSender):
         self._push = self._channel.stream_unary(  # raw bytes out (no serializer)
             PUSH_FRAMES, request_serializer=None, response_deserializer=pb.PushResult.FromString
         )
-        self._staging = torch.empty(self.max_frame_bytes, dtype=torch.uint8)
         request = pb.HandshakeRequest(layout=self.layout.to_bytes())
         try:
             reply = self._stub.Handshake(
@@ -301,19 +317,27 @@ class Sender(KVSender):
         tid, epoch = plan.request.transfer_id, plan.request.epoch
         begin = plan.begin_payload()
         yield frame_header(MsgType.BEGIN, tid, epoch, begin).encode() + begin
-        staging = self._staging.numpy()
         cancel = waiter.cancel
         for index in plan.iter_frames(waiter):
             if cancel.is_set():
                 yield frame_header(MsgType.CANCEL, tid, epoch).encode()
                 return
-            header, payload = _fill(self.store, plan, index, self._staging, self.checksum)
-            yield b"".join((header.encode(), staging[: payload.numel()].data))
+            yield self._message(plan, index)
         if cancel.is_set() or time.monotonic() >= waiter.deadline:  # a streamed plan stopped
             yield frame_header(MsgType.CANCEL, tid, epoch).encode()
             return
         end, trailer = plan.end_frame()
         yield end.encode() + trailer
+
+    def _message(self, plan: SendPlan, index: int) -> bytes:
+        """Frame `index` as one fresh message, header then payload, the blocks gathered
+        straight into it (one copy). Fresh per frame: grpc may keep what it was handed."""
+        n = plan.frames[index][1]
+        message = bytes(HEADER_SIZE + n * self.layout.bytes_per_block)
+        view = writable_bytes_tensor(message)  # uint8 [HEADER_SIZE + payload]
+        header, _ = _fill(self.store, plan, index, view[HEADER_SIZE:], self.checksum)
+        view[:HEADER_SIZE].numpy()[:] = memoryview(header.encode())
+        return message
 
     def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
         left = waiter.check()

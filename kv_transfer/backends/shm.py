@@ -4,9 +4,12 @@
 `kv_transfer.registered`): HELLO asks for it; the receiver answers HELLO_ACK and passes its
 cache's memfd (SCM_RIGHTS; the peer's uid was checked, no name exists anywhere). BEGIN is
 answered with ACCEPT carrying the write window: the byte offsets of exactly the reserved
-blocks. Per frame the sender copies its blocks straight into those offsets and commits them
-with a FRAME header (FLAG_IN_PLACE, no payload, no reply unless refused); END is answered DONE
-once every block was committed. The sender checks its window's lease before every write.
+blocks. The sender copies its blocks straight into those offsets (a plain copy for runs of
+consecutive ids, in pieces of `piece_bytes` with the window's lease and a refusal checked
+before each) and commits them with a FRAME header (FLAG_IN_PLACE, no payload, no reply unless
+refused): by default one commit for the whole transfer, sent in the same write as END, which
+is answered DONE once every block was committed (so a transfer costs the receiver two
+wake-ups). With payload checksums a commit covers 16 MiB (verified per commit).
 
 **staging** (two copies; for comparison and for a cache that is not in shared memory): the
 sender creates one segment per connection (`slots` x `slot_bytes`, random name), sends its
@@ -65,7 +68,12 @@ from kv_transfer.state import TransferRecord
 
 __all__ = ["Receiver", "Sender", "split_hello"]
 MODES = ("auto", "registered", "staging")
-COMMIT_BYTES = 16 << 20  # registered mode: bytes one commit covers unless frame_bytes is set
+# Registered mode, unless frame_bytes is set: bytes one commit covers (each commit wakes the
+# receiver: one commit per transfer up to 1 GiB measured 0.85x memcpy against 0.68x for 16 MiB
+# commits), and with payload checksums (verified per commit) CHECKED_COMMIT_BYTES.
+COMMIT_BYTES = 1 << 30
+CHECKED_COMMIT_BYTES = 16 << 20
+PIECE_BYTES = 32 << 20  # copied between two checks of the lease and of a refusal
 CHECKSUM_DEFAULT = False  # same-host memory: headers checked, payload hashing on request
 
 
@@ -73,7 +81,9 @@ class Sender(KVSender):
     """`mode`: "registered" (one copy into the receiver's cache; fails unless it is shared),
     "staging" (slots), or "auto" (registered when the receiver offers it, else staging).
     `frame_bytes`: the staging slot size, and in registered mode how many bytes one commit
-    covers (default 16 MiB there: a commit moves no bytes, fewer wake the receiver less)."""
+    covers (default: the whole transfer up to 1 GiB, 16 MiB with checksums; a commit moves no
+    bytes, fewer wake the receiver less). `piece_bytes`: registered mode copies at most this
+    much between two checks of the window's lease and of a refusal."""
 
     def __init__(
         self,
@@ -84,9 +94,11 @@ class Sender(KVSender):
         slots: int = 4,
         checksum: bool = CHECKSUM_DEFAULT,
         mode: str = "auto",
+        piece_bytes: int = PIECE_BYTES,
     ) -> None:
         super().__init__(store, frame_bytes or DEFAULT_FRAME_BYTES)
-        self._commit_bytes = frame_bytes or COMMIT_BYTES
+        self._commit_bytes = frame_bytes or (CHECKED_COMMIT_BYTES if checksum else COMMIT_BYTES)
+        self._piece_bytes = piece_bytes
         if mode not in MODES:
             raise FrameError("mode", f"must be one of {MODES}, got {mode!r}")
         self._path = unix_path(address)
@@ -234,20 +246,31 @@ class Sender(KVSender):
             raise FrameError("grant", f"{grant.kv.numel()} blocks for {plan.dst.numel()}")
         rows = self.store.row_views()
         flags = FLAG_IN_PLACE | (0 if self.checksum else FLAG_NO_CHECKSUM)
+        unsent: FrameHeader | None = None  # the last commit goes out with END, in one write
         for index in plan.iter_frames(waiter):
-            conn.settimeout(waiter.check())  # a commit blocked on a full socket ends in time
-            self._poll_refusal(tid)
             lo, n = plan.frames[index]
-            digest = write_granted(rows, window, grant, plan.src[lo : lo + n], lo, self.checksum)
+            for a, m in self._pieces(lo, n):
+                conn.settimeout(waiter.check())  # a commit blocked on a full socket ends in time
+                self._poll_refusal(tid)
+                digest = write_granted(rows, window, grant, plan.src[a : a + m], a, self.checksum)
             self._publish(window)  # the writes are visible before their commit goes out
             header = FrameHeader(
                 MsgType.FRAME, tid, epoch, index, plan.frame_count, lo, n,
                 n * self.layout.bytes_per_block, checksum=digest, flags=flags,
             )  # fmt: skip
-            send_msg(conn, header)
+            if unsent is not None:
+                send_msg(conn, unsent)
+            unsent = header
         waiter.check()  # a streamed plan stops early on cancel or expiry
-        send_msg(conn, *plan.end_frame())  # the producer's trailer rides the END
+        last = b"" if unsent is None else unsent.encode()
+        send_msg(conn, *plan.end_frame(), after=last)  # the producer's trailer rides the END
         self._expect(MsgType.DONE, waiter)
+
+    def _pieces(self, lo: int, n: int) -> list[tuple[int, int]]:
+        """A commit's blocks `lo .. lo+n` in copies of at most `piece_bytes`, the lease and a
+        refusal checked before each (one piece when the commit carries a checksum)."""
+        per = n if self.checksum else max(1, self._piece_bytes // self.layout.bytes_per_block)
+        return [(a, min(per, lo + n - a)) for a in range(lo, lo + n, per)]
 
     def _poll_refusal(self, tid: bytes) -> None:
         """Raise at once if the receiver refused a commit or cancelled transfer `tid` (no

@@ -37,15 +37,15 @@ def _close_pool() -> Iterator[None]:
     _POOL.clear()
 
 
-def peers(backend: str, store: dict) -> tuple[Peer, Peer]:
+def peers(backend: str, store: dict, frame: int | None = None) -> tuple[Peer, Peer]:
     """A connected (receiver, sender) pair, reused across tests; rebuilt after a kill."""
-    key = (backend, repr(sorted(store.items())))
+    frame = frame or (4096 if store is SLOW else 3000)
+    key = (backend, repr(sorted(store.items())) + str(frame))
     pair = _POOL.get(key)
     if pair is None or any(p.proc.poll() is not None for p in pair):
         for p in pair or ():
             p.close()
         receiver, sender = Peer(backend, {**store, "seed": 1}), Peer(backend, {**store, "seed": 2})
-        frame = 4096 if store is SLOW else 3000
         assert sender.call("connect", address=receiver.address, options={"frame_bytes": frame}) == {
             "ok": True
         }
@@ -59,14 +59,35 @@ def test_random_block_sets_arrive_exactly(backend: str, variant: dict) -> None:
     receiver, sender = peers(backend, {**SPEC, **variant})
     rng = random.Random(backend)
     for count in (1, 7, 40):
-        src, dst = rng.sample(range(64), count), rng.sample(range(64), count)
-        t, before = tid(), receiver.call("digest", ids=dst)["digest"]
-        assert receiver.call("expect", tid=t, epoch=3, dst=dst, seconds=20) == {"ok": True}
-        sent = sender.call("send", tid=t, epoch=3, src=src, dst=dst, seconds=20)
-        assert sent["state"] == "COMPLETED", sent
-        assert receiver.call("wait", tid=t)["state"] == "COMPLETED"
-        got = receiver.call("digest", ids=dst)["digest"]
-        assert got == sender.call("digest", ids=src)["digest"] != before
+        moved_exactly(receiver, sender, rng.sample(range(64), count), rng.sample(range(64), count))
+
+
+def moved_exactly(receiver: Peer, sender: Peer, src: list[int], dst: list[int]) -> None:
+    """Transfer `src` into `dst`; the destination then holds exactly the source's bytes."""
+    t, before = tid(), receiver.call("digest", ids=dst)["digest"]
+    assert receiver.call("expect", tid=t, epoch=3, dst=dst, seconds=20) == {"ok": True}
+    sent = sender.call("send", tid=t, epoch=3, src=src, dst=dst, seconds=20)
+    assert sent["state"] == "COMPLETED", sent
+    assert receiver.call("wait", tid=t)["state"] == "COMPLETED"
+    got = receiver.call("digest", ids=dst)["digest"]
+    assert got == sender.call("digest", ids=src)["digest"] != before
+
+
+RUNS = [
+    (list(range(8, 40)), list(range(20, 52))),  # one run on both sides
+    (list(range(0, 16)), [5, 9, 2, *range(30, 43)]),  # the destination partly a run
+    ([3, 1, *range(40, 54)], list(range(48, 64))),  # the source partly a run
+]
+
+
+@pytest.mark.parametrize("variant", [{"dtype": "bfloat16"}, {"dtype": "float32", "scales": True}])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_runs_of_consecutive_blocks_arrive_exactly(backend: str, variant: dict) -> None:
+    """Frames of several blocks whose ids are runs (sent from and received into the cache in
+    place where the backend can) or not, in one transfer."""
+    receiver, sender = peers(backend, {**SPEC, **variant}, frame=5 * 4096)
+    for src, dst in RUNS:
+        moved_exactly(receiver, sender, src, dst)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

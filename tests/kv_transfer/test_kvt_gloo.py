@@ -1,4 +1,4 @@
-"""gloo backend inside one process: handshake refusals, pooled links, receiver close."""
+"""gloo backend inside one process: handshake refusals, pooled links, receiver close, runs."""
 
 from __future__ import annotations
 
@@ -55,3 +55,14 @@ def test_links_are_pooled_and_a_closed_receiver_fails_fast(gloo: object) -> None
     with pytest.raises(PeerError):
         gloo.Sender(src, receiver.address)  # type: ignore[attr-defined]
     second.close()
+
+
+def test_run_view_is_the_cache_bytes_of_consecutive_blocks() -> None:
+    """What a run of blocks is sent from and received into, in place (no staging copy)."""
+    s = store(1)
+    view = s.run_view(torch.tensor([3, 4, 5]))
+    assert view is not None and view.data_ptr() == s.cache[3].data_ptr()
+    assert torch.equal(view, s.cache[3:6].reshape(-1).view(torch.uint8))
+    assert s.run_view(torch.tensor([3, 5])) is None  # not one run: gathered
+    scaled = BlockStore(s.cache.float(), torch.ones(SHAPE[:5]))
+    assert scaled.run_view(torch.tensor([3, 4])) is None  # [scales][kv] is two ranges

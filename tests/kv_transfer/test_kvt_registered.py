@@ -160,6 +160,32 @@ def test_registered_mode_between_processes_and_staging_fallback() -> None:
         private.close()
 
 
+def test_one_commit_of_many_pieces_between_processes() -> None:
+    """By default one commit covers the whole transfer (sent with END) while the copy goes in
+    pieces, each after a check of the lease and of a refusal: runs and scattered ids arrive
+    exactly; a stale epoch is refused before any piece is written."""
+    spec = {**SPEC, "dtype": "bfloat16"}
+    receiver, sender = Peer("shm", {**spec, "seed": 1}), Peer("shm", {**spec, "seed": 2})
+    try:
+        options = {"mode": "registered", "piece_bytes": 3 * 2048}  # 3 blocks a piece
+        assert sender.call("connect", address=receiver.address, options=options) == {"ok": True}
+        src, dst = [*range(20, 36), 3, 1, 9], [*range(40, 50), 5, 7, *range(10, 17)]
+        before = receiver.call("digest", ids=dst)
+        t = os.urandom(16).hex()
+        receiver.call("expect", tid=t, epoch=4, dst=dst, seconds=10)
+        stale = sender.call("send", tid=t, epoch=3, src=src, dst=dst, seconds=10)
+        assert (stale["state"], stale["error"]) == ("FAILED", "StaleEpochError"), stale
+        assert receiver.call("digest", ids=dst) == before
+        sender.call("connect", address=receiver.address, options=options)
+        sent = sender.call("send", tid=t, epoch=4, src=src, dst=dst, seconds=10)
+        assert sent["state"] == "COMPLETED", sent
+        assert receiver.call("wait", tid=t)["state"] == "COMPLETED"
+        assert receiver.call("digest", ids=dst) == sender.call("digest", ids=src) != before
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_cancel_revokes_a_granted_window_but_not_a_completed_one() -> None:
     receiver, _ = stores()
     core = ReceiverCore(receiver)

@@ -119,9 +119,9 @@ def close_transfer_links(timeout: float = 5.0) -> list[str]:
     """Shut the gloo sender links kv_transfer pools for reuse (otherwise kept until exit) and
     wait for the receivers' link threads to end: a thread still inside gloo when the
     interpreter exits aborts the process. Returns the names of threads still alive."""
-    gloo = sys.modules.get("kv_transfer.backends.gloo")
-    if gloo is not None:
-        gloo._POOL.close_all()
+    links = sys.modules.get("kv_transfer.backends.gloo_link")
+    if links is not None:
+        links.POOL.close_all()
     deadline = time.monotonic() + timeout
     while True:
         left = [t.name for t in threading.enumerate() if t.name.startswith(TRANSFER_THREADS)]

@@ -1,0 +1,243 @@
+"""gloo/NCCL links of the `gloo` backend: a two-rank process group per sender/receiver pair,
+the messages on it (`Link`), and the per-peer pool that reuses them (`POOL`).
+
+A link carries one transfer at a time. Every wait has a timeout; a wait that fails or times
+out marks the link broken, and a broken link is shut down (`abort`) rather than reused.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kv_transfer.errors import DeadlineExpiredError, FrameError, PeerError, parse_wire_error
+from kv_transfer.header import HEADER_SIZE, FrameHeader, decode_header
+from kv_transfer.layout import KVLayout
+
+if not torch.distributed.is_available():  # pragma: no cover - builds without distributed
+    raise ImportError("torch.distributed is not available in this torch build")
+
+import torch.distributed as dist
+
+HANDSHAKE_SECONDS = 10.0
+IDLE_SECONDS = 600.0  # a receiver drops a link idle this long; senders rebuild theirs before
+QUEUE = "kvmesh/hellos"
+RECEIVER_RANK, SENDER_RANK = 0, 1
+_POOL_PER_PEER = 4
+
+
+def td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(0.001, seconds))
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise FrameError("address", f"expected HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _local_host_towards(host: str) -> str:
+    """The local address this host uses to reach `host` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def new_group(store: Any, rank: int, device: torch.device, host: str) -> Any:
+    """A two-rank process group over `store`: NCCL for CUDA caches, gloo otherwise."""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = td(HANDSHAKE_SECONDS)
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = td(HANDSHAKE_SECONDS)
+    options._threads = 1
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+class Link:
+    """One process group between a sender and a receiver, used by one transfer at a time."""
+
+    def __init__(self, group: Any, peer: int, device: torch.device, max_frame: int) -> None:
+        self.group = group
+        self.peer = peer
+        self.device = device
+        self.max_frame = max_frame
+        self.last_used = time.monotonic()
+        self.broken = False
+        self.closed = False
+        self._header = torch.empty(HEADER_SIZE, dtype=torch.uint8, device=device)
+        self._staging: torch.Tensor | None = None  # uint8 [max_frame], made on first use
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of this link's receive buffer (frames that are not one run)."""
+        if self._staging is None:
+            self._staging = torch.empty(self.max_frame, dtype=torch.uint8, device=self.device)
+        return self._staging[:nbytes]
+
+    def _wait(self, work: Any, deadline: float, what: str) -> None:
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            work.wait(td(left))
+        except Exception as exc:
+            self.broken = True  # a failed or timed-out wait leaves the group unusable
+            if time.monotonic() >= deadline - 0.001:
+                raise DeadlineExpiredError(f"deadline passed waiting to {what}") from None
+            raise PeerError(f"{what} failed: {str(exc)[:300]}") from None
+        self.last_used = time.monotonic()
+
+    def post(self, header: FrameHeader, payload: torch.Tensor | None = None) -> list[Any]:
+        """Start sending one message; returns the works to `finish`."""
+        raw = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8).to(self.device)
+        works = [self.group.send([raw], self.peer, 0)]
+        if payload is not None and payload.numel():
+            works.append(self.group.send([payload], self.peer, 0))
+        return works
+
+    def finish(self, works: list[Any], deadline: float) -> None:
+        for work in works:
+            self._wait(work, deadline, "send")
+
+    def send(self, header: FrameHeader, payload: torch.Tensor | None, deadline: float) -> None:
+        self.finish(self.post(header, payload), deadline)
+
+    def post_recv_header(self) -> Any:
+        return self.group.recv([self._header], self.peer, 0)
+
+    def finish_recv_header(self, work: Any, deadline: float) -> FrameHeader:
+        self._wait(work, deadline, "receive a header")
+        return decode_header(self._header.cpu().numpy().tobytes())
+
+    def recv_header(self, deadline: float) -> FrameHeader:
+        return self.finish_recv_header(self.post_recv_header(), deadline)
+
+    def recv_payload(self, into: torch.Tensor, deadline: float) -> torch.Tensor:
+        if into.numel():
+            self._wait(self.group.recv([into], self.peer, 0), deadline, "receive a payload")
+        return into
+
+    def receiver(self, deadline: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`recv_payload` for `ReceiverCore.on_frame_into`: a receive that fails aborts the
+        link before returning, so no late byte can land in the tensor it was reading into."""
+
+        def receive(into: torch.Tensor) -> torch.Tensor:
+            try:
+                return self.recv_payload(into, deadline)
+            except BaseException:
+                self.abort()
+                raise
+
+        return receive
+
+    def abort(self) -> None:
+        """Stop the group; pending waits on it fail (abort() instead would crash at exit)."""
+        if self.closed:
+            return
+        self.broken = self.closed = True
+        with contextlib.suppress(Exception):
+            self.group.shutdown()
+
+
+class LinkPool:
+    """Idle links per (receiver address, layout); a link is built only when none is idle."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, bytes], list[Link]] = {}
+        self._stores: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def take(self, address: str, layout: KVLayout, device: torch.device, max_frame: int) -> Link:
+        key = (address, layout.to_bytes())
+        with self._lock:
+            idle = self._idle.get(key, [])
+            while idle:
+                link = idle.pop()
+                fresh = time.monotonic() - link.last_used < IDLE_SECONDS / 2
+                if fresh and not link.broken and link.max_frame >= max_frame:
+                    return link
+                link.abort()
+        return self._connect(address, layout, device, max_frame)
+
+    def give(self, address: str, layout: KVLayout, link: Link) -> None:
+        if link.broken:
+            link.abort()
+            return
+        with self._lock:
+            idle = self._idle.setdefault((address, layout.to_bytes()), [])
+            if len(idle) < _POOL_PER_PEER:
+                idle.append(link)
+                return
+        link.abort()
+
+    def close_all(self) -> None:
+        """Shut every idle link down (at exit: groups must not outlive the interpreter)."""
+        with self._lock:
+            links = [link for idle in self._idle.values() for link in idle]
+            self._idle.clear()
+            self._stores.clear()
+        for link in links:
+            link.abort()
+
+    def _store(self, address: str) -> Any:
+        with self._lock:
+            store = self._stores.get(address)
+        if store is None:
+            host, port = split_host_port(address)
+            try:  # a plain connect first: the store client would retry a refusal for its timeout
+                socket.create_connection((host, port), timeout=HANDSHAKE_SECONDS).close()
+                store = dist.TCPStore(
+                    host, port, None, False, td(HANDSHAKE_SECONDS), wait_for_workers=False
+                )
+            except Exception as exc:
+                raise PeerError(f"cannot reach gloo receiver {address}: {exc}") from None
+            with self._lock:
+                self._stores[address] = store
+        return store
+
+    def _connect(
+        self, address: str, layout: KVLayout, device: torch.device, max_frame: int
+    ) -> Link:
+        store = self._store(address)
+        link_id = os.urandom(12).hex()
+        scope = f"kvmesh/link/{link_id}/"
+        hello = layout.to_bytes() + b"\0" + json.dumps({"max_frame": max_frame}).encode()
+        try:
+            store.set(scope + "hello", hello)
+            store.queue_push(QUEUE, link_id)
+            ack = json.loads(store.get(scope + "ack"))
+        except Exception as exc:
+            with self._lock:
+                self._stores.pop(address, None)  # the receiver may have restarted
+            raise PeerError(f"gloo handshake with {address} failed: {exc}") from None
+        layout.check_compatible(KVLayout.from_bytes(str(ack.get("layout", "")).encode()))
+        if "error" in ack:
+            raise parse_wire_error(str(ack["error"]).encode())
+        host, _ = split_host_port(address)
+        try:
+            group = new_group(
+                dist.PrefixStore(scope, store), SENDER_RANK, device, _local_host_towards(host)
+            )
+        except Exception as exc:
+            raise PeerError(f"gloo group with {address} failed: {exc}") from None
+        return Link(group, RECEIVER_RANK, device, max_frame)
+
+
+POOL = LinkPool()
+atexit.register(POOL.close_all)
