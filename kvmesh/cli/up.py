@@ -117,6 +117,24 @@ class UpConfig:
             ["prefill"] * self.prefill + ["decode"] * self.decode + (["colocated"] * self.colocated)
         )
 
+    def worker_threads(self) -> int:
+        """Torch (and OpenMP) threads per worker: `threads`, else the cores this process may
+        run on shared among the workers, at least 1. Workers that together ask for more
+        threads than there are cores slow each other down: an OpenMP region waits for its
+        slowest thread, and with disaggregation the prefill computes while the decode worker
+        and the control plane are busy with the same request."""
+        if self.threads is not None:
+            return self.threads
+        return max(1, usable_cores() // max(1, len(self.roles())))
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1
+
 
 @dataclass
 class Worker:
@@ -215,11 +233,9 @@ class LocalSystem:
                 *c.role_args.get(role, ())]  # fmt: skip
         if role != "colocated":
             argv += ["--transfer-backend", c.transfer_backend]
-        if c.threads is not None:
-            argv += ["--num-threads", str(c.threads)]
-        env = {**self.env, **role_env(role)}
-        if c.threads is not None:
-            env["OMP_NUM_THREADS"] = str(c.threads)
+        threads = str(c.worker_threads())
+        argv += ["--num-threads", threads]
+        env = {**self.env, **role_env(role), "OMP_NUM_THREADS": threads}
         worker = Worker(role, self.supervisor.start(name, argv, env))
         slots = [i for i, w in enumerate(self.workers) if w.child.name == name]
         if slots:
@@ -329,7 +345,8 @@ def register(subparsers: Any) -> None:
     add("--transfer-backend", choices=WORKER_BACKENDS, default=DEFAULT_BACKEND,
         help="KV transfer backend between prefill and decode (default %(default)s)")  # fmt: skip
     add("--threads", "--num-threads", type=int, default=None,
-        help="torch (and OpenMP) threads per worker process")  # fmt: skip
+        help="torch (and OpenMP) threads per worker process (default: the usable cores "
+             "shared among the workers)")  # fmt: skip
     add("--startup-timeout", type=float, default=180.0, help="seconds (default %(default)s)")
     add("--tls-cert", default=None, metavar="PEM", help="TLS on every port (with --tls-key)")
     add("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")

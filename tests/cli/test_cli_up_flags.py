@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvmesh.cli.main import build_parser, main
@@ -38,3 +40,16 @@ def test_each_worker_gets_its_own_disk_tier_folder() -> None:
     assert prefill[prefill.index("--disk-kv-dir") + 1] == "kv/prefill-0"
     assert own_disk_dir(("--disk-kv-dir=kv",), "decode-1") == ("--disk-kv-dir=kv/decode-1",)
     assert own_disk_dir(("--dtype", "float32"), "decode-0") == ("--dtype", "float32")
+
+
+def test_workers_share_the_usable_cores_unless_threads_are_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["up"])).worker_threads() == 4  # 1 prefill + 1 decode
+    assert config_from_args(parse(["up", "--prefill", "2", "--decode", "3"])).worker_threads() == 1
+    assert config_from_args(parse(["up", "--colocated", "1"])).worker_threads() == 8
+    assert config_from_args(parse(["up", "--threads", "3"])).worker_threads() == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert config_from_args(parse(["up"])).worker_threads() == 1
