@@ -18,15 +18,16 @@ Where the time goes (perf and per-process CPU time, 2-core machine shared with o
   behind the header cost one more copy.
 - receiver (about 70 ms): the kernel's copy out of the socket (grpc's threads), then on the
   event loop thread grpc's copies of the message's slices into one `bytes` (not avoidable
-  through grpc's Python API), the xxh3 pass and the scatter into the cache. Before
-  `kv_transfer.heap` limited glibc to one arena, a third of the receiver's samples were page
-  faults zeroing grpc's read buffers (its threads' arenas unmapped them after every frame).
-- measured and not kept: 512 KiB frames (more CPU per byte; 1 to 7 MiB alike, 2 MiB stays),
-  HTTP/2 frame size, window and BDP options (within noise), and verifying and scattering on
-  a worker thread while the loop takes the next message (more CPU, no faster on a loaded
-  machine). Not built: several streams in flight (a raw gRPC test with two streams was
-  within noise of one; both processes are CPU-bound on two cores, and the receiver handles
-  every stream on its one event loop thread).
+  through grpc's Python API), the xxh3 pass and the scatter into the cache. Up to a third of
+  the receiver's samples are page faults zeroing grpc's read buffers (its threads' arenas
+  unmap them after every frame).
+- measured and not kept: one glibc arena for the process (no faults, but no measurable gain,
+  and it changes every allocation of the worker), 512 KiB frames (more CPU per byte; 1 to 7
+  MiB alike, 2 MiB stays), HTTP/2 frame size, window and BDP options (within noise), and
+  verifying and scattering on a worker thread while the loop takes the next message (more
+  CPU, no faster on a loaded machine). Not built: several streams in flight (a raw gRPC test
+  with two streams was within noise of one; both processes are CPU-bound on two cores, and the
+  receiver handles every stream on its one event loop thread).
 
 The receiver runs a `grpc.aio` server (uvloop when installed) on its own thread; the sender
 uses a synchronous channel. With a `Security` holding the cluster token, the receiver refuses
