@@ -14,10 +14,6 @@ answered with a write window over exactly the reserved blocks (their byte offset
 the transfer id, epoch and lease); the sender writes the blocks in place and commits each
 frame. A commit for another epoch, after the lease, outside the window or over blocks already
 committed is refused and changes nothing; END completes only when every block was committed.
-
-Receiving in place (`on_frame_into`): a backend that reads a frame's payload off the wire
-itself may read it straight into the reserved blocks when they are one run of the cache, after
-the same checks as `on_frame` and under the reservation's lock; the checksum is verified there.
 """
 
 from __future__ import annotations
@@ -224,46 +220,6 @@ class ReceiverCore:
             lo, n = header.block_offset, header.num_blocks
             self.store.scatter_from(res.dst[lo : lo + n], payload)
             self._mark(res, header)
-
-    def on_frame_into(
-        self,
-        header: FrameHeader,
-        receive: Callable[[torch.Tensor], torch.Tensor],
-        staging: Callable[[int], torch.Tensor],
-    ) -> None:
-        """A FRAME whose payload is still on the wire; `receive(into)` reads it into a uint8
-        tensor [payload_len]. When the frame's blocks are one run of the cache (`run_view`)
-        and fencing, state and the frame's fields pass, it reads straight into them, under
-        the record's lock (a cancel waits for it), and the checksum is verified in place
-        (a mismatch fails the transfer). Otherwise into `staging(payload_len)`, then `on_frame`: a
-        refused frame is still read, so the link stays in step."""
-        with self._lock:
-            res = self._reservations.get(header.transfer_id)
-        if res is not None:
-            with res.record.lock:
-                target = self._in_place(res, header)
-                if target is not None:
-                    receive(target)
-                    try:
-                        self._check_payload(header, target)
-                    except TransferError as exc:
-                        raise self._fail(res, exc) from None
-                    self._mark(res, header)
-                    return
-        self.on_frame(header, receive(staging(header.payload_len)))
-
-    def _in_place(self, res: _Reservation, header: FrameHeader) -> torch.Tensor | None:
-        """The cache bytes frame `header` may be received into, or None (staging path)."""
-        if res.record.state is not TransferState.IN_FLIGHT:
-            return None
-        if header.epoch != res.record.request.epoch or res.record.expire_if_due():
-            return None
-        try:
-            self._check_window(res, header)
-        except TransferError:
-            return None
-        lo, n = header.block_offset, header.num_blocks
-        return self.store.run_view(res.dst[lo : lo + n])
 
     def _check_window(self, res: _Reservation, header: FrameHeader) -> None:
         if res.frame_count not in (None, header.frame_count):

@@ -13,15 +13,13 @@ CANCEL. Receiver → sender: ACCEPT, FRAME_ACK, DONE, ERROR (`code\\0message`). 
 flight: the sender prepares frame k+1 while frame k travels, then waits for k's FRAME_ACK.
 Every wait has a timeout (the transfer deadline, or the idle limit of a link).
 
-Payloads move without staging where the cache allows (`BlockStore.run_view`: consecutive
-block ids of a host cache without scales are one byte range): a frame whose source blocks are
-one run is sent from the cache itself, and one whose reserved blocks are one run is received
-straight into them (`ReceiverCore.on_frame_into`: fencing and the frame's fields checked
-first, the checksum verified in place after; a failed receive aborts the link before the
-blocks are released). Such a receive holds the reservation's lock, so a payload must follow
-its header at 16 MB/s or faster (`payload_seconds`): a cancel waits at most that long. Other
-frames go through a staging buffer (two per sender, one per link on the receiver, made on
-first use).
+A frame whose source blocks are one run of the cache (`BlockStore.run_view`: consecutive
+block ids of a host cache without scales are one byte range) is sent from the cache itself;
+others are gathered into one of two staging buffers. The receiver always reads a payload into
+its link's staging buffer, then checks and scatters it: reading straight into the reserved
+blocks would leave them exposed to a late write whenever a receive fails half-way (a peer
+stopped mid-frame) and the blocks go back to the pool before the transport is certainly
+silent, which this module cannot prove for gloo's transport threads.
 
 Where the time goes (2-core machine, 128 MiB, host cache): per byte, gloo's TCP loop threads
 (epoll wake-ups and socket copies) cost more than the copies around them, and each frame
@@ -80,17 +78,8 @@ import torch.distributed as dist
 
 REPLY_SECONDS = 10.0  # receiver's bound on delivering one reply
 MAX_FRAME_BYTES = 256 << 20
-PAYLOAD_GRACE_SECONDS = 0.25
-MIN_PAYLOAD_BYTES_PER_SECOND = 16e6  # a 16 MiB frame may take 1.3 s
 FRAME_BYTES = 16 << 20  # measured: 16 MiB frames took 0.6x the CPU of 2 MiB ones per byte
 _CLOSE = "!close"
-
-
-def payload_seconds(nbytes: int) -> float:
-    """How long a FRAME's payload may take once its header arrived (the sender posts both at
-    once). A payload received into the reserved blocks holds the reservation's lock, so this
-    bounds how long a cancel can wait for it; a slower payload aborts the link."""
-    return PAYLOAD_GRACE_SECONDS + nbytes / MIN_PAYLOAD_BYTES_PER_SECOND
 
 
 def _control_payload(header: FrameHeader, link: Link, deadline: float) -> bytes:
@@ -207,17 +196,19 @@ class Receiver(KVReceiver):
     def _handle(
         self, link: Link, header: FrameHeader, begun: set[bytes]
     ) -> tuple[FrameHeader, torch.Tensor | None] | None:
-        """Read the message's payload (keeps the stream in step; a FRAME's straight into the
-        reserved blocks when they are one run), then apply it to the core."""
+        """Read the message's payload (keeps the stream in step), then apply it to the core."""
         deadline = time.monotonic() + REPLY_SECONDS
         kind, tid, epoch = header.msg_type, header.transfer_id, header.epoch
-        if kind is MsgType.FRAME and header.payload_len > link.max_frame:
-            raise FrameError("payload_len", f"{header.payload_len} above {link.max_frame}")
-        data = b"" if kind is MsgType.FRAME else _control_payload(header, link, deadline)
+        data, payload = b"", link.staging(0)
+        if kind is MsgType.FRAME:
+            if header.payload_len > link.max_frame:  # cannot skip it: the link is out of step
+                raise FrameError("payload_len", f"{header.payload_len} above {link.max_frame}")
+            payload = link.recv_payload(link.staging(header.payload_len), deadline)
+        else:
+            data = _control_payload(header, link, deadline)
         try:
             if kind is MsgType.FRAME:
-                bound = min(deadline, time.monotonic() + payload_seconds(header.payload_len))
-                self.core.on_frame_into(header, link.receiver(bound), link.staging)
+                self.core.on_frame(header, payload)
                 return frame_header(MsgType.FRAME_ACK, tid, epoch), None
             if kind is MsgType.BEGIN:
                 self.core.on_begin(header, data)

@@ -15,7 +15,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,19 +131,6 @@ class Link:
         if into.numel():
             self._wait(self.group.recv([into], self.peer, 0), deadline, "receive a payload")
         return into
-
-    def receiver(self, deadline: float) -> Callable[[torch.Tensor], torch.Tensor]:
-        """`recv_payload` for `ReceiverCore.on_frame_into`: a receive that fails aborts the
-        link before returning, so no late byte can land in the tensor it was reading into."""
-
-        def receive(into: torch.Tensor) -> torch.Tensor:
-            try:
-                return self.recv_payload(into, deadline)
-            except BaseException:
-                self.abort()
-                raise
-
-        return receive
 
     def abort(self) -> None:
         """Stop the group; pending waits on it fail (abort() instead would crash at exit)."""

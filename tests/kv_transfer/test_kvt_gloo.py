@@ -58,7 +58,7 @@ def test_links_are_pooled_and_a_closed_receiver_fails_fast(gloo: object) -> None
 
 
 def test_run_view_is_the_cache_bytes_of_consecutive_blocks() -> None:
-    """What a run of blocks is sent from and received into, in place (no staging copy)."""
+    """What a run of blocks is sent from in place (no staging copy)."""
     s = store(1)
     view = s.run_view(torch.tensor([3, 4, 5]))
     assert view is not None and view.data_ptr() == s.cache[3].data_ptr()
