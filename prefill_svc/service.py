@@ -228,7 +228,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         try:
             if not target.done():  # compute while the decode worker reserves
                 await run.start()
-            return await self._ship(await target, run, export, active, timings)
+            named = await named_by(target, deadline)
+            return await self._ship(named, run, export, active, timings)
         finally:
             run.close()  # the release, queued on the engine before the caller hears back
             self.active.pop(rid, None)
@@ -403,6 +404,19 @@ class EngineRun:
             self._first.cancel()
         if self.stream is not None:
             self.stream.close()
+
+
+async def named_by(
+    target: asyncio.Future[worker_pb2.KVTarget], deadline: float
+) -> worker_pb2.KVTarget:
+    """The target once named (DEADLINE_EXCEEDED naming `target` when it is not by `deadline`:
+    the call's own deadline, or `transfer_timeout` for a call without one)."""
+    try:
+        return await asyncio.wait_for(target, max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise ServiceError(
+            grpc.StatusCode.DEADLINE_EXCEEDED, "target: not named before the call's deadline"
+        ) from None
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -25,10 +25,12 @@ AHEAD_PROMPTS = {b: [200 + i, *PROMPT[1:]] for i, b in enumerate(backends_here()
 class AheadCall:
     """A PrefillAhead call whose messages the test sends one at a time."""
 
-    def __init__(self, driver: ControlDriver, first: worker_pb2.PrefillRequest) -> None:
+    def __init__(
+        self, driver: ControlDriver, first: worker_pb2.PrefillRequest, timeout: float | None = 30
+    ) -> None:
         self._messages: list[worker_pb2.PrefillRequest | None] = [first]
         self._ready = threading.Condition()
-        self.future = driver.p.PrefillAhead.future(self._iterate(), timeout=30)
+        self.future = driver.p.PrefillAhead.future(self._iterate(), timeout=timeout)
 
     def _iterate(self) -> Iterator[worker_pb2.PrefillRequest]:
         while True:
@@ -113,12 +115,15 @@ def test_target_named_after_the_prefill_finished_matches_offline(
     wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 2.0, "decode blocks freed")
 
 
-def start_ahead(workers: Any, rid: str, generation: int) -> tuple[Any, ControlDriver, AheadCall]:
+def start_ahead(
+    workers: Any, rid: str, generation: int, timeout: float | None = 30
+) -> tuple[Any, ControlDriver, AheadCall]:
     prefills, decode = workers
     prefill = prefills["overlap"]
     driver = ControlDriver(prefill, decode, backends_here()[0])
     request = driver.prepare(rid, [300 + generation, *PROMPT[1:]], max_tokens=4)
-    call = AheadCall(driver, worker_pb2.PrefillRequest(request=request, generation=generation))
+    first = worker_pb2.PrefillRequest(request=request, generation=generation)
+    call = AheadCall(driver, first, timeout)
     wait_until(lambda: prefill.free_blocks() < NUM_BLOCKS, 5.0, "prefill started")
     return prefill, driver, call
 
@@ -129,6 +134,20 @@ def test_a_call_ending_without_a_target_is_invalid_and_frees_everything(workers:
     code, details = call.outcome()
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("target:")
     wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 2.0, "prefill blocks freed")
+
+
+def test_a_target_never_named_ends_at_the_workers_bound_and_frees_everything(
+    workers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call without a deadline that never names its target (nor ends) still ends: at the
+    prefill worker's transfer bound, DEADLINE_EXCEEDED naming `target`."""
+    prefill = workers[0]["overlap"]
+    monkeypatch.setattr(prefill.role.servicer, "transfer_timeout", 1.0)
+    _, _, call = start_ahead(workers, "never-named", 16, timeout=None)
+    code, details = call.outcome()
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and details.startswith("target:")
+    wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 2.0, "prefill blocks freed")
+    call.send(None)
 
 
 def test_a_target_of_another_generation_is_refused_and_frees_everything(workers: Any) -> None:
