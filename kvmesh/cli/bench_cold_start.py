@@ -31,7 +31,12 @@ def register(subparsers: Any) -> None:
     add("--colocated", action="store_true", help="one colocated worker instead of 1P+1D")
     add("--requests", type=int, default=10, help="sequential requests (default %(default)s)")
     add("--max-tokens", type=int, default=4, help="tokens per request (default %(default)s)")
-    add("--threads", type=int, default=None, help="torch threads per worker")
+    add(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per worker (default: the usable cores shared among the workers)",
+    )
     add("--warmup", choices=("full", "kernels", "off"), default="full")
     add("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run_cold_start)

@@ -48,7 +48,12 @@ def register(subparsers: Any) -> None:
     ttft.add_argument("--systems", default="colocated,disaggregated",
                       help="comma-separated: colocated, disaggregated")  # fmt: skip
     ttft.add_argument("--transfer-backend", default=DEFAULT_BACKEND, choices=WORKER_BACKENDS)
-    ttft.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    ttft.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per worker (default: the usable cores shared among the workers)",
+    )
     ttft.add_argument("--overlap", default="on", choices=("on", "off"),
                       help="the prefill worker's --transfer-overlap")  # fmt: skip
     ttft.add_argument("--prefill-chunk", type=int, default=None,

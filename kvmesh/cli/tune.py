@@ -43,7 +43,12 @@ def register(subparsers: Any) -> None:
     add("--model", default=None, help="checkpoint of the embedded systems (default model)")
     add("--embedded", choices=("colocated", "disaggregated"), default="colocated",
         help="the embedded system of each setting (default %(default)s)")  # fmt: skip
-    add("--threads", type=int, default=None, help="torch threads per worker")
+    add(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per worker (default: the usable cores shared among the workers)",
+    )
     add("--worker-args", default="", help="extra `kvmesh serve` worker flags for every setting")
     add_workload_flags(p, default="w4")
     add("--request-rate", type=float, default=math.inf,
