@@ -103,7 +103,8 @@ class Driver:
         run.timings.queue = self._cluster.clock() - run.arrival
         method = self._prefill_stub(prefill).PrefillAhead
         messages: asyncio.Queue[worker_pb2.PrefillRequest | None] = asyncio.Queue()
-        messages.put_nowait(prefill_start(run, engine, generation))
+        start = worker_pb2.PrefillRequest(generation=generation, **prompt_fields(run, engine))
+        messages.put_nowait(start)
         with contextlib.ExitStack() as decoding:
             decoding.callback(messages.put_nowait, None)  # the request stream ends, always
             with self._streaming(run, prefill, "prefill", method, drain(messages)) as ahead:
@@ -163,11 +164,9 @@ class Driver:
         for decode in dict.fromkeys(decodes):
             ledger.expect(run.request_id, generation, ref(decode))
             lease = min(config.reservation_lease_seconds, run.timeout())
-            request = worker_pb2.ReserveRequest(generation=generation, lease_seconds=lease)
-            if engine is None:
-                request.prompt.CopyFrom(client_request(run))
-            else:
-                request.request.CopyFrom(engine)
+            request = worker_pb2.ReserveRequest(
+                generation=generation, lease_seconds=lease, **prompt_fields(run, engine)
+            )
             try:
                 stub = self._decode_stub(decode)
                 response = await self._invoke(run, decode, "reserve", stub.Reserve, request)
@@ -220,17 +219,14 @@ class Driver:
         messages.put_nowait(worker_pb2.PrefillRequest(target=target))
         messages.put_nowait(None)
 
-    async def _outcome(self, run: Run, worker: WorkerRecord, call: Any) -> Any:
-        try:
-            return await call
-        except grpc.aio.AioRpcError as error:
-            raise map_error(error, worker, "prefill") from None
-
     async def _prefilled(
         self, run: Run, generation: int, prefill: WorkerRecord, ahead: Any
     ) -> None:
         """Wait for PrefillAhead's answer: the KV landed on the decode side."""
-        response = await self._outcome(run, prefill, ahead)
+        try:
+            response = await ahead
+        except grpc.aio.AioRpcError as error:
+            raise map_error(error, prefill, "prefill") from None
         self._cluster.ledger.transferred(run.request_id, generation, ref(prefill))
         timings = run.timings
         timings.queue += response.queue_seconds
@@ -240,10 +236,7 @@ class Driver:
 
     async def _colocated(self, run: Run, worker: WorkerRecord) -> None:
         run.event("routed", colocated=worker.worker_id)
-        engine = engine_request(run)
-        request = worker_pb2.ColocatedRequest(request=engine)
-        if engine is None:
-            request = worker_pb2.ColocatedRequest(prompt=client_request(run))
+        request = worker_pb2.ColocatedRequest(**prompt_fields(run, engine_request(run)))
         generation = self._open(run)
         self._cluster.ledger.decoding(run.request_id, generation, ref(worker))
         run.timings.queue = self._cluster.clock() - run.arrival
@@ -337,13 +330,10 @@ def decode_request(
     )
 
 
-def prefill_start(
-    run: Run, engine: worker_pb2.EngineRequest | None, generation: int
-) -> worker_pb2.PrefillRequest:
-    """PrefillAhead's first message: the request (prepared, or the client's) and generation."""
-    if engine is None:
-        return worker_pb2.PrefillRequest(prompt=client_request(run), generation=generation)
-    return worker_pb2.PrefillRequest(request=engine, generation=generation)
+def prompt_fields(run: Run, engine: worker_pb2.EngineRequest | None) -> dict[str, Any]:
+    """The prompt fields of a worker call that prepares what it is not given: `request` (the
+    prepared request) or `prompt` (the client's, for a text or chat prompt)."""
+    return {"prompt": client_request(run)} if engine is None else {"request": engine}
 
 
 def prompt_text(request: generation_pb2.GenerateRequest) -> list[str]:

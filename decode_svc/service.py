@@ -122,7 +122,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         started = time.monotonic()
         try:
             res = self._claim(request)
-            first, kv_complete = await self._await_kv(res, request, context)
+            first, kv_complete = await self._await_kv(res, context)
             waited = {"kvmesh.kv_wait_seconds": time.monotonic() - started}
             trace.get_current_span().add_event("kv_received", waited)
         except Exception as exc:
@@ -187,14 +187,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         res.task = asyncio.current_task()
         return res
 
-    def _check_first_tokens(
-        self, tokens: Sequence[worker_pb2.FirstToken], res: Reservation, where: str
-    ) -> None:
-        vocab = self.runtime.core.runner.vocab_size
-        check_first_tokens(tokens, res.request.params.n, vocab, where)
-
     async def _await_kv(
-        self, res: Reservation, message: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+        self, res: Reservation, context: grpc.aio.ServicerContext
     ) -> tuple[list[worker_pb2.FirstToken], bool]:
         """The first tokens (the transfer's trailer) and whether the KV came with them, once
         the transfer ended (bounded by the lease and the call deadline)."""
@@ -221,7 +215,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT, "transfer_id: the trailer is not FirstTokens"
             ) from None
-        self._check_first_tokens(tokens, res, "transfer_id.trailer")
+        vocab = self.runtime.core.runner.vocab_size
+        check_first_tokens(tokens, res.request.params.n, vocab, "transfer_id.trailer")
         return tokens
 
     # -- Release ---------------------------------------------------------------------------
@@ -258,7 +253,7 @@ def raise_if_released(res: Reservation) -> None:
 
 
 def check_first_tokens(
-    tokens: Sequence[worker_pb2.FirstToken], n: int, vocab: int, where: str = "first_tokens"
+    tokens: Sequence[worker_pb2.FirstToken], n: int, vocab: int, where: str
 ) -> None:
     """INVALID_ARGUMENT naming `where` unless the tokens are one per completion, indexes
     0..n-1 in order, each a token of the vocabulary."""

@@ -106,7 +106,7 @@ class BlockStore:
         if not consecutive(ids):
             return None
         first, n = int(ids[0]), int(ids.numel())
-        return self.cache.view(self.num_blocks, -1)[first : first + n].view(-1).view(torch.uint8)
+        return self.row_views()[0][first : first + n].reshape(-1)
 
     def scatter_from(self, ids: torch.Tensor, buf: torch.Tensor) -> None:
         """Write n blocks from the front of uint8 `buf` into cache rows `ids` (int64 [n])."""

@@ -100,7 +100,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> worker_pb2.PrefillResponse:
         timings = Timings(time.monotonic())
-        return await self._serve(context, self._prefill_ahead(request_iterator, context, timings))
+        messages = aiter(request_iterator)
+        return await self._serve(context, self._prefill_ahead(messages, context, timings))
 
     async def _serve(
         self, context: grpc.aio.ServicerContext, body: Awaitable[worker_pb2.PrefillResponse]
@@ -141,7 +142,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         context: grpc.aio.ServicerContext,
         timings: Timings,
     ) -> worker_pb2.PrefillResponse:
-        first = await anext(aiter(messages), None)
+        first = await anext(messages, None)
         if first is None:
             raise ServiceError(INVALID_ARGUMENT, "request: the call carried no message")
         if first.HasField("target"):
@@ -168,7 +169,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         generation: int,
     ) -> worker_pb2.KVTarget:
         """The target of PrefillAhead's second message, checked."""
-        message = await anext(aiter(messages), None)
+        message = await anext(messages, None)
         if message is None or not message.HasField("target"):
             raise ServiceError(INVALID_ARGUMENT, "target: the call ended without one")
         self._check_target(message.target, request, generation)
@@ -229,7 +230,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             if not target.done():  # compute while the decode worker reserves
                 await run.start()
             named = await named_by(target, deadline)
-            return await self._ship(named, run, export, active, timings)
+            return await self._ship(named, run, active, timings)
         finally:
             run.close()  # the release, queued on the engine before the caller hears back
             self.active.pop(rid, None)
@@ -238,7 +239,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self,
         target: worker_pb2.KVTarget,
         run: EngineRun,
-        export: KVExport,
         active: ActivePrefill,
         timings: Timings,
     ) -> worker_pb2.PrefillResponse:
@@ -256,13 +256,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                 handle = sender.start_stream(
                     transfer, list(target.block_ids), deadline=active.deadline
                 )
-                export.attach(handle, len(target.block_ids))
+                run.export.attach(handle, len(target.block_ids))
                 try:
                     output = await run.first()
                     active.state = worker_pb2.BLOCK_SET_STATE_SENDING
                     result = await self._await_sent(handle, target, timings, span)
                 finally:
-                    span.parts = export.parts
+                    span.parts = run.export.parts
                 self.metrics.request_done(grpc.StatusCode.OK)
                 return self._response(output, timings, result)
             finally:

@@ -184,36 +184,37 @@ class Receiver(KVReceiver):
 
     def _loop(self, link: Link) -> None:
         begun: set[bytes] = set()
+        staging = torch.empty(link.max_frame, dtype=torch.uint8, device=link.device)
         try:
             while not self._closed:
                 header = link.recv_header(time.monotonic() + IDLE_SECONDS)
-                reply = self._handle(link, header, begun)
+                reply = self._handle(link, header, staging, begun)
                 if reply is not None:
                     link.send(*reply, deadline=time.monotonic() + REPLY_SECONDS)
         except TransferError as exc:
             self.core.fail_ids(begun, PeerError(f"sender link lost: {exc}"))
 
     def _handle(
-        self, link: Link, header: FrameHeader, begun: set[bytes]
+        self, link: Link, header: FrameHeader, staging: torch.Tensor, begun: set[bytes]
     ) -> tuple[FrameHeader, torch.Tensor | None] | None:
         """Read the message's payload (keeps the stream in step), then apply it to the core."""
         deadline = time.monotonic() + REPLY_SECONDS
         kind, tid, epoch = header.msg_type, header.transfer_id, header.epoch
-        data, payload = b"", link.staging(0)
+        data, payload = b"", staging[:0]
         if kind is MsgType.FRAME:
             if header.payload_len > link.max_frame:  # cannot skip it: the link is out of step
                 raise FrameError("payload_len", f"{header.payload_len} above {link.max_frame}")
-            payload = link.recv_payload(link.staging(header.payload_len), deadline)
+            payload = link.recv_payload(staging[: header.payload_len], deadline)
         else:
             data = _control_payload(header, link, deadline)
         try:
-            if kind is MsgType.FRAME:
-                self.core.on_frame(header, payload)
-                return frame_header(MsgType.FRAME_ACK, tid, epoch), None
             if kind is MsgType.BEGIN:
                 self.core.on_begin(header, data)
                 begun.add(tid)
                 return frame_header(MsgType.ACCEPT, tid, epoch), None
+            if kind is MsgType.FRAME:
+                self.core.on_frame(header, payload)
+                return frame_header(MsgType.FRAME_ACK, tid, epoch), None
             if kind is MsgType.END:
                 begun.discard(tid)
                 self.core.on_end(header, data)
@@ -225,8 +226,6 @@ class Receiver(KVReceiver):
                 return None
             raise FrameError("msg_type", f"unexpected {kind.name}")
         except TransferError as exc:
-            if link.broken:  # the payload was not read: the link is out of step
-                raise
             wire = error_to_wire(exc)
             body = torch.frombuffer(bytearray(wire), dtype=torch.uint8).to(link.device)
             return frame_header(MsgType.ERROR, tid, epoch, wire), body

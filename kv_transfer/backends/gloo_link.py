@@ -81,13 +81,6 @@ class Link:
         self.broken = False
         self.closed = False
         self._header = torch.empty(HEADER_SIZE, dtype=torch.uint8, device=device)
-        self._staging: torch.Tensor | None = None  # uint8 [max_frame], made on first use
-
-    def staging(self, nbytes: int) -> torch.Tensor:
-        """The first `nbytes` of this link's receive buffer (frames that are not one run)."""
-        if self._staging is None:
-            self._staging = torch.empty(self.max_frame, dtype=torch.uint8, device=self.device)
-        return self._staging[:nbytes]
 
     def _wait(self, work: Any, deadline: float, what: str) -> None:
         left = deadline - time.monotonic()

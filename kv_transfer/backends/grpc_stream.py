@@ -72,7 +72,8 @@ from kvmesh.v1 import wire
 from kvmesh.v1.transfer import TransferCode
 
 keep_frames_in_heap()  # before grpc's threads first allocate (see kv_transfer.heap)
-# Frame payloads are read-only `bytes`; the receiver only reads them.
+# Frames are `bytes`: the receiver only reads them, and the sender fills a fresh one that
+# nothing else has seen yet; torch's warning about immutable buffers does not apply to either.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 HANDSHAKE_SECONDS = 10.0
 SERVICE = "kvmesh.v1.KVTransferService"
@@ -102,20 +103,11 @@ def _header(frame: pb.KVFrame) -> FrameHeader:
     )
 
 
-def readonly_bytes_tensor(message: bytes, offset: int) -> torch.Tensor:
-    """A uint8 view of `message[offset:]` without a copy. The view is only ever read (it is the
-    scatter source), so torch's warning about the immutable buffer does not apply."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(message, dtype=torch.uint8, offset=offset)
-
-
-def writable_bytes_tensor(message: bytes) -> torch.Tensor:
-    """A uint8 view of a `bytes` object this process just created and nothing else has seen
-    yet, to fill it in place (the sender's one copy); never used on shared or received bytes."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(message, dtype=torch.uint8)
+def bytes_tensor(message: bytes, offset: int = 0) -> torch.Tensor:
+    """A uint8 view of `message[offset:]` without a copy: read only (the receiver's scatter
+    source), or written only by the sender into a message it just created and nothing else
+    has seen yet (its one copy); never written when shared or received."""
+    return torch.frombuffer(message, dtype=torch.uint8, offset=offset)
 
 
 class _Servicer(pb_grpc.KVTransferServiceServicer):
@@ -243,7 +235,7 @@ class Receiver(KVReceiver):
         kind = header.msg_type
         if kind is MsgType.FRAME:
             payload = (
-                readonly_bytes_tensor(message, HEADER_SIZE)
+                bytes_tensor(message, HEADER_SIZE)
                 if header.payload_len
                 else torch.empty(0, dtype=torch.uint8)
             )
@@ -335,7 +327,7 @@ class Sender(KVSender):
         straight into it (one copy). Fresh per frame: grpc may keep what it was handed."""
         n = plan.frames[index][1]
         message = bytes(HEADER_SIZE + n * self.layout.bytes_per_block)
-        view = writable_bytes_tensor(message)  # uint8 [HEADER_SIZE + payload]
+        view = bytes_tensor(message)  # uint8 [HEADER_SIZE + payload]
         header, _ = _fill(self.store, plan, index, view[HEADER_SIZE:], self.checksum)
         view[:HEADER_SIZE].numpy()[:] = memoryview(header.encode())
         return message

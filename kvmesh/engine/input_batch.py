@@ -37,7 +37,6 @@ class HostInputs:
     block_tables: torch.Tensor  # [B, width] int32
     sample_rows: torch.Tensor  # [S] int64, the last row of each chunk that samples
     starts: np.ndarray  # [B] int64 start positions (host copy, for the attention context)
-    bounds: list[int] | range  # [B + 1] query_start_loc as Python ints
 
 
 class PersistentBatch:
@@ -114,7 +113,6 @@ class PersistentBatch:
         self._grow(count + 1)
         if num_decodes == count:  # one token each
             positions, token_rows, seq_lens = starts, rows, starts + 1
-            bounds: list[int] | range = range(count + 1)
             query_start_loc = self._starts32[: count + 1]
             sample_rows = self._range[:count]
         else:
@@ -123,8 +121,7 @@ class PersistentBatch:
             ends = np.cumsum(lens)  # [B]
             positions = np.repeat(starts - ends + lens, lens) + np.arange(ends[-1])  # [T]
             token_rows, seq_lens = np.repeat(rows, lens), starts + lens
-            bounds = [0, *ends.tolist()]
-            query_start_loc = torch.from_numpy(np.array(bounds, dtype=np.int32))
+            query_start_loc = torch.from_numpy(np.array([0, *ends.tolist()], dtype=np.int32))
             samples = np.ones(count, dtype=bool)
             samples[num_decodes:] = list(map(bool, plan.prefill_samples))
             sample_rows = torch.from_numpy(ends[samples] - 1)
@@ -140,7 +137,6 @@ class PersistentBatch:
             torch.from_numpy(table_rows[rows, :width]),  # [B, width] (a contiguous copy)
             sample_rows,
             starts,
-            bounds,
         )
 
     def _grow(self, size: int) -> None:

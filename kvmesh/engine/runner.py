@@ -150,7 +150,7 @@ class ModelRunner:
     def _context(self, inputs: HostInputs, plan: AttentionPlan) -> ForwardContext:
         """The step's ForwardContext; on CPU trailing first chunks (no cached context) are
         attended by the fresh path."""
-        starts, bounds = inputs.starts, inputs.bounds
+        starts, bounds = inputs.starts, plan.starts  # bounds: query_start_loc on the host
         count = num_paged = len(starts)
         if self.device.type == "cpu" and count and not starts[-1]:
             started = np.flatnonzero(starts)

@@ -83,8 +83,8 @@ RUNS = [
 @pytest.mark.parametrize("variant", [{"dtype": "bfloat16"}, {"dtype": "float32", "scales": True}])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_runs_of_consecutive_blocks_arrive_exactly(backend: str, variant: dict) -> None:
-    """Frames of several blocks whose ids are runs (sent from and received into the cache in
-    place where the backend can) or not, in one transfer."""
+    """Frames of several blocks whose ids are runs (sent from the cache in place where the
+    backend can) or not, in one transfer."""
     receiver, sender = peers(backend, {**SPEC, **variant}, frame=5 * 4096)
     for src, dst in RUNS:
         moved_exactly(receiver, sender, src, dst)

@@ -162,8 +162,8 @@ def test_registered_mode_between_processes_and_staging_fallback() -> None:
 
 def test_one_commit_of_many_pieces_between_processes() -> None:
     """By default one commit covers the whole transfer (sent with END) while the copy goes in
-    pieces, each after a check of the lease and of a refusal: runs and scattered ids arrive
-    exactly; a stale epoch is refused before any piece is written."""
+    pieces of 3 blocks: runs and scattered ids arrive exactly; a stale epoch is refused at
+    BEGIN and writes nothing."""
     spec = {**SPEC, "dtype": "bfloat16"}
     receiver, sender = Peer("shm", {**spec, "seed": 1}), Peer("shm", {**spec, "seed": 2})
     try:

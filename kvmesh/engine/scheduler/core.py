@@ -177,11 +177,8 @@ class Scheduler:
             seq = self._advance(seq_ids[index], starts[index], size)
             if seq is None:
                 continue
-            if len(sample_ids) == 1:
-                if self._sample_one(seq, sampled[seq.seq_id], changed):
-                    left = True
-            elif sample_ids and self._sample_children(seq, sample_ids, sampled, changed):
-                left = True  # () mid-prefill; n children after a forking chunk
+            if sample_ids and self._sample_children(seq, sample_ids, sampled, changed):
+                left = True  # () mid-prefill; itself, or n children after a forking chunk
         if left:
             state.running = [seq for seq in state.running if seq.status is RUNNING]
         return changed
@@ -233,13 +230,6 @@ class Scheduler:
             self.block_manager.commit(seq_id, seq.all_token_ids, computed, seq.extra_key)
         return seq
 
-    def _sample_one(self, seq: Sequence, token: int, changed: list[Sequence]) -> bool:
-        """Give `seq` its sampled token; True if it left the batch."""
-        seq.append_token(token)
-        changed.append(seq)
-        stops = token in seq.stop_token_set or seq.num_tokens >= seq.token_limit
-        return stops and self._stop_or_park(seq)
-
     def _sample_children(
         self,
         seq: Sequence,
@@ -247,7 +237,8 @@ class Scheduler:
         sampled: Mapping[str, int],
         changed: list[Sequence],
     ) -> bool:
-        """Give each of the n children its first token; True if any left the batch."""
+        """Give each sampled sequence (`seq` itself, or its n children after a forking chunk)
+        its token; True if any left the batch."""
         left = False
         for sample_id in sample_ids:
             target = self.state.seqs[sample_id]
@@ -264,16 +255,12 @@ class Scheduler:
     def _stop_or_park(self, seq: Sequence) -> bool:
         """After a token that may end `seq` (a stop id or its token limit): finish it, or park
         a prefill-only sequence in PREFILLED at its first token. True if it left the batch."""
-        if self._apply_stop(seq):
+        if self.state.finish_if_stopped(seq, self.config):  # finished, its blocks freed
             return True
         if len(seq.output_ids) == 1 and self.state.requests[seq.request_id].prefill_only:
             seq.status = PREFILLED  # holds its blocks until released
             return True
         return False
-
-    def _apply_stop(self, seq: Sequence) -> bool:
-        """Finish `seq` (freeing its blocks) if a stop rule fires; True if it finished."""
-        return self.state.finish_if_stopped(seq, self.config)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from itertools import chain, islice
 from typing import NamedTuple
 
-new_chunk = tuple.__new__  # new_chunk(ScheduledChunk, fields): skips NamedTuple's Python __new__
-
 
 class ScheduledChunk(NamedTuple):
     """One sequence's tokens in one step, as `SchedulerOutput.chunks` shows them.
