@@ -72,9 +72,6 @@ from kvmesh.v1 import wire
 from kvmesh.v1.transfer import TransferCode
 
 keep_frames_in_heap()  # before grpc's threads first allocate (see kv_transfer.heap)
-# Frames are `bytes`: the receiver only reads them, and the sender fills a fresh one that
-# nothing else has seen yet; torch's warning about immutable buffers does not apply to either.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
 HANDSHAKE_SECONDS = 10.0
 SERVICE = "kvmesh.v1.KVTransferService"
 PUSH_FRAMES = f"/{SERVICE}/PushFrames"
@@ -101,6 +98,19 @@ def _header(frame: pb.KVFrame) -> FrameHeader:
         frame.checksum,
         frame.flags,
     )
+
+
+def _spend_the_immutable_buffer_warning() -> None:
+    """Frames are `bytes`: the receiver only reads them, and the sender fills a fresh one that
+    nothing else has seen yet, so torch's warning about immutable buffers does not apply.
+    torch gives it once per process: spend it here, silenced, instead of filtering warnings
+    around every frame."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.frombuffer(bytes(1), dtype=torch.uint8)
+
+
+_spend_the_immutable_buffer_warning()
 
 
 def bytes_tensor(message: bytes, offset: int = 0) -> torch.Tensor:
