@@ -19,6 +19,7 @@ from kvmesh.telemetry.metrics import WorkerMetrics
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:  # the engine loads with the runtime, not with `kvmesh serve colocated --help`
+    from kvmesh.engine.engine import LLMEngine
     from kvmesh.service.runtime import WorkerRuntime
 
 COLOCATED_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["ColocatedService"].full_name
@@ -42,24 +43,28 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedServiceServicer):
             if request.HasField("prompt"):
                 prepared = await self.runtime.prepare_request(request.prompt)
             engine_request = self.runtime.request_from(prepared, prefill_only=False)
-            stream = await self.runtime.engine.open_stream(
-                engine_request.request_id, lambda e: disagg.add_request(e, engine_request)
-            )
+            added = [arrival]
+
+            def add(engine: LLMEngine) -> None:
+                disagg.add_request(engine, engine_request)
+                added[0] = time.monotonic()  # on the engine thread: the prefill starts now
+
+            stream = await self.runtime.engine.open_stream(engine_request.request_id, add)
         except Exception as exc:
             self.metrics.request_done(status_of(exc)[0])
             await abort_with(context, exc)
             return
         code = grpc.StatusCode.CANCELLED  # unless the stream finishes or fails
         try:
-            added = time.monotonic()
             first = await anext(stream)
-            sampled = time.monotonic()  # the first token: what follows is "first decode"
+            # when the engine sampled the first token: what follows is "first decode"
+            sampled = first.metrics.first_token_time or time.monotonic()
             outputs = responses(
                 stream,
                 sampled,
                 first,
-                queue_seconds=added - arrival,
-                prefill_seconds=sampled - added,
+                queue_seconds=added[0] - arrival,
+                prefill_seconds=sampled - added[0],
                 tokenizer=self.runtime.core.tokenizer,
             )
             prompt_tokens = len(engine_request.seqs[0].prompt_ids)

@@ -169,7 +169,11 @@ class ReservationTable:
             await asyncio.sleep(REAP_INTERVAL_SECONDS)
             now = time.monotonic()
             for res in list(self._by_request.values()):
-                if not res.decoding and now >= res.deadline:
-                    LOG.info("reservation of %s expired", res.request_id)
-                    self.drop(res)
-                    self.on_expire(res)
+                if now < res.deadline:
+                    continue
+                if res.decoding:  # its Decode waits for the KV: end that wait (no-op once landed)
+                    res.handle.expire_if_due()
+                    continue
+                LOG.info("reservation of %s expired", res.request_id)
+                self.drop(res)
+                self.on_expire(res)

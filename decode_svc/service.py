@@ -1,23 +1,23 @@
 """DecodeService: Reserve blocks under a lease, Decode once the KV landed, Release.
 
 Reserve takes the prepared request, or the client's request, which it prepares (validates,
-tokenizes) itself and returns. Decode may be opened right after Reserve, while Prefill runs: it
-waits for the KV under the reservation's lease, takes the first tokens (and their logprobs)
-from the transfer's final frame, and joins the running batch in one engine command (the KV
-connector's `import_prefilled`). Fencing: Decode names the worker epoch, the ledger generation
-and the transfer id of its reservation; any mismatch is FAILED_PRECONDITION naming the field.
-A Decode that names the first tokens itself does not read them from the transfer, and when
-they already end every completion (stop id, EOS, max_tokens 1, stop string) does not wait for
-the KV. With n > 1 the prompt's blocks are reserved once, with n - 1 spare blocks for the
-forks' first step, and Decode joins the n completions sharing them copy on write.
-"""
+tokenizes) itself and returns. Decode may be opened right after Reserve, while the prefill
+runs: it subscribes to the request's engine stream at once, and the thread that ends the
+transfer (a receiver's, or the lease's expiry) queues the join itself, one engine command that
+takes the first tokens (and their logprobs) from the transfer's final frame and joins the
+running batch (the KV connector's `import_prefilled`), with no hop through the event loop in
+between. Fencing: Decode names the worker epoch, the ledger generation and the transfer id of
+its reservation; any mismatch is FAILED_PRECONDITION naming the field. First tokens that
+already end every completion (stop id, EOS, max_tokens 1, stop string) come without KV. With
+n > 1 the prompt's blocks are reserved once, with n - 1 spare blocks for the forks' first
+step, and Decode joins the n completions sharing them copy on write."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,6 +26,8 @@ from opentelemetry import trace
 from decode_svc.reservations import Reservation, ReservationTable
 from kv_transfer.state import TransferResult, TransferState
 from kvmesh.engine import disagg
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sequence import Request
 from kvmesh.service.convert import logprobs_from_proto
 from kvmesh.service.runtime import WorkerRuntime
@@ -122,32 +124,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         started = time.monotonic()
         try:
             res = self._claim(request)
-            first, kv_complete = await self._await_kv(res, context)
-            waited = {"kvmesh.kv_wait_seconds": time.monotonic() - started}
-            trace.get_current_span().add_event("kv_received", waited)
+            raise_if_released(res)
         except Exception as exc:
             self.metrics.request_done(status_of(exc)[0])
             await abort_with(context, exc)
             return
-        landed = time.monotonic()
-        tokens = [t.token_id for t in first]
-        logprobs = [
-            logprobs_from_proto(t.logprobs) if t.HasField("logprobs") else None for t in first
-        ]
         code = grpc.StatusCode.CANCELLED  # unless the stream finishes or fails
         try:
-            raise_if_released(res)
-            stream = await self.runtime.engine.open_stream(
-                res.request_id,
-                lambda e: disagg.import_prefilled(
-                    e, res.request, tokens, logprobs, kv_complete=kv_complete
-                ),
+            stream = self.runtime.engine.open_stream_when(
+                res.request_id, res.handle.when_done, lambda engine: self._join(engine, res)
             )
             res.stream = stream
-            if res.released is not None:
-                stream.fail(released_error(res))
             try:
                 tokenizer = self.runtime.core.tokenizer
+                landed = self._landed(res, started)
                 async for response in responses(stream, landed, tokenizer=tokenizer):
                     yield response
                 if stream.finished:
@@ -160,6 +150,37 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         finally:
             self.table.drop(res)  # aborts the request unless it finished; idempotent
             self.metrics.request_done(code)
+
+    def _join(self, engine: LLMEngine, res: Reservation) -> RequestOutput:
+        """On the engine thread, the moment the transfer ended (the receiving thread queued
+        this): join the batch with the trailer's first tokens, or raise why not (released,
+        transfer failed or expired, a bad trailer)."""
+        raise_if_released(res)
+        result = res.handle.result()
+        check_transfer(result)
+        first = self._trailer_tokens(result, res)
+        tokens = [t.token_id for t in first]
+        logprobs = [
+            logprobs_from_proto(t.logprobs) if t.HasField("logprobs") else None for t in first
+        ]
+        return disagg.import_prefilled(
+            engine, res.request, tokens, logprobs, kv_complete=result.kv_complete
+        )
+
+    @staticmethod
+    def _landed(res: Reservation, started: float) -> Callable[[], float]:
+        """When the KV landed (read at the first response, which follows it); the call's span
+        gets a `kv_received` event stamped with that moment."""
+
+        def landed() -> float:
+            now = time.monotonic()
+            at = res.handle.ended or now
+            waited = {"kvmesh.kv_wait_seconds": max(0.0, at - started)}
+            stamp = time.time_ns() - int((now - at) * 1e9)
+            trace.get_current_span().add_event("kv_received", waited, timestamp=stamp)
+            return at
+
+        return landed
 
     def _claim(self, message: worker_pb2.DecodeRequest) -> Reservation:
         """The reservation this Decode names, checked field by field, now DECODING."""
@@ -186,24 +207,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         res.decoding = True
         res.task = asyncio.current_task()
         return res
-
-    async def _await_kv(
-        self, res: Reservation, context: grpc.aio.ServicerContext
-    ) -> tuple[list[worker_pb2.FirstToken], bool]:
-        """The first tokens (the transfer's trailer) and whether the KV came with them, once
-        the transfer ended (bounded by the lease and the call deadline)."""
-        try:
-            limit = res.deadline - time.monotonic()
-            remaining = context.time_remaining()
-            if remaining is not None:
-                limit = min(limit, remaining)
-            result = await res.handle.wait_async(max(0.0, limit))
-            raise_if_released(res)  # a Release cancels the receive, which ends the wait
-            check_transfer(result)
-            return self._trailer_tokens(result, res), result.kv_complete
-        except BaseException:
-            self.table.drop(res)
-            raise
 
     def _trailer_tokens(
         self, result: TransferResult, res: Reservation

@@ -78,13 +78,42 @@ class ReceiveHandle:
             self._core.forget(self._res)
         return result
 
+    def when_done(self, callback: Callable[[], object]) -> None:
+        """Call `callback()` once the transfer is terminal: now when it is, else on the thread
+        that ends it (a receiver's thread, a cancel, the expiry), under the transfer's lock: it
+        must be quick (queue a command, post to a loop)."""
+        self._res.record.when_terminal(callback)
+
+    @property
+    def ended(self) -> float | None:
+        """Monotonic time the transfer became terminal (None while it is not)."""
+        return self._res.record.ended
+
+    def result(self) -> TransferResult:
+        """The result now, without waiting (the state may still be live)."""
+        result = self._res.record.result()
+        if result.state.is_terminal:
+            self._core.forget(self._res)
+        return result
+
+    def expire_if_due(self) -> bool:
+        """End as EXPIRED once the reservation's deadline passed (waking `when_done`);
+        True when the transfer is (now) terminal."""
+        terminal = self._res.record.expire_if_due()
+        if terminal:
+            self._forget_and_revoke()
+        return terminal
+
     def cancel(self) -> bool:
         """End as CANCELLED unless already terminal; an in-progress write finishes first."""
         ended = self._res.record.end(TransferState.CANCELLED)
+        self._forget_and_revoke()
+        return ended
+
+    def _forget_and_revoke(self) -> None:
         self._core.forget(self._res)
         if self._res.revoke is not None and self._res.record.state is not TransferState.COMPLETED:
             self._res.revoke()  # a sender may still hold a write window: stop it
-        return ended
 
 
 class ReceiverCore:

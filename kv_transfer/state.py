@@ -90,6 +90,7 @@ class TransferRecord:
         self.num_bytes = 0
         self.trailer = b""
         self.kv_complete = True
+        self.ended: float | None = None  # monotonic time it became terminal
         self.lock = threading.RLock()
         self._changed = threading.Condition(self.lock)
         self._on_terminal: list[Callable[[], object]] = []
@@ -103,6 +104,7 @@ class TransferRecord:
             self.error = error or self.error
             self._changed.notify_all()
             if new.is_terminal:
+                self.ended = time.monotonic()
                 callbacks, self._on_terminal = self._on_terminal, []
                 for callback in callbacks:
                     callback()

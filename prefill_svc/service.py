@@ -21,7 +21,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from opentelemetry import trace
@@ -41,6 +41,9 @@ from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from prefill_svc.export import KVExport
 from prefill_svc.senders import SenderPool
 from prefill_svc.spans import ChunkEvents, TransferSpan
+
+if TYPE_CHECKING:
+    from kvmesh.engine.engine import LLMEngine
 
 DEFAULT_TRANSFER_TIMEOUT = 30.0
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
@@ -383,16 +386,24 @@ class EngineRun:
     async def start(self) -> None:
         if self.stream is not None:
             return
-        request = self.request
+        request, timings = self.request, self.timings
+
+        def add(engine: LLMEngine) -> None:
+            disagg.add_request(engine, request)
+            timings.added = time.monotonic()  # on the engine thread: the prefill starts now
+
         self.stream = await self.engine.open_stream(
-            request.request_id,
-            lambda e: disagg.add_request(e, request),
-            cleanup=disagg.release,
-            on_step=self.export,
+            request.request_id, add, cleanup=disagg.release, on_step=self.export
         )
-        self.timings.added = time.monotonic()
         self._first = asyncio.ensure_future(anext(self.stream))
-        self._first.add_done_callback(lambda _: setattr(self.timings, "first", time.monotonic()))
+        self._first.add_done_callback(self._stamp_first)
+
+    def _stamp_first(self, first: asyncio.Future[RequestOutput]) -> None:
+        """`timings.first`: when the engine sampled the first token (now, if it did not)."""
+        sampled = None
+        if not first.cancelled() and first.exception() is None:
+            sampled = first.result().metrics.first_token_time
+        self.timings.first = sampled or time.monotonic()
 
     async def first(self) -> RequestOutput:
         await self.start()

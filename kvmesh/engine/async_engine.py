@@ -246,6 +246,43 @@ class AsyncLLMEngine:
             raise
         return RequestStream(self, request_id, sink, cleanup)
 
+    def open_stream_when(
+        self,
+        request_id: str,
+        when_ready: Callable[[Callable[[], None]], object],
+        start: Callable[[LLMEngine], RequestOutput | None],
+        cleanup: Cleanup = abort_request,
+    ) -> RequestStream:
+        """Subscribe to `request_id` now; run `start(engine)` on the engine thread once
+        `when_ready(fire)` calls `fire()` (once, from any thread: that thread queues the
+        command itself, with no hop through this event loop). What `start` raises ends the
+        stream with that error; `start` is skipped when the stream was closed before it ran.
+        InvalidParameterError when a stream for `request_id` is open."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue[Any] = asyncio.Queue()
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise InvalidParameterError("request_id", f"{request_id!r} already exists")
+            self._streams[request_id] = (loop, sink)
+
+        def begin(engine: LLMEngine) -> None:
+            with self._streams_lock:
+                target = self._streams.get(request_id)
+            if target is None or target[1] is not sink:
+                return  # closed (or failed) before the start ran: nothing to join
+            try:
+                first = start(engine)
+            except Exception as exc:
+                self._drop_stream(engine, request_id, sink, None)
+                _post(loop, sink.put_nowait, exc)
+                return
+            if first is not None:
+                self._push(first)
+
+        when_ready(lambda: self.submit(begin))
+        return RequestStream(self, request_id, sink, cleanup)
+
     async def abort(self, request_id: str) -> bool:
         """Abort a request (idempotent); its stream ends with the aborted output. True if it
         was still running."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from opentelemetry import trace
@@ -18,7 +18,7 @@ TOKENS_GENERATED = "kvmesh.tokens_generated"
 
 async def responses(
     stream: RequestStream,
-    started: float,
+    started: float | Callable[[], float],
     first: RequestOutput | None = None,
     *,
     queue_seconds: float = 0.0,
@@ -26,7 +26,8 @@ async def responses(
     tokenizer: Any = None,
 ) -> AsyncIterator[worker_pb2.DecodeResponse]:
     """Responses for `first` (already taken from the stream), then the rest of the stream
-    until the request finished; the first response carries the timings. With `tokenizer`,
+    until the request finished; the first response carries the timings (its first decode
+    counted from `started`, or from what `started()` returns when it comes). With `tokenizer`,
     logprobs carry their tokens' text. The current (server) span gets a `first_token` event
     and, at the end, `kvmesh.tokens_generated` (all completions together)."""
     timed = False
@@ -45,7 +46,8 @@ async def responses(
         async for output in outputs():
             for response in decode_responses(output, tokenizer):
                 if not timed:
-                    response.first_decode_seconds = time.monotonic() - started
+                    since = started() if callable(started) else started
+                    response.first_decode_seconds = max(0.0, time.monotonic() - since)
                     response.queue_seconds = queue_seconds
                     response.prefill_seconds = prefill_seconds
                     timed = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,55 @@ def test_calls_streams_load_and_shutdown(checkpoint: Path) -> None:
                 pass
         with pytest.raises(EngineDeadError):
             await engine.call(lambda e: None)
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+
+
+def test_a_stream_started_from_another_thread(checkpoint: Path) -> None:
+    """`open_stream_when`: the start runs on the engine thread once a foreign thread fires;
+    its error ends the stream; a stream closed before the fire never starts its request."""
+    import threading
+
+    long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+
+    def fire_from_thread(fire: Callable[[], None]) -> None:
+        threading.Timer(0.05, fire).start()
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(EngineConfig(model=str(checkpoint), num_kv_blocks=64))
+        total = engine.load().total_blocks
+        ran_on: list[str] = []
+        try:
+
+            def start(e: LLMEngine) -> None:
+                ran_on.append(threading.current_thread().name)
+                e.add_request("fired", list(PROMPTS[0]), long)
+
+            stream = engine.open_stream_when("fired", fire_from_thread, start)
+            with pytest.raises(InvalidParameterError):  # one stream per request id
+                engine.open_stream_when("fired", fire_from_thread, start)
+            assert not (await anext(stream)).finished
+            assert ran_on == [engine._thread.name]
+            await stream.aclose()
+
+            def bad(e: LLMEngine) -> None:
+                raise InvalidParameterError("first_tokens", "refused")
+
+            failing = engine.open_stream_when("bad", fire_from_thread, bad)
+            with pytest.raises(InvalidParameterError, match="first_tokens"):
+                await anext(failing)
+
+            fires: list[Callable[[], None]] = []
+            late: list[str] = []
+            closed = engine.open_stream_when("closed", fires.append, lambda e: late.append("ran"))
+            closed.close()
+            fires[0]()  # after the close: the start must not run
+            await engine.call(lambda e: None)  # commands run in order: the fired one ran before
+            assert late == []
+            assert engine.num_unfinished == 0
+            assert engine.load().free_blocks == total
+        finally:
+            await engine.shutdown(timeout=10)
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=120))
 

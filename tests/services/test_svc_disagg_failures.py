@@ -56,6 +56,20 @@ def test_reservation_lease_expiry_frees_blocks(driver: ControlDriver) -> None:
     assert leases.labels("granted")._value.get() == granted + 1
 
 
+def test_decode_waiting_for_kv_that_never_comes_ends_with_its_lease(
+    driver: ControlDriver,
+) -> None:
+    # The Decode call's own deadline (30 s) is far off: only the lease can end the wait.
+    request = driver.prepare("no-kv", list(range(1, 40)), max_tokens=4)
+    reservation = driver.reserve(request, generation=2, lease=0.5)
+    stream = driver.decode_call("no-kv", reservation, 2)
+    with pytest.raises(grpc.RpcError) as caught:
+        next(stream)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "transfer_id" in caught.value.details()
+    wait_until(lambda: all_free(driver), 1.0, "expired reservation freed")
+
+
 def test_stale_generation_epoch_and_transfer_are_refused(driver: ControlDriver) -> None:
     request = driver.prepare("fenced", list(range(1, 20)), max_tokens=4, temperature=0.0)
     reservation = driver.reserve(request, generation=7)
