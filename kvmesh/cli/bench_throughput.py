@@ -4,12 +4,14 @@ W1: 64 requests, all at time 0 (`random.Random(0)`; per request in order: prompt
 randint(32, 512), output length randint(16, 256), prompt ids randrange(10, vocab - 10)), greedy,
 EOS ignored. `--baseline static|contiguous` runs that scheduler baseline in the same run;
 `--compare-hf` adds transformers' static `generate` (left-padded batches) and `--compare-vllm
-PYTHON` runs `bench/vllm_w1.py` with that interpreter (vLLM's CPU build in its own virtual
-environment) as a subprocess, side by side in the same run; `--repeats R` runs every system R
-times back to back (interleaved) and reports each ratio's median and range. Every system gets one
-short warm-up request first (prompt ids that W1 never draws first, so no prefix-cache hits) and
-the same thread count and the same OpenMP wait setting (`kvmesh.cli.main.apply_omp_defaults`:
-a bounded spin unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set).
+PYTHON` runs `bench/vllm_bench.py` with that interpreter (vLLM's CPU build in its own virtual
+environment) as a subprocess, side by side in the same run (W3 / W3-unique: vLLM with its
+prefix caching on and off, the same arrivals, TTFT ratios against kvmesh's); `--repeats R`
+runs every system R times back to back (interleaved) and reports each ratio's median and range.
+Every system gets one short warm-up request first (prompt ids that W1 never draws first, so no
+prefix-cache hits) and the same thread count and the same OpenMP wait setting
+(`kvmesh.cli.main.apply_omp_defaults`: a bounded spin unless OMP_WAIT_POLICY or GOMP_SPINCOUNT
+is set).
 W3: a 500-token system prompt (drawn first) + per request a suffix of randint(16, 128) ids, 32
 output tokens; request i+1 arrives when request i has its first token. Prefix caching on and
 off side by side. W3-unique: every prompt is fully random (no sharing).
@@ -33,7 +35,7 @@ from kvmesh.engine.config import COMPILE_MODES, SCHEDULING_POLICIES, EngineConfi
 
 WORKLOADS = ("W1", "W3", "W3-unique")
 BASELINE_OPTIONS = {"static": {"policy": "static"}, "contiguous": {"allocation": "contiguous"}}
-VLLM_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "vllm_w1.py"
+VLLM_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "vllm_bench.py"
 WARMUP_PROMPT = ([11] * 64, 8)  # never a W1 / W3 prefix (their ids are random)
 
 
@@ -50,7 +52,8 @@ def register(subparsers: Any) -> None:
         "--compare-vllm",
         metavar="PYTHON",
         default=None,
-        help="W1: also vLLM, run as bench/vllm_w1.py under this interpreter (its own venv)",
+        help="also vLLM (W3: with its prefix caching on and off), run as bench/vllm_bench.py "
+        "under this interpreter (its own venv)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="run every system N times")
     parser.add_argument(
@@ -216,18 +219,23 @@ def _hf_generate(model: Any, requests: list, batch_size: int) -> None:
             )
 
 
-def run_vllm(python: str, model_dir: str, args: Any) -> dict[str, Any]:
-    """bench/vllm_w1.py under another interpreter; the result is its `{"name": "vllm", ...}`
-    stdout line (vLLM logs to stdout too)."""
+def run_vllm(
+    python: str, model_dir: str, args: Any, workload: str = "W1", prefix_caching: str = "on"
+) -> dict[str, Any]:
+    """bench/vllm_bench.py under another interpreter; the result is its `{"name": "vllm", ...}`
+    stdout line (vLLM logs to stdout too), summarized like kvmesh's runs."""
     command = [python, str(VLLM_SCRIPT), "--model", model_dir, "--dtype", args.dtype]
     command += ["--num-requests", str(args.num_requests), "--threads", str(args.threads)]
+    command += ["--workload", workload, "--prefix-caching", prefix_caching]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"name": "vllm"')]
     if done.returncode != 0 or not lines:
         tail = (done.stderr or done.stdout)[-2000:]
         raise RuntimeError(f"vLLM run failed (exit {done.returncode}):\n{tail}")
     result = json.loads(lines[-1])
-    summary = summarize("vllm", int(result["tokens"]), float(result["seconds"]), [])
+    name = "vllm" if workload == "W1" else f"vllm-prefix-cache-{prefix_caching}"
+    ttfts = [float(t) for t in result.get("ttfts", [])]
+    summary = summarize(name, int(result["tokens"]), float(result["seconds"]), ttfts)
     return {**summary, "dtype": result["dtype"], "executor": "vllm"}
 
 
@@ -291,6 +299,9 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
             results.append(run_hf_static(model_dir, reqs, args.hf_batch_size, args.dtype))
         if args.workload == "W1" and args.compare_vllm:
             results.append(run_vllm(args.compare_vllm, model_dir, args))
+        elif args.compare_vllm:
+            for caching in ("on", "off"):
+                results.append(run_vllm(args.compare_vllm, model_dir, args, args.workload, caching))
         repeats.append(results)
         print(json.dumps({"repeat": len(repeats), "runs": results}), file=sys.stderr)
     report = _report(args.workload, repeats)
@@ -306,6 +317,13 @@ def _ratios(workload: str, results: list[dict[str, Any]]) -> dict[str, float]:
     }
     if workload != "W1":
         ratios["ttft_mean on / off"] = round(first["ttft_mean"] / results[1]["ttft_mean"], 3)
+        by_name = {r["name"]: r for r in results}
+        for caching in ("on", "off"):
+            theirs = by_name.get(f"vllm-prefix-cache-{caching}")
+            if theirs is not None:
+                ours = by_name[f"prefix-cache-{caching}"]
+                key = f"ttft_mean prefix-cache-{caching} / vllm-prefix-cache-{caching}"
+                ratios[key] = round(ours["ttft_mean"] / theirs["ttft_mean"], 3)
     return ratios
 
 

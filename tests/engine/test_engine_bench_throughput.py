@@ -6,13 +6,13 @@ import importlib.util
 from pathlib import Path
 
 from kvmesh.cli import bench_throughput
-from kvmesh.cli.bench_throughput import _report, w1_requests
+from kvmesh.cli.bench_throughput import _report, w1_requests, w3_requests
 
-VLLM_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "vllm_w1.py"
+VLLM_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "vllm_bench.py"
 
 
 def _load_vllm_script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("vllm_w1", VLLM_SCRIPT)
+    spec = importlib.util.spec_from_file_location("vllm_bench", VLLM_SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -25,6 +25,14 @@ def test_vllm_script_draws_the_same_w1_requests() -> None:
     assert theirs == w1_requests(32000, 64)
     assert sum(len(p) for p, _ in theirs) == 17725
     assert sum(n for _, n in theirs) == 8885
+
+
+def test_vllm_script_draws_the_same_w3_requests() -> None:
+    script = _load_vllm_script()
+    for shared in (True, False):
+        assert script.w3_requests(32000, shared, 64) == w3_requests(32000, shared, 64)
+    shared_heads = {tuple(p[:500]) for p, _ in w3_requests(32000, True, 64)}
+    assert len(shared_heads) == 1
 
 
 def test_warmup_prompt_is_no_w1_prefix() -> None:
@@ -49,3 +57,19 @@ def test_report_gives_median_and_range_over_repeats() -> None:
     assert len(report["repeats"]) == 3
     single = _report("W1", repeats[:1])
     assert single["ratios"][key] == 2.0 and "ratio_range" not in single
+
+
+def test_w3_report_compares_cached_ttft_with_vllms() -> None:
+    def run(name: str, ttft_mean: float) -> dict:
+        return {**_run(name, 100.0), "ttft_mean": ttft_mean}
+
+    results = [
+        run("prefix-cache-on", 0.03),
+        run("prefix-cache-off", 0.15),
+        run("vllm-prefix-cache-on", 0.12),
+        run("vllm-prefix-cache-off", 0.30),
+    ]
+    ratios = _report("W3", [results])["ratios"]
+    assert ratios["ttft_mean on / off"] == 0.2
+    assert ratios["ttft_mean prefix-cache-on / vllm-prefix-cache-on"] == 0.25
+    assert ratios["ttft_mean prefix-cache-off / vllm-prefix-cache-off"] == 0.5
