@@ -3,8 +3,9 @@
 Sender: `send(request, src_block_ids, dst_block_ids, *, deadline) -> TransferResult`, or
 `start(...)` for a cancellable `SendHandle`, or `start_stream(request, dst_block_ids, deadline=...)`
 for a `StreamSendHandle` whose source blocks are added in parts as they become final (`add`,
-then `finish`): the transfer begins at once and each part's frames go out as soon as they are
-added, so a producer (the prefill engine) overlaps its compute with the send. Receiver:
+then `finish`): the transfer begins at once (a backend whose opening message waits for an
+answer sends it on the caller's thread, `KVSender._open`) and each part's frames go out as soon
+as they are added, so a producer (the prefill engine) overlaps its compute with the send. Receiver:
 `expect(request, dst_block_ids, deadline)` reserves destination blocks and returns a
 `ReceiveHandle`; `address` is what senders connect to.
 Deadlines are absolute `time.monotonic()` values of the calling process.
@@ -222,10 +223,7 @@ class KVSender(abc.ABC):
         plan = self.plan(request, src_block_ids, dst_block_ids)
         record = TransferRecord(request, int(plan.src.numel()), deadline)
         handle = SendHandle(record, threading.Event())
-        handle.thread = threading.Thread(
-            target=self._drive, args=(plan, record, handle._cancel), daemon=True
-        )
-        handle.thread.start()
+        self._launch(plan, handle)
         return handle
 
     def start_stream(
@@ -239,11 +237,22 @@ class KVSender(abc.ABC):
         plan = SendPlan(request, src, dst, frames, feed)
         record = TransferRecord(request, int(dst.numel()), deadline)
         handle = StreamSendHandle(record, threading.Event(), feed)
+        self._launch(plan, handle)
+        return handle
+
+    def _launch(self, plan: SendPlan, handle: SendHandle) -> None:
+        """Open the transfer on the caller's thread (`_open`), then run it in a new thread."""
+        self._open(plan)
         handle.thread = threading.Thread(
-            target=self._drive, args=(plan, record, handle._cancel), daemon=True
+            target=self._drive, args=(plan, handle.record, handle._cancel), daemon=True
         )
         handle.thread.start()
-        return handle
+
+    def _open(self, plan: SendPlan) -> None:  # noqa: B027 - optional hook
+        """Send the transfer's opening message now, on the caller's thread, if the backend can
+        without blocking: the receiver's answer is then on its way before the transfer thread
+        first runs (which may wait for the GIL while the caller's engine computes). Never
+        raises, never blocks; what it did not send, the transfer thread sends as before."""
 
     def send(
         self,

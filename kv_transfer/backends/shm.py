@@ -9,7 +9,10 @@ consecutive ids, in pieces of `piece_bytes` with the window's lease and a refusa
 before each) and commits them with a FRAME header (FLAG_IN_PLACE, no payload, no reply unless
 refused): by default one commit for the whole transfer, sent in the same write as END, which
 is answered DONE once every block was committed (so a transfer costs the receiver two
-wake-ups). With payload checksums a commit covers 16 MiB (verified per commit).
+wake-ups). With payload checksums a commit covers 16 MiB (verified per commit). On a
+connection already up, `start`/`start_stream` send BEGIN on the caller's thread (`_open`), so
+the window comes back while the caller goes on (a prefill computing its KV); the transfer
+thread reads the ACCEPT waiting for it. The window, its lease and every check are unchanged.
 
 **staging** (two copies; for comparison and for a cache that is not in shared memory): the
 sender creates one segment per connection (`slots` x `slot_bytes`, random name), sends its
@@ -75,6 +78,7 @@ COMMIT_BYTES = 1 << 30
 CHECKED_COMMIT_BYTES = 16 << 20
 PIECE_BYTES = 32 << 20  # copied between two checks of the lease and of a refusal
 CHECKSUM_DEFAULT = False  # same-host memory: headers checked, payload hashing on request
+OPEN_SECONDS = 0.05  # bound on an early BEGIN's write (an idle connection takes it at once)
 
 
 class Sender(KVSender):
@@ -109,6 +113,7 @@ class Sender(KVSender):
         self._segment: shared_memory.SharedMemory | None = None
         self._ring: torch.Tensor | None = None
         self._window: torch.Tensor | None = None  # registered: the receiver's mapped cache
+        self._opened: bytes | None = None  # transfer whose BEGIN `_open` sent on this connection
         self._slot_bytes = self.max_frame_bytes
         self._close_lock = threading.Lock()  # close() runs on the caller's and transfer threads
         self._connect(time.monotonic() + HANDSHAKE_SECONDS)
@@ -206,6 +211,7 @@ class Sender(KVSender):
         with self._close_lock:
             conn, segment = self._conn, self._segment
             self._conn = self._segment = self._ring = self._window = None
+            self._opened = None
         if conn is not None:
             conn.close()
         if segment is not None:
@@ -213,6 +219,33 @@ class Sender(KVSender):
             # unmapped by SharedMemory's finalizer when that view goes (its name is unlinked).
             with contextlib.suppress(BufferError):
                 segment.close()
+
+    def _open(self, plan: SendPlan) -> None:
+        """BEGIN now, on the caller's thread, when connected (the prefill names its target
+        while its engine still computes: the window comes back meanwhile, whenever the transfer
+        thread gets to run). A write that does not go through at once closes the connection;
+        the transfer thread then reconnects and sends BEGIN itself."""
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            conn.settimeout(OPEN_SECONDS)
+            self._send_begin(conn, plan)
+        except TransferError:
+            self.close()
+            return
+        self._opened = plan.request.transfer_id
+
+    def _begin(self, conn: socket.socket, plan: SendPlan) -> None:
+        """BEGIN for `plan`, unless `_open` already sent it on this connection."""
+        opened, self._opened = self._opened, None
+        if opened != plan.request.transfer_id:
+            self._send_begin(conn, plan)
+
+    @staticmethod
+    def _send_begin(conn: socket.socket, plan: SendPlan) -> None:
+        tid, epoch, begin = plan.request.transfer_id, plan.request.epoch, plan.begin_payload()
+        send_msg(conn, frame_header(MsgType.BEGIN, tid, epoch, begin), begin)
 
     def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
         if self._conn is None:
@@ -239,8 +272,7 @@ class Sender(KVSender):
         assert self._conn is not None and self._window is not None
         conn, window = self._conn, self._window
         tid, epoch = plan.request.transfer_id, plan.request.epoch
-        begin = plan.begin_payload()
-        send_msg(conn, frame_header(MsgType.BEGIN, tid, epoch, begin), begin)
+        self._begin(conn, plan)
         grant = Grant.decode(self._expect_msg(MsgType.ACCEPT, waiter)[1])
         if int(grant.kv.numel()) != int(plan.dst.numel()):
             raise FrameError("grant", f"{grant.kv.numel()} blocks for {plan.dst.numel()}")
@@ -283,14 +315,8 @@ class Sender(KVSender):
 
     def _run(self, plan: SendPlan, waiter: Waiter) -> None:
         assert self._conn is not None and self._ring is not None
-        conn, ring, tid, epoch = (
-            self._conn,
-            self._ring,
-            plan.request.transfer_id,
-            plan.request.epoch,
-        )
-        begin = plan.begin_payload()
-        send_msg(conn, frame_header(MsgType.BEGIN, tid, epoch, begin), begin)
+        conn, ring = self._conn, self._ring
+        self._begin(conn, plan)
         self._expect(MsgType.ACCEPT, waiter)
         free = list(range(self._slots))
         for index in plan.iter_frames(waiter):

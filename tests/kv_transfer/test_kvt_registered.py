@@ -1,17 +1,22 @@
 """Registered receiver memory: one copy into the receiver's shared cache, grant and commit.
 
 In-process tests drive `ReceiverCore` directly (the checks a commit must pass); the process
-tests run the shm backend between two real peers."""
+tests run the shm backend between two real peers; the early-BEGIN tests run a sender and a
+receiver over a real Unix socket, the sender's transfer thread held back."""
 
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
 from kvt_peers import SPEC, Peer
 
+from kv_transfer.backends import shm
 from kv_transfer.blocks import BlockStore
 from kv_transfer.errors import (
     ChecksumError,
@@ -21,7 +26,8 @@ from kv_transfer.errors import (
     TransferError,
 )
 from kv_transfer.header import FLAG_IN_PLACE, FLAG_NO_CHECKSUM, FrameHeader, MsgType, frame_header
-from kv_transfer.receiver_core import ReceiverCore
+from kv_transfer.interface import StreamSendHandle
+from kv_transfer.receiver_core import ReceiveHandle, ReceiverCore
 from kv_transfer.registered import Grant, shared_tensors, write_granted
 from kv_transfer.state import TransferRequest, TransferState
 
@@ -206,3 +212,97 @@ def test_cancel_revokes_a_granted_window_but_not_a_completed_one() -> None:
     for _, handle in handles.values():
         handle.cancel()
     assert revoked == [handles["cancelled"][0]]
+
+
+@pytest.fixture
+def early() -> Iterator[tuple[shm.Sender, shm.Receiver, threading.Event]]:
+    """A registered-mode sender connected to a receiver on a Unix socket, whose transfer
+    threads wait for the returned gate before they run at all."""
+    receiver_store, sender_store = stores()
+    receiver = shm.Receiver(receiver_store)
+    sender = shm.Sender(sender_store, receiver.address, mode="registered")
+    gate = threading.Event()
+    drive = sender._drive
+    sender._drive = lambda *args: (gate.wait(10), drive(*args))  # type: ignore[method-assign]
+    yield sender, receiver, gate
+    gate.set()
+    sender.close()
+    receiver.close()
+
+
+def _named(
+    sender: shm.Sender, receiver: shm.Receiver, seconds: float = 10
+) -> tuple[bytes, ReceiveHandle, StreamSendHandle]:
+    """A streamed transfer into blocks [3, 9, 4] started on `sender`, granted before its
+    transfer thread ran (BEGIN went out from the starting thread)."""
+    tid = os.urandom(16)
+    got = receiver.expect(TransferRequest(tid, 5), [3, 9, 4], time.monotonic() + seconds)
+    sent = sender.start_stream(TransferRequest(tid, 5), [3, 9, 4], deadline=time.monotonic() + 10)
+    deadline = time.monotonic() + 5
+    while got.state is TransferState.PENDING and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert got.state is TransferState.IN_FLIGHT  # the window is granted
+    return tid, got, sent
+
+
+def test_a_streamed_begin_is_granted_before_the_transfer_thread_runs(early: tuple) -> None:
+    sender, receiver, gate = early
+    _, got, sent = _named(sender, receiver)
+    gate.set()
+    sent.add(0, [7, 0, 15])
+    sent.finish()
+    assert sent.wait(5).ok and got.wait(5).ok
+    assert torch.equal(receiver.store.cache[[3, 9, 4]], sender.store.cache[[7, 0, 15]])
+
+
+def test_an_early_grant_cancelled_before_any_part_writes_nothing(early: tuple) -> None:
+    """The producer fails after BEGIN, before any block: both sides end CANCELLED, the window
+    is gone (a commit for it is refused) and no block changed."""
+    sender, receiver, gate = early
+    before = receiver.store.cache.clone()
+    tid, got, sent = _named(sender, receiver)
+    sent.cancel()
+    gate.set()
+    assert sent.wait(5).state is TransferState.CANCELLED
+    assert got.wait(5).state is TransferState.CANCELLED
+    with pytest.raises(TransferError):
+        receiver.core.on_written(commit(tid, 5, 0, 3, size=receiver.layout.bytes_per_block))
+    assert torch.equal(receiver.store.cache, before)
+
+
+def test_an_early_grant_is_revoked_at_lease_end(early: tuple) -> None:
+    """The lease ends while the producer still computes: the reservation expires, dropping it
+    revokes the grant (the sender is told), and the parts that come later write nothing."""
+    sender, receiver, gate = early
+    before = receiver.store.cache.clone()
+    tid, got, sent = _named(sender, receiver, seconds=0.3)
+    gate.set()
+    assert got.wait(5).state is TransferState.EXPIRED
+    got.cancel()  # what the decode worker does with an expired reservation
+    sent.add(0, [7, 0, 15])
+    sent.finish()
+    assert sent.wait(5).state is TransferState.CANCELLED  # the revoke, read before any write
+    with pytest.raises(TransferError):
+        receiver.core.on_written(commit(tid, 5, 0, 3, size=receiver.layout.bytes_per_block))
+    assert torch.equal(receiver.store.cache, before)
+
+
+def test_a_dead_connection_falls_back_to_begin_from_the_transfer_thread() -> None:
+    """The early BEGIN cannot be written (the receiver went away while the sender was idle):
+    the transfer thread reconnects and begins itself."""
+    receiver_store, sender_store = stores()
+    first = shm.Receiver(receiver_store)
+    sender = shm.Sender(sender_store, first.address, mode="registered")
+    assert sender._conn is not None
+    sender._conn.shutdown(socket.SHUT_WR)  # writes on this connection now fail at once
+    tid = os.urandom(16)
+    try:
+        got = first.expect(TransferRequest(tid, 5), [3], time.monotonic() + 10)
+        sent = sender.start_stream(TransferRequest(tid, 5), [3], deadline=time.monotonic() + 10)
+        sent.add(0, [8])
+        sent.finish()
+        assert sent.wait(5).ok and got.wait(5).ok
+        assert torch.equal(receiver_store.cache[3], sender_store.cache[8])
+    finally:
+        sender.close()
+        first.close()

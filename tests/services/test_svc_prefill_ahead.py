@@ -9,16 +9,19 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 from svc_harness import NUM_BLOCKS, svc_loop, svc_model_dir, wait_until
 from test_svc_disagg import ControlDriver, backends_here
 from test_svc_disagg_stream import PROMPT, workers
 
+from kv_transfer.state import TransferState
 from kvmesh import LLM, SamplingParams
 from kvmesh.v1 import worker_pb2
 from prefill_svc.export import KVExport
 
 __all__ = ["svc_loop", "svc_model_dir", "workers"]
 MAX_TOKENS = 8
+ABORTED, DEADLINE_EXCEEDED = grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED
 AHEAD_PROMPTS = {b: [200 + i, *PROMPT[1:]] for i, b in enumerate(backends_here())}
 
 
@@ -186,3 +189,74 @@ def test_a_first_message_with_a_target_is_invalid(workers: Any) -> None:
     except grpc.RpcError as error:
         code, details = error.code(), error.details() or ""
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("target:")
+
+
+@pytest.fixture
+def held_final_step(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Holds a prefill's engine thread at its final step, before the step hook hands its
+    sender anything, until the returned gate is set (at the latest when the test ends)."""
+    gate = threading.Event()
+    call = KVExport.__call__
+
+    def spy(self: KVExport, engine: Any, request_id: str, output: Any) -> None:
+        if output is not None:
+            gate.wait(10)
+        call(self, engine, request_id, output)
+
+    monkeypatch.setattr(KVExport, "__call__", spy)
+    yield gate
+    gate.set()
+
+
+def abandoned_cases() -> list[Any]:
+    """(backend, ending) pairs. Two known gaps of other backends, both on main before the
+    early BEGIN, are marked: a gloo transfer abandoned after BEGIN leaves its link thread
+    running behind the stopped workers, and when the call runs out of time the gRPC receiver
+    keeps the transfer in flight until the lease."""
+    gloo = pytest.mark.skip(reason="leaves a kv-gloo-link thread behind the workers")
+    grpc_deadline = pytest.mark.xfail(strict=True, reason="the receiver waits for the lease")
+    cases = []
+    for backend in backends_here():
+        for ending in ("release", "deadline"):
+            marks = [gloo] if backend == "gloo" else []
+            if (backend, ending) == ("grpc", "deadline"):
+                marks.append(grpc_deadline)
+            cases.append(pytest.param(backend, ending, id=f"{backend}-{ending}", marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize(("backend", "ending"), abandoned_cases())
+def test_a_target_named_early_then_abandoned_leaves_no_window_and_no_write(
+    workers: Any, held_final_step: threading.Event, backend: str, ending: str
+) -> None:
+    """The target is named while the prefill still computes (its transfer begun, the window
+    granted); the call is then released or runs out of time before any block is final: the
+    decode worker's transfer ends without completing, not one reserved block changed, and both
+    workers free everything."""
+    prefills, decode = workers
+    prefill = prefills["whole"]  # nothing is final before the last step
+    driver = ControlDriver(prefill, decode, backend)
+    rid, generation = f"early-{ending}-{backend}", 17
+    request = driver.prepare(rid, [500 + len(backend), *PROMPT[1:]], max_tokens=4)
+    first = worker_pb2.PrefillRequest(request=request, generation=generation)
+    call = AheadCall(driver, first, timeout=3.0 if ending == "deadline" else 30)
+    reservation = driver.reserve(request, generation)
+    cache = decode.runtime.kv_cache_tensors()[0]
+    blocks = list(reservation.block_ids)
+    before = cache[blocks].clone()
+    call.send(worker_pb2.PrefillRequest(target=driver.target(reservation, generation)))
+    held = decode.role.table.get(rid).handle
+    wait_until(lambda: held.state is TransferState.IN_FLIGHT, 5.0, "transfer begun")
+    if ending == "release":
+        release = worker_pb2.ReleaseRequest(request_id=rid, generation=generation)
+        assert driver.p.Release(release, timeout=5).released
+    code, _ = call.outcome()
+    assert code == {"release": ABORTED, "deadline": DEADLINE_EXCEEDED}[ending]
+    wait_until(lambda: held.state.is_terminal, 5.0, "the decode side's transfer ended")
+    assert held.state is not TransferState.COMPLETED
+    held_final_step.set()
+    wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 5.0, "prefill blocks freed")
+    assert torch.equal(cache[blocks], before)
+    driver.d.Release(worker_pb2.ReleaseRequest(request_id=rid, generation=generation), timeout=5)
+    wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 2.0, "decode blocks freed")
+    call.send(None)
