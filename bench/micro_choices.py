@@ -1,4 +1,4 @@
-"""Side-by-side measurements behind five implementation choices stated in the docs.
+"""Side-by-side measurements behind six implementation choices stated in the docs.
 
 1. ScheduledChunk is a NamedTuple: construction cost vs an equivalent frozen dataclass.
 2. Host block scatter uses numpy row copies: vs torch `index_copy_` and a plain memcpy.
@@ -12,9 +12,13 @@
    executor measures it at load (`float32_packing`).
 5. Greedy sampling picks `logits.max(dim=-1).indices` (`kvmesh.engine.sampler.greedy_ids`): vs
    `argmax(dim=-1)` on float32 logits [rows, 32000]; the indices are checked equal.
+6. The native executor's SiLU-and-mul on CPU is one fused kernel pass
+   (`kvmesh.engine.native.layers.silu_and_mul`, `kvmesh_kernels.cpu_fused.silu_mul`): vs
+   torch's `F.silu(gate) * up`, at the bench model's MLP width (1376) and SmolLM2-135M's (1536),
+   1 to 2048 rows, float32 and bfloat16; the outputs are compared first.
 
-Run: `.venv/bin/python bench/micro_choices.py [--linear-only]` (one line per comparison, with
-ratios).
+Run: `.venv/bin/python bench/micro_choices.py [--linear-only | --silu-only] [--threads N]`
+(torch's threads, default 2; one line per comparison, with ratios).
 """
 
 from __future__ import annotations
@@ -186,11 +190,63 @@ def greedy_pick(rows: int, vocab: int = 32000) -> None:
     )
 
 
+SILU_WIDTHS = (1376, 1536)  # intermediate size: the bench model, SmolLM2-135M
+SILU_ROWS = (1, 24, 101, 512, 2048)
+
+
+def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: the two torch ops the fused kernel replaces."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_pair(rows: int, width: int, dtype: torch.dtype) -> tuple[float, float]:
+    """Seconds per call on gate_up [rows, 2 * width]: torch's two ops, then the engine's entry
+    point (the fused kernel from FUSED_SILU_MIN_OUTPUTS outputs, torch's ops below: 1 row);
+    best of 7 rounds, the two interleaved."""
+    from kvmesh.engine.native.layers import silu_and_mul
+
+    gate_up = torch.randn(rows, 2 * width).to(dtype)  # [rows, 2I]
+    expected, got = torch_silu_and_mul(gate_up), silu_and_mul(gate_up)
+    assert torch.allclose(expected.float(), got.float(), rtol=1e-6, atol=1e-30)
+    calls = max(2, min(200, 200_000 // (rows * width) + 1))
+
+    def timed(fn: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(gate_up)
+        return (time.perf_counter() - start) / calls
+
+    rounds = [(timed(torch_silu_and_mul), timed(silu_and_mul)) for _ in range(8)][1:]
+    return min(r[0] for r in rounds), min(r[1] for r in rounds)
+
+
+def fused_silu() -> None:
+    from kvmesh_kernels import cpu_fused
+
+    if not cpu_fused.fused_supported(torch.zeros(1)):
+        print("fused SiLU-and-mul: fused CPU library unavailable")
+        return
+    for dtype in (torch.float32, torch.bfloat16):
+        for width in SILU_WIDTHS:
+            for rows in SILU_ROWS:
+                t, f = silu_pair(rows, width, dtype)
+                print(
+                    f"silu*up [{rows}, {width}] {str(dtype).removeprefix('torch.')}: torch "
+                    f"{t * 1e6:.1f} us, fused {f * 1e6:.1f} us -> torch / fused {t / f:.2f}x"
+                )
+
+
 def main() -> None:
-    torch.set_num_threads(2)
-    if "--linear-only" in sys.argv[1:]:
+    args = sys.argv[1:]
+    threads = int(args[args.index("--threads") + 1]) if "--threads" in args else 2
+    torch.set_num_threads(threads)
+    if "--linear-only" in args:
         for dtype in (torch.bfloat16, torch.float32):
             packed_linear(dtype)
+        return
+    if "--silu-only" in args:
+        fused_silu()
         return
     for rows in (1, 16, 64):
         greedy_pick(rows)
@@ -201,6 +257,7 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for n in (128, 512, 2048):
             fresh_chunk(dtype, n)
+    fused_silu()
 
 
 if __name__ == "__main__":

@@ -3,17 +3,20 @@
 float32 and bfloat16 tensors on the CPU with unit inner stride, library built
 (`fused_supported`); the functions assert that and otherwise raise RuntimeError on a kernel
 refusal. Each computes what transformers' Llama-family modules compute in that dtype, with the
-same roundings (see the C source); only float32 sums and the rsqrt may differ in the last bit.
-SiLU-and-mul stays with torch's vectorized kernels (a scalar fused loop was slower).
+same roundings (see the C source); only float32 sums, the rsqrt and SiLU's exp may differ in
+the last bits (exp: within 2 ulp of torch's, so a bfloat16 SiLU rounds differently only where the
+float32 value lies within that of a rounding boundary).
 
     add_rms_norm(x, residual, w, eps) -> y       residual <- x + residual (in place), y = norm
     rms_norm(x, w, eps) -> y                     x [rows, n] (row-strided), y contiguous
+    silu_mul(gate_up) -> y                       [rows, 2n] (row-strided) -> [rows, n]
     rope_(x, cos, sin, positions)                x [T, H, D] (token/head strided) in place
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -77,6 +80,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _I(torch.get_num_threads()),
     )
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [rows, 2n] (rows strided, gate | up) -> silu(gate) * up [rows, n] contiguous.
+    Called once per layer and step: through a typed entry (ints converted in C)."""
+    rows, width = gate_up.shape
+    assert width % 2 == 0
+    n = width // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype)  # [rows, n]
+    if rows == 0 or n == 0:
+        return out
+    rc = _silu_entry()(
+        _DTYPE_CODES[gate_up.dtype],
+        gate_up.data_ptr(),
+        gate_up.stride(0) if rows > 1 else width,  # a lone row's stride is arbitrary
+        out.data_ptr(),
+        rows,
+        n,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"kvmesh_cpu_silu_mul rejected its arguments (code {rc})")
+    return out
+
+
+_SILU_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _I, _I)
+_entries: dict[int, Any] = {}  # id(library) -> its typed kvmesh_cpu_silu_mul
+
+
+def _silu_entry() -> Any:
+    """The loaded library's kvmesh_cpu_silu_mul with its C signature (made once per library)."""
+    lib = library()
+    assert lib is not None, "fused CPU library unavailable (check fused_supported first)"
+    entry = _entries.get(id(lib))
+    if entry is None:
+        entry = _entries[id(lib)] = _SILU_TYPE(("kvmesh_cpu_silu_mul", lib))
+    return entry
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:

@@ -15,11 +15,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from kvmesh_kernels import cpu_build, cpu_fused
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.errors import UnsupportedModelError
 from kvmesh.engine.loader import load_model
+from kvmesh.engine.native.layers import FUSED_SILU_MIN_OUTPUTS, silu_and_mul
 from kvmesh.engine.native.llama import NativeCausalLM
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.scheduler.plan import NewSeq, ScheduledChunk, plan_of_chunks
@@ -169,3 +172,28 @@ def test_float32_packed_linears_keep_greedy_parity(checkpoint: Path) -> None:
     assert any(isinstance(m, PackedLinear) for m in model.modules())
     (output,) = llm.generate([PROMPT], GREEDY)
     assert output.outputs[0].token_ids == hf_greedy(checkpoint, PROMPT, GREEDY.max_tokens)
+
+
+def test_silu_and_mul_takes_the_fused_kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 and bfloat16 [T, 2I] of FUSED_SILU_MIN_OUTPUTS outputs go to the fused kernel
+    (when built); float16, 3-D and smaller inputs keep torch's two ops; every result equals
+    torch's formula to its dtype."""
+    fused: list[torch.dtype] = []
+    real = cpu_fused.silu_mul
+
+    def spy(gate_up: torch.Tensor) -> torch.Tensor:
+        fused.append(gate_up.dtype)
+        return real(gate_up)
+
+    monkeypatch.setattr(cpu_fused, "silu_mul", spy)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        smallest = (16, 2 * FUSED_SILU_MIN_OUTPUTS // 16)  # [T, 2I] of the threshold's outputs
+        for shape in (smallest, (5, 26), (2, *smallest)):
+            gate_up = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+            gate, up = gate_up.chunk(2, dim=-1)
+            expected = F.silu(gate) * up
+            got = silu_and_mul(gate_up)
+            assert got.dtype == dtype and got.shape == expected.shape
+            assert torch.allclose(got.float(), expected.float(), rtol=1e-6, atol=0)
+    assert FUSED_SILU_MIN_OUTPUTS == 16 * 1024  # the first shape is the smallest fused one
+    assert fused == ([torch.float32, torch.bfloat16] if cpu_build.available() else [])

@@ -39,3 +39,29 @@ def test_baseline_isa_path_matches_dense() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["ok"]
+
+
+SILU_CHECK = """
+import torch
+import torch.nn.functional as F
+from kvmesh_kernels.cpu_fused import silu_mul
+for dtype in (torch.float32, torch.bfloat16):
+    gate_up = (torch.randn(67, 2 * 1377, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected, got = (F.silu(gate) * up).double(), silu_mul(gate_up).double()
+    assert bool(((expected - got).abs() <= expected.abs() * 2.0**-20).all()), dtype
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("isa", ["baseline", "avx2"])
+def test_silu_mul_paths_below_the_best_match_torch(isa: str) -> None:
+    """The exp without FMA (baseline) and with AVX2 + FMA: float32 and bfloat16 within 2^-20."""
+    if not cpu_build.enabled() or not cpu_build.available():
+        pytest.skip("fused CPU kernel unavailable")
+    env = dict(os.environ, KVMESH_CPU_KERNEL_ISA=isa)
+    out = subprocess.run(
+        [sys.executable, "-c", SILU_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ok"]

@@ -1,16 +1,18 @@
 """The native executor's fused CPU ops vs transformers' Llama-family formulas.
 
 bfloat16: every product and sum rounds as torch's does, so results are bitwise equal except
-where a float32 sum of squares (norms) runs in another order: within one bf16 rounding there.
-float32: within a few ulps (sum order, exp and rsqrt implementations).
+where a float32 sum of squares (norms) runs in another order: within one bf16 rounding there,
+or where SiLU's float32 value lies within an ulp of a bf16 rounding boundary (none in these
+inputs). float32: within a few ulps (sum order, exp and rsqrt implementations).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from kvmesh_kernels.cpu_build import available
-from kvmesh_kernels.cpu_fused import add_rms_norm, fused_supported, rms_norm, rope_
+from kvmesh_kernels.cpu_fused import add_rms_norm, fused_supported, rms_norm, rope_, silu_mul
 
 pytestmark = pytest.mark.skipif(not available(), reason="fused CPU library not built")
 
@@ -84,6 +86,59 @@ def test_rope_refuses_a_position_outside_the_table() -> None:
     table = torch.zeros(4, 8)
     with pytest.raises(RuntimeError, match="code 2"):
         rope_(x, table, table, torch.tensor([0, 4]))
+
+
+def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The native executor's torch formula (and transformers' LlamaMLP's)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def assert_silu_matches(gate_up: torch.Tensor) -> None:
+    """float32 within 2^-20 relative of torch's; bfloat16 bitwise."""
+    expected, got = torch_silu_mul(gate_up), silu_mul(gate_up)
+    assert got.shape == expected.shape and got.dtype == expected.dtype and got.is_contiguous()
+    if gate_up.dtype == torch.bfloat16:
+        assert torch.equal(expected, got)
+    else:
+        e, g = expected.double(), got.double()
+        assert bool(((e - g).abs() <= e.abs() * 2.0**-20).all())
+
+
+# (rows, intermediate): one row and many, vector-width remainders (7, 17, 33, 1377), the
+# bench model's 1376 and SmolLM2-135M's 1536, and sizes over the kernel's threading threshold
+SILU_SHAPES = [(1, 1376), (1, 7), (3, 17), (24, 1536), (101, 1376), (300, 33), (64, 1377)]
+SILU_SHAPES += [(2048, 40)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SILU_SHAPES)
+def test_silu_mul_matches_torch(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    rows, n = shape
+    assert_silu_matches(randn(rows, 2 * n, dtype=dtype, seed=rows + n) * 2)  # gates in +-12
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_of_strided_rows(dtype: torch.dtype) -> None:
+    wide = randn(37, 3 * 96, dtype=dtype, seed=11)
+    assert_silu_matches(wide[:, : 2 * 96])  # rows 288 elements apart
+    assert_silu_matches(wide[5:6, 96:])  # one row of a view
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_special_values_match_torch(dtype: torch.dtype) -> None:
+    gate = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40])
+    gate = torch.cat([gate, torch.tensor([88.7, -88.7, -89.0, -104.0, -200.0, 100.0, -87.5])])
+    up = torch.cat([torch.ones(7), torch.full((7,), 3.0)])
+    gate_up = torch.cat([gate, up])[None].to(dtype)  # [1, 28]
+    expected, got = torch_silu_mul(gate_up), silu_mul(gate_up)
+    assert torch.equal(expected.isnan(), got.isnan())
+    assert torch.equal(expected.nan_to_num(0.5), got.nan_to_num(0.5))
+    assert torch.equal(expected.signbit(), got.signbit())  # -0 where exp(-g) overflows
+
+
+def test_silu_mul_of_no_rows() -> None:
+    assert silu_mul(torch.zeros(0, 8)).shape == (0, 4)
 
 
 def test_unsupported_inputs_are_reported() -> None:

@@ -4,6 +4,10 @@
 //
 //   add_rms_norm:  s = x + r (rounded);  r <- s;  y = w * round(s * rsqrt(mean(s^2) + eps))
 //   rms_norm:      the same without the add (y from x)
+//   silu_mul:      y = round(round(g / (1 + exp(-g))) * u) over rows of [g | u] (torch's
+//                  F.silu(g) * up: silu in float32, rounded, then the rounded product);
+//                  exp is our own vectorizable polynomial (exp_f32, within 1 ulp), with FMA
+//                  on AVX2 / AVX-512 (a path per ISA, chosen at run time)
 //   rope:          x1' = round(round(x1 c) - round(x2 s)), x2' = round(round(x2 c) + round(x1 s))
 //                  in place over heads of rows, cos/sin rows picked by position ("rotate half")
 //
@@ -13,6 +17,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include <omp.h>
 
@@ -32,6 +38,7 @@ using kvmesh_cvt::f32_to_bf16;
 #endif
 
 constexpr int64_t kParallelElements = 1 << 16;
+constexpr int64_t kParallelSiluElements = 1 << 14;  // an exp and a division each: ~0.5 ns
 
 // dtype traits: load to float, store with the dtype's rounding
 struct F32 {
@@ -98,6 +105,119 @@ int rms_norm(const void* x, int64_t x_stride, const void* w, void* y, int64_t ro
   return 0;
 }
 
+// a * b + c: one fused rounding on the paths compiled for FMA, two elsewhere (this file is
+// compiled without contraction; only the SiLU's exp asks for FMA, explicitly).
+template <bool kFma>
+inline __attribute__((always_inline)) float mla(float a, float b, float c) {
+  if constexpr (kFma) return __builtin_fmaf(a, b, c);
+  return a * b + c;
+}
+
+// exp(x) in float32, branch-free so that `omp simd` vectorizes it (std::exp does not without
+// -ffast-math): x = n ln2 + r, |r| <= ln2 / 2, with ln2 split in two (Cody-Waite: n * kLn2Hi is
+// exact), exp(r) by Cephes' expf polynomial, times 2^n built from exponent bits in two halves
+// so that n in [-150, 128] never overflows them. Within 1 ulp of exp on [-104, 88.72] with or
+// without FMA; +inf above (the product overflows), 0 or the least subnormal below, NaN -> NaN.
+template <bool kFma>
+inline __attribute__((always_inline)) float exp_f32(float x) {
+  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer (even ties)
+  float xc = x > 88.75f ? 88.75f : x;   // NaN compares false: passes both clamps
+  xc = xc < -104.f ? -104.f : xc;
+  const float t = mla<kFma>(xc, kLog2e, kRound);  // n in its low mantissa bits
+  const float n = t - kRound;
+  const float r = mla<kFma>(n, -kLn2Lo, mla<kFma>(n, -kLn2Hi, xc));
+  float p = 1.9875691500e-4f;
+  p = mla<kFma>(p, r, 1.3981999507e-3f);
+  p = mla<kFma>(p, r, 8.3334519073e-3f);
+  p = mla<kFma>(p, r, 4.1665795894e-2f);
+  p = mla<kFma>(p, r, 1.6666665459e-1f);
+  p = mla<kFma>(p, r, 5.0000001201e-1f);
+  p = mla<kFma>(p, r * r, r) + 1.f;
+  const uint32_t ni = kvmesh_cvt::f32_to_bits(t) - kvmesh_cvt::f32_to_bits(kRound);  // n
+  const uint32_t half = static_cast<uint32_t>(static_cast<int32_t>(ni) >> 1);
+  return p * kvmesh_cvt::bits_to_f32((half + 127u) << 23) *
+         kvmesh_cvt::bits_to_f32((ni - half + 127u) << 23);
+}
+
+// One row: y = round(round(g / (1 + exp(-g))) * u), the quotient and the product rounded once
+// each as torch's are; inlined into one function per ISA below.
+template <class D, bool kFma>
+inline __attribute__((always_inline)) void silu_mul_row(const typename D::T* g,
+                                                        const typename D::T* u, typename D::T* y,
+                                                        int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = D::load(g[i]);
+    const float act = D::round(v / (1.f + exp_f32<kFma>(-v)));
+    y[i] = D::store(act * D::load(u[i]));
+  }
+}
+
+template <class D>
+using SiluRow = void (*)(const typename D::T*, const typename D::T*, typename D::T*, int64_t);
+
+template <class D>
+__attribute__((noinline)) void silu_mul_row_base(const typename D::T* g, const typename D::T* u,
+                                                 typename D::T* y, int64_t n) {
+  silu_mul_row<D, false>(g, u, y, n);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KVF_SILU_DISPATCH 1
+template <class D>
+__attribute__((target("avx2,fma"), noinline)) void silu_mul_row_avx2(const typename D::T* g,
+                                                                     const typename D::T* u,
+                                                                     typename D::T* y,
+                                                                     int64_t n) {
+  silu_mul_row<D, true>(g, u, y, n);
+}
+
+template <class D>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma"), noinline)) void
+silu_mul_row_avx512(const typename D::T* g, const typename D::T* u, typename D::T* y,
+                    int64_t n) {
+  silu_mul_row<D, true>(g, u, y, n);
+}
+#endif
+
+// The SiLU row path this CPU runs (AVX-512 + FMA, AVX2 + FMA, or the baseline ISA without
+// FMA: the exp's last bit may differ between them), read once; KVMESH_CPU_KERNEL_ISA
+// (baseline | avx2) caps it as it caps the attention kernel's.
+template <class D>
+SiluRow<D> silu_row_path() {
+  static const SiluRow<D> path = [] {
+    const char* env = std::getenv("KVMESH_CPU_KERNEL_ISA");
+    const std::string cap = env != nullptr ? env : "";
+#ifdef KVF_SILU_DISPATCH
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                        __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    if (avx512 && cap != "baseline" && cap != "avx2") return &silu_mul_row_avx512<D>;
+    if (avx2 && cap != "baseline") return &silu_mul_row_avx2<D>;
+#endif
+    return &silu_mul_row_base<D>;
+  }();
+  return path;
+}
+
+template <class D>
+int silu_mul(const void* gate_up, int64_t row_stride, void* y, int64_t rows, int64_t n,
+             int64_t threads) {
+  using T = typename D::T;
+  if (rows < 0 || n <= 0 || row_stride < 2 * n || threads < 1) return 1;
+  const T* gu = static_cast<const T*>(gate_up);
+  const SiluRow<D> row_fn = silu_row_path<D>();
+  const bool parallel = rows * n >= kParallelSiluElements && threads > 1;
+#pragma omp parallel for num_threads(static_cast<int>(threads)) if (parallel) schedule(static)
+  for (int64_t row = 0; row < rows; ++row) {
+    const T* g = gu + row * row_stride;
+    row_fn(g, g + n, static_cast<T*>(y) + row * n, n);
+  }
+  return 0;
+}
+
 template <class D>
 KVF_CLONES void rope_head(typename D::T* x, const typename D::T* c, const typename D::T* s,
                           int64_t half) {
@@ -147,6 +267,14 @@ extern "C" int kvmesh_cpu_rms_norm(int dtype, const void* x, int64_t x_stride, c
                                    void* y, int64_t rows, int64_t n, double eps, int64_t threads) {
   if (dtype == 0) return rms_norm<F32>(x, x_stride, w, y, rows, n, eps, threads);
   if (dtype == 1) return rms_norm<BF16>(x, x_stride, w, y, rows, n, eps, threads);
+  return 3;
+}
+
+// gate_up: rows of [gate (n) | up (n)], row_stride elements apart; y: [rows, n] contiguous.
+extern "C" int kvmesh_cpu_silu_mul(int dtype, const void* gate_up, int64_t row_stride, void* y,
+                                   int64_t rows, int64_t n, int64_t threads) {
+  if (dtype == 0) return silu_mul<F32>(gate_up, row_stride, y, rows, n, threads);
+  if (dtype == 1) return silu_mul<BF16>(gate_up, row_stride, y, rows, n, threads);
   return 3;
 }
 

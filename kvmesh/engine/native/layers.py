@@ -89,7 +89,25 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+FUSED_SILU_MIN_OUTPUTS = 1 << 14
+"""Below this many outputs (T * I) torch's two calls cost less than the kernel's ctypes call
+(measured break-even: 8-16 rows of I = 1376, one thread)."""
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2 * I] (gate | up) -> silu(gate) * up [T, I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
+    """[T, 2 * I] (gate | up) -> silu(gate) * up [T, I].
+
+    On CPU in float32 and bfloat16, from FUSED_SILU_MIN_OUTPUTS outputs on, one fused kernel
+    pass (`kvmesh_kernels.cpu_fused.silu_mul`: bfloat16 rounds as torch's two ops, float32
+    within a few ulps); otherwise, and while `torch.compile` traces it (the ctypes call is
+    opaque to it), torch's formula verbatim.
+    """
+    if (
+        gate_up.dim() == 2
+        and gate_up.numel() >= 2 * FUSED_SILU_MIN_OUTPUTS
+        and not torch.compiler.is_compiling()
+        and cpu_fused.fused_supported(gate_up)
+    ):
+        return cpu_fused.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)  # [T, I] views
     return F.silu(gate) * up
