@@ -8,6 +8,12 @@ bfloat16, `F.linear` in float32): per layer q, k, v, o, gate, up, down on [token
 weight traffic set for this schedule on this machine; the engine's wall time over it says how
 much goes elsewhere (attention, elementwise ops, Python).
 
+Attention cannot go below reading each scheduled sequence's K/V once per step: the script also
+counts those bytes (every sequence's context, every layer, K and V at the cache's dtype) and
+times reading that many bytes at the machine's streaming read rate (a dot product over a
+512 MiB buffer, best of three): `floor_with_kv_read_*` is the matmul floor plus that read,
+the floor of a step that does nothing but its GEMMs and one pass over its KV.
+
 The replayed linears are the executor's: q, k, v, o, gate, up, down for transformers' modules,
 the merged qkv, o, gate_up, down for the native executor (fewer, larger GEMMs raise the floor).
 
@@ -38,13 +44,15 @@ from kvmesh.engine.engine import LLMEngine  # noqa: E402
 MODEL = Path.home() / ".cache" / "kvmesh" / "models" / "tiny-llama-bench-seed0"
 
 
-def record_w1(engine: LLMEngine) -> tuple[list[tuple[int, int]], float, int]:
-    """Run W1; returns ([(tokens, sampled) per step], engine seconds, generated tokens)."""
-    shapes: list[tuple[int, int]] = []
+def record_w1(engine: LLMEngine) -> tuple[list[tuple[int, int, int]], float, int]:
+    """Run W1; returns ([(tokens, sampled, context tokens) per step], engine seconds, generated
+    tokens); context tokens: the KV positions the step's sequences attend to, summed."""
+    shapes: list[tuple[int, int, int]] = []
     execute = engine.runner.execute
 
     def recording(plan: Any) -> torch.Tensor:
-        shapes.append((len(plan.token_ids), plan.num_sampled_rows))
+        context = sum(plan.start_positions) + len(plan.token_ids)
+        shapes.append((len(plan.token_ids), plan.num_sampled_rows, context))
         return execute(plan)
 
     engine.runner.execute = recording  # type: ignore[method-assign]
@@ -66,8 +74,32 @@ def layer_shapes(config: Any, merged: bool) -> list[tuple[int, int]]:
     return [*attention, (inter, hidden), (inter, hidden), (hidden, inter)]
 
 
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token holds in the cache, over every layer."""
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return int(config.num_hidden_layers) * 2 * kv_heads * head_dim * itemsize
+
+
+def read_bytes_per_second(mib: int = 512) -> float:
+    """Streaming read rate: a float32 vector's dot product with itself over `mib` MiB (each
+    element read once; torch's `sum` is compute-bound here), best of three."""
+    buffer = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        torch.dot(buffer, buffer)
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best
+
+
 def replay(
-    shapes: list[tuple[int, int]], config: Any, dtype: torch.dtype, merged: bool, packed: bool
+    shapes: list[tuple[int, int, int]],
+    config: Any,
+    dtype: torch.dtype,
+    merged: bool,
+    packed: bool,
 ) -> float:
     """Seconds for the recorded steps' matmuls alone (oneDNN-packed or `F.linear`)."""
     layers = [layer_shapes(config, merged) for _ in range(int(config.num_hidden_layers))]
@@ -82,11 +114,11 @@ def replay(
             return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # type: ignore[no-any-return]
         return F.linear(x, w)
 
-    widest = max(tokens for tokens, _ in shapes)
+    widest = max(tokens for tokens, _, _ in shapes)
     inputs = {i: torch.randn(widest, i, dtype=dtype) for i in {i for o, i in layers[0]}}
     start = time.perf_counter()
     with torch.inference_mode():
-        for tokens, sampled in shapes:
+        for tokens, sampled, _ in shapes:
             for layer, ws in zip(layers, weights, strict=True):
                 for (_, width), w in zip(layer, ws, strict=True):
                     linear(inputs[width][:tokens], w)
@@ -112,6 +144,9 @@ def main() -> None:
     merged = loaded.executor == "native"
     packed = any(isinstance(m, PackedLinear) for m in loaded.model.modules())
     floor = min(replay(shapes, loaded.hf_config, loaded.dtype, merged, packed) for _ in range(2))
+    kv_bytes = sum(c for _, _, c in shapes) * kv_bytes_per_token(loaded.hf_config, loaded.dtype)
+    read_rate = read_bytes_per_second()
+    with_kv = floor + kv_bytes / read_rate
     print(
         json.dumps(
             {
@@ -125,6 +160,11 @@ def main() -> None:
                 "matmul_floor_seconds": round(floor, 3),
                 "floor_tok_per_s": round(generated / floor, 1),
                 "engine_share_of_floor": round(floor / engine_seconds, 3),
+                "kv_read_gb": round(kv_bytes / 1e9, 2),
+                "read_gb_per_s": round(read_rate / 1e9, 2),
+                "floor_with_kv_read_seconds": round(with_kv, 3),
+                "floor_with_kv_read_tok_per_s": round(generated / with_kv, 1),
+                "engine_share_of_floor_with_kv_read": round(with_kv / engine_seconds, 3),
             }
         )
     )
