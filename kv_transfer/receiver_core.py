@@ -31,6 +31,7 @@ from kv_transfer.errors import (
     ChecksumError,
     FrameError,
     StaleEpochError,
+    TransferCancelledError,
     TransferError,
     TransferStateError,
     UnknownTransferError,
@@ -305,6 +306,19 @@ class ReceiverCore:
         """The sender cancelled: end CANCELLED (a stale peer's CANCEL is refused by `_find`)."""
         res = self._find(header)
         res.record.end(TransferState.CANCELLED)
+        self.forget(res)
+
+    def on_broken_off(self, header: FrameHeader, error: TransferError) -> None:
+        """The stream that began `header`'s transfer ended without END or CANCEL: end the
+        transfer now, CANCELLED for a `TransferCancelledError` (the sender gave up), else
+        FAILED with `error`; no-op once terminal. Fenced like a frame: for an unknown id or
+        another epoch nothing changes."""
+        try:
+            res = self._find(header)
+        except TransferError:
+            return
+        cancelled = isinstance(error, TransferCancelledError)
+        res.record.end(TransferState.CANCELLED if cancelled else TransferState.FAILED, error)
         self.forget(res)
 
     def fail_ids(self, transfer_ids: set[bytes], error: TransferError) -> None:

@@ -8,7 +8,7 @@ import threading
 import torch
 
 from kv_transfer.blocks import BlockStore
-from kv_transfer.errors import PeerError, TransferCancelledError
+from kv_transfer.errors import DeadlineExpiredError, PeerError, TransferCancelledError
 from kv_transfer.header import MsgType, frame_header
 from kv_transfer.interface import (
     DEFAULT_FRAME_BYTES,
@@ -66,7 +66,7 @@ class Sender(KVSender):
                 header, payload = fill_frame(self.store, plan, index, self._staging)
                 core.on_frame(header, payload)
             waiter.check()
-        except TransferCancelledError:
+        except (TransferCancelledError, DeadlineExpiredError):  # CANCEL, as on the wire backends
             core.on_cancel(frame_header(MsgType.CANCEL, tid, epoch))
             raise
         core.on_end(*plan.end_frame())

@@ -2,7 +2,9 @@
 the messages on it (`Link`), and the per-peer pool that reuses them (`POOL`).
 
 A link carries one transfer at a time. Every wait has a timeout; a wait that fails or times
-out marks the link broken, and a broken link is shut down (`abort`) rather than reused.
+out marks the link broken, and a broken link is closed (`abort`) rather than reused. Closing
+a link ends every wait on it at once, on both sides: a receiver's close or a sender's abort
+ends the peer's link thread, whoever still holds the link.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ HANDSHAKE_SECONDS = 10.0
 IDLE_SECONDS = 600.0  # a receiver drops a link idle this long; senders rebuild theirs before
 QUEUE = "kvmesh/hellos"
 RECEIVER_RANK, SENDER_RANK = 0, 1
+_ABORT_TAG = 1  # never sent with (messages use tag 0): a receive on it can only time out
 _POOL_PER_PEER = 4
 
 
@@ -126,12 +129,25 @@ class Link:
         return into
 
     def abort(self) -> None:
-        """Stop the group; pending waits on it fail (abort() instead would crash at exit)."""
+        """Close the link for good, from any thread: a wait on it, here or at the peer, pending
+        now or later, fails at once. gloo's `shutdown()` does neither: its connections close
+        only with the last reference to the group, which a kept error's traceback can hold for
+        as long as the error is kept. A receive that times out does: gloo then closes every
+        connection of the group (`_close_gloo`). (The group's abort() would crash at exit.)"""
         if self.closed:
             return
         self.broken = self.closed = True
+        if self.device.type != "cuda":
+            self._close_gloo()
         with contextlib.suppress(Exception):
             self.group.shutdown()
+
+    def _close_gloo(self) -> None:
+        """Time out a receive on a tag nothing is sent with; gloo answers by closing the
+        group's connections, failing every wait on them on both sides."""
+        spare = torch.empty(1, dtype=torch.uint8)
+        with contextlib.suppress(Exception):
+            self.group.recv([spare], self.peer, _ABORT_TAG).wait(td(0.001))
 
 
 class LinkPool:

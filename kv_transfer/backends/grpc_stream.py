@@ -132,22 +132,27 @@ class _Servicer(pb_grpc.KVTransferServiceServicer):
         return pb.HandshakeReply(layout=self.r.layout.to_bytes())
 
     async def PushFrames(self, request_iterator, context: grpc.aio.ServicerContext):
-        """Raw frames (header + payload bytes) until END; see the module docstring."""
+        """Raw frames (header + payload bytes) until END; see the module docstring.
+
+        A transfer this stream began never outlives it: a stream that ends without END or
+        CANCEL (the sender cancelled the call, or its deadline passed) ends it CANCELLED, one
+        that breaks off on an error ends it FAILED, at once rather than at the lease."""
         begun: FrameHeader | None = None
         try:
             async for message in request_iterator:
                 header = _raw_header(message)
-                begun = begun or header
                 result = self.r.apply_raw(header, message)
                 if result is not None:
                     return result
-            raise PeerError("stream ended before END")
+                begun = header if header.msg_type is MsgType.BEGIN else begun
+            raise TransferCancelledError("the stream ended before END")
         except TransferError as exc:
+            if begun is not None:
+                self.r.core.on_broken_off(begun, exc)
             return pb.PushResult(state="FAILED", error_code=exc.code, message=str(exc))
         except asyncio.CancelledError:  # the sender cancelled the call or its deadline passed
             if begun is not None:
-                with contextlib.suppress(TransferError):
-                    self.r.core.on_cancel(begun)
+                self.r.core.on_broken_off(begun, TransferCancelledError("the call was cancelled"))
             raise
 
     async def PushBlocksUnary(self, request: pb.KVFrame, context: grpc.aio.ServicerContext):

@@ -1,14 +1,19 @@
-"""gloo backend inside one process: handshake refusals, pooled links, receiver close, runs."""
+"""gloo backend inside one process: handshake refusals, pooled links, receiver close, runs,
+and links closed after a transfer was abandoned (no link thread left behind)."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from kv_transfer import BlockStore, TransferRequest, TransferState, get_backend, new_transfer_id
 from kv_transfer.errors import LayoutMismatchError, PeerError
+from kv_transfer.interface import StreamSendHandle
+from kv_transfer.receiver_core import ReceiveHandle
 
 SHAPE = (16, 2, 2, 4, 2, 8)  # [num_blocks, layers, 2, block_size, heads, head_dim]
 
@@ -66,3 +71,70 @@ def test_run_view_is_the_cache_bytes_of_consecutive_blocks() -> None:
     assert s.run_view(torch.tensor([3, 5])) is None  # not one run: gathered
     scaled = BlockStore(s.cache.float(), torch.ones(SHAPE[:5]))
     assert scaled.run_view(torch.tensor([3, 4])) is None  # [scales][kv] is two ranges
+
+
+def link_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "kv-gloo-link"}
+
+
+def wait_for(predicate: Callable[[], bool], seconds: float) -> bool:
+    """Poll `predicate` for at most `seconds`; its last answer."""
+    end = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < end:
+        time.sleep(0.01)
+    return predicate()
+
+
+def begun(receiver: object, sender: object) -> tuple[ReceiveHandle, StreamSendHandle]:
+    """A streamed transfer whose BEGIN the receiver accepted, no block sent yet (the producer
+    still computes); the reservation's lease and the sender's deadline are far off."""
+    req = TransferRequest(new_transfer_id(), 1)
+    got = receiver.expect(req, [3, 4, 5], time.monotonic() + 60)  # type: ignore[attr-defined]
+    handle = sender.start_stream(req, [3, 4, 5], deadline=time.monotonic() + 60)  # type: ignore[attr-defined]
+    assert wait_for(lambda: got.state is TransferState.IN_FLIGHT, 5)
+    return got, handle
+
+
+def test_closing_after_a_transfer_cancelled_after_begin_ends_the_link_thread(
+    gloo: object,
+) -> None:
+    """The transfer is cancelled after BEGIN (both ends CANCELLED, its error kept by the
+    handle) and its link pooled: closing the receiver ends the link's thread within 2 s."""
+    before = link_threads()
+    dst = BlockStore(torch.zeros(SHAPE, dtype=torch.bfloat16))
+    receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
+    sender = gloo.Sender(store(2), receiver.address)  # type: ignore[attr-defined]
+    got, handle = begun(receiver, sender)
+    threads = link_threads() - before
+    assert len(threads) == 1
+    handle.cancel()
+    assert handle.wait(5).state is TransferState.CANCELLED
+    assert got.wait(5).state is TransferState.CANCELLED
+    sender.close()  # idle: its link goes back to the pool
+    receiver.close()
+    assert wait_for(lambda: not any(t.is_alive() for t in threads), 2.0)
+    assert not dst.cache[3:6].any()
+
+
+def test_a_sender_closed_after_begin_fails_the_receiver_and_ends_its_thread(
+    gloo: object,
+) -> None:
+    """A sender closed while its transfer waits for blocks aborts its link: the receiver, still
+    open, fails that transfer and ends the link's thread within 2 s, not at the lease, though
+    the sender's transfer thread still holds the link."""
+    before = link_threads()
+    dst = BlockStore(torch.zeros(SHAPE, dtype=torch.bfloat16))
+    receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
+    sender = gloo.Sender(store(2), receiver.address)  # type: ignore[attr-defined]
+    try:
+        got, handle = begun(receiver, sender)
+        threads = link_threads() - before
+        sender.close()
+        assert wait_for(lambda: got.state.is_terminal, 2.0)
+        assert got.state is TransferState.FAILED
+        assert wait_for(lambda: not any(t.is_alive() for t in threads), 2.0)
+        handle.cancel()
+        assert handle.wait(5).state in (TransferState.CANCELLED, TransferState.FAILED)
+        assert not dst.cache[3:6].any()
+    finally:
+        receiver.close()

@@ -91,6 +91,26 @@ def test_deadline_between_parts_expires(pair: tuple[KVSender, KVReceiver]) -> No
     assert got.wait(5).state in (TransferState.EXPIRED, TransferState.CANCELLED)
 
 
+@pytest.mark.parametrize("added", [0, 4], ids=["no-block-sent", "a-part-sent"])
+def test_a_sender_deadline_before_the_lease_ends_the_receiver_at_once(
+    pair: tuple[KVSender, KVReceiver], added: int
+) -> None:
+    """The sender's deadline passes after BEGIN, long before the receiver's lease: the
+    receiver's transfer ends (not COMPLETED) within a second of it, not at the lease."""
+    sender, receiver = pair
+    src_ids, dst_ids = ids()
+    req = TransferRequest(new_transfer_id(), 3)
+    got = receiver.expect(req, dst_ids, soon(30))
+    deadline = soon(0.5)
+    handle = sender.start_stream(req, dst_ids, deadline=deadline)
+    if added:
+        handle.add(0, src_ids[:added])
+    assert handle.wait(5).state in (TransferState.EXPIRED, TransferState.CANCELLED)
+    result = got.wait(deadline + 1.0 - time.monotonic())
+    assert result.state in (TransferState.CANCELLED, TransferState.FAILED)
+    assert time.monotonic() < deadline + 1.0
+
+
 def test_unknown_transfer_refused_before_any_byte(pair: tuple[KVSender, KVReceiver]) -> None:
     sender, receiver = pair
     src_ids, dst_ids = ids()

@@ -209,20 +209,12 @@ def held_final_step(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event
 
 
 def abandoned_cases() -> list[Any]:
-    """(backend, ending) pairs. Two known gaps of other backends, both on main before the
-    early BEGIN, are marked: a gloo transfer abandoned after BEGIN leaves its link thread
-    running behind the stopped workers, and when the call runs out of time the gRPC receiver
-    keeps the transfer in flight until the lease."""
-    gloo = pytest.mark.skip(reason="leaves a kv-gloo-link thread behind the workers")
-    grpc_deadline = pytest.mark.xfail(strict=True, reason="the receiver waits for the lease")
-    cases = []
-    for backend in backends_here():
-        for ending in ("release", "deadline"):
-            marks = [gloo] if backend == "gloo" else []
-            if (backend, ending) == ("grpc", "deadline"):
-                marks.append(grpc_deadline)
-            cases.append(pytest.param(backend, ending, id=f"{backend}-{ending}", marks=marks))
-    return cases
+    """(backend, ending) pairs: every backend here, released or run out of time."""
+    return [
+        pytest.param(backend, ending, id=f"{backend}-{ending}")
+        for backend in backends_here()
+        for ending in ("release", "deadline")
+    ]
 
 
 @pytest.mark.parametrize(("backend", "ending"), abandoned_cases())
