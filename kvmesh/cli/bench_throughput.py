@@ -3,11 +3,14 @@
 W1: 64 requests, all at time 0 (`random.Random(0)`; per request in order: prompt length
 randint(32, 512), output length randint(16, 256), prompt ids randrange(10, vocab - 10)), greedy,
 EOS ignored. `--baseline static|contiguous` runs that scheduler baseline in the same run;
-`--compare-hf` adds transformers' static `generate` (left-padded batches) and `--compare-vllm
-PYTHON` runs `bench/vllm_bench.py` with that interpreter (vLLM's CPU build in its own virtual
-environment) as a subprocess, side by side in the same run (W3 / W3-unique: vLLM with its
-prefix caching on and off, the same arrivals, TTFT ratios against kvmesh's); `--repeats R`
-runs every system R times back to back (interleaved) and reports each ratio's median and range.
+`--compare-hf` adds transformers' static `generate` (left-padded batches), `--compare-hf-cb`
+transformers' continuous batching (`init_continuous_batching`: its paged cache and scheduler,
+SDPA, kvmesh's per-step token budget; every request capped at its own length, checked) and
+`--compare-vllm PYTHON` runs `bench/vllm_bench.py` with that interpreter (vLLM's CPU build in
+its own virtual environment) as a subprocess, side by side in the same run (W3 / W3-unique:
+vLLM with its prefix caching on and off, the same arrivals, TTFT ratios against kvmesh's);
+`--repeats R` runs every system R times back to back (interleaved) and reports each ratio's
+median and range.
 Every system gets one short warm-up request first (prompt ids that W1 never draws first, so no
 prefix-cache hits) and the same thread count and the same OpenMP wait setting
 (`kvmesh.cli.main.apply_omp_defaults`: a bounded spin unless OMP_WAIT_POLICY or GOMP_SPINCOUNT
@@ -27,6 +30,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +53,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--baseline", choices=("static", "contiguous"), default=None)
     parser.add_argument("--compare-hf", action="store_true", help="W1: also transformers generate")
     parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument(
+        "--compare-hf-cb",
+        action="store_true",
+        help="W1: also transformers' continuous batching (init_continuous_batching, SDPA, "
+        "--max-num-batched-tokens per step as kvmesh's)",
+    )
     parser.add_argument(
         "--compare-vllm",
         metavar="PYTHON",
@@ -219,6 +230,95 @@ def _hf_generate(model: Any, requests: list, batch_size: int) -> None:
             )
 
 
+def run_hf_cb(
+    model_dir: str, requests: list, dtype: str, max_batch_tokens: int | None = None
+) -> dict[str, Any]:
+    """transformers' continuous batching (`init_continuous_batching`: a paged cache and a FIFO
+    scheduler in a background thread), SDPA attention, greedy, EOS off (`eos_token_id=-1`), each
+    request capped at its own length; every request in, in order, at time 0. One warm-up request
+    through the same manager first. Raises if a request fails or ends at another length.
+
+    The cache is sized here, not by transformers: on CPU its default takes 60% of the host RAM
+    the process does not use, with 8192-token steps and an SDPA mask of 8192 x (every cached
+    token + 8192) (9.3 GiB in float32 for the bench model on a 24 GB host). Here: pages for
+    every request at once, `max_batch_tokens` per step (default: kvmesh's default)."""
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation="sdpa", dtype=dtype
+    )
+    budget = max_batch_tokens or EngineConfig.max_num_batched_tokens
+    with hf_cb_manager(model, requests, budget) as manager:
+        hf_cb_generate(manager, [WARMUP_PROMPT], "warmup")
+        start = time.perf_counter()
+        outputs = hf_cb_generate(manager, requests, "w")
+        seconds = time.perf_counter() - start
+    tokens = sum(n for _, n in requests)  # checked request by request in hf_cb_generate
+    ttfts = [output.timestamps[0] - start for output in outputs]
+    result = summarize("transformers-cb", tokens, seconds, ttfts)
+    dtype_name = str(model.dtype).removeprefix("torch.")
+    return {**result, "dtype": dtype_name, "executor": "transformers-continuous-batching"}
+
+
+@contextmanager
+def hf_cb_manager(model: Any, requests: list, max_batch_tokens: int) -> Iterator[Any]:
+    """transformers' continuous batching manager of `model`, started for `requests` (greedy, EOS
+    off, cache from `_hf_cb_config`) in inference mode, which its thread takes from the caller;
+    stopped and destroyed on exit."""
+    import torch
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=1)
+    batching = _hf_cb_config(requests, max_batch_tokens)
+    with torch.inference_mode():
+        manager = model.init_continuous_batching(generation, batching)
+        manager.start()
+        try:
+            yield manager
+        finally:
+            manager.stop(block=True)
+            manager.destroy()
+
+
+def _hf_cb_config(requests: list, max_batch_tokens: int) -> Any:
+    """Pages for every request (and the warm-up) at once, default page size."""
+    from transformers import ContinuousBatchingConfig
+
+    page = ContinuousBatchingConfig.page_size
+    pages = sum(-(-(len(p) + n) // page) for p, n in [*requests, WARMUP_PROMPT])
+    return ContinuousBatchingConfig(
+        num_blocks=pages, max_batch_tokens=max_batch_tokens, auto_switch_to_flash=False
+    )
+
+
+def hf_cb_generate(manager: Any, requests: list, prefix: str) -> list[Any]:
+    """Add every request (ids `prefix-i`, EOS off, token timestamps on), wait for all of them;
+    their `GenerationOutput`s in request order. Raises RuntimeError on a failed request, a dead
+    manager thread or a length other than the request's."""
+    wanted = {}
+    for i, (prompt, out_len) in enumerate(requests):
+        request_id = f"{prefix}-{i}"
+        manager.add_request(
+            prompt, request_id, max_new_tokens=out_len, eos_token_id=-1, record_timestamps=True
+        )
+        wanted[request_id] = out_len
+    done: dict[str, Any] = {}
+    while len(done) < len(wanted):
+        result = manager.get_result(timeout=1.0)
+        if result is None:
+            if not manager.is_running():
+                error = manager.background_thread_status.fatal_error
+                raise RuntimeError(f"transformers' batching thread stopped: {error!r}")
+            continue
+        if result.is_finished():
+            done[result.request_id] = result
+    for request_id, result in done.items():
+        got = len(result.generated_tokens)
+        if result.error is not None or got != wanted[request_id]:
+            raise RuntimeError(f"{request_id}: {got} of {wanted[request_id]} ({result.error})")
+    return [done[request_id] for request_id in wanted]
+
+
 def run_vllm(
     python: str, model_dir: str, args: Any, workload: str = "W1", prefix_caching: str = "on"
 ) -> dict[str, Any]:
@@ -297,6 +397,9 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         if args.workload == "W1" and args.compare_hf:
             reqs = w1_requests(_vocab(model_dir), args.num_requests)
             results.append(run_hf_static(model_dir, reqs, args.hf_batch_size, args.dtype))
+        if args.workload == "W1" and args.compare_hf_cb:
+            reqs = w1_requests(_vocab(model_dir), args.num_requests)
+            results.append(run_hf_cb(model_dir, reqs, args.dtype, args.max_num_batched_tokens))
         if args.workload == "W1" and args.compare_vllm:
             results.append(run_vllm(args.compare_vllm, model_dir, args))
         elif args.compare_vllm:

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 from kvmesh.cli import bench_throughput
-from kvmesh.cli.bench_throughput import _report, w1_requests, w3_requests
+from kvmesh.cli.bench_throughput import (
+    _report,
+    hf_cb_generate,
+    hf_cb_manager,
+    w1_requests,
+    w3_requests,
+)
 
 VLLM_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "vllm_bench.py"
 
@@ -73,3 +80,53 @@ def test_w3_report_compares_cached_ttft_with_vllms() -> None:
     assert ratios["ttft_mean on / off"] == 0.2
     assert ratios["ttft_mean prefix-cache-on / vllm-prefix-cache-on"] == 0.25
     assert ratios["ttft_mean prefix-cache-off / vllm-prefix-cache-off"] == 0.5
+
+
+def test_transformers_continuous_batching_runs_w1_requests_to_their_lengths(tmp_path: Path) -> None:
+    """Real transformers CB on a tiny random Llama: every request ends at exactly its length
+    (EOS off; `run_hf_cb` raises otherwise), prompts longer than the 64-token step budget are
+    split, and the run is summarized like the other systems."""
+    from kvmesh.models.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "tiny", "llama", "test", seed=0)
+    requests = [(prompt[:100], out_len // 16) for prompt, out_len in w1_requests(1024, 6)]
+    result = bench_throughput.run_hf_cb(str(model_dir), requests, "float32", 64)
+    assert result["name"] == "transformers-cb"
+    assert result["executor"] == "transformers-continuous-batching"
+    assert result["dtype"] == "float32"
+    assert result["tokens"] == sum(n for _, n in requests) > 0
+    assert result["ttft_mean"] is not None and result["ttft_mean"] > 0
+
+
+def test_transformers_continuous_batching_is_greedy_like_generate(tmp_path: Path) -> None:
+    """The CB system's tokens are `generate`'s greedy tokens, request by request (chunked
+    prompts under a 64-token step budget; the third prompt holds the pad id)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvmesh.models.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "tiny", "llama", "test", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation="sdpa", dtype="float32"
+    )
+    requests = [(prompt[:100], out_len // 32) for prompt, out_len in w1_requests(1024, 4)]
+    expected = [_greedy(model, prompt, out_len) for prompt, out_len in requests]
+    with hf_cb_manager(model, requests, 64) as manager:
+        outputs = hf_cb_generate(manager, requests, "t")
+    assert [o.generated_tokens for o in outputs] == expected
+
+
+def _greedy(model: Any, prompt: list[int], out_len: int) -> list[int]:
+    """`generate`'s greedy continuation, with an explicit all-ones mask (without one, prompt ids
+    equal to the pad id would be masked out)."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=out_len,
+        min_new_tokens=out_len,
+        do_sample=False,
+    )
+    return list(out[0, len(prompt) :].tolist())
