@@ -63,6 +63,7 @@ def cases() -> list[Case]:
     w1 = tuple(rng.randint(300, 700) for _ in range(64))
     return [
         Case("w1-decode", w1, (1,) * 64, 8, 2, 64, layers=8),
+        Case("w1-decode-g3", w1, (1,) * 64, 9, 3, 64, layers=8),  # SmolLM2's heads
         Case("big-decode", (2048,) * 32, (1,) * 32, 32, 8, 128),
         Case("w1-extend", (512,) * 4, (128,) * 4, 8, 2, 64, layers=8),
     ]

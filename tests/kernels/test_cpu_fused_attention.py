@@ -58,7 +58,7 @@ def starts_of(q_lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
 
 
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("window", [None, 7])
 def test_decode_matches_dense(group: int, block_size: int, window: int | None) -> None:
@@ -227,14 +227,16 @@ ISAS = ["avx512", "avx2", "baseline"]  # caps: a CPU without one runs the next i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("hkv", "group", "head_dim", "block_size"),
-    [(2, 4, 64, 16), (1, 8, 128, 8), (8, 4, 128, 16), (2, 1, 80, 32)],
-)
+    [(2, 4, 64, 16), (1, 8, 128, 8), (8, 4, 128, 16), (2, 1, 80, 32), (3, 3, 64, 16),
+     (1, 7, 96, 16)],
+)  # fmt: skip
 def test_every_isa_matches_dense(
     isa: str, dtype: torch.dtype, hkv: int, group: int, head_dim: int, block_size: int
 ) -> None:
     """Decode and extend rows over contexts around the 16/64-key steps of the AVX-512 path,
     with and without a window (8 kv heads x 128 takes shorter steps and, below float32,
-    prefetches)."""
+    prefetches; groups of 3 and 7 take the three-row P x V tiles, a group of 1 the single-row
+    ones)."""
     lens = [1, 15, 16, 17, 63, 64, 65, 130, 200]
     q_lens = [1, 1, 16, 1, 9, 64, 1, 70, 1]
     pc = random_paged_cache(

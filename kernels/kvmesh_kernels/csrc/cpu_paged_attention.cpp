@@ -366,6 +366,10 @@ KVM_INLINE void pv(float* acc, int64_t nrows, const float* p, int64_t sp, const 
   int64_t r = 0;
   for (; r + 4 <= nrows; r += 4)
     for (int64_t d0 = 0; d0 < D; d0 += 16) pv_tile<4, 2>(acc + r * D, D, p + r * sp, sp, vp, n, d0);
+  if (nrows - r == 3) {  // 3 query heads per kv head: one pass over V for the three
+    for (int64_t d0 = 0; d0 < D; d0 += 16) pv_tile<3, 2>(acc + r * D, D, p + r * sp, sp, vp, n, d0);
+    return;
+  }
   for (; r + 2 <= nrows; r += 2)
     for (int64_t d0 = 0; d0 < D; d0 += 16) pv_tile<2, 2>(acc + r * D, D, p + r * sp, sp, vp, n, d0);
   for (; r < nrows; ++r) {
@@ -806,13 +810,26 @@ KVM_INLINE void pv_rows(float* acc, int64_t D, const float* p, int64_t sp,
   for (; d0 < D; d0 += 16) pv_tile<LT, R, 1>(acc, D, p, sp, vr, n, d0);
 }
 
+// Three remaining rows (3 query heads per kv head) share one pass over V; a single remaining
+// row keeps at least four independent accumulators (a 1 x 16 tile is one FMA chain per key,
+// bound by the FMA latency). Every accumulator still sums its keys in order: same results.
 template <int LT>
 KVM_INLINE void pv(float* acc, int64_t nrows, const float* p, int64_t sp, const void* const* vr,
                    int64_t n, int64_t D) {
   int64_t r = 0;
   for (; r + 4 <= nrows; r += 4) pv_rows<LT, 4, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
+  if (nrows - r == 3) {
+    pv_rows<LT, 3, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
+    return;
+  }
   for (; r + 2 <= nrows; r += 2) pv_rows<LT, 2, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
-  for (; r < nrows; ++r) pv_rows<LT, 1, 8>(acc + r * D, D, p + r * sp, sp, vr, n);
+  for (; r < nrows; ++r) {
+    if (D >= 128) {
+      pv_rows<LT, 1, 8>(acc + r * D, D, p + r * sp, sp, vr, n);
+    } else {
+      pv_rows<LT, 1, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
+    }
+  }
 }
 
 // exp(x) for x <= 0 (scores minus the running max), -inf -> 0. Cephes expf: Cody-Waite range
