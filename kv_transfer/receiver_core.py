@@ -99,7 +99,10 @@ class ReceiveHandle:
 
     def expire_if_due(self) -> bool:
         """End as EXPIRED once the reservation's deadline passed (waking `when_done`);
-        True when the transfer is (now) terminal."""
+        True when the transfer is (now) terminal. Cheap once terminal: the reaper asks on
+        every tick for as long as the request decodes."""
+        if self._res.record.state.is_terminal:
+            return True
         terminal = self._res.record.expire_if_due()
         if terminal:
             self._forget_and_revoke()

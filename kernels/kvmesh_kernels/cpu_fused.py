@@ -16,7 +16,6 @@ float32 value lies within that of a rounding boundary).
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 
 import torch
 
@@ -83,40 +82,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [rows, 2n] (rows strided, gate | up) -> silu(gate) * up [rows, n] contiguous.
-    Called once per layer and step: through a typed entry (ints converted in C)."""
+    """gate_up [rows, 2n] (rows strided, gate | up) -> silu(gate) * up [rows, n] contiguous."""
     rows, width = gate_up.shape
     assert width % 2 == 0
     n = width // 2
     out = torch.empty((rows, n), dtype=gate_up.dtype)  # [rows, n]
     if rows == 0 or n == 0:
         return out
-    rc = _silu_entry()(
-        _DTYPE_CODES[gate_up.dtype],
-        gate_up.data_ptr(),
-        gate_up.stride(0) if rows > 1 else width,  # a lone row's stride is arbitrary
-        out.data_ptr(),
-        rows,
-        n,
-        torch.get_num_threads(),
+    _call(
+        "kvmesh_cpu_silu_mul",
+        ctypes.c_int(_DTYPE_CODES[gate_up.dtype]),
+        _P(gate_up.data_ptr()),
+        _I(gate_up.stride(0) if rows > 1 else width),  # a lone row's stride is arbitrary
+        _P(out.data_ptr()),
+        _I(rows),
+        _I(n),
+        _I(torch.get_num_threads()),
     )
-    if rc != 0:
-        raise RuntimeError(f"kvmesh_cpu_silu_mul rejected its arguments (code {rc})")
     return out
-
-
-_SILU_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _I, _I)
-_entries: dict[int, Any] = {}  # id(library) -> its typed kvmesh_cpu_silu_mul
-
-
-def _silu_entry() -> Any:
-    """The loaded library's kvmesh_cpu_silu_mul with its C signature (made once per library)."""
-    lib = library()
-    assert lib is not None, "fused CPU library unavailable (check fused_supported first)"
-    entry = _entries.get(id(lib))
-    if entry is None:
-        entry = _entries[id(lib)] = _SILU_TYPE(("kvmesh_cpu_silu_mul", lib))
-    return entry
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:

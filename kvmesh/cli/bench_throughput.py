@@ -394,12 +394,13 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
     repeats: list[list[dict[str, Any]]] = []
     for _ in range(args.repeats):
         results = [run_kvmesh(model_dir, args.workload, n, o, args) for n, o in runs]
-        if args.workload == "W1" and args.compare_hf:
+        if args.workload == "W1" and (args.compare_hf or args.compare_hf_cb):
             reqs = w1_requests(_vocab(model_dir), args.num_requests)
-            results.append(run_hf_static(model_dir, reqs, args.hf_batch_size, args.dtype))
-        if args.workload == "W1" and args.compare_hf_cb:
-            reqs = w1_requests(_vocab(model_dir), args.num_requests)
-            results.append(run_hf_cb(model_dir, reqs, args.dtype, args.max_num_batched_tokens))
+            if args.compare_hf:
+                results.append(run_hf_static(model_dir, reqs, args.hf_batch_size, args.dtype))
+            if args.compare_hf_cb:
+                budget = args.max_num_batched_tokens
+                results.append(run_hf_cb(model_dir, reqs, args.dtype, budget))
         if args.workload == "W1" and args.compare_vllm:
             results.append(run_vllm(args.compare_vllm, model_dir, args))
         elif args.compare_vllm:

@@ -225,10 +225,7 @@ class AsyncLLMEngine:
         sink: asyncio.Queue[Any] = asyncio.Queue()
 
         def open_(engine: LLMEngine) -> None:
-            with self._streams_lock:
-                if request_id in self._streams:
-                    raise InvalidParameterError("request_id", f"{request_id!r} already exists")
-                self._streams[request_id] = (loop, sink)
+            self._subscribe(request_id, loop, sink)
             if on_step is not None:
                 self._hooks[request_id] = on_step
             try:
@@ -261,10 +258,7 @@ class AsyncLLMEngine:
         self._check_alive()
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[Any] = asyncio.Queue()
-        with self._streams_lock:
-            if request_id in self._streams:
-                raise InvalidParameterError("request_id", f"{request_id!r} already exists")
-            self._streams[request_id] = (loop, sink)
+        self._subscribe(request_id, loop, sink)
 
         def begin(engine: LLMEngine) -> None:
             with self._streams_lock:
@@ -393,6 +387,16 @@ class AsyncLLMEngine:
             except Exception:
                 LOG.exception("step hook of %r failed; removed", request_id)
                 self._hooks.pop(request_id, None)
+
+    def _subscribe(
+        self, request_id: str, loop: asyncio.AbstractEventLoop, sink: asyncio.Queue[Any]
+    ) -> None:
+        """Route `request_id`'s outputs to `sink` on `loop` (any thread); InvalidParameterError
+        when a stream for it is open."""
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise InvalidParameterError("request_id", f"{request_id!r} already exists")
+            self._streams[request_id] = (loop, sink)
 
     def _push(self, output: RequestOutput) -> None:
         """Hand an output to its request's stream (engine thread; dropped when none)."""
