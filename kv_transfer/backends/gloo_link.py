@@ -1,7 +1,8 @@
 """gloo/NCCL links of the `gloo` backend: a two-rank process group per sender/receiver pair,
 the messages on it (`Link`), and the per-peer pool that reuses them (`POOL`).
 
-A link carries one transfer at a time. Every wait has a timeout; a wait that fails or times
+A link carries one transfer at a time, with up to `window` frames in flight (negotiated in the
+HELLO: 2 when both sides support it, else 1). Every wait has a timeout; a wait that fails or times
 out marks the link broken, and a broken link is closed (`abort`) rather than reused. Closing
 a link ends every wait on it at once, on both sides: a receiver's close or a sender's abort
 ends the peer's link thread, whoever still holds the link.
@@ -17,7 +18,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,6 +37,7 @@ QUEUE = "kvmesh/hellos"
 RECEIVER_RANK, SENDER_RANK = 0, 1
 _ABORT_TAG = 1  # never sent with (messages use tag 0): a receive on it can only time out
 _POOL_PER_PEER = 4
+WINDOW = 2  # frames a sender keeps in flight on a link whose receiver agreed to it
 
 
 def td(seconds: float) -> datetime.timedelta:
@@ -72,18 +74,28 @@ def new_group(store: Any, rank: int, device: torch.device, host: str) -> Any:
     return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
-class Link:
-    """One process group between a sender and a receiver, used by one transfer at a time."""
+class HeaderRecv(NamedTuple):
+    """A posted receive of one message header: its work and its own buffer (uint8 [80])."""
 
-    def __init__(self, group: Any, peer: int, device: torch.device, max_frame: int) -> None:
+    work: Any
+    buf: torch.Tensor
+
+
+class Link:
+    """One process group between a sender and a receiver, used by one transfer at a time;
+    `window` is how many frames the sender may have in flight (1 or `WINDOW`)."""
+
+    def __init__(
+        self, group: Any, peer: int, device: torch.device, max_frame: int, window: int = 1
+    ) -> None:
         self.group = group
         self.peer = peer
         self.device = device
         self.max_frame = max_frame
+        self.window = window
         self.last_used = time.monotonic()
         self.broken = False
         self.closed = False
-        self._header = torch.empty(HEADER_SIZE, dtype=torch.uint8, device=device)
 
     def _wait(self, work: Any, deadline: float, what: str) -> None:
         left = deadline - time.monotonic()
@@ -113,19 +125,29 @@ class Link:
     def send(self, header: FrameHeader, payload: torch.Tensor | None, deadline: float) -> None:
         self.finish(self.post(header, payload), deadline)
 
-    def post_recv_header(self) -> Any:
-        return self.group.recv([self._header], self.peer, 0)
+    def post_recv_header(self) -> HeaderRecv:
+        """Start receiving the next header, into a buffer of its own: several may be posted
+        (gloo matches them to messages in order)."""
+        buf = torch.empty(HEADER_SIZE, dtype=torch.uint8, device=self.device)
+        return HeaderRecv(self.group.recv([buf], self.peer, 0), buf)
 
-    def finish_recv_header(self, work: Any, deadline: float) -> FrameHeader:
-        self._wait(work, deadline, "receive a header")
-        return decode_header(self._header.cpu().numpy().tobytes())
+    def finish_recv_header(self, posted: HeaderRecv, deadline: float) -> FrameHeader:
+        self._wait(posted.work, deadline, "receive a header")
+        return decode_header(posted.buf.cpu().numpy().tobytes())
 
     def recv_header(self, deadline: float) -> FrameHeader:
         return self.finish_recv_header(self.post_recv_header(), deadline)
 
+    def post_recv_payload(self, into: torch.Tensor) -> Any:
+        """Start receiving a payload into `into` (non-empty); `finish_recv_payload` waits."""
+        return self.group.recv([into], self.peer, 0)
+
+    def finish_recv_payload(self, work: Any, deadline: float) -> None:
+        self._wait(work, deadline, "receive a payload")
+
     def recv_payload(self, into: torch.Tensor, deadline: float) -> torch.Tensor:
         if into.numel():
-            self._wait(self.group.recv([into], self.peer, 0), deadline, "receive a payload")
+            self.finish_recv_payload(self.post_recv_payload(into), deadline)
         return into
 
     def abort(self) -> None:
@@ -212,7 +234,8 @@ class LinkPool:
         store = self._store(address)
         link_id = os.urandom(12).hex()
         scope = f"kvmesh/link/{link_id}/"
-        hello = layout.to_bytes() + b"\0" + json.dumps({"max_frame": max_frame}).encode()
+        extras = {"max_frame": max_frame, "window": WINDOW}
+        hello = layout.to_bytes() + b"\0" + json.dumps(extras).encode()
         try:
             store.set(scope + "hello", hello)
             store.queue_push(QUEUE, link_id)
@@ -231,7 +254,9 @@ class LinkPool:
             )
         except Exception as exc:
             raise PeerError(f"gloo group with {address} failed: {exc}") from None
-        return Link(group, RECEIVER_RANK, device, max_frame)
+        window = ack.get("window", 1)  # a receiver that does not name one keeps 1
+        window = window if isinstance(window, int) and 1 <= window <= WINDOW else 1
+        return Link(group, RECEIVER_RANK, device, max_frame, window)
 
 
 POOL = LinkPool()

@@ -1,5 +1,6 @@
 """gloo backend inside one process: handshake refusals, pooled links, receiver close, runs,
-and links closed after a transfer was abandoned (no link thread left behind)."""
+links closed after a transfer was abandoned (no link thread left behind), and two frames in
+flight (the window a sender asks for, a refusal mid-window)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 from kv_transfer import BlockStore, TransferRequest, TransferState, get_backend, new_transfer_id
+from kv_transfer.backends import gloo_link
 from kv_transfer.errors import LayoutMismatchError, PeerError
+from kv_transfer.header import FrameHeader, MsgType
 from kv_transfer.interface import StreamSendHandle
 from kv_transfer.receiver_core import ReceiveHandle
 
@@ -137,4 +140,97 @@ def test_a_sender_closed_after_begin_fails_the_receiver_and_ends_its_thread(
         assert handle.wait(5).state in (TransferState.CANCELLED, TransferState.FAILED)
         assert not dst.cache[3:6].any()
     finally:
+        receiver.close()
+
+
+def recording_receiver(gloo: object, dst: BlockStore, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """A receiver whose link thread records, in order, the FRAME headers it receives
+    ("header", k) and the frames it writes ("write", k)."""
+    events: list[tuple[str, int]] = []
+    original = gloo_link.Link.recv_header
+
+    def recv_header(link: gloo_link.Link, deadline: float) -> FrameHeader:
+        header = original(link, deadline)
+        if threading.current_thread().name == "kv-gloo-link" and header.msg_type is MsgType.FRAME:
+            events.append(("header", header.frame_index))
+        return header
+
+    monkeypatch.setattr(gloo_link.Link, "recv_header", recv_header)
+    receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
+    write = receiver.core.on_frame
+
+    def on_frame(header: FrameHeader, payload: torch.Tensor) -> None:
+        events.append(("write", header.frame_index))
+        write(header, payload)
+
+    monkeypatch.setattr(receiver.core, "on_frame", on_frame)
+    return receiver, events
+
+
+def one_block_frames(gloo: object, src: BlockStore, receiver: object) -> object:
+    return gloo.Sender(src, receiver.address, frame_bytes=src.layout.bytes_per_block)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("window", [2, 1])
+def test_frame_k_is_written_while_frame_k_plus_1_arrives(
+    gloo: object, monkeypatch: pytest.MonkeyPatch, window: int
+) -> None:
+    """With two frames in flight the receiver writes frame k only after frame k+1's header
+    came (k+1's bytes arrive meanwhile); a sender asking for one frame in flight, as one that
+    names no window does, gets each frame written (and answered) before the next is sent.
+    Either way every block arrives."""
+    monkeypatch.setattr(gloo_link, "WINDOW", window)  # what this sender asks for
+    src, dst = store(2), BlockStore(torch.zeros(SHAPE, dtype=torch.bfloat16))
+    receiver, events = recording_receiver(gloo, dst, monkeypatch)
+    sender = one_block_frames(gloo, src, receiver)
+    try:
+        assert sender._link.window == window  # type: ignore[attr-defined]
+        req = TransferRequest(new_transfer_id(), 1)
+        got = receiver.expect(req, [9, 3, 5, 7], time.monotonic() + 10)
+        assert sender.send(req, [0, 1, 2, 3], [9, 3, 5, 7], deadline=time.monotonic() + 10).ok  # type: ignore[attr-defined]
+        assert got.wait(5).ok
+        assert torch.equal(dst.cache[[9, 3, 5, 7]], src.cache[0:4])
+        order = [events.index(("write", k)) > events.index(("header", k + 1)) for k in range(3)]
+        assert order == [window == 2] * 3, events
+    finally:
+        sender.close()  # type: ignore[attr-defined]
+        receiver.close()
+
+
+def test_a_frame_refused_while_the_next_is_in_flight_leaves_the_link_in_step(
+    gloo: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receiver cancels while writing frame 2 with frame 3 in flight: the sender ends
+    with the receiver's reason, collects the answer still owed, and its next transfer runs on
+    the same pooled link."""
+    src, dst = store(2), BlockStore(torch.zeros(SHAPE, dtype=torch.bfloat16))
+    receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
+    sender = one_block_frames(gloo, src, receiver)
+    link = sender._link  # type: ignore[attr-defined]
+    assert link.window == 2
+    write = receiver.core.on_frame
+    got: list[ReceiveHandle] = []
+
+    def on_frame(header: FrameHeader, payload: torch.Tensor) -> None:
+        if header.frame_index == 2:
+            got[0].cancel()
+        write(header, payload)
+
+    monkeypatch.setattr(receiver.core, "on_frame", on_frame)
+    try:
+        req = TransferRequest(new_transfer_id(), 1)
+        got.append(receiver.expect(req, [8, 9, 10, 11, 12], time.monotonic() + 10))
+        result = sender.send(
+            req, [0, 1, 2, 3, 4], [8, 9, 10, 11, 12], deadline=time.monotonic() + 10
+        )  # type: ignore[attr-defined]
+        assert result.state in (TransferState.CANCELLED, TransferState.FAILED)
+        assert got[0].wait(5).state is TransferState.CANCELLED
+        assert not dst.cache[10:13].any()  # nothing written after the cancel
+        req = TransferRequest(new_transfer_id(), 1)
+        again = receiver.expect(req, [1, 2, 3], time.monotonic() + 10)
+        assert sender.send(req, [5, 6, 7], [1, 2, 3], deadline=time.monotonic() + 10).ok  # type: ignore[attr-defined]
+        assert again.wait(5).ok and torch.equal(dst.cache[1:4], src.cache[5:8])
+        assert sender._link is link and not link.broken  # type: ignore[attr-defined]
+    finally:
+        sender.close()  # type: ignore[attr-defined]
         receiver.close()
