@@ -29,6 +29,16 @@ Where the time goes (perf and per-process CPU time, 2-core machine shared with o
   with two streams was within noise of one; both processes are CPU-bound on two cores, and the
   receiver handles every stream on its one event loop thread).
 
+gRPC alone sets the ceiling: the same bytes through the same kind of call with none of the
+work above (`kvmesh bench transfer`'s `grpc_raw` row: no gather, hash or scatter) moved 2.05-
+2.25 GB/s where this stream moved 1.17-1.29 GB/s, 0.57-0.60x of it, in the same runs. Timers
+in both processes (one run, not kept) put the frames' own work at 44-46 ms per 128 MiB on the
+sender (zeroing 5, gathering 21, xxh3 5 when alone on a core) and 47-58 ms on the receiver
+(xxh3 5, scatter 18 alone): two copies and two hash passes more than gRPC's own four copies
+(its copy of the message into a slice, the two socket copies, its join into `bytes`), on two
+cores both processes already keep busy. A worker thread for the receiver's verify and scatter
+was measured again on a quiet machine: no gain (0.57-0.58x of gRPC alone).
+
 The receiver runs a `grpc.aio` server (uvloop when installed) on its own thread; the sender
 uses a synchronous channel. With a `Security` holding the cluster token, the receiver refuses
 every call without it (UNAUTHENTICATED, before any frame is read) and the sender presents it;
@@ -192,7 +202,7 @@ class Receiver(KVReceiver):
     ) -> None:
         super().__init__(store)
         self.security = security or Security()
-        self._loop = _new_loop()
+        self._loop = new_event_loop()
         self._server: grpc.aio.Server | None = None
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(bind, max_message_bytes, ready))
@@ -280,7 +290,9 @@ class Receiver(KVReceiver):
         self._thread.join(5)
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop event loop when uvloop is installed, else asyncio's."""
+    """A uvloop event loop when uvloop is installed, else asyncio's."""
     try:
         import uvloop
 

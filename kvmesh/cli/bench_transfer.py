@@ -5,7 +5,9 @@ process (`kv_transfer.peer`) over each backend; the baseline is one torch copy o
 in this process. Shared memory runs in both modes, registered (one copy into the receiver's
 cache) and staging (slots), each also with payload checksums (`+xxh3`) to show what integrity
 costs; gloo and gRPC run with their default checksums on. The gRPC stream is also compared
-with sending the bytes as ONE message.
+with sending the bytes as ONE message, and with `grpc_raw`: the same bytes through gRPC alone
+(`kvmesh.cli.bench_grpc_raw`: no header, gather, hash or scatter), the ceiling of gRPC's Python
+binding on this machine.
 Every peer pair is connected and warmed up first; then each of `--repeat` rounds times one
 memcpy and one transfer per backend back to back, so a round's ratios share the machine's load.
 The report keeps each row's best run and the range of its per-round ratios.
@@ -49,6 +51,7 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "gloo": ("gloo", {}),
     "grpc": ("grpc", {}),
     "grpc_unary": ("grpc", {}),
+    "grpc_raw": ("grpc_raw", {"checksum": False}),
 }
 TARGETS = {"shm": 0.85, "grpc": 0.25, "gloo": 0.25}  # vs memcpy of the same bytes
 
@@ -57,8 +60,11 @@ class _Peer:
     def __init__(self, backend: str, store: dict[str, Any], **config: Any) -> None:
         arg = json.dumps({"backend": backend, "store": store, **config})
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        module = (
+            ["kvmesh.cli.bench_grpc_raw"] if backend == "grpc_raw" else ["kv_transfer.peer", arg]
+        )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kv_transfer.peer", arg],
+            [sys.executable, "-m", *module],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env,
         )  # fmt: skip
         self._lines: queue.Queue[str] = queue.Queue()
@@ -112,6 +118,7 @@ class _Pair:
             options = {**options, "max_message_bytes": limit}
             receiver_options = {"max_message_bytes": limit}
         self.name, self.op, self.ids = row, op, list(range(blocks))
+        self.nbytes = blocks * BLOCK_BYTES
         self.receiver = _Peer(backend, {**store, "seed": 1}, receiver_options=receiver_options)
         self.sender = _Peer(backend, {**store, "seed": 2})
         if self.sender.call("connect", address=self.receiver.address, options=options) != {
@@ -123,7 +130,7 @@ class _Pair:
         tid = os.urandom(16).hex()
         self.receiver.call("expect", tid=tid, epoch=1, dst=self.ids, seconds=600)
         result = self.sender.call(
-            self.op, tid=tid, epoch=1, src=self.ids, dst=self.ids, seconds=600
+            self.op, tid=tid, epoch=1, src=self.ids, dst=self.ids, seconds=600, bytes=self.nbytes
         )
         if result.get("state") != "COMPLETED":
             raise RuntimeError(f"{self.name} {self.op}: {result}")
@@ -183,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if "grpc_stream_vs_unary" in report:
         print(f"  gRPC stream vs one message: {report['grpc_stream_vs_unary']:.2f}x")
+    if "grpc_stream_vs_raw" in report:
+        print(f"  gRPC stream vs gRPC alone (grpc_raw): {report['grpc_stream_vs_raw']:.2f}x")
     return 0
 
 
@@ -215,4 +224,6 @@ def _report(nbytes: int, times: dict[str, list[float]]) -> dict[str, Any]:
         report["registered_vs_staging"] = round(best["shm"] / best["shm_staging"], 2)
     if "grpc" in best and "grpc_unary" in best:
         report["grpc_stream_vs_unary"] = round(best["grpc"] / best["grpc_unary"], 2)
+    if "grpc" in best and "grpc_raw" in best:
+        report["grpc_stream_vs_raw"] = round(best["grpc"] / best["grpc_raw"], 2)
     return report

@@ -1,0 +1,102 @@
+"""The `grpc_raw` row of `kvmesh bench transfer`: what gRPC's Python binding alone moves here.
+
+A peer process driven by JSON lines on stdin, like `kv_transfer.peer`, on the same footing as
+the `grpc` row's peers (a `grpc.aio` server on uvloop receiving on its event loop thread, a
+synchronous channel sending one client stream of fresh 2 MiB `bytes` messages to a raw-bytes
+method, glibc's thresholds raised as the backend does) but with none of the KV work: no
+header, no gather out of a cache, no xxh3, no scatter into one; the receiver only counts
+bytes. The `grpc` row over this one is how much of gRPC's ceiling the transfer reaches.
+
+`python -m kvmesh.cli.bench_grpc_raw` prints `{"address": ...}`, then answers `connect`
+(`address`), `expect` (nothing to reserve), `send` (`bytes`: streams that many; replies
+`state` and `seconds`) and `quit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+
+from kv_transfer.backends.grpc_stream import new_event_loop
+from kv_transfer.heap import keep_frames_in_heap
+from kv_transfer.interface import DEFAULT_FRAME_BYTES
+
+keep_frames_in_heap()
+METHOD = "/kvmesh.bench.RawBytes/Push"
+LIMIT = [("grpc.max_send_message_length", 8 << 20), ("grpc.max_receive_message_length", 8 << 20)]
+
+
+async def _count(messages: AsyncIterator[bytes], context: Any) -> bytes:
+    total = 0
+    async for message in messages:
+        total += len(message)
+    return total.to_bytes(8, "little")
+
+
+def _serve(ready: threading.Event, port: list[int]) -> None:
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+    server = grpc.aio.server(options=LIMIT)
+    handler = grpc.stream_unary_rpc_method_handler(_count)  # bytes in, bytes out
+    service, method = METHOD.strip("/").split("/")
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service, {method: handler}),)
+    )
+    port.append(server.add_insecure_port("127.0.0.1:0"))
+    loop.run_until_complete(server.start())
+    ready.set()
+    loop.run_forever()
+
+
+def _messages(nbytes: int, frame: int) -> Iterator[bytes]:
+    """Fresh messages of `frame` bytes (the last one shorter), as the sender makes each frame."""
+    for offset in range(0, nbytes, frame):
+        yield bytes(min(frame, nbytes - offset))
+
+
+def _send(push: Any, nbytes: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    received = int.from_bytes(push(_messages(nbytes, DEFAULT_FRAME_BYTES), timeout=600), "little")
+    seconds = time.perf_counter() - start
+    state = "COMPLETED" if received == nbytes else "FAILED"
+    return {"state": state, "seconds": seconds, "bytes": received}
+
+
+def main() -> None:
+    ready, port = threading.Event(), list[int]()
+    threading.Thread(target=_serve, args=(ready, port), daemon=True).start()
+    if not ready.wait(10):
+        raise SystemExit("grpc_raw: the server did not start")
+    _reply({"address": f"127.0.0.1:{port[0]}"})
+    push = None
+    for line in sys.stdin:
+        command = json.loads(line)
+        op = command["op"]
+        if op == "quit":
+            break
+        if op == "connect":
+            channel = grpc.insecure_channel(command["address"], options=LIMIT)
+            push = channel.stream_unary(METHOD, None, None)  # bytes both ways
+            _reply({"ok": True})
+        elif op == "expect":
+            _reply({"ok": True})
+        elif op == "send" and push is not None:
+            _reply(_send(push, int(command["bytes"])))
+        else:
+            _reply({"error": f"unknown or out-of-order op {op!r}"})
+
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
