@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from kvmesh_kernels.hugepages import huge_zeros
+
 KV_DTYPES = ("auto", "int8", "fp8")
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 FP8_DTYPE = torch.float8_e4m3fn
@@ -133,10 +135,17 @@ class PagedKVCache:
         return LayerKV(self.data[:, index], scales, self.spec.kv_dtype, self.spec.dtype)
 
 
-def allocate_kv_cache(spec: KVCacheSpec, device: torch.device | str = "cpu") -> PagedKVCache:
-    """Allocate a zeroed cache (scales start at 1.0 so unwritten slots dequantize to 0)."""
+def allocate_kv_cache(
+    spec: KVCacheSpec, device: torch.device | str = "cpu", huge_pages: bool = True
+) -> PagedKVCache:
+    """Allocate a zeroed cache (scales start at 1.0 so unwritten slots dequantize to 0). On
+    the host with `huge_pages` the data is advised for transparent huge pages before it is
+    first touched (`kvmesh_kernels.hugepages`: 4-10% faster float32 decode attention)."""
     spec.validate()
-    data = torch.zeros(spec.data_shape, dtype=spec.storage_dtype, device=device)
+    if torch.device(device).type == "cpu":
+        data = huge_zeros(tuple(spec.data_shape), spec.storage_dtype, huge_pages)
+    else:
+        data = torch.zeros(spec.data_shape, dtype=spec.storage_dtype, device=device)
     scales = None
     if spec.quantized:
         scales = torch.ones(spec.scales_shape, dtype=torch.float32, device=device)

@@ -1,7 +1,9 @@
 """Fused CPU paged attention side by side: float32 / bfloat16 / float16 caches, decode and extend.
 
 Run: `python -m kvmesh_kernels.cpu_bench [--repeats 9] [--threads N] [--isas auto avx2]
-[--baseline-source OLD.cpp] [--json]` (one thread is steadier on a shared machine).
+[--baseline-source OLD.cpp] [--huge-pages] [--json]` (one thread is steadier on a shared
+machine). `--huge-pages` runs every variant on the cache in 4 KiB pages (`-4k`) and on the
+same contents in transparent huge pages (`-thp`, `kvmesh_kernels.hugepages`).
 
 Cases (blocks in random physical order; a call is one model step: every layer in turn, as the
 engine runs them, over a block-major cache of that many layers):
@@ -40,6 +42,7 @@ import torch
 
 from kvmesh_kernels import cpu_attention, cpu_build
 from kvmesh_kernels.cache import KVCacheSpec, LayerKV, allocate_kv_cache
+from kvmesh_kernels.hugepages import thp_mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,12 +84,12 @@ class Batch:
     kv_bytes: int
 
 
-def make_batch(case: Case, dtype: torch.dtype) -> Batch:
+def make_batch(case: Case, dtype: torch.dtype, huge_pages: bool = True) -> Batch:
     gen = torch.Generator().manual_seed(1)
     bs = case.block_size
     need = [-(-n // bs) for n in case.lens]
     spec = KVCacheSpec(sum(need), case.layers, bs, case.kv_heads, case.head_dim, dtype)
-    cache = allocate_kv_cache(spec)
+    cache = allocate_kv_cache(spec, huge_pages=huge_pages)
     cache.data.copy_(torch.randn(spec.data_shape, generator=gen).to(dtype))
     perm = torch.randperm(spec.num_blocks, generator=gen)
     tables = torch.zeros(len(case.lens), max(need), dtype=torch.int32)
@@ -126,10 +129,10 @@ def load_baseline(source: Path) -> ctypes.CDLL:
 
 
 def variants(
-    batch: Batch, isas: list[str], baseline: ctypes.CDLL | None
+    batch: Batch, isas: list[str], baseline: ctypes.CDLL | None, suffix: str = ""
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """name -> one model step over the batch: a kernel call per layer, the outputs stacked
-    (the baseline first when given)."""
+    (the baseline first when given); `suffix` is appended to each name."""
     pointers = [cpu_attention.layer_pointers(layer) for layer in batch.layers]
     scale = batch.query.shape[-1] ** -0.5
     meta = (batch.layers[0], batch.tables, batch.lens, batch.starts)
@@ -148,7 +151,7 @@ def variants(
                 outs.append(out.to(dtype))
             return torch.stack(outs)
 
-        fns["baseline"] = run_old
+        fns["baseline" + suffix] = run_old
     for isa in isas:
         call = cpu_attention.FusedCall(*meta)
 
@@ -160,7 +163,7 @@ def variants(
                 ]
             )
 
-        fns[f"fused-{isa}"] = run
+        fns[f"fused-{isa}{suffix}"] = run
     return fns
 
 
@@ -179,10 +182,25 @@ def time_ms(fns: dict[str, Callable[[], Any]], repeats: int, inner: int) -> dict
 
 
 def measure(
-    case: Case, dtype_name: str, isas: list[str], baseline: ctypes.CDLL | None, repeats: int
+    case: Case,
+    dtype_name: str,
+    isas: list[str],
+    baseline: ctypes.CDLL | None,
+    repeats: int,
+    huge_pages: bool = False,
 ) -> dict[str, Any]:
-    batch = make_batch(case, DTYPES[dtype_name])
-    fns = variants(batch, isas, baseline)
+    """One case in one dtype; with `huge_pages` every variant runs on a cache in 4 KiB pages
+    (named `-4k`) and on the same contents in huge pages (`-thp`)."""
+    if huge_pages:
+        small = make_batch(case, DTYPES[dtype_name], huge_pages=False)
+        batch = make_batch(case, DTYPES[dtype_name], huge_pages=True)
+        fns = {
+            **variants(small, isas, baseline, "-4k"),
+            **variants(batch, isas, baseline, "-thp"),
+        }
+    else:
+        batch = make_batch(case, DTYPES[dtype_name])
+        fns = variants(batch, isas, baseline)
     first = next(iter(fns))
     ref = fns[first]().float()
     tol = 1e-4 if dtype_name == "float32" else 2e-2
@@ -211,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--isas", nargs="+", default=["auto", "avx2"])
     parser.add_argument("--baseline-source", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
+    parser.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="each variant on a cache in 4 KiB pages (-4k) and in transparent huge pages (-thp)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.threads:
@@ -220,15 +243,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     baseline = load_baseline(args.baseline_source) if args.baseline_source else None
     rows = [
-        measure(case, dtype, args.isas, baseline, args.repeats)
+        measure(case, dtype, args.isas, baseline, args.repeats, args.huge_pages)
         for case in cases()
         if case.name in args.cases
         for dtype in args.dtypes
     ]
+    pages = {"thp": thp_mode(), "huge_pages_compared": args.huge_pages}
     if args.json:
-        print(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=2))
+        print(json.dumps({"threads": torch.get_num_threads(), **pages, "rows": rows}, indent=2))
         return 0
-    print(f"threads={torch.get_num_threads()} repeats={args.repeats}")
+    print(f"threads={torch.get_num_threads()} repeats={args.repeats} THP {pages['thp']}")
     for row in rows:
         parts = []
         for name, v in row.items():
