@@ -13,13 +13,20 @@ CANCEL. Receiver → sender: ACCEPT, FRAME_ACK, DONE, ERROR (`code\\0message`), 
 BEGIN, FRAME and END, in order (none per CANCEL). Every wait has a timeout (the transfer
 deadline, or the idle limit of a link).
 
-Two frames in flight (`WINDOW`, agreed in the HELLO; a peer that does not name a window gets
-one). The sender prepares frame k+1 while frames k-1 and k travel, then waits for k-1's
+Two frames in flight on host (gloo) links (`WINDOW`, agreed in the HELLO; a peer that does not
+name a window gets one, and so does every CUDA link: NCCL runs a pair's operations in the order
+posted, so an answer's receive posted ahead of the next frame would wait for itself). The sender prepares frame k+1 while frames k-1 and k travel, then waits for k-1's
 answer before it posts k+1. The receiver posts the receive of frame k's payload into one of
 two staging buffers, then checks, scatters and answers frame k-1 from the other while k's
 bytes arrive: a frame is answered when the next message's header arrives (END and CANCEL
 included), so the wire carries the next frame while the receiver writes the previous one.
-With one frame in flight each frame is answered as soon as it is written.
+With one frame in flight each frame is answered as soon as it is written. A gloo send
+completes only once the peer posted the matching receive, and a sender reads an ERROR's payload
+only when it collects that answer, possibly after its own next message (a CANCEL, the next part
+of a streamed transfer): so the receiver finishes an answer's sends only before it sends the
+next one (`_Replies`), and the sender posts only the oldest answer's receive (`_InFlight`). A
+sender that stops with answers owed sends CANCEL (unless END went out) and collects them; any
+answer it cannot read breaks the link, which is then rebuilt rather than reused out of step.
 
 A frame whose source blocks are one run of the cache (`BlockStore.run_view`: consecutive
 block ids of a host cache without scales are one byte range) is sent from the cache itself;
@@ -55,12 +62,12 @@ from kv_transfer.backends.gloo_link import (
     QUEUE,
     RECEIVER_RANK,
     SENDER_RANK,
-    WINDOW,
     HeaderRecv,
     Link,
     new_group,
     split_host_port,
     td,
+    window_for,
 )
 from kv_transfer.blocks import BlockStore
 from kv_transfer.control import MAX_CONTROL_PAYLOAD
@@ -166,7 +173,7 @@ class Receiver(KVReceiver):
             theirs, extras = split_hello(self._store.get(scope + "hello"))
             ours = self.layout.to_bytes()
             max_frame = extras.get("max_frame")
-            window = _agreed_window(extras.get("window"))
+            window = _agreed_window(extras.get("window"), self._device)
             ack: dict[str, Any] = {"layout": ours.decode(), "window": window}
             try:  # the sender raises a layout mismatch itself, from our layout
                 self.layout.check_compatible(theirs)
@@ -202,53 +209,54 @@ class Receiver(KVReceiver):
             for _ in range(link.window)
         ]  # uint8 [max_frame] each: frame k arrives into one while k-1 is written from another
         pending: tuple[FrameHeader, torch.Tensor] | None = None  # received, not yet answered
+        replies = _Replies(link)
         try:
             while not self._closed:
                 header = link.recv_header(time.monotonic() + IDLE_SECONDS)
                 if header.msg_type is MsgType.FRAME:
-                    payload = self._receive_frame(link, header, staging, pending)
+                    payload = self._receive_frame(replies, header, staging, pending)
                     pending = (header, payload) if link.window > 1 else None
                     if pending is None:
-                        self._answer(link, header, payload)
+                        self._answer(replies, header, payload)
                     continue
                 if pending is not None:
-                    self._answer(link, *pending)
+                    self._answer(replies, *pending)
                     pending = None
                 reply = self._handle(link, header, begun)
                 if reply is not None:
-                    link.send(*reply, deadline=time.monotonic() + REPLY_SECONDS)
+                    replies.send(*reply)
         except TransferError as exc:
             self.core.fail_ids(begun, PeerError(f"sender link lost: {exc}"))
 
     def _receive_frame(
         self,
-        link: Link,
+        replies: _Replies,
         header: FrameHeader,
         staging: list[torch.Tensor],
         pending: tuple[FrameHeader, torch.Tensor] | None,
     ) -> torch.Tensor:
         """Receive a FRAME's payload (uint8 [payload_len]) into the staging buffer `pending`
         does not use, answering `pending` while the bytes arrive."""
+        link = replies.link
         if header.payload_len > link.max_frame:  # cannot skip it: the link is out of step
             raise FrameError("payload_len", f"{header.payload_len} above {link.max_frame}")
         free = next(b for b in staging if pending is None or b.data_ptr() != pending[1].data_ptr())
         into = free[: header.payload_len]
         work = link.post_recv_payload(into) if header.payload_len else None
         if pending is not None:
-            self._answer(link, *pending)
+            self._answer(replies, *pending)
         if work is not None:
             link.finish_recv_payload(work, time.monotonic() + REPLY_SECONDS)
         return into
 
-    def _answer(self, link: Link, header: FrameHeader, payload: torch.Tensor) -> None:
-        """Check and scatter one received FRAME, then send its FRAME_ACK (or ERROR)."""
-        reply: tuple[FrameHeader, torch.Tensor | None]
+    def _answer(self, replies: _Replies, header: FrameHeader, payload: torch.Tensor) -> None:
+        """Check and scatter one received FRAME, then answer it (FRAME_ACK or ERROR)."""
         try:
             self.core.on_frame(header, payload)
-            reply = frame_header(MsgType.FRAME_ACK, header.transfer_id, header.epoch), None
         except TransferError as exc:
-            reply = _error_reply(link, header, exc)
-        link.send(reply[0], reply[1], time.monotonic() + REPLY_SECONDS)
+            replies.send(*_error_reply(replies.link, header, exc))
+            return
+        replies.send(frame_header(MsgType.FRAME_ACK, header.transfer_id, header.epoch), None)
 
     def _handle(
         self, link: Link, header: FrameHeader, begun: set[bytes]
@@ -276,9 +284,27 @@ class Receiver(KVReceiver):
             return _error_reply(link, header, exc)
 
 
-def _agreed_window(theirs: object) -> int:
-    """The frames in flight a sender asked for, capped at ours; 1 when it named none."""
-    return min(theirs, WINDOW) if isinstance(theirs, int) and theirs >= 1 else 1
+def _agreed_window(theirs: object, device: torch.device) -> int:
+    """The frames in flight a sender asked for, capped at what a link on `device` carries;
+    1 when it named none."""
+    ours = window_for(device)
+    return min(theirs, ours) if isinstance(theirs, int) and theirs >= 1 else 1
+
+
+class _Replies:
+    """A receiver's answers on one link, in order. An answer's sends are finished only before
+    the next answer goes out: a gloo send completes once the sender posts the receive, and
+    the sender reads an ERROR's payload only when it collects that answer, which may come
+    after its own next message (a CANCEL, or the next part of a streamed transfer)."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self._unfinished: list[Any] = []
+        self._body: torch.Tensor | None = None  # kept alive until its send finished
+
+    def send(self, header: FrameHeader, body: torch.Tensor | None) -> None:
+        self.link.finish(self._unfinished, time.monotonic() + REPLY_SECONDS)
+        self._unfinished, self._body = self.link.post(header, body), body
 
 
 def _error_reply(
@@ -309,25 +335,30 @@ class _InFlight:
             self._answer = self.link.post_recv_header()
 
     def answer(self, deadline: float) -> None:
-        """Wait for the oldest message's answer; ERROR raises the peer's error, another kind
-        than the one wanted breaks the link."""
+        """Wait for the oldest message's answer; ERROR raises the peer's error. Anything else
+        that goes wrong (a failed wait, an unreadable answer, another kind than the one wanted)
+        leaves the link out of step: it is broken."""
         sends, want = self._queue.popleft()
         answer, self._answer = self._answer, None
-        assert answer is not None
-        self.link.finish(sends, deadline)
-        header = self.link.finish_recv_header(answer, deadline)
-        error = (
-            _control_payload(header, self.link, deadline)
-            if header.msg_type is MsgType.ERROR
-            else None
-        )
-        if self._queue:
-            self._answer = self.link.post_recv_header()
+        try:
+            if answer is None:
+                raise PeerError("no answer receive was posted")
+            self.link.finish(sends, deadline)
+            header = self.link.finish_recv_header(answer, deadline)
+            error = None
+            if header.msg_type is MsgType.ERROR:
+                error = _control_payload(header, self.link, deadline)
+            elif header.msg_type is not want:
+                raise PeerError(f"expected {want.name}, got {header.msg_type.name}")
+            if self._queue:
+                self._answer = self.link.post_recv_header()
+        except Exception as exc:
+            self.link.broken = True
+            if isinstance(exc, TransferError):
+                raise
+            raise PeerError(f"unreadable answer: {str(exc)[:300]}") from None
         if error is not None:
             raise parse_wire_error(error)
-        if header.msg_type is not want:
-            self.link.broken = True
-            raise PeerError(f"expected {want.name}, got {header.msg_type.name}")
 
 
 class Sender(KVSender):

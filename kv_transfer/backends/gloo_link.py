@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -37,7 +38,15 @@ QUEUE = "kvmesh/hellos"
 RECEIVER_RANK, SENDER_RANK = 0, 1
 _ABORT_TAG = 1  # never sent with (messages use tag 0): a receive on it can only time out
 _POOL_PER_PEER = 4
-WINDOW = 2  # frames a sender keeps in flight on a link whose receiver agreed to it
+WINDOW = 2  # frames a sender keeps in flight on a host (gloo) link whose receiver agreed to it
+
+
+def window_for(device: torch.device) -> int:
+    """Frames in flight a link on `device` can carry: `WINDOW` for host caches (gloo), 1 for
+    CUDA caches. NCCL runs a pair's sends and receives in the order posted, on one stream, so a
+    receive of frame k's answer posted before the next frame's header is sent would wait for
+    an answer the receiver only sends after that header."""
+    return 1 if device.type == "cuda" else WINDOW
 
 
 def td(seconds: float) -> datetime.timedelta:
@@ -110,12 +119,22 @@ class Link:
             raise PeerError(f"{what} failed: {str(exc)[:300]}") from None
         self.last_used = time.monotonic()
 
+    def _start(self, op: Callable[[], Any], what: str) -> Any:
+        """Post one send or receive; a refusal (the peer closed the connection) breaks the
+        link and is a PeerError, like a failed wait."""
+        try:
+            return op()
+        except Exception as exc:
+            self.broken = True
+            raise PeerError(f"{what} failed: {str(exc)[:300]}") from None
+
     def post(self, header: FrameHeader, payload: torch.Tensor | None = None) -> list[Any]:
-        """Start sending one message; returns the works to `finish`."""
+        """Start sending one message; returns the works to `finish`. A gloo send completes
+        only once the peer posted the matching receive."""
         raw = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8).to(self.device)
-        works = [self.group.send([raw], self.peer, 0)]
+        works = [self._start(lambda: self.group.send([raw], self.peer, 0), "send")]
         if payload is not None and payload.numel():
-            works.append(self.group.send([payload], self.peer, 0))
+            works.append(self._start(lambda: self.group.send([payload], self.peer, 0), "send"))
         return works
 
     def finish(self, works: list[Any], deadline: float) -> None:
@@ -129,7 +148,8 @@ class Link:
         """Start receiving the next header, into a buffer of its own: several may be posted
         (gloo matches them to messages in order)."""
         buf = torch.empty(HEADER_SIZE, dtype=torch.uint8, device=self.device)
-        return HeaderRecv(self.group.recv([buf], self.peer, 0), buf)
+        work = self._start(lambda: self.group.recv([buf], self.peer, 0), "receive a header")
+        return HeaderRecv(work, buf)
 
     def finish_recv_header(self, posted: HeaderRecv, deadline: float) -> FrameHeader:
         self._wait(posted.work, deadline, "receive a header")
@@ -140,7 +160,7 @@ class Link:
 
     def post_recv_payload(self, into: torch.Tensor) -> Any:
         """Start receiving a payload into `into` (non-empty); `finish_recv_payload` waits."""
-        return self.group.recv([into], self.peer, 0)
+        return self._start(lambda: self.group.recv([into], self.peer, 0), "receive a payload")
 
     def finish_recv_payload(self, work: Any, deadline: float) -> None:
         self._wait(work, deadline, "receive a payload")
@@ -234,7 +254,7 @@ class LinkPool:
         store = self._store(address)
         link_id = os.urandom(12).hex()
         scope = f"kvmesh/link/{link_id}/"
-        extras = {"max_frame": max_frame, "window": WINDOW}
+        extras = {"max_frame": max_frame, "window": window_for(device)}
         hello = layout.to_bytes() + b"\0" + json.dumps(extras).encode()
         try:
             store.set(scope + "hello", hello)
@@ -255,7 +275,7 @@ class LinkPool:
         except Exception as exc:
             raise PeerError(f"gloo group with {address} failed: {exc}") from None
         window = ack.get("window", 1)  # a receiver that does not name one keeps 1
-        window = window if isinstance(window, int) and 1 <= window <= WINDOW else 1
+        window = window if isinstance(window, int) and 1 <= window <= window_for(device) else 1
         return Link(group, RECEIVER_RANK, device, max_frame, window)
 
 

@@ -4,16 +4,19 @@ flight (the window a sender asks for, a refusal mid-window)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from kv_transfer import BlockStore, TransferRequest, TransferState, get_backend, new_transfer_id
+from kv_transfer.backends import gloo as gloo_mod
 from kv_transfer.backends import gloo_link
-from kv_transfer.errors import LayoutMismatchError, PeerError
+from kv_transfer.errors import ChecksumError, LayoutMismatchError, PeerError
 from kv_transfer.header import FrameHeader, MsgType
 from kv_transfer.interface import StreamSendHandle
 from kv_transfer.receiver_core import ReceiveHandle
@@ -171,6 +174,27 @@ def one_block_frames(gloo: object, src: BlockStore, receiver: object) -> object:
     return gloo.Sender(src, receiver.address, frame_bytes=src.layout.bytes_per_block)  # type: ignore[attr-defined]
 
 
+def one_block_pair(gloo: object) -> tuple[BlockStore, BlockStore, Any, Any]:
+    """(source, zeroed destination, receiver, sender sending one block per frame)."""
+    src, dst = store(2), BlockStore(torch.zeros(SHAPE, dtype=torch.bfloat16))
+    receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
+    return src, dst, receiver, one_block_frames(gloo, src, receiver)
+
+
+def cancel_at_frame(receiver: Any, monkeypatch: pytest.MonkeyPatch, index: int) -> list:
+    """Make the receiver cancel the reservation appended to the returned list while it
+    writes frame `index` (the frame is then refused with an ERROR answer)."""
+    write, got = receiver.core.on_frame, list[ReceiveHandle]()
+
+    def on_frame(header: FrameHeader, payload: torch.Tensor) -> None:
+        if header.frame_index == index:
+            got[0].cancel()
+        write(header, payload)
+
+    monkeypatch.setattr(receiver.core, "on_frame", on_frame)
+    return got
+
+
 @pytest.mark.parametrize("window", [2, 1])
 def test_frame_k_is_written_while_frame_k_plus_1_arrives(
     gloo: object, monkeypatch: pytest.MonkeyPatch, window: int
@@ -203,20 +227,10 @@ def test_a_frame_refused_while_the_next_is_in_flight_leaves_the_link_in_step(
     """The receiver cancels while writing frame 2 with frame 3 in flight: the sender ends
     with the receiver's reason, collects the answer still owed, and its next transfer runs on
     the same pooled link."""
-    src, dst = store(2), BlockStore(torch.zeros(SHAPE, dtype=torch.bfloat16))
-    receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
-    sender = one_block_frames(gloo, src, receiver)
-    link = sender._link  # type: ignore[attr-defined]
+    src, dst, receiver, sender = one_block_pair(gloo)
+    link = sender._link
     assert link.window == 2
-    write = receiver.core.on_frame
-    got: list[ReceiveHandle] = []
-
-    def on_frame(header: FrameHeader, payload: torch.Tensor) -> None:
-        if header.frame_index == 2:
-            got[0].cancel()
-        write(header, payload)
-
-    monkeypatch.setattr(receiver.core, "on_frame", on_frame)
+    got = cancel_at_frame(receiver, monkeypatch, 2)
     try:
         req = TransferRequest(new_transfer_id(), 1)
         got.append(receiver.expect(req, [8, 9, 10, 11, 12], time.monotonic() + 10))
@@ -231,6 +245,76 @@ def test_a_frame_refused_while_the_next_is_in_flight_leaves_the_link_in_step(
         assert sender.send(req, [5, 6, 7], [1, 2, 3], deadline=time.monotonic() + 10).ok  # type: ignore[attr-defined]
         assert again.wait(5).ok and torch.equal(dst.cache[1:4], src.cache[5:8])
         assert sender._link is link and not link.broken  # type: ignore[attr-defined]
+    finally:
+        sender.close()  # type: ignore[attr-defined]
+        receiver.close()
+
+
+def test_the_window_is_agreed_per_device() -> None:
+    """Two frames in flight on host links whose sender asked for them; one for a sender naming
+    none (or nonsense), and always one on CUDA links (NCCL runs a pair's operations in the
+    order posted, so an answer posted before the next frame would wait for itself)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert gloo_link.window_for(cpu) == 2 and gloo_link.window_for(cuda) == 1
+    assert [gloo_mod._agreed_window(w, cpu) for w in (None, "2", 0, 1, 2, 5)] == [1, 1, 1, 1, 2, 2]
+    assert gloo_mod._agreed_window(2, cuda) == 1
+
+
+def test_a_refusal_while_a_streamed_sender_waits_does_not_stall_its_cancel(
+    gloo: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Frames 0 and 1 in flight, the producer still computing: the receiver cancels while
+    writing frame 0 (its ERROR answer waits for the sender to read it), then the sender
+    cancels. Both end at once, and the sender's next transfer runs on the same link."""
+    _, _, receiver, sender = one_block_pair(gloo)
+    link = sender._link
+    got = cancel_at_frame(receiver, monkeypatch, 0)
+    try:
+        req = TransferRequest(new_transfer_id(), 1)
+        got.append(receiver.expect(req, [3, 4, 5, 6], time.monotonic() + 60))
+        handle = sender.start_stream(req, [3, 4, 5, 6], deadline=time.monotonic() + 60)  # type: ignore[attr-defined]
+        handle.add(0, [0, 1])
+        assert wait_for(lambda: got[0].state is TransferState.CANCELLED, 5)
+        began = time.monotonic()
+        handle.cancel()
+        assert handle.wait(5).state is TransferState.CANCELLED
+        assert time.monotonic() - began < 0.9  # not the 1 s grace
+        assert sender._link is link and not link.broken  # type: ignore[attr-defined]
+        req = TransferRequest(new_transfer_id(), 1)
+        again = receiver.expect(req, [10, 11], time.monotonic() + 10)
+        assert sender.send(req, [0, 1], [10, 11], deadline=time.monotonic() + 10).ok  # type: ignore[attr-defined]
+        assert again.wait(5).ok
+    finally:
+        sender.close()  # type: ignore[attr-defined]
+        receiver.close()
+
+
+def test_an_unreadable_answer_breaks_the_link_and_the_next_transfer_gets_a_new_one(
+    gloo: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ERROR answer (BEGIN names blocks the receiver did not reserve) whose payload fails
+    its checksum leaves the link out of step: the transfer fails with that reason, the link is
+    broken, and the next transfer runs on a fresh one."""
+    _, _, receiver, sender = one_block_pair(gloo)
+    link = sender._link
+    reply = gloo_mod._error_reply
+
+    def corrupted(*args: object) -> tuple[FrameHeader, torch.Tensor]:
+        header, body = reply(*args)  # type: ignore[arg-type]
+        return dataclasses.replace(header, checksum=header.checksum ^ 1), body
+
+    monkeypatch.setattr(gloo_mod, "_error_reply", corrupted)
+    try:
+        req = TransferRequest(new_transfer_id(), 1)
+        receiver.expect(req, [8, 9], time.monotonic() + 10)
+        bad = sender.send(req, [0, 1], [8, 10], deadline=time.monotonic() + 10)  # type: ignore[attr-defined]
+        assert bad.state is TransferState.FAILED and isinstance(bad.error, ChecksumError)
+        assert link.broken
+        monkeypatch.setattr(gloo_mod, "_error_reply", reply)
+        req = TransferRequest(new_transfer_id(), 1)
+        again = receiver.expect(req, [1, 2], time.monotonic() + 10)
+        assert sender.send(req, [5, 6], [1, 2], deadline=time.monotonic() + 10).ok  # type: ignore[attr-defined]
+        assert again.wait(5).ok and sender._link is not link  # type: ignore[attr-defined]
     finally:
         sender.close()  # type: ignore[attr-defined]
         receiver.close()
