@@ -8,22 +8,23 @@ thousand TLB entries. Linux backs anonymous memory with huge pages when THP is `
 `madvise` (the default of many distributions) and the range was advised `MADV_HUGEPAGE`
 before it is first touched; shared memory (memfd) follows `shmem_enabled` instead.
 
-`huge_zeros` allocates a zeroed host tensor whose 2 MiB-aligned interior is advised first;
-where THP is off or the call is refused it is a plain zeroed tensor. The side-by-side
+`huge_zeros` allocates a zeroed host tensor in a fresh private anonymous mapping advised
+`MADV_HUGEPAGE` before anything touches it (memory from the heap may have been touched
+already, and glibc serves allocations up to 32 MiB from it once its threshold has risen);
+where THP is off or the advice is refused it is a plain zeroed tensor. The side-by-side
 measurement is `python -m kvmesh_kernels.cpu_bench --huge-pages` (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import functools
-import sys
+import mmap
 from pathlib import Path
 
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20
-MADV_HUGEPAGE = 14  # Linux <sys/mman.h>
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -39,40 +40,17 @@ def thp_mode() -> str:
     return chosen or "unavailable"
 
 
-@functools.cache
-def _madvise() -> object | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> int:
-    """Advise the 2 MiB-aligned interior of a host tensor's memory for huge pages; the bytes
-    advised (0: not a host tensor, under 2 MiB, THP not in `madvise` or `always`, or refused).
-    Only memory not yet touched is then faulted in as huge pages."""
-    madvise = _madvise()
-    if tensor.device.type != "cpu" or madvise is None or thp_mode() not in ("madvise", "always"):
-        return 0
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    lo = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    hi = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if hi <= lo:
-        return 0
-    ok = madvise(ctypes.c_void_p(lo), hi - lo, MADV_HUGEPAGE) == 0  # type: ignore[operator]
-    return hi - lo if ok else 0
-
-
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:
-    """A zeroed host tensor; with `huge_pages` its memory is advised for huge pages before the
-    zeroing first touches it."""
-    tensor = torch.empty(shape, dtype=dtype)
-    if huge_pages:
-        advise_huge_pages(tensor)
-    return tensor.zero_()
+    """A zeroed host tensor of `shape`; with `huge_pages` (and THP in `madvise` or `always`,
+    at least one huge page of bytes) in its own anonymous mapping advised for huge pages,
+    which the zeroing then faults in. The tensor keeps the mapping alive."""
+    nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+    advice: int | None = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+    usable = thp_mode() in ("madvise", "always")
+    if not huge_pages or not usable or advice is None or nbytes < HUGE_PAGE_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # refused: small pages, same contents
+        region.madvise(advice)
+    tensor = torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+    return tensor.zero_()  # faults every page in now, not during serving
