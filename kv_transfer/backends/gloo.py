@@ -15,8 +15,9 @@ deadline, or the idle limit of a link).
 
 Two frames in flight on host (gloo) links (`WINDOW`, agreed in the HELLO; a peer that does not
 name a window gets one, and so does every CUDA link: NCCL runs a pair's operations in the order
-posted, so an answer's receive posted ahead of the next frame would wait for itself). The sender prepares frame k+1 while frames k-1 and k travel, then waits for k-1's
-answer before it posts k+1. The receiver posts the receive of frame k's payload into one of
+posted, so an answer's receive posted ahead of the next frame would wait for itself). The
+sender prepares frame k+1 while frames k-1 and k travel, then waits for k-1's answer before it
+posts k+1. The receiver posts the receive of frame k's payload into one of
 two staging buffers, then checks, scatters and answers frame k-1 from the other while k's
 bytes arrive: a frame is answered when the next message's header arrives (END and CANCEL
 included), so the wire carries the next frame while the receiver writes the previous one.
