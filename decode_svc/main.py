@@ -78,7 +78,7 @@ async def share_kv_cache(runtime: WorkerRuntime) -> SharedRegion | None:
         return None
     scales_shape = None if scales is None else tuple(scales.shape)
     data, shared_scales, region = shared_tensors(tuple(cache.shape), cache.dtype, scales_shape)
-    await runtime.engine.call(lambda engine: engine.runner.move_kv_cache(data, shared_scales))
+    await runtime.engine.call(lambda engine: engine.move_kv_cache(data, shared_scales))
     return region
 
 

@@ -129,6 +129,14 @@ class LLMEngine:
             tiers.close()
 
     # -- built requests (the KV connector in kvmesh.engine.disagg adds and imports these) ---
+    def move_kv_cache(self, data: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Re-home the KV cache into `data` (and `scales`), contents kept (a decode worker's
+        registered shared memory): the runner and the host/disk tiers' device side both move.
+        Call on the engine thread, between steps."""
+        self.runner.move_kv_cache(data, scales)
+        if self.parts.tiers is not None:
+            self.parts.tiers.device.rebind(self.runner.kv_cache)
+
     def add_built_request(self, request: Request) -> None:
         """Queue a Request built elsewhere (validated, carrying its prefix-cache salt)."""
         self.scheduler.add_request(request)

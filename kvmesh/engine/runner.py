@@ -91,8 +91,9 @@ class ModelRunner:
 
     def move_kv_cache(self, data: torch.Tensor, scales: torch.Tensor | None) -> None:
         """Re-home the cache into `data` (and `scales`), same shapes and dtypes, contents kept:
-        memory a KV receiver registers (a shared mapping). Runs on the engine thread; nothing
-        else holds the old tensors (every step takes its views from `kv_cache`)."""
+        memory a KV receiver registers (a shared mapping). Runs on the engine thread; every step
+        takes its views from `kv_cache`. The KV tiers hold the cache too: move it through
+        `LLMEngine.move_kv_cache`, which rebinds them."""
         old = self.kv_cache
         same = data.shape == old.data.shape and data.dtype == old.data.dtype
         if not same or (scales is None) != (old.scales is None):

@@ -148,3 +148,22 @@ def test_prefill_worker_ships_a_prefix_reloaded_from_the_host_tier(checkpoint: P
     shipped, cached = prefill_blocks(llm, "p", prompts[0])
     assert cached == 48 and tiers_of(llm)["host"].hits >= 1
     torch.testing.assert_close(shipped, reference)
+
+
+def test_a_cache_moved_into_shared_memory_takes_its_tiers_along(
+    checkpoint: Path, expected: list[list[int]]
+) -> None:
+    """As a decode worker does for registered memory: after the move, spills read and reloads
+    write the cache the engine serves from, so greedy output stays the transformers output."""
+    from kv_transfer.registered import shared_tensors
+
+    llm = LLM(str(checkpoint), num_kv_blocks=5, host_kv_gib=gib(32))
+    old = llm.engine.runner.kv_cache
+    scales = None if old.scales is None else tuple(old.scales.shape)
+    data, shared_scales, _region = shared_tensors(tuple(old.data.shape), old.data.dtype, scales)
+    llm.engine.move_kv_cache(data, shared_scales)
+    assert llm.engine.runner.kv_cache.data.data_ptr() == data.data_ptr()
+    order = [0, 2, 1, 3]
+    tokens, cached = run_each(llm, [make_prompts()[i] for i in order])
+    assert tokens == [expected[i] for i in order]
+    assert cached[2:] == [48, 48] and tiers_of(llm)["host"].reloads >= 3

@@ -57,7 +57,6 @@ class DeviceBlocks:
     """The device (or CPU engine) cache as whole-block byte rows."""
 
     def __init__(self, cache: PagedKVCache, model_id: str = "") -> None:
-        self.cache = cache
         spec = cache.spec
         element = torch.empty((), dtype=spec.storage_dtype).element_size()
         self.data_bytes = prod(spec.data_shape[1:]) * element
@@ -66,9 +65,19 @@ class DeviceBlocks:
         self.layout = {**spec_to_dict(spec), "num_blocks": 0, "model": model_id}
         device = cache.data.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._bind(cache)
+
+    def rebind(self, cache: PagedKVCache) -> None:
+        """Follow the cache to new memory of the same spec (the engine moved it)."""
+        if cache.spec != self.cache.spec or cache.data.device != self.cache.data.device:
+            raise ValueError("rebind: the cache's spec and device must stay the same")
+        self._bind(cache)
+
+    def _bind(self, cache: PagedKVCache) -> None:
+        self.cache = cache
         # CPU: each block's bytes as one row, copied directly to / from its host slot (one
         # memcpy per block, no staging: a block is one contiguous range of the cache)
-        blocks = spec.num_blocks
+        blocks = cache.spec.num_blocks
         self._rows = raw_view(cache.data).view(torch.uint8).reshape(blocks, -1)
         self._scale_rows = None
         if cache.scales is not None:
