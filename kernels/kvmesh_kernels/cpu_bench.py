@@ -187,11 +187,11 @@ def measure(
     isas: list[str],
     baseline: ctypes.CDLL | None,
     repeats: int,
-    huge_pages: bool = False,
+    compare_huge_pages: bool = False,
 ) -> dict[str, Any]:
-    """One case in one dtype; with `huge_pages` every variant runs on a cache in 4 KiB pages
-    (named `-4k`) and on the same contents in huge pages (`-thp`)."""
-    if huge_pages:
+    """One case in one dtype; with `compare_huge_pages` every variant runs on a cache advised
+    against huge pages (`-4k`) and on the same contents in huge pages (`-thp`)."""
+    if compare_huge_pages:
         small = make_batch(case, DTYPES[dtype_name], huge_pages=False)
         batch = make_batch(case, DTYPES[dtype_name], huge_pages=True)
         fns = {
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         if case.name in args.cases
         for dtype in args.dtypes
     ]
-    pages = {"thp": thp_mode(), "huge_pages_compared": args.huge_pages}
+    pages = {"thp": thp_mode(), "huge_pages_compared": args.huge_pages}  # the default: huge
     if args.json:
         print(json.dumps({"threads": torch.get_num_threads(), **pages, "rows": rows}, indent=2))
         return 0

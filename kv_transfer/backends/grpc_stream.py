@@ -292,7 +292,6 @@ class Receiver(KVReceiver):
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """A uvloop event loop when uvloop is installed, else asyncio's."""
-    """A uvloop event loop when uvloop is installed, else asyncio's."""
     try:
         import uvloop
 

@@ -62,9 +62,16 @@ def _messages(nbytes: int, frame: int) -> Iterator[bytes]:
 
 
 def _send(push: Any, nbytes: int) -> dict[str, Any]:
+    """Stream `nbytes`; COMPLETED when the receiver counted exactly that many, else FAILED
+    (a failed call names its status code)."""
     start = time.perf_counter()
-    received = int.from_bytes(push(_messages(nbytes, DEFAULT_FRAME_BYTES), timeout=600), "little")
+    try:
+        answer = push(_messages(nbytes, DEFAULT_FRAME_BYTES), timeout=600)
+    except grpc.RpcError as exc:
+        code = exc.code() if isinstance(exc, grpc.Call) else None
+        return {"state": "FAILED", "error": str(code)}
     seconds = time.perf_counter() - start
+    received = int.from_bytes(answer, "little")
     state = "COMPLETED" if received == nbytes else "FAILED"
     return {"state": state, "seconds": seconds, "bytes": received}
 

@@ -51,20 +51,20 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "gloo": ("gloo", {}),
     "grpc": ("grpc", {}),
     "grpc_unary": ("grpc", {}),
-    "grpc_raw": ("grpc_raw", {"checksum": False}),
+    "grpc_raw": ("grpc_raw", {"checksum": False}),  # the option only labels the report
 }
 TARGETS = {"shm": 0.85, "grpc": 0.25, "gloo": 0.25}  # vs memcpy of the same bytes
 
 
 class _Peer:
     def __init__(self, backend: str, store: dict[str, Any], **config: Any) -> None:
-        arg = json.dumps({"backend": backend, "store": store, **config})
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        module = (
-            ["kvmesh.cli.bench_grpc_raw"] if backend == "grpc_raw" else ["kv_transfer.peer", arg]
-        )
+        command = ["kvmesh.cli.bench_grpc_raw"]  # gRPC alone: no cache, no options
+        if backend != "grpc_raw":
+            spec = json.dumps({"backend": backend, "store": store, **config})
+            command = ["kv_transfer.peer", spec]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", *module],
+            [sys.executable, "-m", *command],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env,
         )  # fmt: skip
         self._lines: queue.Queue[str] = queue.Queue()
