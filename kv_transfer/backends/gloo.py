@@ -15,27 +15,28 @@ deadline, or the idle limit of a link).
 
 Two frames in flight on host (gloo) links (`WINDOW`, agreed in the HELLO; a peer that does not
 name a window gets one, and so does every CUDA link: NCCL runs a pair's operations in the order
-posted, so an answer's receive posted ahead of the next frame would wait for itself). The
-sender prepares frame k+1 while frames k-1 and k travel, then waits for k-1's answer before it
-posts k+1. The receiver posts the receive of frame k's payload into one of
-two staging buffers, then checks, scatters and answers frame k-1 from the other while k's
-bytes arrive: a frame is answered when the next message's header arrives (END and CANCEL
-included), so the wire carries the next frame while the receiver writes the previous one.
-With one frame in flight each frame is answered as soon as it is written. A gloo send
-completes only once the peer posted the matching receive, and a sender reads an ERROR's payload
-only when it collects that answer, possibly after its own next message (a CANCEL, the next part
-of a streamed transfer): so the receiver finishes an answer's sends only before it sends the
-next one (`_Replies`), and the sender posts only the oldest answer's receive (`_InFlight`). A
-sender that stops with answers owed sends CANCEL (unless END went out) and collects them; any
-answer it cannot read breaks the link, which is then rebuilt rather than reused out of step.
+posted, so an answer's receive posted ahead of the next frame would wait for itself). The sender
+prepares frame k+1 while frames k-1 and k travel, then waits for k-1's answer before it posts
+k+1. The receiver posts the receive of frame k's payload into one of two staging buffers (the
+second made when a link first has two frames), then checks, scatters and answers frame k-1 from
+the other while k's bytes arrive: a frame is answered when the next message's header arrives
+(END and CANCEL included), so the wire carries the next frame while the receiver writes the
+previous one. With one frame in flight each frame is answered as soon as it is written. A gloo
+send completes only once the peer posted the matching receive, and a sender reads an ERROR's
+payload only when it collects that answer, possibly after its own next message (a CANCEL, the
+next part of a streamed transfer): so the receiver finishes an answer's sends only before it
+sends the next one (`_Replies`), and the sender posts only the oldest answer's receive
+(`_InFlight`). A sender that stops with answers owed sends CANCEL (unless END went out) and
+collects them; any answer it cannot read breaks the link, which is then rebuilt rather than
+reused out of step.
 
-A frame whose source blocks are one run of the cache (`BlockStore.run_view`: consecutive
-block ids of a host cache without scales are one byte range) is sent from the cache itself;
-others are gathered into one of two staging buffers. The receiver always reads a payload into
-its link's staging buffer, then checks and scatters it: reading straight into the reserved
-blocks would leave them exposed to a late write whenever a receive fails half-way (a peer
-stopped mid-frame) and the blocks go back to the pool before the transport is certainly
-silent, which this module cannot prove for gloo's transport threads.
+A frame whose source blocks are one run of the cache (`BlockStore.run_view`: consecutive block
+ids of a host cache without scales are one byte range) is sent from the cache itself; others are
+gathered into one of window + 1 staging buffers (made as needed). The receiver always reads a
+payload into one of its link's staging buffers, then checks and scatters it: reading straight
+into the reserved blocks would leave them exposed to a late write whenever a receive fails
+half-way (a peer stopped mid-frame) and the blocks go back to the pool before the transport is
+certainly silent, which this module cannot prove for gloo's transport threads.
 
 Where the time goes (2-core machine, 128 MiB, host cache): per byte, gloo's TCP loop threads
 (epoll wake-ups and socket copies) cost more than the copies around them. With one frame in
@@ -205,10 +206,8 @@ class Receiver(KVReceiver):
 
     def _loop(self, link: Link) -> None:
         begun: set[bytes] = set()
-        staging = [
-            torch.empty(link.max_frame, dtype=torch.uint8, device=link.device)
-            for _ in range(link.window)
-        ]  # uint8 [max_frame] each: frame k arrives into one while k-1 is written from another
+        staging: list[torch.Tensor] = []  # uint8 [max_frame] each, made when first needed:
+        # frame k arrives into one while k-1 is written from another (a second only then)
         pending: tuple[FrameHeader, torch.Tensor] | None = None  # received, not yet answered
         replies = _Replies(link)
         try:
@@ -241,7 +240,11 @@ class Receiver(KVReceiver):
         link = replies.link
         if header.payload_len > link.max_frame:  # cannot skip it: the link is out of step
             raise FrameError("payload_len", f"{header.payload_len} above {link.max_frame}")
-        free = next(b for b in staging if pending is None or b.data_ptr() != pending[1].data_ptr())
+        busy = None if pending is None else pending[1].data_ptr()
+        free = next((b for b in staging if b.data_ptr() != busy), None)
+        if free is None:
+            free = torch.empty(link.max_frame, dtype=torch.uint8, device=link.device)
+            staging.append(free)
         into = free[: header.payload_len]
         work = link.post_recv_payload(into) if header.payload_len else None
         if pending is not None:
@@ -379,7 +382,7 @@ class Sender(KVSender):
             raise FrameError("checksum", "payload checksums are always on for host tensors")
         self.checksum = self.device.type == "cpu" if checksum is None else checksum
         self._max_frame = self.max_frame_bytes
-        self._staging: list[torch.Tensor] = []  # 2 x uint8 [max_frame], made on first gather
+        self._staging: list[torch.Tensor] = []  # uint8 [max_frame] each, made when first needed
         self._close_lock = threading.Lock()
         self._link: Link | None = POOL.take(address, self.layout, self.device, self._max_frame)
 
