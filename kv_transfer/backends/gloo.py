@@ -68,8 +68,8 @@ from kv_transfer.backends.gloo_link import (
     Link,
     new_group,
     split_host_port,
+    agreed_window,
     td,
-    window_for,
 )
 from kv_transfer.blocks import BlockStore
 from kv_transfer.control import MAX_CONTROL_PAYLOAD
@@ -175,7 +175,7 @@ class Receiver(KVReceiver):
             theirs, extras = split_hello(self._store.get(scope + "hello"))
             ours = self.layout.to_bytes()
             max_frame = extras.get("max_frame")
-            window = _agreed_window(extras.get("window"), self._device)
+            window = agreed_window(extras.get("window"), self._device)
             ack: dict[str, Any] = {"layout": ours.decode(), "window": window}
             try:  # the sender raises a layout mismatch itself, from our layout
                 self.layout.check_compatible(theirs)
@@ -215,8 +215,9 @@ class Receiver(KVReceiver):
                 header = link.recv_header(time.monotonic() + IDLE_SECONDS)
                 if header.msg_type is MsgType.FRAME:
                     payload = self._receive_frame(replies, header, staging, pending)
-                    pending = (header, payload) if link.window > 1 else None
-                    if pending is None:
+                    if link.window > 1:
+                        pending = (header, payload)  # answered while the next one arrives
+                    else:
                         self._answer(replies, header, payload)
                     continue
                 if pending is not None:
@@ -286,13 +287,6 @@ class Receiver(KVReceiver):
             raise FrameError("msg_type", f"unexpected {kind.name}")
         except TransferError as exc:
             return _error_reply(link, header, exc)
-
-
-def _agreed_window(theirs: object, device: torch.device) -> int:
-    """The frames in flight a sender asked for, capped at what a link on `device` carries;
-    1 when it named none."""
-    ours = window_for(device)
-    return min(theirs, ours) if isinstance(theirs, int) and theirs >= 1 else 1
 
 
 class _Replies:

@@ -2,7 +2,7 @@
 the messages on it (`Link`), and the per-peer pool that reuses them (`POOL`).
 
 A link carries one transfer at a time, with up to `window` frames in flight (negotiated in the
-HELLO: 2 when both sides support it, else 1). Every wait has a timeout; a wait that fails or times
+HELLO: 2 when both sides support it on a host link, else 1). Every wait has a timeout; a wait that fails or times
 out marks the link broken, and a broken link is closed (`abort`) rather than reused. Closing
 a link ends every wait on it at once, on both sides: a receiver's close or a sender's abort
 ends the peer's link thread, whoever still holds the link.
@@ -47,6 +47,13 @@ def window_for(device: torch.device) -> int:
     receive of frame k's answer posted before the next frame's header is sent would wait for
     an answer the receiver only sends after that header."""
     return 1 if device.type == "cuda" else WINDOW
+
+
+def agreed_window(theirs: object, device: torch.device) -> int:
+    """The frames in flight a peer named in its HELLO or ack, capped at what a link on
+    `device` carries; 1 when it named none (or nonsense)."""
+    ours = window_for(device)
+    return min(theirs, ours) if isinstance(theirs, int) and theirs >= 1 else 1
 
 
 def td(seconds: float) -> datetime.timedelta:
@@ -274,8 +281,7 @@ class LinkPool:
             )
         except Exception as exc:
             raise PeerError(f"gloo group with {address} failed: {exc}") from None
-        window = ack.get("window", 1)  # a receiver that does not name one keeps 1
-        window = window if isinstance(window, int) and 1 <= window <= window_for(device) else 1
+        window = agreed_window(ack.get("window"), device)  # 1 when the receiver names none
         return Link(group, RECEIVER_RANK, device, max_frame, window)
 
 

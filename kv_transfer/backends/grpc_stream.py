@@ -87,7 +87,7 @@ SERVICE = "kvmesh.v1.KVTransferService"
 PUSH_FRAMES = f"/{SERVICE}/PushFrames"
 
 
-def _options(max_message_bytes: int) -> list[tuple[str, int]]:
+def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -219,7 +219,9 @@ class Receiver(KVReceiver):
         # The token check first (a refused call is never parsed), then the unary requests'
         # decode check (INVALID_ARGUMENT, not UNKNOWN); PushFrames is raw bytes either way.
         interceptors = [*self.auth, wire.DecodeCheck()]
-        self._server = grpc.aio.server(options=_options(max_bytes), interceptors=interceptors)
+        self._server = grpc.aio.server(
+            options=message_options(max_bytes), interceptors=interceptors
+        )
         servicer = _Servicer(self)
         pb_grpc.add_KVTransferServiceServicer_to_server(servicer, self._server)
         raw = grpc.stream_unary_rpc_method_handler(  # bytes in (no deserializer), PushResult out
@@ -314,7 +316,7 @@ class Sender(KVSender):
         self.checksum = True  # the bytes cross a network: every payload is hashed
         security = security or Security()
         self._metadata = security.call_metadata()
-        self._channel = security.channel(address, _options(max_message_bytes))
+        self._channel = security.channel(address, message_options(max_message_bytes))
         self._stub = pb_grpc.KVTransferServiceStub(self._channel)
         self._push = self._channel.stream_unary(  # raw bytes out (no serializer)
             PUSH_FRAMES, request_serializer=None, response_deserializer=pb.PushResult.FromString

@@ -24,13 +24,14 @@ from typing import Any
 
 import grpc
 
-from kv_transfer.backends.grpc_stream import new_event_loop
+from kv_transfer.backends.grpc_stream import message_options, new_event_loop
 from kv_transfer.heap import keep_frames_in_heap
 from kv_transfer.interface import DEFAULT_FRAME_BYTES
+from kv_transfer.peer import reply
 
 keep_frames_in_heap()
 METHOD = "/kvmesh.bench.RawBytes/Push"
-LIMIT = [("grpc.max_send_message_length", 8 << 20), ("grpc.max_receive_message_length", 8 << 20)]
+LIMIT = message_options(8 << 20)  # the backend's default message limit
 
 
 async def _count(messages: AsyncIterator[bytes], context: Any) -> bytes:
@@ -81,7 +82,7 @@ def main() -> None:
     threading.Thread(target=_serve, args=(ready, port), daemon=True).start()
     if not ready.wait(10):
         raise SystemExit("grpc_raw: the server did not start")
-    _reply({"address": f"127.0.0.1:{port[0]}"})
+    reply({"address": f"127.0.0.1:{port[0]}"})
     push = None
     for line in sys.stdin:
         command = json.loads(line)
@@ -91,18 +92,13 @@ def main() -> None:
         if op == "connect":
             channel = grpc.insecure_channel(command["address"], options=LIMIT)
             push = channel.stream_unary(METHOD, None, None)  # bytes both ways
-            _reply({"ok": True})
+            reply({"ok": True})
         elif op == "expect":
-            _reply({"ok": True})
+            reply({"ok": True})
         elif op == "send" and push is not None:
-            _reply(_send(push, int(command["bytes"])))
+            reply(_send(push, int(command["bytes"])))
         else:
-            _reply({"error": f"unknown or out-of-order op {op!r}"})
-
-
-def _reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+            reply({"error": f"unknown or out-of-order op {op!r}"})
 
 
 if __name__ == "__main__":

@@ -128,7 +128,6 @@ class LLMEngine:
                 self.scheduler.block_manager.evict_all()  # device-cached blocks go down too
             tiers.close()
 
-    # -- built requests (the KV connector in kvmesh.engine.disagg adds and imports these) ---
     def move_kv_cache(self, data: torch.Tensor, scales: torch.Tensor | None) -> None:
         """Re-home the KV cache into `data` (and `scales`), contents kept (a decode worker's
         registered shared memory): the runner and the host/disk tiers' device side both move.
@@ -137,6 +136,7 @@ class LLMEngine:
         if self.parts.tiers is not None:
             self.parts.tiers.device.rebind(self.runner.kv_cache)
 
+    # -- built requests (the KV connector in kvmesh.engine.disagg adds and imports these) ---
     def add_built_request(self, request: Request) -> None:
         """Queue a Request built elsewhere (validated, carrying its prefix-cache salt)."""
         self.scheduler.add_request(request)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -174,11 +174,16 @@ def one_block_frames(gloo: object, src: BlockStore, receiver: object) -> object:
     return gloo.Sender(src, receiver.address, frame_bytes=src.layout.bytes_per_block)  # type: ignore[attr-defined]
 
 
-def one_block_pair(gloo: object) -> tuple[BlockStore, BlockStore, Any, Any]:
-    """(source, zeroed destination, receiver, sender sending one block per frame)."""
+@pytest.fixture
+def pair(gloo: object) -> Iterator[tuple[BlockStore, BlockStore, Any, Any]]:
+    """(source, zeroed destination, receiver, sender sending one block per frame), both
+    closed after the test."""
     src, dst = store(2), BlockStore(torch.zeros(SHAPE, dtype=torch.bfloat16))
-    receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
-    return src, dst, receiver, one_block_frames(gloo, src, receiver)
+    receiver: Any = gloo.Receiver(dst)  # type: ignore[attr-defined]
+    sender: Any = one_block_frames(gloo, src, receiver)
+    yield src, dst, receiver, sender
+    sender.close()
+    receiver.close()
 
 
 def cancel_at_frame(receiver: Any, monkeypatch: pytest.MonkeyPatch, index: int) -> list:
@@ -222,32 +227,26 @@ def test_frame_k_is_written_while_frame_k_plus_1_arrives(
 
 
 def test_a_frame_refused_while_the_next_is_in_flight_leaves_the_link_in_step(
-    gloo: object, monkeypatch: pytest.MonkeyPatch
+    pair: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The receiver cancels while writing frame 2 with frame 3 in flight: the sender ends
     with the receiver's reason, collects the answer still owed, and its next transfer runs on
     the same pooled link."""
-    src, dst, receiver, sender = one_block_pair(gloo)
+    src, dst, receiver, sender = pair
     link = sender._link
     assert link.window == 2
     got = cancel_at_frame(receiver, monkeypatch, 2)
-    try:
-        req = TransferRequest(new_transfer_id(), 1)
-        got.append(receiver.expect(req, [8, 9, 10, 11, 12], time.monotonic() + 10))
-        result = sender.send(
-            req, [0, 1, 2, 3, 4], [8, 9, 10, 11, 12], deadline=time.monotonic() + 10
-        )  # type: ignore[attr-defined]
-        assert result.state in (TransferState.CANCELLED, TransferState.FAILED)
-        assert got[0].wait(5).state is TransferState.CANCELLED
-        assert not dst.cache[10:13].any()  # nothing written after the cancel
-        req = TransferRequest(new_transfer_id(), 1)
-        again = receiver.expect(req, [1, 2, 3], time.monotonic() + 10)
-        assert sender.send(req, [5, 6, 7], [1, 2, 3], deadline=time.monotonic() + 10).ok  # type: ignore[attr-defined]
-        assert again.wait(5).ok and torch.equal(dst.cache[1:4], src.cache[5:8])
-        assert sender._link is link and not link.broken  # type: ignore[attr-defined]
-    finally:
-        sender.close()  # type: ignore[attr-defined]
-        receiver.close()
+    req = TransferRequest(new_transfer_id(), 1)
+    got.append(receiver.expect(req, [8, 9, 10, 11, 12], time.monotonic() + 10))
+    result = sender.send(req, [0, 1, 2, 3, 4], [8, 9, 10, 11, 12], deadline=time.monotonic() + 10)
+    assert result.state in (TransferState.CANCELLED, TransferState.FAILED)
+    assert got[0].wait(5).state is TransferState.CANCELLED
+    assert not dst.cache[10:13].any()  # nothing written after the cancel
+    req = TransferRequest(new_transfer_id(), 1)
+    again = receiver.expect(req, [1, 2, 3], time.monotonic() + 10)
+    assert sender.send(req, [5, 6, 7], [1, 2, 3], deadline=time.monotonic() + 10).ok
+    assert again.wait(5).ok and torch.equal(dst.cache[1:4], src.cache[5:8])
+    assert sender._link is link and not link.broken
 
 
 def test_the_window_is_agreed_per_device() -> None:
@@ -256,46 +255,42 @@ def test_the_window_is_agreed_per_device() -> None:
     order posted, so an answer posted before the next frame would wait for itself)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert gloo_link.window_for(cpu) == 2 and gloo_link.window_for(cuda) == 1
-    assert [gloo_mod._agreed_window(w, cpu) for w in (None, "2", 0, 1, 2, 5)] == [1, 1, 1, 1, 2, 2]
-    assert gloo_mod._agreed_window(2, cuda) == 1
+    assert [gloo_link.agreed_window(w, cpu) for w in (None, "2", 0, 1, 2, 5)] == [1, 1, 1, 1, 2, 2]
+    assert gloo_link.agreed_window(2, cuda) == 1
 
 
 def test_a_refusal_while_a_streamed_sender_waits_does_not_stall_its_cancel(
-    gloo: object, monkeypatch: pytest.MonkeyPatch
+    pair: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Frames 0 and 1 in flight, the producer still computing: the receiver cancels while
     writing frame 0 (its ERROR answer waits for the sender to read it), then the sender
     cancels. Both end at once, and the sender's next transfer runs on the same link."""
-    _, _, receiver, sender = one_block_pair(gloo)
+    _, _, receiver, sender = pair
     link = sender._link
     got = cancel_at_frame(receiver, monkeypatch, 0)
-    try:
-        req = TransferRequest(new_transfer_id(), 1)
-        got.append(receiver.expect(req, [3, 4, 5, 6], time.monotonic() + 60))
-        handle = sender.start_stream(req, [3, 4, 5, 6], deadline=time.monotonic() + 60)  # type: ignore[attr-defined]
-        handle.add(0, [0, 1])
-        assert wait_for(lambda: got[0].state is TransferState.CANCELLED, 5)
-        began = time.monotonic()
-        handle.cancel()
-        assert handle.wait(5).state is TransferState.CANCELLED
-        assert time.monotonic() - began < 0.9  # not the 1 s grace
-        assert sender._link is link and not link.broken  # type: ignore[attr-defined]
-        req = TransferRequest(new_transfer_id(), 1)
-        again = receiver.expect(req, [10, 11], time.monotonic() + 10)
-        assert sender.send(req, [0, 1], [10, 11], deadline=time.monotonic() + 10).ok  # type: ignore[attr-defined]
-        assert again.wait(5).ok
-    finally:
-        sender.close()  # type: ignore[attr-defined]
-        receiver.close()
+    req = TransferRequest(new_transfer_id(), 1)
+    got.append(receiver.expect(req, [3, 4, 5, 6], time.monotonic() + 60))
+    handle = sender.start_stream(req, [3, 4, 5, 6], deadline=time.monotonic() + 60)
+    handle.add(0, [0, 1])
+    assert wait_for(lambda: got[0].state is TransferState.CANCELLED, 5)
+    began = time.monotonic()
+    handle.cancel()
+    assert handle.wait(5).state is TransferState.CANCELLED
+    assert time.monotonic() - began < 0.9  # not the 1 s grace
+    assert sender._link is link and not link.broken
+    req = TransferRequest(new_transfer_id(), 1)
+    again = receiver.expect(req, [10, 11], time.monotonic() + 10)
+    assert sender.send(req, [0, 1], [10, 11], deadline=time.monotonic() + 10).ok
+    assert again.wait(5).ok
 
 
 def test_an_unreadable_answer_breaks_the_link_and_the_next_transfer_gets_a_new_one(
-    gloo: object, monkeypatch: pytest.MonkeyPatch
+    pair: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An ERROR answer (BEGIN names blocks the receiver did not reserve) whose payload fails
     its checksum leaves the link out of step: the transfer fails with that reason, the link is
     broken, and the next transfer runs on a fresh one."""
-    _, _, receiver, sender = one_block_pair(gloo)
+    _, _, receiver, sender = pair
     link = sender._link
     reply = gloo_mod._error_reply
 
@@ -304,17 +299,13 @@ def test_an_unreadable_answer_breaks_the_link_and_the_next_transfer_gets_a_new_o
         return dataclasses.replace(header, checksum=header.checksum ^ 1), body
 
     monkeypatch.setattr(gloo_mod, "_error_reply", corrupted)
-    try:
-        req = TransferRequest(new_transfer_id(), 1)
-        receiver.expect(req, [8, 9], time.monotonic() + 10)
-        bad = sender.send(req, [0, 1], [8, 10], deadline=time.monotonic() + 10)  # type: ignore[attr-defined]
-        assert bad.state is TransferState.FAILED and isinstance(bad.error, ChecksumError)
-        assert link.broken
-        monkeypatch.setattr(gloo_mod, "_error_reply", reply)
-        req = TransferRequest(new_transfer_id(), 1)
-        again = receiver.expect(req, [1, 2], time.monotonic() + 10)
-        assert sender.send(req, [5, 6], [1, 2], deadline=time.monotonic() + 10).ok  # type: ignore[attr-defined]
-        assert again.wait(5).ok and sender._link is not link  # type: ignore[attr-defined]
-    finally:
-        sender.close()  # type: ignore[attr-defined]
-        receiver.close()
+    req = TransferRequest(new_transfer_id(), 1)
+    receiver.expect(req, [8, 9], time.monotonic() + 10)
+    bad = sender.send(req, [0, 1], [8, 10], deadline=time.monotonic() + 10)
+    assert bad.state is TransferState.FAILED and isinstance(bad.error, ChecksumError)
+    assert link.broken
+    monkeypatch.setattr(gloo_mod, "_error_reply", reply)
+    req = TransferRequest(new_transfer_id(), 1)
+    again = receiver.expect(req, [1, 2], time.monotonic() + 10)
+    assert sender.send(req, [5, 6], [1, 2], deadline=time.monotonic() + 10).ok
+    assert again.wait(5).ok and sender._link is not link
