@@ -74,14 +74,6 @@ def layer_shapes(config: Any, merged: bool) -> list[tuple[int, int]]:
     return [*attention, (inter, hidden), (inter, hidden), (hidden, inter)]
 
 
-def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token holds in the cache, over every layer."""
-    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
-    head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return int(config.num_hidden_layers) * 2 * kv_heads * head_dim * itemsize
-
-
 def read_bytes_per_second(mib: int = 512) -> float:
     """Streaming read rate: a float32 vector's dot product with itself over `mib` MiB (each
     element read once; torch's `sum` is compute-bound here), best of three."""
@@ -144,7 +136,8 @@ def main() -> None:
     merged = loaded.executor == "native"
     packed = any(isinstance(m, PackedLinear) for m in loaded.model.modules())
     floor = min(replay(shapes, loaded.hf_config, loaded.dtype, merged, packed) for _ in range(2))
-    kv_bytes = sum(c for _, _, c in shapes) * kv_bytes_per_token(loaded.hf_config, loaded.dtype)
+    spec = engine.runner.kv_cache.spec  # the cache's own dtype (and scales, when quantized)
+    kv_bytes = sum(c for _, _, c in shapes) * (spec.bytes_per_block // spec.block_size)
     read_rate = read_bytes_per_second()
     with_kv = floor + kv_bytes / read_rate
     print(

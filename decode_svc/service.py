@@ -156,7 +156,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         this): join the batch with the trailer's first tokens, or raise why not (released,
         transfer failed or expired, a bad trailer)."""
         raise_if_released(res)
-        result = res.handle.result()
+        result = res.handle.wait(0.0)  # terminal already: the result, without waiting
         check_transfer(result)
         first = self._trailer_tokens(result, res)
         tokens = [t.token_id for t in first]

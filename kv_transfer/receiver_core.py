@@ -66,15 +66,9 @@ class ReceiveHandle:
         return self._res.record.state
 
     def wait(self, timeout: float | None = None) -> TransferResult:
-        """Block until terminal or the reservation deadline (then EXPIRED)."""
+        """Block until terminal or the reservation deadline (then EXPIRED); `wait(0.0)` is
+        the result now."""
         result = self._res.record.wait(timeout)
-        if result.state.is_terminal:
-            self._core.forget(self._res)
-        return result
-
-    async def wait_async(self, timeout: float | None = None) -> TransferResult:
-        """`wait` on an event loop, without a waiting thread."""
-        result = await self._res.record.wait_async(timeout)
         if result.state.is_terminal:
             self._core.forget(self._res)
         return result
@@ -89,13 +83,6 @@ class ReceiveHandle:
     def ended(self) -> float | None:
         """Monotonic time the transfer became terminal (None while it is not)."""
         return self._res.record.ended
-
-    def result(self) -> TransferResult:
-        """The result now, without waiting (the state may still be live)."""
-        result = self._res.record.result()
-        if result.state.is_terminal:
-            self._core.forget(self._res)
-        return result
 
     def expire_if_due(self) -> bool:
         """End as EXPIRED once the reservation's deadline passed (waking `when_done`);

@@ -66,9 +66,9 @@ from kv_transfer.backends.gloo_link import (
     SENDER_RANK,
     HeaderRecv,
     Link,
+    agreed_window,
     new_group,
     split_host_port,
-    agreed_window,
     td,
 )
 from kv_transfer.blocks import BlockStore

@@ -2,10 +2,10 @@
 the messages on it (`Link`), and the per-peer pool that reuses them (`POOL`).
 
 A link carries one transfer at a time, with up to `window` frames in flight (negotiated in the
-HELLO: 2 when both sides support it on a host link, else 1). Every wait has a timeout; a wait that fails or times
-out marks the link broken, and a broken link is closed (`abort`) rather than reused. Closing
-a link ends every wait on it at once, on both sides: a receiver's close or a sender's abort
-ends the peer's link thread, whoever still holds the link.
+HELLO: 2 when both sides support it on a host link, else 1). Every wait has a timeout; a wait
+that fails or times out marks the link broken, and a broken link is closed (`abort`) rather
+than reused. Closing a link ends every wait on it at once, on both sides: a receiver's close or
+a sender's abort ends the peer's link thread, whoever still holds the link.
 """
 
 from __future__ import annotations
