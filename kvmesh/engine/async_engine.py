@@ -228,13 +228,7 @@ class AsyncLLMEngine:
             self._subscribe(request_id, loop, sink)
             if on_step is not None:
                 self._hooks[request_id] = on_step
-            try:
-                first = start(engine)
-            except BaseException:
-                self._drop_stream(engine, request_id, sink, None)
-                raise
-            if first is not None:
-                self._push(first)
+            self._start(engine, request_id, sink, start)
 
         try:
             await self.call(open_)
@@ -266,16 +260,30 @@ class AsyncLLMEngine:
             if target is None or target[1] is not sink:
                 return  # closed (or failed) before the start ran: nothing to join
             try:
-                first = start(engine)
+                self._start(engine, request_id, sink, start)
             except Exception as exc:
-                self._drop_stream(engine, request_id, sink, None)
                 _post(loop, sink.put_nowait, exc)
-                return
-            if first is not None:
-                self._push(first)
 
         when_ready(lambda: self.submit(begin))
         return RequestStream(self, request_id, sink, cleanup)
+
+    def _start(
+        self,
+        engine: LLMEngine,
+        request_id: str,
+        sink: asyncio.Queue[Any],
+        start: Callable[[LLMEngine], RequestOutput | None],
+    ) -> None:
+        """On the engine thread: run `start(engine)` for a subscribed stream and push the
+        output it returns; on an error drop the stream (no cleanup: nothing was added) and
+        re-raise."""
+        try:
+            first = start(engine)
+        except BaseException:
+            self._drop_stream(engine, request_id, sink, None)
+            raise
+        if first is not None:
+            self._push(first)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request (idempotent); its stream ends with the aborted output. True if it
