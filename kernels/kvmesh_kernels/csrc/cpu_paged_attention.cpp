@@ -905,6 +905,21 @@ KVM_INLINE void prefetch_keys(const Params& p, const char* data, const int64_t* 
   }
 }
 
+// The next chunk's K/V rows, prefetched in `slices` pieces spread over this chunk's passes
+// (piece j before pass j) instead of all at once: a burst of prefetches stalls on the core's
+// few line-fill buffers while nothing computes, spread ones overlap the compute. n = 0: none.
+template <int DT>
+struct NextChunk {
+  const Params& p;
+  const char* data;
+  const int64_t* koff;
+  int64_t n, h0, h1, slices;
+  KVM_INLINE void prefetch(int64_t j) const {
+    const int64_t lo = n * j / slices, hi = n * (j + 1) / slices;
+    prefetch_keys<DT>(p, data, koff + lo, hi - lo, h0, h1);
+  }
+};
+
 // Load pointers of the n rows at data + (koff[i] + shift) elements, padded to sp with row 0:
 // in place (LT == DT) or converted into buf (LT == kF32 != DT).
 template <int DT, int LT>
@@ -1029,12 +1044,12 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
   for (int64_t k_lo = it.k0; k_lo < it.k1;) {
     const int64_t n = k_hi - k_lo;
     const int64_t k_next = k_hi + CH < it.k1 ? k_hi + CH : it.k1;
-    if (k_next > k_hi) {
-      key_offsets(p, table, k_hi, k_next, koff + kChunk, soff + kChunk);
-      if (prefetch) prefetch_keys<DT>(p, data, koff + kChunk, k_next - k_hi, it.h0, it.h1);
-    }
+    if (k_next > k_hi) key_offsets(p, table, k_hi, k_next, koff + kChunk, soff + kChunk);
+    const int64_t next_keys = prefetch ? k_next - k_hi : 0;
+    const NextChunk<DT> next{p, data, koff + kChunk, next_keys, it.h0, it.h1, 2 * nheads};
     for (int64_t hh = 0; hh < nheads; ++hh) {
       const int64_t h = it.h0 + hh;
+      next.prefetch(hh);
       row_pointers<DT, LT>(data, koff, h * p.s_head, n, sp, D, lut, sc.kbuf.data(), kr);
       float* sh = s + hh * rph * sp;
       scores<LT>(q + hh * rph * D, rph, kr, n, D, sh, sp);
@@ -1046,6 +1061,7 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
       const int64_t h = it.h0 + hh;
       row_pointers<DT, LT>(data, koff, p.s_kv + h * p.s_head, n, sp, D, lut, sc.vbuf.data(), vr);
       float* sh = s + hh * rph * sp;
+      next.prefetch(nheads + hh);
       if (quant) scale_keys(scales, soff, p.ss_kv + h * p.ss_head, n, rph, sp, sh);
       pv<LT>(acc + hh * rph * D, rph, sh, sp, vr, n, D);
     }
