@@ -17,7 +17,8 @@
    torch's `F.silu(gate) * up`, at the bench model's MLP width (1376) and SmolLM2-135M's (1536),
    1 to 2048 rows, float32 and bfloat16; the outputs are compared first.
 
-Run: `.venv/bin/python bench/micro_choices.py [--linear-only | --silu-only] [--threads N]`
+Run: `.venv/bin/python bench/micro_choices.py [--linear-only | --silu-only | --fresh-only]
+[--threads N]`
 (torch's threads, default 2; one line per comparison, with ratios).
 """
 
@@ -96,10 +97,10 @@ def host_scatter(num_blocks: int = 1024, block_bytes: int = 256 * 1024) -> None:
     )
 
 
-def fresh_chunk(dtype: torch.dtype, num_tokens: int) -> None:
+def fresh_chunk(dtype: torch.dtype, num_tokens: int, heads: tuple[int, int] = (8, 2)) -> None:
     from kvmesh_kernels import KVCacheSpec, allocate_kv_cache, paged_attention, write_kv
 
-    hq, hkv, d, bs = 8, 2, 64, 16
+    (hq, hkv), d, bs = heads, 64, 16
     nb = -(-num_tokens // bs)
     cache = allocate_kv_cache(KVCacheSpec(nb + 4, 1, bs, hkv, d, dtype))
     layer = cache.layer(0)
@@ -131,8 +132,9 @@ def fresh_chunk(dtype: torch.dtype, num_tokens: int) -> None:
     assert torch.allclose(paged().float(), fresh().float(), atol=tol, rtol=tol)
     p, f = best_seconds(paged), best_seconds(fresh)
     print(
-        f"first chunk {num_tokens} tokens {str(dtype).removeprefix('torch.')}: paged "
-        f"{p * 1e3:.2f} ms, fresh sdpa {f * 1e3:.2f} ms -> paged / fresh {p / f:.2f}x"
+        f"first chunk {num_tokens} tokens, {hq}/{hkv} heads, "
+        f"{str(dtype).removeprefix('torch.')}: paged {p * 1e3:.2f} ms, "
+        f"fresh sdpa {f * 1e3:.2f} ms -> paged / fresh {p / f:.2f}x"
     )
 
 
@@ -248,16 +250,25 @@ def main() -> None:
     if "--silu-only" in args:
         fused_silu()
         return
+    if "--fresh-only" in args:
+        fresh_chunks()
+        return
     for rows in (1, 16, 64):
         greedy_pick(rows)
     for dtype in (torch.bfloat16, torch.float32):
         packed_linear(dtype)
     chunk_construction()
     host_scatter()
-    for dtype in (torch.float32, torch.bfloat16):
-        for n in (128, 512, 2048):
-            fresh_chunk(dtype, n)
+    fresh_chunks()
     fused_silu()
+
+
+def fresh_chunks() -> None:
+    """Choice 3 at the bench model's heads (8 query / 2 kv) and SmolLM2-135M's (9 / 3)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for heads in ((8, 2), (9, 3)):
+            for n in (128, 512, 2048):
+                fresh_chunk(dtype, n, heads)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ each chunk that samples).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -150,12 +151,14 @@ class ModelRunner:
 
     def _context(self, inputs: HostInputs, plan: AttentionPlan) -> ForwardContext:
         """The step's ForwardContext; on CPU trailing first chunks (no cached context) are
-        attended by the fresh path."""
+        attended by the fresh path where it pays (`fresh_path_pays`)."""
         starts, bounds = inputs.starts, plan.starts  # bounds: query_start_loc on the host
         count = num_paged = len(starts)
         if self.device.type == "cpu" and count and not starts[-1]:
             started = np.flatnonzero(starts)
             num_paged = int(started[-1]) + 1 if len(started) else 0
+            if not fresh_path_pays(self.kv_cache.spec.dtype, bounds[num_paged:]):
+                num_paged = count
         return ForwardContext(
             kv_cache=self.kv_cache,
             slot_mapping=plan.slot_mapping,
@@ -167,6 +170,22 @@ class ModelRunner:
             fresh_bounds=tuple(bounds[num_paged:]) if num_paged < count else (),
             plan=plan,
         )
+
+
+FLOAT32_FRESH_MIN_TOKENS = 2048
+"""In float32 the fused CPU kernel attends a first chunk through the paged cache as fast as
+causal sdpa on the chunk's own K/V, or faster, up to about this many tokens (0.66-1.01x sdpa's
+time at 128-2,048 tokens, 1.05x at 4,096: `bench/micro_choices.py --fresh-only`); in bfloat16
+and float16 sdpa is 1.9-3.3x faster at every length."""
+
+
+def fresh_path_pays(dtype: torch.dtype, bounds: Sequence[int]) -> bool:
+    """Whether the trailing first chunks with these query bounds take causal sdpa (the fresh
+    path) on CPU: always in 16-bit dtypes, in float32 only when one is longer than
+    FLOAT32_FRESH_MIN_TOKENS."""
+    if dtype != torch.float32:
+        return True
+    return max(hi - lo for lo, hi in itertools.pairwise(bounds)) > FLOAT32_FRESH_MIN_TOKENS
 
 
 def kv_cache_spec(

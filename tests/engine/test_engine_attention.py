@@ -61,3 +61,16 @@ def test_fresh_path_matches_paged_attention(window: int | None, kv_dtype: str) -
     assert outs[0].shape == (1, total, HQ, D)
     tol = 1e-5 if kv_dtype == "auto" else 0.1
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+
+
+def test_fresh_path_pays_in_16_bit_and_for_long_float32_chunks() -> None:
+    """sdpa for every 16-bit first chunk; float32 ones stay on the fused kernel up to the
+    measured length, and a step with one longer chunk takes the fresh path."""
+    from kvmesh.engine.runner import FLOAT32_FRESH_MIN_TOKENS, fresh_path_pays
+
+    short = (10, 40, 540)
+    long = (10, 20, 20 + FLOAT32_FRESH_MIN_TOKENS + 1)
+    assert fresh_path_pays(torch.bfloat16, short) and fresh_path_pays(torch.float16, short)
+    assert not fresh_path_pays(torch.float32, short)
+    assert not fresh_path_pays(torch.float32, (0, FLOAT32_FRESH_MIN_TOKENS))
+    assert fresh_path_pays(torch.float32, long)
