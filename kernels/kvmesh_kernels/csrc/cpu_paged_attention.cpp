@@ -905,9 +905,10 @@ KVM_INLINE void prefetch_keys(const Params& p, const char* data, const int64_t* 
   }
 }
 
-// The next chunk's K/V rows, prefetched in `slices` pieces spread over this chunk's passes
-// (piece j before pass j) instead of all at once: a burst of prefetches stalls on the core's
-// few line-fill buffers while nothing computes, spread ones overlap the compute. n = 0: none.
+// The next chunk's K/V rows, prefetched in `slices` pieces spread over this chunk's work
+// (piece j before the j-th group of keys of a pass) instead of all at once: a burst of
+// prefetches stalls on the core's few line-fill buffers while nothing computes, spread ones
+// overlap the compute. n = 0: none.
 template <int DT>
 struct NextChunk {
   const Params& p;
@@ -1007,6 +1008,11 @@ KVM_INLINE void scale_keys(const float* scales, const int64_t* soff,
   }
 }
 
+// Query rows per kv head up to which bf16/f16 rows are converted in registers at every load;
+// above it each block's rows are converted once into float32 buffers and reused. Items up to
+// it (decode) also interleave the next chunk's prefetch with groups of 16 keys.
+constexpr int64_t kDirectRows = 8;
+
 // The item with K/V rows loaded as LT (DT itself, or float32 from the conversion buffers).
 template <int DT, int LT>
 KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_t rmax,
@@ -1039,6 +1045,11 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
   const int64_t key_bytes = 2 * nheads * D * elem_bytes(DT);
   const int64_t CH = chunk_keys(key_bytes);
   const bool prefetch = DT != kF32 || key_bytes < 8192;
+  // Decode items run each pass in groups of 16 keys with a piece of the next chunk's prefetch
+  // before each, so memory requests keep flowing while the pass computes (prefill tiles keep
+  // whole passes: their many rows make a pass compute-bound, and splitting it costs).
+  const int64_t group = prefetch && rph <= kDirectRows ? 16 : CH;
+  const int64_t groups = (CH + group - 1) / group;
   int64_t k_hi = it.k0 + CH < it.k1 ? it.k0 + CH : it.k1;
   key_offsets(p, table, it.k0, k_hi, koff, soff);
   for (int64_t k_lo = it.k0; k_lo < it.k1;) {
@@ -1046,13 +1057,15 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
     const int64_t k_next = k_hi + CH < it.k1 ? k_hi + CH : it.k1;
     if (k_next > k_hi) key_offsets(p, table, k_hi, k_next, koff + kChunk, soff + kChunk);
     const int64_t next_keys = prefetch ? k_next - k_hi : 0;
-    const NextChunk<DT> next{p, data, koff + kChunk, next_keys, it.h0, it.h1, 2 * nheads};
+    const NextChunk<DT> next{p, data, koff + kChunk, next_keys, it.h0, it.h1, 2 * nheads * groups};
     for (int64_t hh = 0; hh < nheads; ++hh) {
       const int64_t h = it.h0 + hh;
-      next.prefetch(hh);
       row_pointers<DT, LT>(data, koff, h * p.s_head, n, sp, D, lut, sc.kbuf.data(), kr);
       float* sh = s + hh * rph * sp;
-      scores<LT>(q + hh * rph * D, rph, kr, n, D, sh, sp);
+      for (int64_t g = 0, i0 = 0; g < groups; ++g, i0 += group) {
+        next.prefetch(hh * groups + g);
+        if (i0 < n) scores<LT>(q + hh * rph * D, rph, kr + i0, std::min(group, n - i0), D, sh + i0, sp);
+      }
       if (quant) scale_keys(scales, soff, h * p.ss_head, n, rph, sp, sh);
     }
     const bool full = k_hi - 1 <= pos_min && (p.window <= 0 || k_lo > pos_max - p.window);
@@ -1061,9 +1074,11 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
       const int64_t h = it.h0 + hh;
       row_pointers<DT, LT>(data, koff, p.s_kv + h * p.s_head, n, sp, D, lut, sc.vbuf.data(), vr);
       float* sh = s + hh * rph * sp;
-      next.prefetch(nheads + hh);
       if (quant) scale_keys(scales, soff, p.ss_kv + h * p.ss_head, n, rph, sp, sh);
-      pv<LT>(acc + hh * rph * D, rph, sh, sp, vr, n, D);
+      for (int64_t g = 0, i0 = 0; g < groups; ++g, i0 += group) {
+        next.prefetch((nheads + hh) * groups + g);
+        if (i0 < n) pv<LT>(acc + hh * rph * D, rph, sh + i0, sp, vr + i0, std::min(group, n - i0), D);
+      }
     }
     std::memcpy(koff, koff + kChunk, sizeof(int64_t) * kChunk);
     std::memcpy(soff, soff + kChunk, sizeof(int64_t) * kChunk);
@@ -1073,10 +1088,6 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
 
   finish_item(p, it, sc, rows, rmax, part_acc, part_ml);
 }
-
-// Query rows per kv head up to which bf16/f16 rows are converted in registers at every load;
-// above it each block's rows are converted once into float32 buffers and reused.
-constexpr int64_t kDirectRows = 8;
 
 template <int DT>
 __attribute__((noinline)) void run_item_avx512(const Params& p, const Item& it, Scratch& sc,
