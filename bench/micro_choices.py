@@ -267,7 +267,7 @@ def fresh_chunks() -> None:
     """Choice 3 at the bench model's heads (8 query / 2 kv) and SmolLM2-135M's (9 / 3)."""
     for dtype in (torch.float32, torch.bfloat16):
         for heads in ((8, 2), (9, 3)):
-            for n in (128, 512, 2048):
+            for n in (128, 512, 1024, 2048, 4096):
                 fresh_chunk(dtype, n, heads)
 
 

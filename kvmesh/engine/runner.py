@@ -174,9 +174,10 @@ class ModelRunner:
 
 FLOAT32_FRESH_MIN_TOKENS = 2048
 """In float32 the fused CPU kernel attends a first chunk through the paged cache as fast as
-causal sdpa on the chunk's own K/V, or faster, up to about this many tokens (0.66-1.01x sdpa's
-time at 128-2,048 tokens, 1.05x at 4,096: `bench/micro_choices.py --fresh-only`); in bfloat16
-and float16 sdpa is 1.9-3.3x faster at every length."""
+causal sdpa on the chunk's own K/V, or faster, up to about this many tokens (0.68-1.02x sdpa's
+time at 128-2,048 tokens, 1.08-1.17x at 4,096, on an Intel AVX-512/AMX host); in bfloat16 sdpa
+is 1.9-3.6x faster at every length (`bench/micro_choices.py --fresh-only`, docs/BENCHMARKS.md
+"Implementation choices")."""
 
 
 def fresh_path_pays(dtype: torch.dtype, bounds: Sequence[int]) -> bool:

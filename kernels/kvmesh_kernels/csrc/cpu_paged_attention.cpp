@@ -1057,14 +1057,17 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
     const int64_t k_next = k_hi + CH < it.k1 ? k_hi + CH : it.k1;
     if (k_next > k_hi) key_offsets(p, table, k_hi, k_next, koff + kChunk, soff + kChunk);
     const int64_t next_keys = prefetch ? k_next - k_hi : 0;
-    const NextChunk<DT> next{p, data, koff + kChunk, next_keys, it.h0, it.h1, 2 * nheads * groups};
+    const int64_t pieces = 2 * nheads * groups;  // one before each group of each pass
+    const NextChunk<DT> next{p, data, koff + kChunk, next_keys, it.h0, it.h1, pieces};
     for (int64_t hh = 0; hh < nheads; ++hh) {
       const int64_t h = it.h0 + hh;
       row_pointers<DT, LT>(data, koff, h * p.s_head, n, sp, D, lut, sc.kbuf.data(), kr);
       float* sh = s + hh * rph * sp;
       for (int64_t g = 0, i0 = 0; g < groups; ++g, i0 += group) {
         next.prefetch(hh * groups + g);
-        if (i0 < n) scores<LT>(q + hh * rph * D, rph, kr + i0, std::min(group, n - i0), D, sh + i0, sp);
+        if (i0 < n) {
+          scores<LT>(q + hh * rph * D, rph, kr + i0, std::min(group, n - i0), D, sh + i0, sp);
+        }
       }
       if (quant) scale_keys(scales, soff, h * p.ss_head, n, rph, sp, sh);
     }
@@ -1077,7 +1080,9 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
       if (quant) scale_keys(scales, soff, p.ss_kv + h * p.ss_head, n, rph, sp, sh);
       for (int64_t g = 0, i0 = 0; g < groups; ++g, i0 += group) {
         next.prefetch((nheads + hh) * groups + g);
-        if (i0 < n) pv<LT>(acc + hh * rph * D, rph, sh + i0, sp, vr + i0, std::min(group, n - i0), D);
+        if (i0 < n) {
+          pv<LT>(acc + hh * rph * D, rph, sh + i0, sp, vr + i0, std::min(group, n - i0), D);
+        }
       }
     }
     std::memcpy(koff, koff + kChunk, sizeof(int64_t) * kChunk);
