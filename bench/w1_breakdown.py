@@ -8,7 +8,8 @@ Python and the host side). The timers wrap module-level calls, so they add a few
 microseconds per call; compare runs of this script with each other, not with
 `kvmesh bench throughput`.
 
-Run: `.venv/bin/python bench/w1_breakdown.py --model DIR --dtype float32 [--threads 2]`
+Run: `.venv/bin/python bench/w1_breakdown.py --model DIR --dtype float32 [--threads 2]
+[--fresh-attention auto|on|off]`
 """
 
 from __future__ import annotations
@@ -59,10 +60,15 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--fresh-attention", default="auto", choices=("auto", "on", "off"))
     args = parser.parse_args()
     engine = LLMEngine(
         EngineConfig(
-            model=args.model, dtype=args.dtype, num_threads=args.threads, executor="native"
+            model=args.model,
+            dtype=args.dtype,
+            num_threads=args.threads,
+            executor="native",
+            fresh_attention=args.fresh_attention,
         )
     )
     run_all_at_once(engine, [WARMUP_PROMPT])
@@ -76,6 +82,7 @@ def main() -> None:
     other = seconds - sum(SECONDS.values())
     report = {
         "dtype": args.dtype,
+        "fresh_rule": engine.runner.fresh_rule.describe(),
         "seconds": round(seconds, 2),
         "tok_per_s": round(generated / seconds, 1),
     }

@@ -17,6 +17,7 @@ KV_DTYPES = ("auto", "int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("auto", "native", "transformers")
 FLOAT32_PACKINGS = ("auto", "on", "off")
+FRESH_ATTENTION_MODES = ("auto", "on", "off")
 COMPILE_MODES = ("off", "on")
 PREEMPTIONS = ("auto", "swap", "recompute")
 
@@ -59,6 +60,13 @@ class EngineConfig:
         "native executor, float32 on CPU: oneDNN-packed linears (on), MKL's F.linear (off), or "
         "auto (packed when a load-time measurement finds it 10 percent faster)",
         FLOAT32_PACKINGS,
+    )
+    fresh_attention: str = _setting(
+        "auto",
+        "CPU: first prefill chunks attend by causal sdpa on their own K/V (on), through the "
+        "paged kernel (off), or auto (whichever a start-time measurement at the model's heads "
+        "finds faster, per chunk length)",
+        FRESH_ATTENTION_MODES,
     )
     compile: str = _setting(
         "off",
@@ -120,6 +128,7 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("executor", self.executor, EXECUTORS)
         _choice("float32_packing", self.float32_packing, FLOAT32_PACKINGS)
+        _choice("fresh_attention", self.fresh_attention, FRESH_ATTENTION_MODES)
         _choice("compile", self.compile, COMPILE_MODES)
         _choice("policy", self.policy, POLICIES)
         _choice("allocation", self.allocation, ALLOCATIONS)

@@ -56,7 +56,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     max_model_len = resolve_max_model_len(config, loaded.hf_config)
     num_blocks = plan_num_blocks(config, loaded, max_model_len)
     max_blocks = -(-max_model_len // config.block_size)
-    runner = ModelRunner(loaded, num_blocks, config.block_size, config.kv_dtype, max_blocks)
+    runner = ModelRunner(
+        loaded, num_blocks, config.block_size, config.kv_dtype, max_blocks, config.fresh_attention
+    )
     if config.cuda_graphs and loaded.device.type == "cuda" and loaded.executor == "native":
         runner.enable_decode_graphs(config.max_num_seqs)
     eos = eos_token_id(loaded)

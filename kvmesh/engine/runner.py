@@ -10,7 +10,6 @@ each chunk that samples).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from kvmesh_kernels.plan import AttentionPlan
 from kvmesh.engine.attention import ForwardContext
 from kvmesh.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from kvmesh.engine.executor import executor_for
+from kvmesh.engine.fresh_attention import ProbeShape, fresh_rule
 from kvmesh.engine.input_batch import HostInputs, PersistentBatch
 from kvmesh.engine.loader import LoadedModel
 from kvmesh.engine.scheduler.plan import SchedulerOutput
@@ -52,8 +52,10 @@ class ModelRunner:
         block_size: int,
         kv_dtype: str,
         max_blocks_per_seq: int | None = None,
+        fresh_attention: str = "auto",
     ):
-        """`max_blocks_per_seq` (default: the whole pool) bounds one sequence's block table."""
+        """`max_blocks_per_seq` (default: the whole pool) bounds one sequence's block table;
+        `fresh_attention` (auto | on | off) picks the first-chunk path (`fresh_attention.py`)."""
         self.loaded = loaded
         self.executor = executor_for(loaded.model)
         self.device = loaded.device
@@ -62,6 +64,10 @@ class ModelRunner:
             device=self.device,
         )
         self.batch = PersistentBatch(max_blocks_per_seq or num_blocks)
+        spec = self.kv_cache.spec
+        heads = int(loaded.hf_config.num_attention_heads)
+        shape = ProbeShape(heads, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.kv_dtype)
+        self.fresh_rule = fresh_rule(fresh_attention, self.device, shape)
         self.decode_graphs: DecodeGraphs | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, capture: bool = True) -> None:
@@ -151,13 +157,13 @@ class ModelRunner:
 
     def _context(self, inputs: HostInputs, plan: AttentionPlan) -> ForwardContext:
         """The step's ForwardContext; on CPU trailing first chunks (no cached context) are
-        attended by the fresh path where it pays (`fresh_path_pays`)."""
+        attended by the fresh path where it pays (`self.fresh_rule`)."""
         starts, bounds = inputs.starts, plan.starts  # bounds: query_start_loc on the host
         count = num_paged = len(starts)
         if self.device.type == "cpu" and count and not starts[-1]:
             started = np.flatnonzero(starts)
             num_paged = int(started[-1]) + 1 if len(started) else 0
-            if not fresh_path_pays(self.kv_cache.spec.dtype, bounds[num_paged:]):
+            if not self.fresh_rule.pays(bounds[num_paged:]):
                 num_paged = count
         return ForwardContext(
             kv_cache=self.kv_cache,
@@ -170,23 +176,6 @@ class ModelRunner:
             fresh_bounds=tuple(bounds[num_paged:]) if num_paged < count else (),
             plan=plan,
         )
-
-
-FLOAT32_FRESH_MIN_TOKENS = 2048
-"""In float32 the fused CPU kernel attends a first chunk through the paged cache as fast as
-causal sdpa on the chunk's own K/V, or faster, up to about this many tokens (0.68-1.02x sdpa's
-time at 128-2,048 tokens, 1.08-1.17x at 4,096, on an Intel AVX-512/AMX host); in bfloat16 sdpa
-is 1.9-3.6x faster at every length (`bench/micro_choices.py --fresh-only`, docs/BENCHMARKS.md
-"Implementation choices")."""
-
-
-def fresh_path_pays(dtype: torch.dtype, bounds: Sequence[int]) -> bool:
-    """Whether the trailing first chunks with these query bounds take causal sdpa (the fresh
-    path) on CPU: always in 16-bit dtypes, in float32 only when one is longer than
-    FLOAT32_FRESH_MIN_TOKENS."""
-    if dtype != torch.float32:
-        return True
-    return max(hi - lo for lo, hi in itertools.pairwise(bounds)) > FLOAT32_FRESH_MIN_TOKENS
 
 
 def kv_cache_spec(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 
 import pytest
 import torch
@@ -63,14 +64,35 @@ def test_fresh_path_matches_paged_attention(window: int | None, kv_dtype: str) -
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
 
 
-def test_fresh_path_pays_in_16_bit_and_for_long_float32_chunks() -> None:
-    """sdpa for every 16-bit first chunk; float32 ones stay on the fused kernel up to the
-    measured length, and a step with one longer chunk takes the fresh path."""
-    from kvmesh.engine.runner import FLOAT32_FRESH_MIN_TOKENS, fresh_path_pays
+def test_fresh_rule_thresholds_and_forced_modes() -> None:
+    """A rule sends a step's first chunks to sdpa when its longest one exceeds the threshold;
+    probes where sdpa wins at every length from some length on set the threshold; "on" and
+    "off" force it; outside the CPU, and on quantized caches, the kernel attends."""
+    from kvmesh.engine.fresh_attention import FreshRule, ProbeShape, _rule_from, fresh_rule
 
-    short = (10, 40, 540)
-    long = (10, 20, 20 + FLOAT32_FRESH_MIN_TOKENS + 1)
-    assert fresh_path_pays(torch.bfloat16, short) and fresh_path_pays(torch.float16, short)
-    assert not fresh_path_pays(torch.float32, short)
-    assert not fresh_path_pays(torch.float32, (0, FLOAT32_FRESH_MIN_TOKENS))
-    assert fresh_path_pays(torch.float32, long)
+    assert FreshRule(0).pays((10, 11)) and not FreshRule(None).pays((0, 4096))
+    assert FreshRule(512).pays((10, 20, 533)) and not FreshRule(512).pays((0, 512, 1024))
+    assert _rule_from({512: 2.0, 2048: 3.5}) == FreshRule(0)
+    assert _rule_from({512: 0.7, 2048: 1.3}) == FreshRule(512)
+    assert _rule_from({512: 0.4, 2048: 0.5}) == FreshRule(None)
+    assert _rule_from({512: 1.3, 2048: 0.9}) == FreshRule(None)  # no clean crossover
+    assert _rule_from({512: 1.05, 2048: 1.05}) == FreshRule(None)  # within the margin
+    shape = ProbeShape(4, 2, 16, torch.float32, "auto")
+    cpu = torch.device("cpu")
+    assert fresh_rule("on", cpu, shape) == FreshRule(0)
+    assert fresh_rule("off", cpu, shape) == FreshRule(None)
+    assert fresh_rule("on", torch.device("cuda"), shape) == FreshRule(None)
+    assert fresh_rule("on", cpu, ProbeShape(4, 2, 16, torch.float32, "int8")) == FreshRule(None)
+    with pytest.raises(ValueError, match="fresh_attention"):
+        fresh_rule("sometimes", cpu, shape)
+
+
+def test_fresh_rule_auto_measures_both_paths(caplog: pytest.LogCaptureFixture) -> None:
+    """auto times the kernel and sdpa through `attend` at the given heads and logs both."""
+    from kvmesh.engine.fresh_attention import PROBE_TOKENS, ProbeShape, fresh_rule
+
+    shape = ProbeShape(6, 2, 32, torch.bfloat16, "auto")
+    with caplog.at_level(logging.INFO, logger="kvmesh.engine.fresh_attention"):
+        rule = fresh_rule("auto", torch.device("cpu"), shape)
+    assert rule.min_tokens in (None, 0, *PROBE_TOKENS)
+    assert all(f"{n} tokens" in caplog.text for n in PROBE_TOKENS)

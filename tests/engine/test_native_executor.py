@@ -71,10 +71,12 @@ def hf_greedy(path: Path, prompt: list[int], new_tokens: int) -> list[int]:
     return list(out[0, len(prompt) :].tolist())
 
 
-def native_last_logits(path: Path, prompt: list[int], dtype: str) -> torch.Tensor:
+def native_last_logits(
+    path: Path, prompt: list[int], dtype: str, fresh_attention: str = "auto"
+) -> torch.Tensor:
     """The native runner's logits for the last prompt token (one prefill chunk)."""
     loaded = load_model(EngineConfig(model=str(path), dtype=dtype, executor="native"))
-    runner = ModelRunner(loaded, 64, 4, "auto")
+    runner = ModelRunner(loaded, 64, 4, "auto", fresh_attention=fresh_attention)
     table = tuple(range(-(-len(prompt) // 4)))
     chunk = ScheduledChunk("0", tuple(prompt), 0, table, (), ("0",))
     plan = plan_of_chunks((chunk,), block_size=4, new_seqs=(NewSeq("0", table),))
@@ -94,12 +96,15 @@ def test_float32_logits_match_transformers_forward(checkpoint: Path) -> None:
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
 
 
-def test_bfloat16_within_tolerance_of_float32(checkpoint: Path) -> None:
+@pytest.mark.parametrize("fresh_attention", ["on", "off"])
+def test_bfloat16_within_tolerance_of_float32(checkpoint: Path, fresh_attention: str) -> None:
     """Stated tolerance: the native bfloat16 logits are no further from the float32 ones than
-    transformers' own bfloat16 forward is (mean and max absolute error, within 1.5x)."""
+    transformers' own bfloat16 forward is (mean and max absolute error, within 1.5x), whichever
+    path attends the first chunk (causal sdpa on its own K/V, or the paged kernel)."""
     reference = hf_last_logits(checkpoint, PROMPT, torch.float32)
     hf_error = (hf_last_logits(checkpoint, PROMPT, torch.bfloat16) - reference).abs()
-    error = (native_last_logits(checkpoint, PROMPT, "bfloat16") - reference).abs()
+    native = native_last_logits(checkpoint, PROMPT, "bfloat16", fresh_attention)
+    error = (native - reference).abs()
     assert error.mean() <= 1.5 * hf_error.mean(), (error.mean(), hf_error.mean())
     assert error.max() <= 1.5 * hf_error.max(), (error.max(), hf_error.max())
 
@@ -148,6 +153,17 @@ def test_other_activation_keeps_transformers(tmp_path: Path) -> None:
     llm = LLM(str(path), num_kv_blocks=64)
     (output,) = llm.generate([PROMPT], GREEDY)
     assert output.outputs[0].token_ids == hf_greedy(path, PROMPT, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("fresh_attention", ["on", "off"])
+def test_both_first_chunk_paths_keep_greedy_parity(checkpoint: Path, fresh_attention: str) -> None:
+    """Prompts attended by causal sdpa (on) or by the paged kernel (off) both give
+    transformers' greedy tokens in float32; the runner holds the forced rule."""
+    llm = LLM(str(checkpoint), num_kv_blocks=64, dtype="float32", fresh_attention=fresh_attention)
+    rule = llm.engine.runner.fresh_rule
+    assert rule.pays((0, 1)) == (fresh_attention == "on")
+    (output,) = llm.generate([PROMPT], GREEDY)
+    assert output.outputs[0].token_ids == hf_greedy(checkpoint, PROMPT, GREEDY.max_tokens)
 
 
 def test_bfloat16_native_packs_merged_linears(checkpoint: Path) -> None:
