@@ -670,6 +670,8 @@ KVM_INLINE void run_item_portable(const Params& p, const Item& it, Scratch& sc, 
 //           accumulators over head_dim reduced by one 16-way transpose-add per tile;
 //   softmax vectorized exp (Cephes polynomial + scalef), acc rescaled only when the max moved;
 //   P x V   tiles of 4 rows x 64 dims (1 x 128 for remainder rows) in registers over a step.
+// Decode items (few rows per kv head, rows read in place) run each pass in groups of 16 keys,
+// every kv head within a group, with a piece of the next step's prefetch before each.
 // bfloat16 / float16 K and V rows are converted in registers as they are loaded (zero-extend
 // and shift; vcvtph2ps), with no row buffer, when an item has few query rows per kv head
 // (decode: G rows). Items with more rows (prefill tiles) convert each step's rows once into
@@ -1050,6 +1052,9 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
   // whole passes: their many rows make a pass compute-bound, and splitting it costs).
   const int64_t group = prefetch && rph <= kDirectRows ? 16 : CH;
   const int64_t groups = (CH + group - 1) / group;
+  // Decode items reading rows in place take the kv heads inside each group of keys, so a
+  // group's K (then V) rows of all heads, adjacent in the block, are read together.
+  const bool heads_inner = group < CH && LT == DT && !quant;
   int64_t k_hi = it.k0 + CH < it.k1 ? it.k0 + CH : it.k1;
   key_offsets(p, table, it.k0, k_hi, koff, soff);
   for (int64_t k_lo = it.k0; k_lo < it.k1;) {
@@ -1059,29 +1064,58 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
     const int64_t next_keys = prefetch ? k_next - k_hi : 0;
     const int64_t pieces = 2 * nheads * groups;  // one before each group of each pass
     const NextChunk<DT> next{p, data, koff + kChunk, next_keys, it.h0, it.h1, pieces};
-    for (int64_t hh = 0; hh < nheads; ++hh) {
-      const int64_t h = it.h0 + hh;
-      row_pointers<DT, LT>(data, koff, h * p.s_head, n, sp, D, lut, sc.kbuf.data(), kr);
-      float* sh = s + hh * rph * sp;
-      for (int64_t g = 0, i0 = 0; g < groups; ++g, i0 += group) {
-        next.prefetch(hh * groups + g);
-        if (i0 < n) {
-          scores<LT>(q + hh * rph * D, rph, kr + i0, std::min(group, n - i0), D, sh + i0, sp);
+    if (heads_inner) {
+      for (int64_t hh = 0; hh < nheads; ++hh)
+        row_pointers<DT, LT>(data, koff, (it.h0 + hh) * p.s_head, n, sp, D, lut, nullptr,
+                             kr + hh * sp);
+      for (int64_t g = 0, i0 = 0; g < groups && i0 < n; ++g, i0 += group) {
+        for (int64_t hh = 0; hh < nheads; ++hh) {
+          next.prefetch(g * nheads + hh);
+          scores<LT>(q + hh * rph * D, rph, kr + hh * sp + i0, std::min(group, n - i0), D,
+                     s + hh * rph * sp + i0, sp);
         }
       }
-      if (quant) scale_keys(scales, soff, h * p.ss_head, n, rph, sp, sh);
+    } else {
+      for (int64_t hh = 0; hh < nheads; ++hh) {
+        const int64_t h = it.h0 + hh;
+        row_pointers<DT, LT>(data, koff, h * p.s_head, n, sp, D, lut, sc.kbuf.data(), kr);
+        float* sh = s + hh * rph * sp;
+        for (int64_t g = 0, i0 = 0; g < groups; ++g, i0 += group) {
+          next.prefetch(hh * groups + g);
+          if (i0 < n) {
+            scores<LT>(q + hh * rph * D, rph, kr + i0, std::min(group, n - i0), D, sh + i0, sp);
+          }
+        }
+        if (quant) scale_keys(scales, soff, h * p.ss_head, n, rph, sp, sh);
+      }
     }
     const bool full = k_hi - 1 <= pos_min && (p.window <= 0 || k_lo > pos_max - p.window);
     chunk_softmax(p, s, sp, rows, n, k_lo, full, pos, acc, m, l);
-    for (int64_t hh = 0; hh < nheads; ++hh) {
-      const int64_t h = it.h0 + hh;
-      row_pointers<DT, LT>(data, koff, p.s_kv + h * p.s_head, n, sp, D, lut, sc.vbuf.data(), vr);
-      float* sh = s + hh * rph * sp;
-      if (quant) scale_keys(scales, soff, p.ss_kv + h * p.ss_head, n, rph, sp, sh);
+    if (heads_inner) {
+      for (int64_t hh = 0; hh < nheads; ++hh)
+        row_pointers<DT, LT>(data, koff, p.s_kv + (it.h0 + hh) * p.s_head, n, sp, D, lut,
+                             nullptr, vr + hh * sp);
       for (int64_t g = 0, i0 = 0; g < groups; ++g, i0 += group) {
-        next.prefetch((nheads + hh) * groups + g);
-        if (i0 < n) {
-          pv<LT>(acc + hh * rph * D, rph, sh + i0, sp, vr + i0, std::min(group, n - i0), D);
+        for (int64_t hh = 0; hh < nheads; ++hh) {
+          next.prefetch((groups + g) * nheads + hh);
+          if (i0 < n) {
+            pv<LT>(acc + hh * rph * D, rph, s + hh * rph * sp + i0, sp, vr + hh * sp + i0,
+                   std::min(group, n - i0), D);
+          }
+        }
+      }
+    } else {
+      for (int64_t hh = 0; hh < nheads; ++hh) {
+        const int64_t h = it.h0 + hh;
+        row_pointers<DT, LT>(data, koff, p.s_kv + h * p.s_head, n, sp, D, lut, sc.vbuf.data(),
+                             vr);
+        float* sh = s + hh * rph * sp;
+        if (quant) scale_keys(scales, soff, p.ss_kv + h * p.ss_head, n, rph, sp, sh);
+        for (int64_t g = 0, i0 = 0; g < groups; ++g, i0 += group) {
+          next.prefetch((nheads + hh) * groups + g);
+          if (i0 < n) {
+            pv<LT>(acc + hh * rph * D, rph, sh + i0, sp, vr + i0, std::min(group, n - i0), D);
+          }
         }
       }
     }
@@ -1214,8 +1248,8 @@ void run_items(const Params& p, const std::vector<Item>& items, int64_t rmax, fl
     sc.vbuf.resize(sp * D);
     sc.kp.resize(sp);
     sc.vp.resize(sp);
-    sc.kraw.resize(sp);
-    sc.vraw.resize(sp);
+    sc.kraw.resize(sp * p.num_kv_heads);  // one row-pointer run per kv head of an item
+    sc.vraw.resize(sp * p.num_kv_heads);
     sc.m.resize(rmax);
     sc.l.resize(rmax);
     sc.pos.resize(rmax);
