@@ -17,9 +17,10 @@ builds no attention mask for this implementation (its name is not in the mask re
                                     on this step's own K/V, one call per sequence
 
 The fresh path exists because the step's K/V are already in hand for those chunks, and
-`scaled_dot_product_attention` (flash attention on CPU, AMX in bfloat16) measured 2-5x faster
-than reading them back through the block table for long or bfloat16 chunks
-(`bench/micro_choices.py`, BENCHMARKS.md "Implementation choices").
+`scaled_dot_product_attention` (flash attention on CPU, AMX in bfloat16) measured 2-3.6x faster
+than reading them back through the block table for bfloat16 chunks on a host with AMX; on
+others the kernel is faster, so the runner decides which chunks take it by a measurement at
+start (`kvmesh.engine.fresh_attention`; BENCHMARKS.md "Implementation choices").
 """
 
 from __future__ import annotations
