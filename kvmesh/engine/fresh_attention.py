@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,11 +80,24 @@ def fresh_rule(mode: str, device: torch.device, shape: ProbeShape) -> FreshRule:
     return measured_rule(shape, torch.get_num_threads())
 
 
-@functools.cache
+_probe_lock = threading.Lock()  # engines starting together measure one after another
+
+
 def measured_rule(shape: ProbeShape, threads: int) -> FreshRule:
-    """Time both paths on one first chunk per PROBE_TOKENS length (cached per shape and thread
-    count: `threads` is part of the key only)."""
-    ratios = {tokens: _paged_over_fresh(shape, tokens) for tokens in PROBE_TOKENS}
+    """Time both paths on one first chunk per PROBE_TOKENS length, once per shape and thread
+    count (`threads` is part of the key only); a probe that fails leaves the paged kernel for
+    every first chunk (correct on every path, logged)."""
+    with _probe_lock:
+        return _measured_rule(shape, threads)
+
+
+@functools.cache
+def _measured_rule(shape: ProbeShape, threads: int) -> FreshRule:
+    try:
+        ratios = {tokens: _paged_over_fresh(shape, tokens) for tokens in PROBE_TOKENS}
+    except (RuntimeError, ValueError) as exc:
+        logger.warning("first prefill chunks: paged kernel (the start-time probe failed: %s)", exc)
+        return FreshRule(None)
     rule = _rule_from(ratios)
     logger.info(
         "first prefill chunks: %s (paged kernel / sdpa time at %s, measured at start)",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 
 import pytest
 import torch
@@ -87,12 +88,38 @@ def test_fresh_rule_thresholds_and_forced_modes() -> None:
         fresh_rule("sometimes", cpu, shape)
 
 
-def test_fresh_rule_auto_measures_both_paths(caplog: pytest.LogCaptureFixture) -> None:
-    """auto times the kernel and sdpa through `attend` at the given heads and logs both."""
-    from kvmesh.engine.fresh_attention import PROBE_TOKENS, ProbeShape, fresh_rule
+def test_fresh_rule_auto_measures_once_per_shape(caplog: pytest.LogCaptureFixture) -> None:
+    """auto times the kernel and sdpa through `attend` at the given heads, logs the ratio at
+    every probe length and derives the rule from them; a second engine of the same shape
+    reuses the measurement (no second probe, no second log line)."""
+    from kvmesh.engine import fresh_attention as fa
 
-    shape = ProbeShape(6, 2, 32, torch.bfloat16, "auto")
+    fa._measured_rule.cache_clear()
+    shape = fa.ProbeShape(6, 2, 32, torch.bfloat16, "auto")
     with caplog.at_level(logging.INFO, logger="kvmesh.engine.fresh_attention"):
-        rule = fresh_rule("auto", torch.device("cpu"), shape)
-    assert rule.min_tokens in (None, 0, *PROBE_TOKENS)
-    assert all(f"{n} tokens" in caplog.text for n in PROBE_TOKENS)
+        rule = fa.fresh_rule("auto", torch.device("cpu"), shape)
+        again = fa.fresh_rule("auto", torch.device("cpu"), shape)
+    (line,) = [r.getMessage() for r in caplog.records]
+    ratios = {int(n): float(r) for n, r in re.findall(r"(\d+) tokens ([\d.]+)x", line)}
+    assert sorted(ratios) == sorted(fa.PROBE_TOKENS)
+    assert rule == again
+    if all(abs(r - fa.MARGIN) > 0.01 for r in ratios.values()):  # the log rounds to 0.01
+        assert rule == fa._rule_from(ratios)
+    assert rule.describe() in line
+
+
+def test_fresh_rule_probe_failure_keeps_the_kernel(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvmesh.engine import fresh_attention as fa
+
+    def broken(shape: object, tokens: int) -> float:
+        raise RuntimeError("no kernel library")
+
+    fa._measured_rule.cache_clear()
+    monkeypatch.setattr(fa, "_paged_over_fresh", broken)
+    shape = fa.ProbeShape(6, 2, 32, torch.bfloat16, "auto")
+    with caplog.at_level(logging.WARNING, logger="kvmesh.engine.fresh_attention"):
+        assert fa.fresh_rule("auto", torch.device("cpu"), shape) == fa.FreshRule(None)
+    assert "probe failed: no kernel library" in caplog.text
+    fa._measured_rule.cache_clear()
