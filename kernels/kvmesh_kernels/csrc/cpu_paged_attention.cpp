@@ -1054,7 +1054,13 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
   const int64_t groups = (CH + group - 1) / group;
   // Decode items reading rows in place take the kv heads inside each group of keys, so a
   // group's K (then V) rows of all heads, adjacent in the block, are read together.
+  // Others run head by head, each head's rows converted into one reused buffer. Both passes
+  // step (outer, inner) = (group, head) or (head, group); the prefetch piece before a step is
+  // its index in that order (V's after K's: pieces = 2 * nheads * groups).
   const bool heads_inner = group < CH && LT == DT && !quant;
+  const int64_t n_outer = heads_inner ? groups : nheads;
+  const int64_t n_inner = heads_inner ? nheads : groups;
+  const int64_t run = heads_inner ? sp : 0;  // kv head hh's row pointers: kr / vr + hh * run
   int64_t k_hi = it.k0 + CH < it.k1 ? it.k0 + CH : it.k1;
   key_offsets(p, table, it.k0, k_hi, koff, soff);
   for (int64_t k_lo = it.k0; k_lo < it.k1;) {
@@ -1064,58 +1070,38 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
     const int64_t next_keys = prefetch ? k_next - k_hi : 0;
     const int64_t pieces = 2 * nheads * groups;  // one before each group of each pass
     const NextChunk<DT> next{p, data, koff + kChunk, next_keys, it.h0, it.h1, pieces};
-    if (heads_inner) {
-      for (int64_t hh = 0; hh < nheads; ++hh)
-        row_pointers<DT, LT>(data, koff, (it.h0 + hh) * p.s_head, n, sp, D, lut, nullptr,
-                             kr + hh * sp);
-      for (int64_t g = 0, i0 = 0; g < groups && i0 < n; ++g, i0 += group) {
-        for (int64_t hh = 0; hh < nheads; ++hh) {
-          next.prefetch(g * nheads + hh);
-          scores<LT>(q + hh * rph * D, rph, kr + hh * sp + i0, std::min(group, n - i0), D,
-                     s + hh * rph * sp + i0, sp);
-        }
-      }
-    } else {
-      for (int64_t hh = 0; hh < nheads; ++hh) {
+    for (int64_t o = 0; o < n_outer; ++o) {
+      for (int64_t i = 0; i < n_inner; ++i) {
+        const int64_t hh = heads_inner ? i : o, i0 = (heads_inner ? o : i) * group;
         const int64_t h = it.h0 + hh;
-        row_pointers<DT, LT>(data, koff, h * p.s_head, n, sp, D, lut, sc.kbuf.data(), kr);
         float* sh = s + hh * rph * sp;
-        for (int64_t g = 0, i0 = 0; g < groups; ++g, i0 += group) {
-          next.prefetch(hh * groups + g);
-          if (i0 < n) {
-            scores<LT>(q + hh * rph * D, rph, kr + i0, std::min(group, n - i0), D, sh + i0, sp);
-          }
+        if (i0 == 0)  // the head's first group: its K row pointers (rows converted into kbuf)
+          row_pointers<DT, LT>(data, koff, h * p.s_head, n, sp, D, lut, sc.kbuf.data(),
+                               kr + hh * run);
+        next.prefetch(o * n_inner + i);
+        if (i0 < n) {
+          scores<LT>(q + hh * rph * D, rph, kr + hh * run + i0, std::min(group, n - i0), D,
+                     sh + i0, sp);
         }
-        if (quant) scale_keys(scales, soff, h * p.ss_head, n, rph, sp, sh);
+        if (quant && i0 + group >= CH) scale_keys(scales, soff, h * p.ss_head, n, rph, sp, sh);
       }
     }
     const bool full = k_hi - 1 <= pos_min && (p.window <= 0 || k_lo > pos_max - p.window);
     chunk_softmax(p, s, sp, rows, n, k_lo, full, pos, acc, m, l);
-    if (heads_inner) {
-      for (int64_t hh = 0; hh < nheads; ++hh)
-        row_pointers<DT, LT>(data, koff, p.s_kv + (it.h0 + hh) * p.s_head, n, sp, D, lut,
-                             nullptr, vr + hh * sp);
-      for (int64_t g = 0, i0 = 0; g < groups; ++g, i0 += group) {
-        for (int64_t hh = 0; hh < nheads; ++hh) {
-          next.prefetch((groups + g) * nheads + hh);
-          if (i0 < n) {
-            pv<LT>(acc + hh * rph * D, rph, s + hh * rph * sp + i0, sp, vr + hh * sp + i0,
-                   std::min(group, n - i0), D);
-          }
-        }
-      }
-    } else {
-      for (int64_t hh = 0; hh < nheads; ++hh) {
+    for (int64_t o = 0; o < n_outer; ++o) {
+      for (int64_t i = 0; i < n_inner; ++i) {
+        const int64_t hh = heads_inner ? i : o, i0 = (heads_inner ? o : i) * group;
         const int64_t h = it.h0 + hh;
-        row_pointers<DT, LT>(data, koff, p.s_kv + h * p.s_head, n, sp, D, lut, sc.vbuf.data(),
-                             vr);
         float* sh = s + hh * rph * sp;
-        if (quant) scale_keys(scales, soff, p.ss_kv + h * p.ss_head, n, rph, sp, sh);
-        for (int64_t g = 0, i0 = 0; g < groups; ++g, i0 += group) {
-          next.prefetch((nheads + hh) * groups + g);
-          if (i0 < n) {
-            pv<LT>(acc + hh * rph * D, rph, sh + i0, sp, vr + i0, std::min(group, n - i0), D);
-          }
+        if (i0 == 0) {  // the head's first group: its V row pointers, its keys' scales
+          row_pointers<DT, LT>(data, koff, p.s_kv + h * p.s_head, n, sp, D, lut, sc.vbuf.data(),
+                               vr + hh * run);
+          if (quant) scale_keys(scales, soff, p.ss_kv + h * p.ss_head, n, rph, sp, sh);
+        }
+        next.prefetch(nheads * groups + o * n_inner + i);
+        if (i0 < n) {
+          pv<LT>(acc + hh * rph * D, rph, sh + i0, sp, vr + hh * run + i0,
+                 std::min(group, n - i0), D);
         }
       }
     }
