@@ -27,7 +27,7 @@ apply_omp_defaults()  # before torch loads OpenMP, as every kvmesh command
 
 from kvmesh.cli.bench_throughput import WARMUP_PROMPT, run_all_at_once, w1_requests  # noqa: E402
 from kvmesh.engine import cpu_linear  # noqa: E402
-from kvmesh.engine.config import EngineConfig  # noqa: E402
+from kvmesh.engine.config import FRESH_ATTENTION_MODES, EngineConfig  # noqa: E402
 from kvmesh.engine.engine import LLMEngine  # noqa: E402
 from kvmesh.engine.native import layers, llama  # noqa: E402
 
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--fresh-attention", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--fresh-attention", default="auto", choices=FRESH_ATTENTION_MODES)
     args = parser.parse_args()
     engine = LLMEngine(
         EngineConfig(

@@ -113,12 +113,13 @@ def float32_packing_wins(in_features: int, out_features: int, rows: int = 64) ->
     x = torch.randn(rows, in_features, generator=generator)  # [rows, in]
     packed = PackedLinear.from_weight(weight, None)
     with torch.inference_mode():
-        plain_seconds = _best_of(lambda: torch.nn.functional.linear(x, weight))
-        packed_seconds = _best_of(lambda: packed(x))
+        plain_seconds = best_of(lambda: torch.nn.functional.linear(x, weight))
+        packed_seconds = best_of(lambda: packed(x))
     return packed_seconds * 1.1 < plain_seconds
 
 
-def _best_of(run: Callable[[], object], rounds: int = 5, calls: int = 4) -> float:
+def best_of(run: Callable[[], object], rounds: int = 5, calls: int = 4) -> float:
+    """Wall seconds of the fastest of `rounds` rounds of `calls` calls (load-time choices)."""
     best = float("inf")
     for _ in range(rounds):
         start = time.perf_counter()

@@ -9,9 +9,10 @@ kernel took 0.3-0.5x sdpa's time in both dtypes at every length from 128 to 4,09
 (`bench/micro_choices.py --fresh-only`, docs/BENCHMARKS.md "Implementation choices").
 
 So with `fresh_attention="auto"` the runner times both paths through `attend` itself, at the
-model's heads and dtype, on one first chunk of each PROBE_TOKENS length (best of a few calls,
-once per process and shape: a few hundred milliseconds at SmolLM2's heads), and keeps sdpa for
-the chunk lengths where it is MARGIN faster. "on" and "off" force either path.
+model's heads and dtype, on one first chunk of each PROBE_TOKENS length (best of three calls,
+once per process, shape and thread count), and sends a step's first chunks to sdpa when the
+longest is past the probe length from which on sdpa is MARGIN faster at every longer probe.
+"on" and "off" force either path.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ import functools
 import itertools
 import logging
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +29,7 @@ from kvmesh_kernels.cache import KVCacheSpec, allocate_kv_cache
 
 from kvmesh.engine.attention import ForwardContext, attend
 from kvmesh.engine.config import FRESH_ATTENTION_MODES
+from kvmesh.engine.cpu_linear import best_of
 
 logger = logging.getLogger(__name__)
 
@@ -145,20 +146,9 @@ def _paged_over_fresh(shape: ProbeShape, tokens: int) -> float:
     paged_ctx, fresh_ctx = context(False), context(True)
     scale = shape.head_dim**-0.5
     with torch.inference_mode():
-        paged = _best_seconds(
-            lambda: attend(paged_ctx, 0, q, k, v, scale=scale, sliding_window=None)
-        )
-        fresh = _best_seconds(
-            lambda: attend(fresh_ctx, 0, q, k, v, scale=scale, sliding_window=None)
-        )
-    return paged / fresh
-
-
-def _best_seconds(run: Callable[[], object], rounds: int = 3) -> float:
-    run()  # warm-up: first-touch of the buffers, library load
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
+        seconds = []
+        for ctx in (paged_ctx, fresh_ctx):
+            step = functools.partial(attend, ctx, 0, q, k, v, scale=scale, sliding_window=None)
+            step()  # warm-up: first touch of the cache and buffers
+            seconds.append(best_of(step, rounds=3, calls=1))
+    return seconds[0] / seconds[1]
