@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sys_harness import live_workers, sample, total
+from sys_harness import live_workers, sample, scrape, total
 
 from kvmesh.cli.up import LocalSystem, Worker
 from kvmesh.client import Client, KvmeshError
@@ -52,21 +52,32 @@ def running(system: LocalSystem, role: str = "decode") -> dict[str, float]:
 
 def admitted(system: LocalSystem) -> dict[str, float]:
     """Requests each live decode worker took so far (running + waiting + finished): it only
-    grows while nothing fails, even when a stream ends as another starts."""
-    finished = {
-        w.child.name: sample(w.ready["metrics_address"], "kvmesh_requests_total", status="OK")
-        for w in system.workers
-        if w.role == "decode" and w.ready and w.child.alive()
-    }
-    waiting = {
-        w.child.name: total(w.ready["metrics_address"], "kvmesh:num_requests_waiting")
-        for w in system.workers
-        if w.role == "decode" and w.ready and w.child.alive()
-    }
-    return {
-        name: n + waiting.get(name, 0.0) + finished.get(name, 0.0)
-        for name, n in running(system).items()
-    }
+    grows while nothing fails, even when a stream ends as another starts. Each worker's three
+    numbers come from one scrape, and the snapshot is read until two reads agree: a stream
+    that ends between two reads would otherwise count twice or not at all, and a `before`
+    missing one stream makes its worker look grown for good."""
+    snapshot = _admitted_once(system)
+    for _ in range(20):
+        time.sleep(0.02)
+        again = _admitted_once(system)
+        if again == snapshot:
+            break
+        snapshot = again
+    return snapshot
+
+
+def _admitted_once(system: LocalSystem) -> dict[str, float]:
+    counts = {}
+    for w in system.workers:
+        if w.role == "decode" and w.ready and w.child.alive():
+            samples = scrape(w.ready["metrics_address"])
+            counts[w.child.name] = sum(
+                v
+                for (n, labels), v in samples.items()
+                if n in ("kvmesh:num_requests_running", "kvmesh:num_requests_waiting")
+                or (n == "kvmesh_requests_total" and ("status", "OK") in labels)
+            )
+    return counts
 
 
 def busiest(system: LocalSystem, role: str) -> Worker:
