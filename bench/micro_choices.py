@@ -10,14 +10,18 @@
    (hidden 512, MLP 1376, vocab 32000) at decode and prefill row counts, plus SmolLM2-135M's
    merged native GEMMs at 64 rows. In float32 the winner depends on the machine, so the native
    executor measures it at load (`float32_packing`).
-5. Greedy sampling picks `logits.max(dim=-1).indices` (`kvmesh.engine.sampler.greedy_ids`): vs
-   `argmax(dim=-1)` on float32 logits [rows, 32000]; the indices are checked equal.
+5. Greedy sampling (`kvmesh.engine.sampler.greedy_ids`) picks with the fused kernel
+   `kvmesh_kernels.cpu_fused.argmax_rows` on the logits as the LM head gives them (float32, or
+   bfloat16 without widening): vs `max(dim=-1).indices` (its fallback; `argmax(dim=-1)` beside
+   it) and, for bfloat16, the float32 widening the sampler used to do first, at 32000 (bench
+   model) and 49152 (SmolLM2-135M) vocabularies and 1-256 rows; the indices are checked equal.
 6. The native executor's SiLU-and-mul on CPU is one fused kernel pass
    (`kvmesh.engine.native.layers.silu_and_mul`, `kvmesh_kernels.cpu_fused.silu_mul`): vs
    torch's `F.silu(gate) * up`, at the bench model's MLP width (1376) and SmolLM2-135M's (1536),
    1 to 2048 rows, float32 and bfloat16; the outputs are compared first.
 
-Run: `.venv/bin/python bench/micro_choices.py [--linear-only | --silu-only | --fresh-only]
+Run: `.venv/bin/python bench/micro_choices.py [--linear-only | --silu-only | --fresh-only |
+--greedy-only]
 [--threads N]`
 (torch's threads, default 2; one line per comparison, with ratios).
 """
@@ -173,23 +177,41 @@ def packed_linear(dtype: torch.dtype) -> None:
         )
 
 
-def greedy_pick(rows: int, vocab: int = 32000) -> None:
-    logits = torch.randn(rows, vocab)  # [rows, vocab] float32
-    assert torch.equal(logits.max(dim=-1).indices, logits.argmax(dim=-1))
+def greedy_pick(rows: int, vocab: int, dtype: torch.dtype) -> None:
+    """Choice 5: seconds per pick, best of 7 rounds of 20 calls each."""
+    from kvmesh_kernels.cpu_fused import argmax_rows, fused_supported
 
-    def with_argmax() -> None:
-        for _ in range(20):
-            logits.argmax(dim=-1)
+    logits = torch.randn(rows, vocab).to(dtype)  # [rows, vocab]
+    expected = logits.float().argmax(dim=-1)
+    assert torch.equal(logits.max(dim=-1).indices, expected)
+    picks: dict[str, Callable[[], object]] = {
+        "argmax": lambda: logits.argmax(dim=-1),
+        "max(dim).indices": lambda: logits.max(dim=-1).indices,
+    }
+    if dtype != torch.float32:
+        picks["widen+max"] = lambda: logits.float().max(dim=-1).indices
+    if fused_supported(logits):
+        assert torch.equal(argmax_rows(logits), expected)
+        picks["kernel"] = lambda: argmax_rows(logits)
 
-    def with_max() -> None:
-        for _ in range(20):
-            logits.max(dim=-1)
+    def twenty(pick: Callable[[], object]) -> Callable[[], None]:
+        return lambda: [pick() for _ in range(20)] and None
 
-    a, m = best_seconds(with_argmax, 7) / 20, best_seconds(with_max, 7) / 20
-    print(
-        f"greedy pick [{rows}, {vocab}]: argmax {a * 1e6:.0f} us, max(dim).indices "
-        f"{m * 1e6:.0f} us -> argmax / max {a / m:.2f}x"
+    us = {name: best_seconds(twenty(pick), 7) / 20 * 1e6 for name, pick in picks.items()}
+    times = ", ".join(f"{name} {t:.0f} us" for name, t in us.items())
+    ratios = ", ".join(
+        f"{name} / kernel {t / us['kernel']:.2f}x"
+        for name, t in us.items()
+        if "kernel" in us and name != "kernel"
     )
+    print(f"greedy pick [{rows}, {vocab}] {str(dtype).removeprefix('torch.')}: {times} -> {ratios}")
+
+
+def greedy_picks() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        for vocab in (32000, 49152):
+            for rows in (1, 16, 64, 256):
+                greedy_pick(rows, vocab, dtype)
 
 
 SILU_WIDTHS = (1376, 1536)  # intermediate size: the bench model, SmolLM2-135M
@@ -253,8 +275,10 @@ def main() -> None:
     if "--fresh-only" in args:
         fresh_chunks()
         return
-    for rows in (1, 16, 64):
-        greedy_pick(rows)
+    if "--greedy-only" in args:
+        greedy_picks()
+        return
+    greedy_picks()
     for dtype in (torch.bfloat16, torch.float32):
         packed_linear(dtype)
     chunk_construction()

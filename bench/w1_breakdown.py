@@ -2,10 +2,10 @@
 
 Runs W1 once on the engine (after a warm-up prompt) with wall-clock timers around the paged
 attention call (split into decode-only steps and steps with prompt tokens), the linears
-(packed or plain), SiLU-and-mul and the residual add + RMSNorm calls, and prints one JSON line:
-seconds per part, the run's seconds and tok/s, and `other` (sampling, rotary, embedding,
-Python and the host side). The timers wrap module-level calls, so they add a few
-microseconds per call; compare runs of this script with each other, not with
+(packed or plain), SiLU-and-mul, the residual add + RMSNorm calls and the sampler (the logits'
+argmax or draw), and prints one JSON line: seconds per part, the run's seconds and tok/s, and
+`other` (rotary, embedding, Python and the host side). The timers wrap module-level calls, so
+they add a few microseconds per call; compare runs of this script with each other, not with
 `kvmesh bench throughput`.
 
 Run: `.venv/bin/python bench/w1_breakdown.py --model DIR --dtype float32 [--threads 2]
@@ -30,6 +30,7 @@ from kvmesh.engine import cpu_linear  # noqa: E402
 from kvmesh.engine.config import FRESH_ATTENTION_MODES, EngineConfig  # noqa: E402
 from kvmesh.engine.engine import LLMEngine  # noqa: E402
 from kvmesh.engine.native import layers, llama  # noqa: E402
+from kvmesh.engine.sampler import Sampler  # noqa: E402
 
 SECONDS: defaultdict[str, float] = defaultdict(float)
 
@@ -77,6 +78,7 @@ def main() -> None:
     timed(cpu_linear.PackedLinear, "run", "linears")
     timed(layers.PlainLinear, "forward", "linears")
     timed(layers.RMSNorm, "add_forward", "add_rms_norm")
+    timed(Sampler, "__call__", "sampling")
     generated, seconds, _ = run_all_at_once(engine, w1_requests(engine.runner.vocab_size))
     parts = {key: round(value, 2) for key, value in sorted(SECONDS.items())}
     other = seconds - sum(SECONDS.values())

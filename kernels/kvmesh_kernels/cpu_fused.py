@@ -11,6 +11,8 @@ float32 value lies within that of a rounding boundary).
     rms_norm(x, w, eps) -> y                     x [rows, n] (row-strided), y contiguous
     silu_mul(gate_up) -> y                       [rows, 2n] (row-strided) -> [rows, n]
     rope_(x, cos, sin, positions)                x [T, H, D] (token/head strided) in place
+    argmax_rows(x) -> ids                        x [rows, n] (row-strided) -> int64 [rows],
+                                                 torch's `x.max(dim=-1).indices` exactly
 """
 
 from __future__ import annotations
@@ -124,6 +126,27 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
         _I(cos.shape[0]),
         _I(torch.get_num_threads()),
     )
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] (rows strided, n > 0) -> int64 [rows]: the index of each row's largest
+    value, the first on ties, a row's first NaN where it holds one."""
+    rows, n = x.shape
+    assert n > 0
+    out = torch.empty(rows, dtype=torch.int64)  # [rows]
+    if rows == 0:
+        return out
+    _call(
+        "kvmesh_cpu_argmax_rows",
+        ctypes.c_int(_DTYPE_CODES[x.dtype]),
+        _P(x.data_ptr()),
+        _I(x.stride(0) if rows > 1 else n),  # a lone row's stride is arbitrary
+        _I(rows),
+        _I(n),
+        _P(out.data_ptr()),
+        _I(torch.get_num_threads()),
+    )
+    return out
 
 
 def _call(name: str, *args: object) -> None:

@@ -6,7 +6,8 @@
     executor="transformers"  transformers' model code with kvmesh's paged attention
 
 Both expose the same two calls to the runner: `forward(input_ids, positions, ctx)` -> final
-hidden states [T, hidden] and `compute_logits(hidden [S, hidden])` -> float32 [S, vocab].
+hidden states [T, hidden] and `compute_logits(hidden [S, hidden])` -> logits [S, vocab] in the
+model's dtype (the sampler widens them to float32 where it computes with them).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class TransformersExecutor:
         return output.last_hidden_state[0]  # type: ignore[no-any-return]  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden).float()  # type: ignore[no-any-return]
+        return self.model.lm_head(hidden)  # type: ignore[no-any-return]
 
 
 def choose_executor(requested: str, hf_model: Any, hf_config: Any) -> str:

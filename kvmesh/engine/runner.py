@@ -123,7 +123,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns float32 logits [num sampling chunks, vocab] in chunk order."""
+        """Run one step; returns logits [num sampling chunks, vocab] in chunk order, in the
+        model's dtype."""
         batch = self.prepare(plan)
         graphs, ctx = self.decode_graphs, batch.context
         if graphs is not None and graphs.applies(batch.input_ids.shape[0], ctx):

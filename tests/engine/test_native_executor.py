@@ -80,7 +80,7 @@ def native_last_logits(
     table = tuple(range(-(-len(prompt) // 4)))
     chunk = ScheduledChunk("0", tuple(prompt), 0, table, (), ("0",))
     plan = plan_of_chunks((chunk,), block_size=4, new_seqs=(NewSeq("0", table),))
-    return runner.execute(plan)[0]  # [vocab] float32
+    return runner.execute(plan)[0].float()  # [vocab], widened from the model dtype
 
 
 def test_auto_picks_native_and_transformers_on_request(checkpoint: Path) -> None:

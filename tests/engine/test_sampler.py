@@ -46,6 +46,22 @@ def test_greedy_is_argmax() -> None:
     assert out.logprobs == [None] * 5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_of_16_bit_logits_is_the_argmax_of_their_float32_values(dtype) -> None:
+    """Plain greedy rows take the argmax of 16-bit logits as they are (ties included: few
+    distinct values); rows that need float32 (logprobs, min_tokens) still get it."""
+    logits = (random_logits(40, seed=4, vocab=5000) / 2).round().to(dtype)  # many ties
+    widened = logits.float()
+    out = sample(logits, [row(SamplingParams(temperature=0.0))] * 40)
+    assert torch.equal(out.token_ids, widened.max(dim=-1).indices)
+    asks = row(SamplingParams(temperature=0.0, logprobs=2))
+    masked = row(SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[9]))
+    out = sample(logits[:2], [asks, masked])
+    expected = sample(widened[:2], [asks, masked])
+    assert torch.equal(out.token_ids, expected.token_ids)
+    assert out.logprobs == expected.logprobs and out.logprobs[0] is not None
+
+
 @pytest.mark.parametrize(
     "params",
     [

@@ -12,7 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kvmesh_kernels.cpu_build import available
-from kvmesh_kernels.cpu_fused import add_rms_norm, fused_supported, rms_norm, rope_, silu_mul
+from kvmesh_kernels.cpu_fused import (
+    add_rms_norm,
+    argmax_rows,
+    fused_supported,
+    rms_norm,
+    rope_,
+    silu_mul,
+)
 
 pytestmark = pytest.mark.skipif(not available(), reason="fused CPU library not built")
 
@@ -144,3 +151,37 @@ def test_silu_mul_of_no_rows() -> None:
 def test_unsupported_inputs_are_reported() -> None:
     assert not fused_supported(torch.zeros(2, 4, dtype=torch.float16))
     assert not fused_supported(torch.zeros(4, 2).t())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("rows", "n"), [(1, 1), (3, 15), (5, 16), (7, 17), (300, 1000), (4, 49157)]
+)
+def test_argmax_rows_matches_torch_max_with_ties(dtype: torch.dtype, rows: int, n: int) -> None:
+    """Few distinct values, so most rows tie at their maximum: the first index wins."""
+    generator = torch.Generator().manual_seed(rows * n)
+    ties = torch.randint(-4, 4, (rows, 2 * n), generator=generator).to(dtype)[:, :n]
+    assert fused_supported(ties)
+    assert torch.equal(argmax_rows(ties), ties.max(dim=-1).indices)
+    spread = randn(rows, n + 3, dtype=dtype, seed=n)[:, 3:]  # rows strided, unaligned
+    assert torch.equal(argmax_rows(spread), spread.max(dim=-1).indices)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_special_values_match_torch(dtype: torch.dtype) -> None:
+    inf, nan = float("inf"), float("nan")
+    rows = torch.zeros(10, 40)
+    rows[0] = -inf  # every value -inf: the first
+    rows[1, 33] = nan  # a NaN wins over every number
+    rows[2, 5], rows[2, 37] = nan, nan  # the first NaN
+    rows[3, 7], rows[3, 20] = inf, inf
+    rows[4] = nan
+    rows[5, 17], rows[5, 39] = inf, nan
+    rows[6, :] = -inf
+    rows[6, 39] = -1.0  # in the tail, after the vector lanes
+    rows[7, 16:] = 3.0  # ties in every lane
+    rows[8] = -inf
+    rows[8, 21] = nan
+    rows[9] = torch.arange(40.0).flip(0)  # the first is the largest
+    x = rows.to(dtype)
+    assert torch.equal(argmax_rows(x), x.max(dim=-1).indices)

@@ -10,6 +10,9 @@
 //                  on AVX2 / AVX-512 (a path per ISA, chosen at run time)
 //   rope:          x1' = round(round(x1 c) - round(x2 s)), x2' = round(round(x2 c) + round(x1 s))
 //                  in place over heads of rows, cos/sin rows picked by position ("rotate half")
+//   argmax_rows:   per row the index of its largest value, the first on ties; a row holding
+//                  NaN gives its first NaN (torch's `max(dim=-1).indices`, exactly: a
+//                  bfloat16 value widens to float32 exactly, so the order is the same)
 //
 // Rows may be strided (row stride in elements); outputs are contiguous unless in place. Rows
 // are split across OpenMP threads only when the work is large enough to pay for the fork.
@@ -252,6 +255,68 @@ int rope(void* x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t h
   return 0;
 }
 
+constexpr int64_t kLanes = 16;  // one AVX-512 register of float32 per accumulator
+
+// Index of the first largest value of a row of n < 2^31 (NaN never wins a comparison: where
+// every value is NaN or -inf, the first -inf or 0), and whether the row holds a NaN. Lane j
+// keeps the largest value among indices j, j+16, ... and its first index (a strict `>`, the
+// lane's first index to start with, so a row of -inf gives 0); the compiler keeps the lanes
+// in vector registers; they are folded at the end, the smaller index on ties.
+template <class D>
+KVF_CLONES int64_t row_argmax(const typename D::T* x, int64_t n, bool* has_nan) {
+  float best[kLanes];
+  int32_t at[kLanes];
+  int32_t nan[kLanes];
+  for (int32_t j = 0; j < kLanes; ++j) best[j] = -INFINITY, at[j] = j, nan[j] = 0;
+  const int32_t whole = static_cast<int32_t>(n - n % kLanes);
+  for (int32_t i = 0; i < whole; i += kLanes) {
+#pragma omp simd
+    for (int32_t j = 0; j < kLanes; ++j) {
+      const float v = D::load(x[i + j]);
+      const bool more = v > best[j];
+      best[j] = more ? v : best[j];
+      at[j] = more ? i + j : at[j];
+      nan[j] |= v != v;
+    }
+  }
+  float m = -INFINITY;
+  int64_t arg = n;
+  int32_t any_nan = 0;
+  for (int32_t j = 0; j < kLanes && j < whole; ++j) {
+    any_nan |= nan[j];
+    if (best[j] > m || (best[j] == m && at[j] < arg)) m = best[j], arg = at[j];
+  }
+  for (int64_t i = whole; i < n; ++i) {
+    const float v = D::load(x[i]);
+    any_nan |= v != v;
+    if (v > m || (v == m && i < arg)) m = v, arg = i;
+  }
+  *has_nan = any_nan != 0;
+  return arg < n ? arg : 0;
+}
+
+template <class D>
+int64_t argmax_row(const typename D::T* x, int64_t n) {
+  bool has_nan = false;
+  const int64_t arg = row_argmax<D>(x, n, &has_nan);
+  if (!has_nan) return arg;
+  for (int64_t i = 0; i < n; ++i)  // rare: the first NaN, as torch gives
+    if (D::load(x[i]) != D::load(x[i])) return i;
+  return arg;
+}
+
+template <class D>
+int argmax_rows(const void* x, int64_t row_stride, int64_t rows, int64_t n, int64_t* out,
+                int64_t threads) {
+  using T = typename D::T;
+  if (rows < 0 || n <= 0 || n > INT32_MAX || row_stride < n || threads < 1) return 1;
+  const T* xs = static_cast<const T*>(x);
+  const bool parallel = rows > 1 && rows * n >= kParallelElements && threads > 1;
+#pragma omp parallel for num_threads(static_cast<int>(threads)) if (parallel) schedule(static)
+  for (int64_t row = 0; row < rows; ++row) out[row] = argmax_row<D>(xs + row * row_stride, n);
+  return 0;
+}
+
 }  // namespace
 
 // dtype: 0 = float32, 1 = bfloat16. x may be null in add_rms_norm (then y = norm(residual)).
@@ -288,5 +353,13 @@ extern "C" int kvmesh_cpu_rope(int dtype, void* x, int64_t tokens, int64_t heads
   if (dtype == 1)
     return rope<BF16>(x, tokens, heads, token_stride, head_stride, dim, cos, sin, positions,
                       max_positions, threads);
+  return 3;
+}
+
+// x: rows of n values, row_stride elements apart; out: int64 [rows].
+extern "C" int kvmesh_cpu_argmax_rows(int dtype, const void* x, int64_t row_stride, int64_t rows,
+                                      int64_t n, int64_t* out, int64_t threads) {
+  if (dtype == 0) return argmax_rows<F32>(x, row_stride, rows, n, out, threads);
+  if (dtype == 1) return argmax_rows<BF16>(x, row_stride, rows, n, out, threads);
   return 3;
 }

@@ -141,5 +141,6 @@ class NativeCausalLM(nn.Module):
         return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> float32 logits [S, vocab]."""
-        return self.lm_head(hidden).float()  # type: ignore[no-any-return]
+        """hidden [S, hidden] -> logits [S, vocab] in the model's dtype (the sampler computes
+        in float32 where it needs to; greedy rows take the argmax as is)."""
+        return self.lm_head(hidden)  # type: ignore[no-any-return]
