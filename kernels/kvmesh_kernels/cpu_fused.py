@@ -13,6 +13,8 @@ float32 value lies within that of a rounding boundary).
     rope_(x, cos, sin, positions)                x [T, H, D] (token/head strided) in place
     argmax_rows(x) -> ids                        x [rows, n] (row-strided) -> int64 [rows],
                                                  torch's `x.max(dim=-1).indices` exactly
+    race_rows(x, inv_temp, keys) -> ids          one draw per row from softmax(x * inv_temp),
+                                                 keyed by int64 keys [rows] (Gumbel-max race)
 """
 
 from __future__ import annotations
@@ -143,6 +145,33 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         _I(x.stride(0) if rows > 1 else n),  # a lone row's stride is arbitrary
         _I(rows),
         _I(n),
+        _P(out.data_ptr()),
+        _I(torch.get_num_threads()),
+    )
+    return out
+
+
+def race_rows(x: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] logits (rows strided, n > 0), inv_temp float32 [rows], keys int64 [rows] ->
+    int64 [rows]: row r's token drawn from softmax(x[r] * inv_temp[r]) by the Gumbel-max race
+    with uniforms from a counter-based generator keyed by keys[r] (the same key gives the same
+    token, whatever the batch). -inf logits are never drawn."""
+    rows, n = x.shape
+    assert n > 0 and inv_temp.shape == (rows,) and keys.shape == (rows,)
+    inv_temp = inv_temp.to(torch.float32).contiguous()
+    keys = keys.to(torch.int64).contiguous()
+    out = torch.empty(rows, dtype=torch.int64)  # [rows]
+    if rows == 0:
+        return out
+    _call(
+        "kvmesh_cpu_race_rows",
+        ctypes.c_int(_DTYPE_CODES[x.dtype]),
+        _P(x.data_ptr()),
+        _I(x.stride(0) if rows > 1 else n),
+        _I(rows),
+        _I(n),
+        _P(inv_temp.data_ptr()),
+        _P(keys.data_ptr()),
         _P(out.data_ptr()),
         _I(torch.get_num_threads()),
     )

@@ -9,9 +9,12 @@ Order of operations (vLLM v1's):
 4. greedy rows take the argmax here; the others: temperature, min_p, top_k, top_p, then draw.
 
 Drawing is an exponential race: `argmax(probs / q)` with `q ~ Exp(1)` per vocabulary entry picks
-token i with probability probs[i]. A seeded row draws its `q` from a generator seeded with
+token i with probability probs[i]; in log space it is the Gumbel-max race `argmax(logits / T +
+g)`, `g = -log(-log(u))`, which the CPU kernel (`cpu_fused.race_rows`) runs in one pass over the
+logits with uniforms from a counter-based generator keyed per row. A seeded row's key is
 `mix(seed + sample_index, step)`, so its tokens depend only on its own seed, child index and
-step, never on the batch it shares; unseeded rows share the sampler's global generator.
+step, never on the batch it shares; unseeded rows' keys come from the sampler's generator.
+Elsewhere (CUDA, float16) the race runs in torch, with per-row generators for seeded rows.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvmesh_kernels.cpu_fused import argmax_rows, fused_supported
+from kvmesh_kernels.cpu_fused import argmax_rows, fused_supported, race_rows
 
 from kvmesh.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
 
 
 def mix_seed(seed: int, step: int) -> int:
@@ -181,17 +185,35 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         device = logits.device
         greedy = greedy_ids(logits)  # [rows]
-        logits = logits / batch.temperature.to(device).unsqueeze(1)
-        if batch.any_min_p:
-            logits = apply_min_p(logits, batch.min_p.to(device))
-        if batch.any_top_k or batch.any_top_p:
-            top_k = batch.top_k.to(device) if batch.any_top_k else None
-            top_p = batch.top_p.to(device) if batch.any_top_p else None
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)  # [rows, vocab]
-        race = self._exponentials(probs, batch)
-        sampled = greedy_ids(probs.div_(race))  # [rows]
+        temperature = batch.temperature.to(device)  # [rows]
+        filtered = batch.any_min_p or batch.any_top_k or batch.any_top_p
+        if filtered:  # the filters look at the tempered distribution
+            logits = logits / temperature.unsqueeze(1)
+            if batch.any_min_p:
+                logits = apply_min_p(logits, batch.min_p.to(device))
+            if batch.any_top_k or batch.any_top_p:
+                top_k = batch.top_k.to(device) if batch.any_top_k else None
+                top_p = batch.top_p.to(device) if batch.any_top_p else None
+                logits = apply_top_k_top_p(logits, top_k, top_p)
+        if fused_supported(logits):
+            inv_temp = torch.ones_like(temperature) if filtered else temperature.reciprocal()
+            sampled = race_rows(logits, inv_temp, self._keys(batch))  # [rows]
+        else:
+            if not filtered:
+                logits = logits / temperature.unsqueeze(1)
+            probs = logits.float().softmax(dim=-1)  # [rows, vocab]
+            sampled = greedy_ids(probs.div_(self._exponentials(probs, batch)))  # [rows]
         return torch.where(batch.greedy.to(device), greedy, sampled)
+
+    def _keys(self, batch: SamplingBatch) -> torch.Tensor:
+        """int64 [rows] race keys: a seeded row's from its seed, child index and step (its
+        draw depends on nothing else), the others drawn from the sampler's generator."""
+        keys = torch.randint(0, _MASK63, (len(batch),), generator=self.generator)
+        for i, row in enumerate(batch.rows):
+            if row.params.seed is not None:
+                seed = (row.params.seed + row.sample_index) & _MASK64
+                keys[i] = mix_seed(seed, row.step)
+        return keys
 
     def _exponentials(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[rows, vocab] Exp(1) draws: per-row generators for seeded rows, global for the rest."""
@@ -251,11 +273,69 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+TOP_CANDIDATES = 1024  # a row's most likely tokens examined for its top-k / top-p cut
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
     """Keep each row's top_k logits (0 = all; ties at the cut kept) and its smallest set with
-    cumulative probability >= top_p (the most likely token always stays)."""
+    cumulative probability >= top_p (the most likely token always stays; ties at the cut kept).
+
+    The cut is found among the row's `TOP_CANDIDATES` largest logits (`topk`, not a sort of the
+    vocabulary); a row whose cut lies beyond them (a flat distribution, a top_k above them, or
+    ties at their edge) is cut on its whole sorted row instead, as are small vocabularies."""
+    vocab = logits.shape[1]
+    width = TOP_CANDIDATES if top_k is None else max(TOP_CANDIDATES, int(top_k.max()))
+    if 2 * width >= vocab:
+        return _top_k_top_p_sorted(logits, top_k, top_p)
+    values = logits.topk(width, dim=-1).values  # [rows, width] descending
+    threshold, exact = _candidate_cut(logits, values, top_k, top_p)  # [rows] each
+    out = logits.masked_fill(logits < threshold.unsqueeze(1), float("-inf"))
+    if not bool(exact.all()):
+        redo = (~exact).nonzero().squeeze(1)  # [r]
+        k = None if top_k is None else top_k[redo]
+        p = None if top_p is None else top_p[redo]
+        out[redo] = _top_k_top_p_sorted(logits[redo], k, p)
+    return out
+
+
+def _candidate_cut(
+    logits: torch.Tensor,
+    values: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row the smallest logit kept, from its largest `values` [rows, width] (descending),
+    and whether that cut is exact (it lies within the candidates)."""
+    rows, width = values.shape
+    threshold = torch.full((rows,), float("-inf"), dtype=values.dtype, device=values.device)
+    exact = torch.ones(rows, dtype=torch.bool, device=values.device)
+    has_k = torch.zeros(rows, dtype=torch.bool, device=values.device)
+    if top_k is not None:
+        has_k = top_k > 0
+        kth = values.gather(1, (top_k.clamp(1, width) - 1).unsqueeze(1)).squeeze(1)  # [rows]
+        threshold = torch.where(has_k, kth, threshold)
+        exact &= ~has_k | (top_k < width) & (values[:, -1] < kth)  # no tie reaches past them
+    if top_p is not None:
+        kept = values.masked_fill(values < threshold.unsqueeze(1), float("-inf"))
+        mass = torch.where(has_k, kept.logsumexp(dim=-1), logits.logsumexp(dim=-1))  # [rows]
+        probs = (kept - mass.unsqueeze(1)).exp()  # [rows, width]
+        cumulative = probs.cumsum(dim=-1)
+        before = cumulative - probs  # mass of the more likely candidates
+        last = (before < top_p.unsqueeze(1)).sum(dim=-1).clamp(min=1) - 1  # [rows]
+        cut = values.gather(1, last.unsqueeze(1)).squeeze(1)
+        filtering = top_p < 1.0
+        threshold = torch.where(filtering, torch.maximum(threshold, cut), threshold)
+        reached = cumulative[:, -1] >= top_p
+        exact &= ~filtering | has_k | reached
+    return threshold, exact
+
+
+def _top_k_top_p_sorted(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """`apply_top_k_top_p` on whole sorted rows."""
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=False)  # [rows, vocab] ascending
     if top_k is not None:

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.engine.sampler import Sampler, SamplingBatch, SamplingRow
+from kvmesh.engine import sampler as sampler_module
+from kvmesh.engine.sampler import Sampler, SamplingBatch, SamplingRow, apply_top_k_top_p
 from kvmesh.engine.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -79,8 +80,10 @@ def test_degenerate_filters_equal_greedy(params: SamplingParams) -> None:
     assert torch.equal(out.token_ids, logits.argmax(dim=-1))
 
 
-def test_plain_sampling_follows_the_distribution() -> None:
-    logits = torch.log(torch.tensor([0.6, 0.3, 0.1]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_plain_sampling_follows_the_distribution(dtype: torch.dtype) -> None:
+    """float32 and bfloat16 race in the CPU kernel, float16 in torch."""
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.1])).to(dtype)
     counts = draws(logits, SamplingParams(), 4000)
     for token, p in enumerate([0.6, 0.3, 0.1]):
         assert abs(counts[token] / 4000 - p) < 0.03
@@ -268,3 +271,32 @@ def test_samples_stay_inside_the_combined_support(seed, temperature, top_k, top_
     seen = set(draws(logits, params, 300))
     assert seen <= support
     assert logits.argmax().item() in seen
+
+
+def kept(logits: torch.Tensor) -> list[set[int]]:
+    return [set(torch.isfinite(row).nonzero().squeeze(1).tolist()) for row in logits]
+
+
+@pytest.mark.parametrize("scale", [4.0, 1.0], ids=["peaked", "flat"])
+def test_top_k_top_p_on_candidates_equals_the_sorted_cut(scale: float) -> None:
+    """A large vocabulary is cut among each row's top candidates (peaked rows), or on the
+    whole sorted row where the cut lies beyond them (flat rows, a top_k above them): the same
+    kept sets as cutting every whole sorted row."""
+    rows, vocab = 12, 20_000
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(7)) * scale
+    top_k = torch.tensor([0, 1, 5, 50, 0, 0, 3000, 0, 40, 0, 2, 0])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.3, 1.0, 0.99, 0.999, 1.0, 0.7, 0.1, 0.8])
+    for k, p in ((top_k, top_p), (top_k, None), (None, top_p)):
+        got = apply_top_k_top_p(logits, k, p)
+        expected = sampler_module._top_k_top_p_sorted(logits, k, p)
+        assert kept(got) == kept(expected)
+        assert torch.equal(got[torch.isfinite(got)], logits[torch.isfinite(got)])
+
+
+def test_top_k_keeps_ties_at_the_cut_past_the_candidates() -> None:
+    logits = torch.zeros(2, 5000)
+    logits[:, :3] = 2.0  # three ahead, then 4997 tied: top_k=4 keeps every tie
+    logits[1, 4000] = 1.0
+    got = apply_top_k_top_p(logits, torch.tensor([4, 4]), None)
+    assert kept(got)[0] == set(range(5000))
+    assert kept(got)[1] == {0, 1, 2, 4000}

@@ -16,6 +16,7 @@ from kvmesh_kernels.cpu_fused import (
     add_rms_norm,
     argmax_rows,
     fused_supported,
+    race_rows,
     rms_norm,
     rope_,
     silu_mul,
@@ -185,3 +186,41 @@ def test_argmax_rows_special_values_match_torch(dtype: torch.dtype) -> None:
     rows[9] = torch.arange(40.0).flip(0)  # the first is the largest
     x = rows.to(dtype)
     assert torch.equal(argmax_rows(x), x.max(dim=-1).indices)
+
+
+def race_counts(logits: torch.Tensor, inv_temp: float, draws: int, seed: int) -> torch.Tensor:
+    """Token frequencies of `draws` races over one row of logits, one random key each."""
+    rows = logits.expand(draws, -1).contiguous()  # [draws, n]
+    keys = torch.randint(0, 2**62, (draws,), generator=torch.Generator().manual_seed(seed))
+    tokens = race_rows(rows, torch.full((draws,), inv_temp), keys)
+    return torch.bincount(tokens, minlength=logits.numel()).float() / draws
+
+
+@pytest.mark.parametrize("inv_temp", [1.0, 0.25, 4.0])
+def test_race_rows_draws_from_the_tempered_softmax(inv_temp: float) -> None:
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    logits = probs.log()  # [5], below one vector of lanes: the scalar tail
+    freq = race_counts(logits, inv_temp, 100_000, seed=1)
+    expected = (logits * inv_temp).softmax(dim=-1)
+    assert (freq - expected).abs().max() < 0.006  # about 4 standard errors
+    wide = torch.randn(300, generator=torch.Generator().manual_seed(2)) * 2  # lanes and tail
+    freq = race_counts(wide, inv_temp, 100_000, seed=3)
+    expected = (wide * inv_temp).softmax(dim=-1)
+    assert ((freq - expected).abs() <= 5 * (expected / 100_000).sqrt() + 1e-4).all()
+
+
+def test_race_rows_depends_only_on_the_key_and_never_draws_minus_inf() -> None:
+    logits = randn(6, 49157, dtype=torch.float32, seed=4)
+    logits[:, ::2] = float("-inf")  # half the vocabulary can never be drawn
+    logits[3] = logits[0]  # and the same key as row 0
+    keys = torch.tensor([11, 12, 13, 11, 2**62 + 5, 0])
+    ones = torch.ones(6)
+    tokens = race_rows(logits, ones, keys)
+    assert tokens[0] == tokens[3] and bool((tokens % 2 == 1).all())
+    for r in range(6):  # alone, in a batch of one: the same draws
+        assert race_rows(logits[r : r + 1], ones[:1], keys[r : r + 1]).item() == tokens[r]
+    as_bf16 = logits.to(torch.bfloat16)  # bfloat16 rows widen exactly: same scores
+    assert torch.equal(race_rows(as_bf16, ones, keys), race_rows(as_bf16.float(), ones, keys))
+    broadcast = logits[:1].expand(64, -1)  # one row read 64 times (row stride 0)
+    draws = race_rows(broadcast, torch.ones(64), torch.arange(64))
+    assert len(set(draws.tolist())) > 32

@@ -13,6 +13,10 @@
 //   argmax_rows:   per row the index of its largest value, the first on ties; a row holding
 //                  NaN gives its first NaN (torch's `max(dim=-1).indices`, exactly: a
 //                  bfloat16 value widens to float32 exactly, so the order is the same)
+//   race_rows:     per row a token drawn from softmax(x * inv_temp) by the Gumbel-max race:
+//                  argmax_i (x_i * inv_temp - log(-log(u_i))), u_i uniform in (0, 1) from a
+//                  counter-based generator keyed by the row's 64-bit key (splitmix64 of key and
+//                  i: the draw depends only on the key, never on the batch or the thread)
 //
 // Rows may be strided (row stride in elements); outputs are contiguous unless in place. Rows
 // are split across OpenMP threads only when the work is large enough to pay for the fork.
@@ -309,11 +313,91 @@ template <class D>
 int argmax_rows(const void* x, int64_t row_stride, int64_t rows, int64_t n, int64_t* out,
                 int64_t threads) {
   using T = typename D::T;
-  if (rows < 0 || n <= 0 || n > INT32_MAX || row_stride < n || threads < 1) return 1;
+  // rows are only read: any stride, 0 included (one row broadcast)
+  if (rows < 0 || n <= 0 || n > INT32_MAX || row_stride < 0 || threads < 1) return 1;
   const T* xs = static_cast<const T*>(x);
   const bool parallel = rows > 1 && rows * n >= kParallelElements && threads > 1;
 #pragma omp parallel for num_threads(static_cast<int>(threads)) if (parallel) schedule(static)
   for (int64_t row = 0; row < rows; ++row) out[row] = argmax_row<D>(xs + row * row_stride, n);
+  return 0;
+}
+
+// log(x) for positive normal floats, branch-free so that `omp simd` vectorizes it: x = m 2^e
+// with m in [sqrt(1/2), sqrt(2)), log(m) by Cephes' logf polynomial; within about 1 ulp.
+inline __attribute__((always_inline)) float log_pos_f32(float x) {
+  constexpr float kSqrtHalf = 0.707106781186547524f;
+  const uint32_t bits = kvmesh_cvt::f32_to_bits(x);
+  float m = kvmesh_cvt::bits_to_f32((bits & 0x007FFFFFu) | 0x3F000000u);  // [0.5, 1)
+  float e = static_cast<float>(static_cast<int32_t>(bits >> 23) - 126);
+  const bool low = m < kSqrtHalf;
+  e = low ? e - 1.f : e;
+  const float f = low ? m + m - 1.f : m - 1.f;
+  const float z = f * f;
+  float y = 7.0376836292e-2f;
+  y = y * f - 1.1514610310e-1f;
+  y = y * f + 1.1676998740e-1f;
+  y = y * f - 1.2420140846e-1f;
+  y = y * f + 1.4249322787e-1f;
+  y = y * f - 1.6668057665e-1f;
+  y = y * f + 2.0000714765e-1f;
+  y = y * f - 2.4999993993e-1f;
+  y = y * f + 3.3333331174e-1f;
+  y = y * f * z;
+  y += -2.12194440e-4f * e;
+  y += -0.5f * z;
+  return f + y + 0.693359375f * e;
+}
+
+// Uniform in (0, 1) for counter i of a row's key: the top 24 bits of splitmix64(key + (i + 1)
+// golden), plus half a step (never 0 or 1).
+inline __attribute__((always_inline)) float uniform_at(uint64_t key, int64_t i) {
+  uint64_t z = key + static_cast<uint64_t>(i + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return (static_cast<float>(z >> 40) + 0.5f) * 0x1.0p-24f;
+}
+
+// The race of one row: lane-wise best scores and their first indices, as in row_argmax (NaN
+// and -inf never win; a row of nothing else gives 0).
+template <class D>
+KVF_CLONES int64_t race_row(const typename D::T* x, int64_t n, float inv_temp, uint64_t key) {
+  float best[kLanes];
+  int32_t at[kLanes];
+  for (int32_t j = 0; j < kLanes; ++j) best[j] = -INFINITY, at[j] = j;
+  const int32_t whole = static_cast<int32_t>(n - n % kLanes);
+  for (int32_t i = 0; i < whole; i += kLanes) {
+#pragma omp simd
+    for (int32_t j = 0; j < kLanes; ++j) {
+      const float gumbel = -log_pos_f32(-log_pos_f32(uniform_at(key, i + j)));
+      const float v = D::load(x[i + j]) * inv_temp + gumbel;
+      const bool more = v > best[j];
+      best[j] = more ? v : best[j];
+      at[j] = more ? i + j : at[j];
+    }
+  }
+  float m = -INFINITY;
+  int64_t arg = n;
+  for (int32_t j = 0; j < kLanes && j < whole; ++j)
+    if (best[j] > m || (best[j] == m && at[j] < arg)) m = best[j], arg = at[j];
+  for (int64_t i = whole; i < n; ++i) {
+    const float v = D::load(x[i]) * inv_temp - log_pos_f32(-log_pos_f32(uniform_at(key, i)));
+    if (v > m || (v == m && i < arg)) m = v, arg = i;
+  }
+  return arg < n ? arg : 0;
+}
+
+template <class D>
+int race_rows(const void* x, int64_t row_stride, int64_t rows, int64_t n, const float* inv_temp,
+              const uint64_t* keys, int64_t* out, int64_t threads) {
+  using T = typename D::T;
+  // rows are only read: any stride, 0 included (one row broadcast)
+  if (rows < 0 || n <= 0 || n > INT32_MAX || row_stride < 0 || threads < 1) return 1;
+  const T* xs = static_cast<const T*>(x);
+  const bool parallel = rows > 1 && rows * n >= kParallelSiluElements && threads > 1;
+#pragma omp parallel for num_threads(static_cast<int>(threads)) if (parallel) schedule(static)
+  for (int64_t row = 0; row < rows; ++row)
+    out[row] = race_row<D>(xs + row * row_stride, n, inv_temp[row], keys[row]);
   return 0;
 }
 
@@ -361,5 +445,14 @@ extern "C" int kvmesh_cpu_argmax_rows(int dtype, const void* x, int64_t row_stri
                                       int64_t n, int64_t* out, int64_t threads) {
   if (dtype == 0) return argmax_rows<F32>(x, row_stride, rows, n, out, threads);
   if (dtype == 1) return argmax_rows<BF16>(x, row_stride, rows, n, out, threads);
+  return 3;
+}
+
+// x: rows of n logits, row_stride elements apart; inv_temp: float32 [rows]; keys: [rows].
+extern "C" int kvmesh_cpu_race_rows(int dtype, const void* x, int64_t row_stride, int64_t rows,
+                                    int64_t n, const float* inv_temp, const uint64_t* keys,
+                                    int64_t* out, int64_t threads) {
+  if (dtype == 0) return race_rows<F32>(x, row_stride, rows, n, inv_temp, keys, out, threads);
+  if (dtype == 1) return race_rows<BF16>(x, row_stride, rows, n, inv_temp, keys, out, threads);
   return 3;
 }
