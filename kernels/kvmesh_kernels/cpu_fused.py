@@ -13,8 +13,11 @@ float32 value lies within that of a rounding boundary).
     rope_(x, cos, sin, positions)                x [T, H, D] (token/head strided) in place
     argmax_rows(x) -> ids                        x [rows, n] (row-strided) -> int64 [rows],
                                                  torch's `x.max(dim=-1).indices` exactly
-    race_rows(x, inv_temp, keys) -> ids          one draw per row from softmax(x * inv_temp),
-                                                 keyed by int64 keys [rows] (Gumbel-max race)
+    race_rows(x, inv_temp, keys[, floors]) -> ids  one draw per row from softmax(x * inv_temp),
+                                                 keyed by int64 keys [rows] (Gumbel-max race),
+                                                 among values x * inv_temp >= floors [rows]
+    top_cut(x, inv_temp, top_k, top_p, min_p)    per row the smallest tempered value the
+                                                 sampler's filters keep (race_rows' floors)
 """
 
 from __future__ import annotations
@@ -133,45 +136,65 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x [rows, n] (rows strided, n > 0) -> int64 [rows]: the index of each row's largest
     value, the first on ties, a row's first NaN where it holds one."""
+    return _per_row("kvmesh_cpu_argmax_rows", x, torch.int64)
+
+
+def race_rows(
+    x: torch.Tensor,
+    inv_temp: torch.Tensor,
+    keys: torch.Tensor,
+    floors: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [rows, n] logits (rows strided, n > 0), inv_temp float32 [rows], keys int64 [rows] ->
+    int64 [rows]: row r's token drawn from softmax(x[r] * inv_temp[r]) by the Gumbel-max race
+    with uniforms from a counter-based generator keyed by keys[r] (the same key gives the same
+    token, whatever the batch). -inf logits are never drawn, nor (with `floors`, float32
+    [rows]) values x[r] * inv_temp[r] below floors[r]."""
+    floor_column = None if floors is None else _column(floors, torch.float32, x)
+    temps, key_column = _column(inv_temp, torch.float32, x), _column(keys, torch.int64, x)
+    return _per_row("kvmesh_cpu_race_rows", x, torch.int64, temps, key_column, floor_column)
+
+
+def top_cut(
+    x: torch.Tensor,
+    inv_temp: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """x [rows, n] logits (rows strided, n > 0); per row inv_temp, top_p, min_p float32 and
+    top_k int64 [rows] (0: off; top_p 1 and min_p 0: off) -> float32 [rows]: the smallest
+    tempered value x * inv_temp that min_p, then top_k, then top_p keep (ties at each cut
+    kept; -inf where nothing is cut): `race_rows`' floors."""
+    columns = [_column(inv_temp, torch.float32, x), _column(top_k, torch.int64, x)]
+    columns += [_column(top_p, torch.float32, x), _column(min_p, torch.float32, x)]
+    return _per_row("kvmesh_cpu_top_cut", x, torch.float32, *columns)
+
+
+def _column(values: torch.Tensor, dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+    """One value per row of x, contiguous in `dtype`."""
+    assert values.shape == (x.shape[0],)
+    return values.to(dtype).contiguous()
+
+
+def _per_row(
+    name: str, x: torch.Tensor, out_dtype: torch.dtype, *columns: torch.Tensor | None
+) -> torch.Tensor:
+    """Call a row kernel `name(dtype, x, row_stride, rows, n, *columns, out, threads)` over x
+    [rows, n] (n > 0); returns out [rows] of `out_dtype`."""
     rows, n = x.shape
     assert n > 0
-    out = torch.empty(rows, dtype=torch.int64)  # [rows]
+    out = torch.empty(rows, dtype=out_dtype)  # [rows]
     if rows == 0:
         return out
     _call(
-        "kvmesh_cpu_argmax_rows",
+        name,
         ctypes.c_int(_DTYPE_CODES[x.dtype]),
         _P(x.data_ptr()),
         _I(x.stride(0) if rows > 1 else n),  # a lone row's stride is arbitrary
         _I(rows),
         _I(n),
-        _P(out.data_ptr()),
-        _I(torch.get_num_threads()),
-    )
-    return out
-
-
-def race_rows(x: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """x [rows, n] logits (rows strided, n > 0), inv_temp float32 [rows], keys int64 [rows] ->
-    int64 [rows]: row r's token drawn from softmax(x[r] * inv_temp[r]) by the Gumbel-max race
-    with uniforms from a counter-based generator keyed by keys[r] (the same key gives the same
-    token, whatever the batch). -inf logits are never drawn."""
-    rows, n = x.shape
-    assert n > 0 and inv_temp.shape == (rows,) and keys.shape == (rows,)
-    inv_temp = inv_temp.to(torch.float32).contiguous()
-    keys = keys.to(torch.int64).contiguous()
-    out = torch.empty(rows, dtype=torch.int64)  # [rows]
-    if rows == 0:
-        return out
-    _call(
-        "kvmesh_cpu_race_rows",
-        ctypes.c_int(_DTYPE_CODES[x.dtype]),
-        _P(x.data_ptr()),
-        _I(x.stride(0) if rows > 1 else n),
-        _I(rows),
-        _I(n),
-        _P(inv_temp.data_ptr()),
-        _P(keys.data_ptr()),
+        *(_P(None if c is None else c.data_ptr()) for c in columns),
         _P(out.data_ptr()),
         _I(torch.get_num_threads()),
     )

@@ -11,7 +11,10 @@ Order of operations (vLLM v1's):
 Drawing is an exponential race: `argmax(probs / q)` with `q ~ Exp(1)` per vocabulary entry picks
 token i with probability probs[i]; in log space it is the Gumbel-max race `argmax(logits / T +
 g)`, `g = -log(-log(u))`, which the CPU kernel (`cpu_fused.race_rows`) runs in one pass over the
-logits with uniforms from a counter-based generator keyed per row. A seeded row's key is
+logits with uniforms from a counter-based generator keyed per row; min_p, top_k and top_p
+become one smallest kept tempered value per row (`cpu_fused.top_cut`: a histogram of the row
+and a sort of the one bucket holding each cut, not a sort of the vocabulary), below which the
+race skips values. A seeded row's key is
 `mix(seed + sample_index, step)`, so its tokens depend only on its own seed, child index and
 step, never on the batch it shares; unseeded rows' keys come from the sampler's generator.
 Elsewhere (CUDA, float16) the race runs in torch, with per-row generators for seeded rows.
@@ -23,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvmesh_kernels.cpu_fused import argmax_rows, fused_supported, race_rows
+from kvmesh_kernels.cpu_fused import argmax_rows, fused_supported, race_rows, top_cut
 
 from kvmesh.engine.sampling_params import SamplingParams
 
@@ -185,23 +188,23 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         device = logits.device
         greedy = greedy_ids(logits)  # [rows]
-        temperature = batch.temperature.to(device)  # [rows]
+        temperature = batch.temperature.to(device)  # [rows], 1.0 for greedy rows
         filtered = batch.any_min_p or batch.any_top_k or batch.any_top_p
-        if filtered:  # the filters look at the tempered distribution
-            logits = logits / temperature.unsqueeze(1)
+        if fused_supported(logits):  # filters and draw in two passes over the raw logits
+            inv_temp = temperature.reciprocal()
+            floors = None
+            if filtered:
+                floors = top_cut(logits, inv_temp, batch.top_k, batch.top_p, batch.min_p)
+            sampled = race_rows(logits, inv_temp, self._keys(batch), floors)  # [rows]
+        else:
+            logits = logits.float() / temperature.unsqueeze(1)
             if batch.any_min_p:
                 logits = apply_min_p(logits, batch.min_p.to(device))
             if batch.any_top_k or batch.any_top_p:
                 top_k = batch.top_k.to(device) if batch.any_top_k else None
                 top_p = batch.top_p.to(device) if batch.any_top_p else None
                 logits = apply_top_k_top_p(logits, top_k, top_p)
-        if fused_supported(logits):
-            inv_temp = torch.ones_like(temperature) if filtered else temperature.reciprocal()
-            sampled = race_rows(logits, inv_temp, self._keys(batch))  # [rows]
-        else:
-            if not filtered:
-                logits = logits / temperature.unsqueeze(1)
-            probs = logits.float().softmax(dim=-1)  # [rows, vocab]
+            probs = logits.softmax(dim=-1)  # [rows, vocab]
             sampled = greedy_ids(probs.div_(self._exponentials(probs, batch)))  # [rows]
         return torch.where(batch.greedy.to(device), greedy, sampled)
 

@@ -20,6 +20,7 @@ from kvmesh_kernels.cpu_fused import (
     rms_norm,
     rope_,
     silu_mul,
+    top_cut,
 )
 
 pytestmark = pytest.mark.skipif(not available(), reason="fused CPU library not built")
@@ -224,3 +225,52 @@ def test_race_rows_depends_only_on_the_key_and_never_draws_minus_inf() -> None:
     broadcast = logits[:1].expand(64, -1)  # one row read 64 times (row stride 0)
     draws = race_rows(broadcast, torch.ones(64), torch.arange(64))
     assert len(set(draws.tolist())) > 32
+
+
+def sorted_reference(logits: torch.Tensor, top_k, top_p, min_p) -> list[set[int]]:
+    """Kept tokens per row by the sampler's torch filters: min_p, then top_k and top_p on the
+    sorted row."""
+    from kvmesh.engine.sampler import _top_k_top_p_sorted, apply_min_p
+
+    masked = _top_k_top_p_sorted(apply_min_p(logits, min_p), top_k, top_p)
+    return [set(torch.isfinite(row).nonzero().squeeze(1).tolist()) for row in masked]
+
+
+@pytest.mark.parametrize("scale", [4.0, 1.0], ids=["peaked", "flat"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_top_cut_keeps_what_the_sorted_filters_keep(scale: float, dtype: torch.dtype) -> None:
+    rows, vocab = 12, 20_000
+    logits = (randn(rows, vocab, dtype=torch.float32, seed=7) * scale / 2).to(dtype)
+    top_k = torch.tensor([0, 1, 5, 50, 0, 0, 3000, 0, 40, 0, 2, 0])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.3, 1.0, 0.99, 0.999, 1.0, 0.7, 0.1, 0.8])
+    min_p = torch.tensor([0.0] * 6 + [0.01, 0.0, 0.0, 0.2, 0.0, 0.0])
+    inv_temp = torch.tensor([1.0, 2.0, 0.5] * 4)
+    floors = top_cut(logits, inv_temp, top_k, top_p, min_p)
+    tempered = logits.float() * inv_temp.unsqueeze(1)
+    expected = sorted_reference(tempered, top_k, top_p, min_p)
+    for row, floor, want in zip(tempered, floors, expected, strict=True):
+        got = set((row >= floor).nonzero().squeeze(1).tolist())
+        assert want <= got  # the same cut; the sort may split ties at it, the cut keeps them
+        assert all(row[i] == floor for i in got - want)
+    tokens = race_rows(logits, inv_temp, torch.arange(rows), floors)
+    assert all(bool(row[t] >= f) for row, t, f in zip(tempered, tokens, floors, strict=True))
+
+
+def test_top_cut_special_rows() -> None:
+    inf = float("inf")
+    logits = torch.zeros(4, 3000)
+    logits[0] = -inf  # nothing to cut
+    logits[1, 5] = float("nan")  # NaN never kept; the rest tied: every tie kept
+    logits[2, :10] = 1.0  # top_k 3 inside ten ties: all ten kept
+    logits[3, 7] = 100.0  # all the mass on one token
+    floors = top_cut(
+        logits,
+        torch.ones(4),
+        torch.tensor([0, 0, 3, 0]),
+        torch.tensor([0.5, 0.5, 1.0, 0.999]),
+        torch.zeros(4),
+    )
+    assert floors[0] == -inf
+    assert int((logits[1] >= floors[1]).sum()) == 2999
+    assert set((logits[2] >= floors[2]).nonzero().squeeze(1).tolist()) == set(range(10))
+    assert (logits[3] >= floors[3]).nonzero().squeeze(1).tolist() == [7]

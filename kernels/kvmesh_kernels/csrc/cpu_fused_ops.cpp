@@ -16,16 +16,25 @@
 //   race_rows:     per row a token drawn from softmax(x * inv_temp) by the Gumbel-max race:
 //                  argmax_i (x_i * inv_temp - log(-log(u_i))), u_i uniform in (0, 1) from a
 //                  counter-based generator keyed by the row's 64-bit key (splitmix64 of key and
-//                  i: the draw depends only on the key, never on the batch or the thread)
+//                  i: the draw depends only on the key, never on the batch or the thread);
+//                  with thresholds, only values x_i * inv_temp >= threshold run
+//   top_cut:       per row the smallest tempered value (x_i * inv_temp) that min_p, then top_k,
+//                  then top_p keep (the sampler's filters; ties at each cut kept), found from
+//                  a histogram of the row's values within kCutRange of its maximum (count and
+//                  probability mass per bucket) and an exact sort of the one bucket holding
+//                  each cut, instead of a sort of the row
 //
 // Rows may be strided (row stride in elements); outputs are contiguous unless in place. Rows
 // are split across OpenMP threads only when the work is large enough to pay for the fork.
 // Plain C ABI, no torch headers.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include <omp.h>
 
@@ -361,7 +370,8 @@ inline __attribute__((always_inline)) float uniform_at(uint64_t key, int64_t i) 
 // The race of one row: lane-wise best scores and their first indices, as in row_argmax (NaN
 // and -inf never win; a row of nothing else gives 0).
 template <class D>
-KVF_CLONES int64_t race_row(const typename D::T* x, int64_t n, float inv_temp, uint64_t key) {
+KVF_CLONES int64_t race_row(const typename D::T* x, int64_t n, float inv_temp, uint64_t key,
+                           float floor) {
   float best[kLanes];
   int32_t at[kLanes];
   for (int32_t j = 0; j < kLanes; ++j) best[j] = -INFINITY, at[j] = j;
@@ -370,7 +380,8 @@ KVF_CLONES int64_t race_row(const typename D::T* x, int64_t n, float inv_temp, u
 #pragma omp simd
     for (int32_t j = 0; j < kLanes; ++j) {
       const float gumbel = -log_pos_f32(-log_pos_f32(uniform_at(key, i + j)));
-      const float v = D::load(x[i + j]) * inv_temp + gumbel;
+      const float t = D::load(x[i + j]) * inv_temp;
+      const float v = t >= floor ? t + gumbel : -INFINITY;
       const bool more = v > best[j];
       best[j] = more ? v : best[j];
       at[j] = more ? i + j : at[j];
@@ -381,7 +392,8 @@ KVF_CLONES int64_t race_row(const typename D::T* x, int64_t n, float inv_temp, u
   for (int32_t j = 0; j < kLanes && j < whole; ++j)
     if (best[j] > m || (best[j] == m && at[j] < arg)) m = best[j], arg = at[j];
   for (int64_t i = whole; i < n; ++i) {
-    const float v = D::load(x[i]) * inv_temp - log_pos_f32(-log_pos_f32(uniform_at(key, i)));
+    const float t = D::load(x[i]) * inv_temp;
+    const float v = t >= floor ? t - log_pos_f32(-log_pos_f32(uniform_at(key, i))) : -INFINITY;
     if (v > m || (v == m && i < arg)) m = v, arg = i;
   }
   return arg < n ? arg : 0;
@@ -389,7 +401,7 @@ KVF_CLONES int64_t race_row(const typename D::T* x, int64_t n, float inv_temp, u
 
 template <class D>
 int race_rows(const void* x, int64_t row_stride, int64_t rows, int64_t n, const float* inv_temp,
-              const uint64_t* keys, int64_t* out, int64_t threads) {
+              const uint64_t* keys, const float* floors, int64_t* out, int64_t threads) {
   using T = typename D::T;
   // rows are only read: any stride, 0 included (one row broadcast)
   if (rows < 0 || n <= 0 || n > INT32_MAX || row_stride < 0 || threads < 1) return 1;
@@ -397,7 +409,152 @@ int race_rows(const void* x, int64_t row_stride, int64_t rows, int64_t n, const 
   const bool parallel = rows > 1 && rows * n >= kParallelSiluElements && threads > 1;
 #pragma omp parallel for num_threads(static_cast<int>(threads)) if (parallel) schedule(static)
   for (int64_t row = 0; row < rows; ++row)
-    out[row] = race_row<D>(xs + row * row_stride, n, inv_temp[row], keys[row]);
+    out[row] = race_row<D>(xs + row * row_stride, n, inv_temp[row], keys[row],
+                           floors != nullptr ? floors[row] : -INFINITY);
+  return 0;
+}
+
+// ---- top_cut -------------------------------------------------------------------------------
+constexpr int32_t kCutBuckets = 4096;  // over [max - kCutRange, max]: 1/64 nat each
+constexpr float kCutRange = 64.f;      // below it a value's probability is < e^-64 of the top's
+
+// A row's histogram: bucket b holds values in (max - (b + 1) w, max - b w] (b = 0: the top);
+// one more bucket (kCutBuckets) counts the values further down (their mass is negligible).
+struct CutHistogram {
+  std::vector<int64_t> count = std::vector<int64_t>(kCutBuckets + 1);
+  std::vector<double> mass = std::vector<double>(kCutBuckets + 1);
+};
+
+inline int32_t cut_bucket(float v, float top) {
+  const float b = (top - v) * (kCutBuckets / kCutRange);
+  return b < static_cast<float>(kCutBuckets) ? static_cast<int32_t>(b) : kCutBuckets;
+}
+
+template <class D>
+KVF_CLONES float row_top(const typename D::T* x, int64_t n, float inv_temp) {
+  float best = -INFINITY;
+#pragma omp simd reduction(max : best)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = D::load(x[i]) * inv_temp;
+    best = v > best ? v : best;
+  }
+  return best;
+}
+
+// Counts and masses exp(v - top) of the values >= floor (NaN never counts): buckets and masses
+// of 64 values at a time computed in vector registers, then added one by one.
+template <class D>
+KVF_CLONES void fill_histogram(const typename D::T* x, int64_t n, float inv_temp, float top,
+                               float floor, CutHistogram& h) {
+  constexpr int64_t kChunk = 64;
+  std::fill(h.count.begin(), h.count.end(), 0);
+  std::fill(h.mass.begin(), h.mass.end(), 0.0);
+  int32_t bucket[kChunk];
+  float mass[kChunk];
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - i0);
+#pragma omp simd
+    for (int64_t j = 0; j < m; ++j) {
+      const float v = D::load(x[i0 + j]) * inv_temp;
+      const float b = (top - v) * (kCutBuckets / kCutRange);  // NaN: compares false below
+      const bool kept = v >= floor;
+      const bool near = b < static_cast<float>(kCutBuckets);
+      bucket[j] = !kept ? -1 : near ? static_cast<int32_t>(b) : kCutBuckets;
+      mass[j] = kept && near ? exp_f32<false>(v - top) : 0.f;
+    }
+    for (int64_t j = 0; j < m; ++j) {
+      if (bucket[j] < 0) continue;
+      h.count[bucket[j]] += 1;
+      h.mass[bucket[j]] += mass[j];
+    }
+  }
+}
+
+// The tempered values of bucket b that are >= floor, largest first.
+template <class D>
+std::vector<float> bucket_values(const typename D::T* x, int64_t n, float inv_temp, float top,
+                                 float floor, int32_t b) {
+  std::vector<float> values;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = D::load(x[i]) * inv_temp;
+    if (v >= floor && cut_bucket(v, top) == b) values.push_back(v);
+  }
+  std::sort(values.begin(), values.end(), std::greater<float>());
+  return values;
+}
+
+// The k-th largest value >= floor (floor when fewer survive): ties at it are kept.
+template <class D>
+float top_k_cut(const typename D::T* x, int64_t n, float inv_temp, float top, float floor,
+                int64_t k, const CutHistogram& h) {
+  int64_t above = 0;
+  for (int32_t b = 0; b <= kCutBuckets; ++b) {
+    if (above + h.count[b] >= k) {
+      const std::vector<float> values = bucket_values<D>(x, n, inv_temp, top, floor, b);
+      return values[static_cast<size_t>(k - above - 1)];
+    }
+    above += h.count[b];
+  }
+  return floor;
+}
+
+// The smallest kept value of the smallest set (largest first) holding p of the mass of the
+// values >= floor: a value stays while the mass of the values before it is below p.
+template <class D>
+float top_p_cut(const typename D::T* x, int64_t n, float inv_temp, float top, float floor,
+                float p, const CutHistogram& h) {
+  double total = 0.0;
+  for (int32_t b = 0; b < kCutBuckets; ++b) total += h.mass[b];
+  const double want = static_cast<double>(p) * total;
+  double above = 0.0;
+  for (int32_t b = 0; b < kCutBuckets; ++b) {
+    if (h.count[b] == 0) continue;
+    if (above + h.mass[b] >= want) {
+      float cut = top;
+      for (const float v : bucket_values<D>(x, n, inv_temp, top, floor, b)) {
+        if (above >= want) break;
+        cut = v;
+        above += static_cast<double>(exp_f32<false>(v - top));
+      }
+      return cut;
+    }
+    above += h.mass[b];
+  }
+  return floor;  // p of the mass needs every value (rounding at p near 1)
+}
+
+template <class D>
+float row_cut(const typename D::T* x, int64_t n, float inv_temp, int64_t k, float p, float min_p,
+              CutHistogram& h) {
+  const float top = row_top<D>(x, n, inv_temp);
+  if (!(top > -INFINITY)) return -INFINITY;  // nothing to cut: the race keeps its own rules
+  float floor = min_p > 0.f ? top + std::log(min_p) : -INFINITY;
+  if (k <= 0 && !(p < 1.f)) return floor;
+  fill_histogram<D>(x, n, inv_temp, top, floor, h);
+  if (k > 0) {
+    floor = std::max(floor, top_k_cut<D>(x, n, inv_temp, top, floor, k, h));
+    if (p < 1.f) fill_histogram<D>(x, n, inv_temp, top, floor, h);  // the survivors only
+  }
+  if (p < 1.f) floor = std::max(floor, top_p_cut<D>(x, n, inv_temp, top, floor, p, h));
+  return floor;
+}
+
+template <class D>
+int top_cut(const void* x, int64_t row_stride, int64_t rows, int64_t n, const float* inv_temp,
+            const int64_t* top_k, const float* top_p, const float* min_p, float* out,
+            int64_t threads) {
+  using T = typename D::T;
+  if (rows < 0 || n <= 0 || row_stride < 0 || threads < 1) return 1;
+  const T* xs = static_cast<const T*>(x);
+  const bool parallel = rows > 1 && rows * n >= kParallelSiluElements && threads > 1;
+#pragma omp parallel num_threads(static_cast<int>(threads)) if (parallel)
+  {
+    CutHistogram h;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t row = 0; row < rows; ++row)
+      out[row] = row_cut<D>(xs + row * row_stride, n, inv_temp[row], top_k[row], top_p[row],
+                            min_p[row], h);
+  }
   return 0;
 }
 
@@ -448,11 +605,26 @@ extern "C" int kvmesh_cpu_argmax_rows(int dtype, const void* x, int64_t row_stri
   return 3;
 }
 
-// x: rows of n logits, row_stride elements apart; inv_temp: float32 [rows]; keys: [rows].
+// x: rows of n logits, row_stride elements apart; inv_temp: float32 [rows]; keys: [rows];
+// floors: float32 [rows] or null (the smallest tempered value that runs, from top_cut).
 extern "C" int kvmesh_cpu_race_rows(int dtype, const void* x, int64_t row_stride, int64_t rows,
                                     int64_t n, const float* inv_temp, const uint64_t* keys,
-                                    int64_t* out, int64_t threads) {
-  if (dtype == 0) return race_rows<F32>(x, row_stride, rows, n, inv_temp, keys, out, threads);
-  if (dtype == 1) return race_rows<BF16>(x, row_stride, rows, n, inv_temp, keys, out, threads);
+                                    const float* floors, int64_t* out, int64_t threads) {
+  if (dtype == 0)
+    return race_rows<F32>(x, row_stride, rows, n, inv_temp, keys, floors, out, threads);
+  if (dtype == 1)
+    return race_rows<BF16>(x, row_stride, rows, n, inv_temp, keys, floors, out, threads);
+  return 3;
+}
+
+// top_k: int64 [rows] (0: off); top_p, min_p: float32 [rows] (1, 0: off); out: float32 [rows].
+extern "C" int kvmesh_cpu_top_cut(int dtype, const void* x, int64_t row_stride, int64_t rows,
+                                  int64_t n, const float* inv_temp, const int64_t* top_k,
+                                  const float* top_p, const float* min_p, float* out,
+                                  int64_t threads) {
+  if (dtype == 0)
+    return top_cut<F32>(x, row_stride, rows, n, inv_temp, top_k, top_p, min_p, out, threads);
+  if (dtype == 1)
+    return top_cut<BF16>(x, row_stride, rows, n, inv_temp, top_k, top_p, min_p, out, threads);
   return 3;
 }
