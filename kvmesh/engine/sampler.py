@@ -166,8 +166,9 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(batch), "one logits row per row"
         if batch.plain_greedy:
             return SamplerOutput(token_ids=greedy_ids(logits), logprobs=[None] * len(batch))
-        logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs is not None else None
+        raw_logprobs = None
+        if batch.max_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # [rows, vocab]
         logits = self._process(logits, batch)
         token_ids = greedy_ids(logits) if batch.all_greedy else self._sample(logits, batch)
         if raw_logprobs is None:
@@ -175,14 +176,17 @@ class Sampler:
         return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, token_ids, batch))
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """min_tokens masking and penalties; returns a new tensor only when something applies."""
-        if any(batch.stop_masks):
-            logits = logits.clone()
-            for i, ids in enumerate(batch.stop_masks):
-                if ids:
-                    logits[i, list(ids)] = float("-inf")
+        """min_tokens masking and penalties, on one float32 copy of the logits made only when
+        something applies (else the logits as given: the kernels read 16-bit rows as they are,
+        and widening is exact)."""
+        if not (batch.any_penalties or any(batch.stop_masks)):
+            return logits
+        logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        for i, ids in enumerate(batch.stop_masks):
+            if ids:
+                logits[i, list(ids)] = float("-inf")
         if batch.any_penalties:
-            logits = apply_penalties(logits, batch.rows)
+            penalize_(logits, batch.rows)
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -248,25 +252,49 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """vLLM's repetition, frequency and presence penalties. logits: [rows, vocab]."""
-    num_rows, vocab = logits.shape
+    """vLLM's repetition, frequency and presence penalties on a copy of logits [rows, vocab]."""
+    out = logits.clone()
+    penalize_(out, rows)
+    return out
+
+
+def penalize_(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """`apply_penalties` in place on contiguous float32 logits [rows, vocab].
+
+    Only the tokens a row has seen (its prompt or output) change, so the penalties are applied
+    at those (row, token) positions alone: one sorted set of flat indices for the whole batch,
+    the output counts found in it, instead of dense [rows, vocab] counts and masks."""
+    vocab = logits.shape[1]
     device = logits.device
-    counts = torch.zeros(num_rows, vocab, dtype=torch.float32, device=device)  # output counts
-    seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)  # prompt or output
-    for i, row in enumerate(rows):
-        if not row.params.has_penalties:
-            continue
-        out = torch.as_tensor(list(row.output_ids), dtype=torch.int64, device=device)
-        counts[i].index_add_(0, out, torch.ones(out.numel(), device=device))
-        seen[i, torch.as_tensor(list(row.prompt_ids), dtype=torch.int64, device=device)] = True
-    seen |= counts > 0
+    penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    if not penalized:
+        return
+    outputs = _flat_positions([(i, rows[i].output_ids) for i in penalized], vocab)
+    prompts = _flat_positions([(i, rows[i].prompt_ids) for i in penalized], vocab)
+    output_at, counts = torch.unique(outputs, return_counts=True)  # sorted flat positions
+    seen = torch.unique(torch.cat([output_at, prompts]))  # [S] sorted flat positions
+    count = torch.zeros(seen.numel(), dtype=torch.float32)  # output count at each position
+    count[torch.searchsorted(seen, output_at)] = counts.to(torch.float32)
+    row_of = seen // vocab  # [S]
     params = [row.params for row in rows]
-    rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-    pres = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
-    penalty = torch.where(seen, rep, torch.ones_like(rep))  # [rows, vocab]
-    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return logits - freq * counts - pres * (counts > 0).float()
+    rep = torch.tensor([p.repetition_penalty for p in params])[row_of]  # [S]
+    freq = torch.tensor([p.frequency_penalty for p in params])[row_of]
+    pres = torch.tensor([p.presence_penalty for p in params])[row_of]
+    flat = logits.view(-1)
+    at = seen.to(device)
+    values = flat[at]  # [S]
+    values = torch.where(values > 0, values / rep.to(device), values * rep.to(device))
+    values = values - freq.to(device) * count.to(device) - pres.to(device) * (count > 0).to(device)
+    flat[at] = values
+
+
+def _flat_positions(rows: list[tuple[int, Sequence[int]]], vocab: int) -> torch.Tensor:
+    """int64 [N]: row * vocab + token for every token of every (row, tokens) pair, on the host."""
+    ids = [torch.as_tensor(tokens, dtype=torch.int64) for _, tokens in rows]
+    offsets = [torch.full((len(tokens),), i * vocab, dtype=torch.int64) for i, tokens in rows]
+    if not ids:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.cat(ids) + torch.cat(offsets)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.engine import sampler as sampler_module
-from kvmesh.engine.sampler import Sampler, SamplingBatch, SamplingRow, apply_top_k_top_p
+from kvmesh.engine.sampler import (
+    Sampler,
+    SamplingBatch,
+    SamplingRow,
+    apply_penalties,
+    apply_top_k_top_p,
+)
 from kvmesh.engine.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -300,3 +306,40 @@ def test_top_k_keeps_ties_at_the_cut_past_the_candidates() -> None:
     got = apply_top_k_top_p(logits, torch.tensor([4, 4]), None)
     assert kept(got)[0] == set(range(5000))
     assert kept(got)[1] == {0, 1, 2, 4000}
+
+
+def dense_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """vLLM's penalties over dense [rows, vocab] counts: the reference."""
+    counts = torch.zeros_like(logits)
+    seen = torch.zeros(logits.shape, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if r.params.has_penalties:
+            counts[i].index_add_(0, torch.tensor(r.output_ids, dtype=torch.int64),
+                                 torch.ones(len(r.output_ids)))  # fmt: skip
+            seen[i, list(r.prompt_ids)] = True
+    seen |= counts > 0
+    column = lambda name: torch.tensor([getattr(r.params, name) for r in rows]).unsqueeze(1)  # noqa: E731
+    penalty = torch.where(seen, column("repetition_penalty"), torch.ones(1))
+    out = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return out - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
+
+
+def test_penalties_at_seen_tokens_equal_the_dense_formula() -> None:
+    rng = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 5000, generator=rng) * 3
+    params = [
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.2),
+        SamplingParams(),  # no penalties: untouched
+        SamplingParams(repetition_penalty=0.8),
+        SamplingParams(frequency_penalty=-0.7),
+        SamplingParams(presence_penalty=1.5, repetition_penalty=1.1),
+        SamplingParams(frequency_penalty=0.1),
+    ]
+    rows = [
+        row(p, output=tuple(torch.randint(0, 5000, (n,), generator=rng).tolist()),
+            prompt=tuple(torch.randint(0, 5000, (m,), generator=rng).tolist()))
+        for p, n, m in zip(params, [300, 50, 0, 900, 20, 1], [400, 10, 700, 0, 5, 1], strict=True)
+    ]  # fmt: skip
+    got = apply_penalties(logits, rows)
+    assert torch.equal(got, dense_penalties(logits, rows))
+    assert torch.equal(got[1], logits[1])

@@ -376,11 +376,14 @@ KVF_CLONES int64_t race_row(const typename D::T* x, int64_t n, float inv_temp, u
   int32_t at[kLanes];
   for (int32_t j = 0; j < kLanes; ++j) best[j] = -INFINITY, at[j] = j;
   const int32_t whole = static_cast<int32_t>(n - n % kLanes);
+  float row[kLanes];  // widened first: the race's loop then runs 16 lanes on 16-bit rows too
   for (int32_t i = 0; i < whole; i += kLanes) {
+#pragma omp simd
+    for (int32_t j = 0; j < kLanes; ++j) row[j] = D::load(x[i + j]) * inv_temp;
 #pragma omp simd
     for (int32_t j = 0; j < kLanes; ++j) {
       const float gumbel = -log_pos_f32(-log_pos_f32(uniform_at(key, i + j)));
-      const float t = D::load(x[i + j]) * inv_temp;
+      const float t = row[j];
       const float v = t >= floor ? t + gumbel : -INFINITY;
       const bool more = v > best[j];
       best[j] = more ? v : best[j];
