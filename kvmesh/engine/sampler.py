@@ -166,14 +166,17 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(batch), "one logits row per row"
         if batch.plain_greedy:
             return SamplerOutput(token_ids=greedy_ids(logits), logprobs=[None] * len(batch))
-        raw_logprobs = None
-        if batch.max_logprobs is not None:
-            raw_logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # [rows, vocab]
+        asked = [i for i, row in enumerate(batch.rows) if row.params.logprobs is not None]
+        raw_logprobs = None  # [asked rows, vocab]: only the rows that want logprobs
+        if asked:
+            rows_asked = logits if len(asked) == len(batch) else logits[asked]
+            raw_logprobs = rows_asked.log_softmax(dim=-1, dtype=torch.float32)
         logits = self._process(logits, batch)
         token_ids = greedy_ids(logits) if batch.all_greedy else self._sample(logits, batch)
         if raw_logprobs is None:
             return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(batch))
-        return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, token_ids, batch))
+        logprobs = _gather_logprobs(raw_logprobs, token_ids[asked], batch, asked)
+        return SamplerOutput(token_ids, logprobs)
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """min_tokens masking and penalties, on one float32 copy of the logits made only when
@@ -382,26 +385,23 @@ def _top_k_top_p_sorted(
 
 
 def _gather_logprobs(
-    raw: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
+    raw: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch, asked: list[int]
 ) -> list[TokenLogprobs | None]:
-    """Per row: the sampled token's raw logprob and rank, and the top-n. raw: [rows, vocab]."""
+    """Per row of the batch: for the rows in `asked` (raw's rows, in order; token_ids their
+    sampled tokens) the sampled token's raw logprob and rank and the top-n; None elsewhere."""
     assert batch.max_logprobs is not None
-    sampled = raw.gather(1, token_ids.unsqueeze(1))  # [rows, 1]
-    ranks = (raw > sampled).sum(dim=-1) + 1  # [rows]
-    top_values, top_ids = raw.topk(batch.max_logprobs, dim=-1)  # [rows, max_logprobs]
-    out: list[TokenLogprobs | None] = []
-    for i, row in enumerate(batch.rows):
-        n = row.params.logprobs
-        if n is None:
-            out.append(None)
-            continue
-        out.append(
-            TokenLogprobs(
-                sampled_token_id=int(token_ids[i]),
-                sampled_logprob=float(sampled[i, 0]),
-                sampled_rank=int(ranks[i]),
-                top_token_ids=tuple(top_ids[i, :n].tolist()),
-                top_logprobs=tuple(top_values[i, :n].tolist()),
-            )
+    sampled = raw.gather(1, token_ids.unsqueeze(1))  # [asked, 1]
+    ranks = (raw > sampled).sum(dim=-1) + 1  # [asked]
+    top_values, top_ids = raw.topk(batch.max_logprobs, dim=-1)  # [asked, max_logprobs]
+    out: list[TokenLogprobs | None] = [None] * len(batch)
+    for j, i in enumerate(asked):
+        n = batch.rows[i].params.logprobs
+        assert n is not None
+        out[i] = TokenLogprobs(
+            sampled_token_id=int(token_ids[j]),
+            sampled_logprob=float(sampled[j, 0]),
+            sampled_rank=int(ranks[j]),
+            top_token_ids=tuple(top_ids[j, :n].tolist()),
+            top_logprobs=tuple(top_values[j, :n].tolist()),
         )
     return out
