@@ -3,7 +3,8 @@
 Logits [rows, vocab] (SmolLM2-135M's 49,152 tokens by default) drawn as normal values times 4 (a
 peaked distribution, as a language model's: top_p 0.9 keeps tens to hundreds of tokens), in
 bfloat16 or float32, for greedy rows, temperature 1, temperature 0.7 with top_p 0.9, top_k 50,
-and seeded rows; best of 5 calls after one untimed, milliseconds per call.
+seeded rows, penalties (each row with a 300-token prompt and 200 output tokens) and logprobs;
+best of 5 calls after one untimed, milliseconds per call.
 
 Run: `.venv/bin/python bench/sampler_bench.py [--dtype bfloat16|float32] [--vocab N]
 [--threads 2]`
@@ -26,7 +27,12 @@ SETTINGS = {
     "temperature 0.7, top_p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
     "top_k 50": SamplingParams(temperature=1.0, top_k=50),
     "seeded, temperature 1": SamplingParams(temperature=1.0, seed=3),
+    "temperature 0.7, top_p 0.9, frequency and presence penalties 0.5": SamplingParams(
+        temperature=0.7, top_p=0.9, frequency_penalty=0.5, presence_penalty=0.5
+    ),
+    "temperature 0.7, logprobs 5": SamplingParams(temperature=0.7, logprobs=5),
 }
+PROMPT, OUTPUT = tuple(range(1000, 1300)), tuple(range(2000, 2200))  # what penalties look at
 
 
 def best_ms(call: Callable[[], object], repeat: int = 5) -> float:
@@ -53,7 +59,7 @@ def main() -> None:
         )  # [rows, vocab]
         for name, params in SETTINGS.items():
             batch = SamplingBatch.build(
-                [SamplingRow(params=params, prompt_ids=(1,), output_ids=(2,))] * rows
+                [SamplingRow(params=params, prompt_ids=PROMPT, output_ids=OUTPUT)] * rows
             )
             sampler = Sampler(torch.Generator().manual_seed(1))
             ms = best_ms(lambda s=sampler, b=batch, x=logits: s(x, b))
