@@ -292,12 +292,16 @@ def penalize_(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 
 def _flat_positions(rows: list[tuple[int, Sequence[int]]], vocab: int) -> torch.Tensor:
-    """int64 [N]: row * vocab + token for every token of every (row, tokens) pair, on the host."""
+    """int64 [N]: row * vocab + token for every token of every (row, tokens) pair, on the host
+    (ValueError for a token outside the vocabulary: it would land on another row)."""
     ids = [torch.as_tensor(tokens, dtype=torch.int64) for _, tokens in rows]
     offsets = [torch.full((len(tokens),), i * vocab, dtype=torch.int64) for i, tokens in rows]
     if not ids:
         return torch.empty(0, dtype=torch.int64)
-    return torch.cat(ids) + torch.cat(offsets)
+    flat_ids = torch.cat(ids)
+    if flat_ids.numel() and bool(((flat_ids < 0) | (flat_ids >= vocab)).any()):
+        raise ValueError(f"a token id outside the vocabulary of {vocab}")
+    return flat_ids + torch.cat(offsets)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -369,9 +373,10 @@ def _candidate_cut(
 def _top_k_top_p_sorted(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """`apply_top_k_top_p` on whole sorted rows."""
+    """`apply_top_k_top_p` on whole sorted rows: the cut is the smallest value the sorted row
+    keeps, so ties at it are kept whatever order the sort gave them."""
     vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=False)  # [rows, vocab] ascending
+    sorted_logits = logits.sort(dim=-1, descending=False).values  # [rows, vocab] ascending
     if top_k is not None:
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
         cut = sorted_logits.gather(1, (vocab - k).unsqueeze(1))  # [rows, 1] k-th largest
@@ -381,7 +386,9 @@ def _top_k_top_p_sorted(
         drop = cumulative <= (1.0 - top_p).unsqueeze(1)
         drop[:, -1] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return sorted_logits.scatter(1, order, sorted_logits)
+    kept = sorted_logits.masked_fill(sorted_logits == float("-inf"), float("inf"))
+    floor = kept.min(dim=-1, keepdim=True).values  # [rows, 1] smallest kept value
+    return logits.masked_fill(logits < floor, float("-inf"))
 
 
 def _gather_logprobs(

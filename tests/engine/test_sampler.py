@@ -343,3 +343,21 @@ def test_penalties_at_seen_tokens_equal_the_dense_formula() -> None:
     got = apply_penalties(logits, rows)
     assert torch.equal(got, dense_penalties(logits, rows))
     assert torch.equal(got[1], logits[1])
+
+
+def test_ties_at_the_top_p_cut_are_kept_on_both_paths() -> None:
+    """0.4 then three tokens of 0.2 each: top_p 0.5 needs the second token, so every token tied
+    with it stays, in the CPU kernel (float32) and in torch (float16) alike."""
+    probs = torch.full((100,), 1e-9)
+    probs[0], probs[1:4] = 0.4, 0.2
+    logits = probs.log()
+    params = SamplingParams(top_p=0.5)
+    assert set(draws(logits, params, 2000)) == {0, 1, 2, 3}
+    assert set(draws(logits.half(), params, 2000)) == {0, 1, 2, 3}
+    assert kept(apply_top_k_top_p(logits[None], None, torch.tensor([0.5])))[0] == {0, 1, 2, 3}
+
+
+def test_penalties_refuse_a_token_outside_the_vocabulary() -> None:
+    rows = [row(SamplingParams(repetition_penalty=1.2), output=(8,)), row(SamplingParams())]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        apply_penalties(torch.zeros(2, 8), rows)

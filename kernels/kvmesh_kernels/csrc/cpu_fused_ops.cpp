@@ -357,14 +357,14 @@ inline __attribute__((always_inline)) float log_pos_f32(float x) {
   return f + y + 0.693359375f * e;
 }
 
-// Uniform in (0, 1) for counter i of a row's key: the top 24 bits of splitmix64(key + (i + 1)
-// golden), plus half a step (never 0 or 1).
+// Uniform in (0, 1) for counter i of a row's key: the top 23 bits of splitmix64(key + (i + 1)
+// golden) plus half a step, exact in float32's 24 bits, so never 0 or 1 (2^-24 .. 1 - 2^-24).
 inline __attribute__((always_inline)) float uniform_at(uint64_t key, int64_t i) {
   uint64_t z = key + static_cast<uint64_t>(i + 1) * 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   z ^= z >> 31;
-  return (static_cast<float>(z >> 40) + 0.5f) * 0x1.0p-24f;
+  return (static_cast<float>(z >> 41) + 0.5f) * 0x1.0p-23f;
 }
 
 // The race of one row: lane-wise best scores and their first indices, as in row_argmax (NaN
