@@ -179,12 +179,13 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """min_tokens masking and penalties, on one float32 copy of the logits made only when
-        something applies (else the logits as given: the kernels read 16-bit rows as they are,
-        and widening is exact)."""
+        """min_tokens masking and penalties, on one copy of the logits made only when something
+        applies (float32 for penalties, else the logits' dtype: the kernels read 16-bit rows as
+        they are, and widening is exact)."""
         if not (batch.any_penalties or any(batch.stop_masks)):
             return logits
-        logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        widen = batch.any_penalties and logits.dtype != torch.float32  # masks alone: -inf fits
+        logits = logits.float() if widen else logits.clone()
         for i, ids in enumerate(batch.stop_masks):
             if ids:
                 logits[i, list(ids)] = float("-inf")
