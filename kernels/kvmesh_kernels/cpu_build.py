@@ -44,8 +44,9 @@ SOURCES = (
     SOURCE,
     SOURCE.with_name("cpu_cache_ops.cpp"),
     SOURCE.with_name("cpu_fused_ops.cpp"),
+    SOURCE.with_name("cpu_sampling.cpp"),
 )  # compiled into one library
-HEADERS = (SOURCE.with_name("dtype_convert.h"),)  # included by the sources; part of the key
+HEADERS = (SOURCE.with_name("dtype_convert.h"), SOURCE.with_name("fused_common.h"))  # in the key
 CFLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
 ENTRY = "kvmesh_cpu_paged_attention"

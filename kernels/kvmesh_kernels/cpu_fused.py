@@ -1,4 +1,5 @@
-"""The native executor's fused elementwise ops on CPU (`csrc/cpu_fused_ops.cpp`).
+"""The native executor's fused elementwise ops on CPU (`csrc/cpu_fused_ops.cpp`) and the
+sampler's kernels (`csrc/cpu_sampling.cpp`: argmax_rows, race_rows, top_cut).
 
 float32 and bfloat16 tensors on the CPU with unit inner stride, library built
 (`fused_supported`); the functions assert that and otherwise raise RuntimeError on a kernel
