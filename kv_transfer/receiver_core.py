@@ -312,9 +312,15 @@ class ReceiverCore:
         self.forget(res)
 
     def fail_ids(self, transfer_ids: set[bytes], error: TransferError) -> None:
-        """A connection died: fail the transfers it had begun that are still IN_FLIGHT."""
+        """A connection died: fail the transfers it had begun that are still IN_FLIGHT; one
+        whose reservation deadline already passed ends EXPIRED (the lease ended first: a peer
+        that stopped past it reads as expired, however late its connection is found broken)."""
         with self._lock:
             reservations = [r for t, r in self._reservations.items() if t in transfer_ids]
         for res in reservations:
-            if res.record.state is TransferState.IN_FLIGHT:
+            if res.record.state is not TransferState.IN_FLIGHT:
+                continue
+            if res.record.expire_if_due():
+                self.forget(res)
+            else:
                 self._fail(res, error)

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from kv_transfer import BlockStore, TransferRequest, TransferState, get_backend, new_transfer_id
-from kv_transfer.errors import IllegalTransitionError, LayoutMismatchError
+from kv_transfer.errors import IllegalTransitionError, LayoutMismatchError, PeerError
+from kv_transfer.header import MsgType, frame_header
+from kv_transfer.receiver_core import ReceiverCore
 from kv_transfer.state import TransferRecord
 
 SHAPE = (32, 2, 2, 4, 2, 8)  # [num_blocks, layers, 2, block_size, heads, head_dim]
@@ -94,6 +96,24 @@ def test_receiver_cancel_and_expiry_refuse_later_frames() -> None:
     assert sender.send(late, [0], [6], deadline=soon()).state is TransferState.EXPIRED
     assert expiring.wait().state is TransferState.EXPIRED
     assert not dst.cache.any()
+
+
+def test_a_connection_lost_after_the_lease_ends_expired_not_failed() -> None:
+    """A peer found gone (its connection broken) fails the transfers it had begun, unless their
+    reservation ended first: those end EXPIRED, as they would have without the loss."""
+    _, dst = stores()
+    core = ReceiverCore(dst)
+    ids = {}
+    for name, seconds in (("lapsed", 0.01), ("live", 60.0)):
+        req = TransferRequest(new_transfer_id(), 0)
+        handle = core.expect(req, [3 if name == "live" else 4], soon(seconds))
+        dst_ids = torch.tensor([3 if name == "live" else 4], dtype=torch.int32).numpy().tobytes()
+        core.on_begin(frame_header(MsgType.BEGIN, req.transfer_id, 0, dst_ids), dst_ids)
+        ids[name] = (req.transfer_id, handle)
+    time.sleep(0.05)
+    core.fail_ids({tid for tid, _ in ids.values()}, PeerError("connection lost"))
+    assert ids["lapsed"][1].wait(0.0).state is TransferState.EXPIRED
+    assert ids["live"][1].wait(0.0).state is TransferState.FAILED
 
 
 def test_layout_mismatch_refused_before_any_bytes() -> None:
