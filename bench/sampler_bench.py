@@ -2,9 +2,9 @@
 
 Logits [rows, vocab] (SmolLM2-135M's 49,152 tokens by default) drawn as normal values times 4 (a
 peaked distribution, as a language model's: top_p 0.9 keeps tens to hundreds of tokens), in
-bfloat16 or float32, for greedy rows, temperature 1, temperature 0.7 with top_p 0.9, top_k 50,
-seeded rows, penalties (each row with a 300-token prompt and 200 output tokens) and logprobs;
-best of 5 calls after one untimed, milliseconds per call.
+bfloat16 or float32, for greedy rows, temperature 1, temperature 0.7 with top_p 0.9, top_k 50
+(alone and with top_p 0.9), seeded rows, penalties (each row with a 300-token prompt and 200
+output tokens) and logprobs; best of 5 calls after one untimed, milliseconds per call.
 
 Run: `.venv/bin/python bench/sampler_bench.py [--dtype bfloat16|float32] [--vocab N]
 [--threads 2]`
@@ -26,6 +26,7 @@ SETTINGS = {
     "temperature 1": SamplingParams(temperature=1.0),
     "temperature 0.7, top_p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
     "top_k 50": SamplingParams(temperature=1.0, top_k=50),
+    "top_k 50, top_p 0.9": SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
     "seeded, temperature 1": SamplingParams(temperature=1.0, seed=3),
     "temperature 0.7, top_p 0.9, frequency and presence penalties 0.5": SamplingParams(
         temperature=0.7, top_p=0.9, frequency_penalty=0.5, presence_penalty=0.5

@@ -11,11 +11,11 @@ Builds the requests (docs/BENCHMARK_SUITE.md) with the same generators as kvmesh
 and `--top-p`, unseeded), EOS ignored, exactly each request's output length, token-id prompts
 (`skip_tokenizer_init=True`, otherwise default engine settings). W1: all submitted at once to
 `LLM.generate`. W3 / W3-unique: one by one on vLLM's engine, request i + 1 added once request
-i has its first token (as kvmesh's bench);
-each request's TTFT is the time from its `add_request` to the `step()` that returned its first
-token. Prints one JSON line: name, tokens, seconds, tok_per_s, dtype (vLLM's resolved model
-dtype: `auto` runs a float32 checkpoint in bfloat16 on CPU), prefix_caching and, for W3, the
-TTFTs (seconds, in request order).
+i has its first token (as kvmesh's bench); each request's TTFT is the time from its
+`add_request` to the `step()` that returned its first token. Prints one JSON line: name,
+tokens, seconds, tok_per_s, dtype (vLLM's resolved model dtype: `auto` runs a float32
+checkpoint in bfloat16 on CPU), prefix_caching and, for W3, the TTFTs (seconds, in request
+order).
 """
 
 from __future__ import annotations

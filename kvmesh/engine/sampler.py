@@ -194,8 +194,8 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        raw = logits  # the greedy rows' argmax reads these
         device = logits.device
-        greedy = greedy_ids(logits)  # [rows]
         temperature = batch.temperature.to(device)  # [rows], 1.0 for greedy rows
         filtered = batch.any_min_p or batch.any_top_k or batch.any_top_p
         if fused_supported(logits):  # filters and draw in two passes over the raw logits
@@ -214,7 +214,9 @@ class Sampler:
                 logits = apply_top_k_top_p(logits, top_k, top_p)
             probs = logits.softmax(dim=-1)  # [rows, vocab]
             sampled = greedy_ids(probs.div_(self._exponentials(probs, batch)))  # [rows]
-        return torch.where(batch.greedy.to(device), greedy, sampled)
+        if not bool(batch.greedy.any()):
+            return sampled
+        return torch.where(batch.greedy.to(device), greedy_ids(raw), sampled)
 
     def _keys(self, batch: SamplingBatch) -> torch.Tensor:
         """int64 [rows] race keys: a seeded row's from its seed, child index and step (its
@@ -281,15 +283,16 @@ def penalize_(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     count[torch.searchsorted(seen, output_at)] = counts.to(torch.float32)
     row_of = seen // vocab  # [S]
     params = [row.params for row in rows]
-    rep = torch.tensor([p.repetition_penalty for p in params])[row_of]  # [S]
-    freq = torch.tensor([p.frequency_penalty for p in params])[row_of]
-    pres = torch.tensor([p.presence_penalty for p in params])[row_of]
+    rep, freq, pres = (
+        torch.tensor([getattr(p, name) for p in params])[row_of].to(device)  # [S]
+        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")
+    )
+    count = count.to(device)
     flat = logits.view(-1)
     at = seen.to(device)
     values = flat[at]  # [S]
-    values = torch.where(values > 0, values / rep.to(device), values * rep.to(device))
-    values = values - freq.to(device) * count.to(device) - pres.to(device) * (count > 0).to(device)
-    flat[at] = values
+    values = torch.where(values > 0, values / rep, values * rep)
+    flat[at] = values - freq * count - pres * (count > 0)
 
 
 def _flat_positions(rows: list[tuple[int, Sequence[int]]], vocab: int) -> torch.Tensor:
@@ -312,70 +315,13 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-TOP_CANDIDATES = 1024  # a row's most likely tokens examined for its top-k / top-p cut
-
-
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """Keep each row's top_k logits (0 = all; ties at the cut kept) and its smallest set with
-    cumulative probability >= top_p (the most likely token always stays; ties at the cut kept).
-
-    The cut is found among the row's `TOP_CANDIDATES` largest logits (`topk`, not a sort of the
-    vocabulary); a row whose cut lies beyond them (a flat distribution, a top_k above them, or
-    ties at their edge) is cut on its whole sorted row instead, as are small vocabularies."""
-    vocab = logits.shape[1]
-    width = TOP_CANDIDATES if top_k is None else max(TOP_CANDIDATES, int(top_k.max()))
-    if 2 * width >= vocab:
-        return _top_k_top_p_sorted(logits, top_k, top_p)
-    values = logits.topk(width, dim=-1).values  # [rows, width] descending
-    threshold, exact = _candidate_cut(logits, values, top_k, top_p)  # [rows] each
-    out = logits.masked_fill(logits < threshold.unsqueeze(1), float("-inf"))
-    if not bool(exact.all()):
-        redo = (~exact).nonzero().squeeze(1)  # [r]
-        k = None if top_k is None else top_k[redo]
-        p = None if top_p is None else top_p[redo]
-        out[redo] = _top_k_top_p_sorted(logits[redo], k, p)
-    return out
-
-
-def _candidate_cut(
-    logits: torch.Tensor,
-    values: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row the smallest logit kept, from its largest `values` [rows, width] (descending),
-    and whether that cut is exact (it lies within the candidates)."""
-    rows, width = values.shape
-    threshold = torch.full((rows,), float("-inf"), dtype=values.dtype, device=values.device)
-    exact = torch.ones(rows, dtype=torch.bool, device=values.device)
-    has_k = torch.zeros(rows, dtype=torch.bool, device=values.device)
-    if top_k is not None:
-        has_k = top_k > 0
-        kth = values.gather(1, (top_k.clamp(1, width) - 1).unsqueeze(1)).squeeze(1)  # [rows]
-        threshold = torch.where(has_k, kth, threshold)
-        exact &= ~has_k | (top_k < width) & (values[:, -1] < kth)  # no tie reaches past them
-    if top_p is not None:
-        kept = values.masked_fill(values < threshold.unsqueeze(1), float("-inf"))
-        mass = torch.where(has_k, kept.logsumexp(dim=-1), logits.logsumexp(dim=-1))  # [rows]
-        probs = (kept - mass.unsqueeze(1)).exp()  # [rows, width]
-        cumulative = probs.cumsum(dim=-1)
-        before = cumulative - probs  # mass of the more likely candidates
-        last = (before < top_p.unsqueeze(1)).sum(dim=-1).clamp(min=1) - 1  # [rows]
-        cut = values.gather(1, last.unsqueeze(1)).squeeze(1)
-        filtering = top_p < 1.0
-        threshold = torch.where(filtering, torch.maximum(threshold, cut), threshold)
-        reached = cumulative[:, -1] >= top_p
-        exact &= ~filtering | has_k | reached
-    return threshold, exact
-
-
-def _top_k_top_p_sorted(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """`apply_top_k_top_p` on whole sorted rows: the cut is the smallest value the sorted row
-    keeps, so ties at it are kept whatever order the sort gave them."""
+    """Keep each row's top_k logits (0 = all) and its smallest set with cumulative probability
+    >= top_p (the most likely token always stays), on whole sorted rows (the torch path: CUDA,
+    float16; CPU rows go through `cpu_fused.top_cut`). The cut is the smallest value the sorted
+    row keeps, so ties at it are kept whatever order the sort gave them."""
     vocab = logits.shape[1]
     sorted_logits = logits.sort(dim=-1, descending=False).values  # [rows, vocab] ascending
     if top_k is not None:

@@ -36,6 +36,32 @@ using namespace kvmesh_fused;  // NOLINT: the shared traits and exp
 constexpr int64_t kParallelRaceElements = 1 << 14;  // two logs and a hash per element
 constexpr int64_t kLanes = 16;  // one AVX-512 register of float32 per accumulator
 
+// Folds lane maxima (best[j] first reached at index at[j]; lanes exist when whole > 0) into
+// (m, arg): the larger value, the smaller index on ties.
+inline void fold_lanes(const float* best, const int32_t* at, int32_t whole, float& m,
+                       int64_t& arg) {
+  for (int32_t j = 0; j < kLanes && j < whole; ++j)
+    if (best[j] > m || (best[j] == m && at[j] < arg)) m = best[j], arg = at[j];
+}
+
+// A value of the tail after the lanes: it wins when larger, or equal at a smaller index.
+inline void offer(float v, int64_t i, float& m, int64_t& arg) {
+  if (v > m || (v == m && i < arg)) m = v, arg = i;
+}
+
+// out[row] = fn(row's first element) for every row, rows split across threads once rows * n
+// reaches `parallel_from`; 1 on bad arguments (rows are only read: any stride, 0 included).
+template <class T, class Out, class Fn>
+int for_rows(const void* x, int64_t row_stride, int64_t rows, int64_t n, Out* out,
+             int64_t threads, int64_t parallel_from, Fn fn) {
+  if (rows < 0 || n <= 0 || n > INT32_MAX || row_stride < 0 || threads < 1) return 1;
+  const T* xs = static_cast<const T*>(x);
+  const bool parallel = rows > 1 && rows * n >= parallel_from && threads > 1;
+#pragma omp parallel for num_threads(static_cast<int>(threads)) if (parallel) schedule(static)
+  for (int64_t row = 0; row < rows; ++row) out[row] = fn(row, xs + row * row_stride);
+  return 0;
+}
+
 // Index of the first largest value of a row of n < 2^31 (NaN never wins a comparison: where
 // every value is NaN or -inf, the first -inf or 0), and whether the row holds a NaN. Lane j
 // keeps the largest value among indices j, j+16, ... and its first index (a strict `>`, the
@@ -60,15 +86,13 @@ KVF_CLONES int64_t row_argmax(const typename D::T* x, int64_t n, bool* has_nan) 
   }
   float m = -INFINITY;
   int64_t arg = n;
+  fold_lanes(best, at, whole, m, arg);
   int32_t any_nan = 0;
-  for (int32_t j = 0; j < kLanes && j < whole; ++j) {
-    any_nan |= nan[j];
-    if (best[j] > m || (best[j] == m && at[j] < arg)) m = best[j], arg = at[j];
-  }
+  for (int32_t j = 0; j < kLanes; ++j) any_nan |= nan[j];
   for (int64_t i = whole; i < n; ++i) {
     const float v = D::load(x[i]);
     any_nan |= v != v;
-    if (v > m || (v == m && i < arg)) m = v, arg = i;
+    offer(v, i, m, arg);
   }
   *has_nan = any_nan != 0;
   return arg < n ? arg : 0;
@@ -87,14 +111,10 @@ int64_t argmax_row(const typename D::T* x, int64_t n) {
 template <class D>
 int argmax_rows(const void* x, int64_t row_stride, int64_t rows, int64_t n, int64_t* out,
                 int64_t threads) {
-  using T = typename D::T;
-  // rows are only read: any stride, 0 included (one row broadcast)
-  if (rows < 0 || n <= 0 || n > INT32_MAX || row_stride < 0 || threads < 1) return 1;
-  const T* xs = static_cast<const T*>(x);
-  const bool parallel = rows > 1 && rows * n >= kParallelElements && threads > 1;
-#pragma omp parallel for num_threads(static_cast<int>(threads)) if (parallel) schedule(static)
-  for (int64_t row = 0; row < rows; ++row) out[row] = argmax_row<D>(xs + row * row_stride, n);
-  return 0;
+  return for_rows<typename D::T>(x, row_stride, rows, n, out, threads, kParallelElements,
+                                 [n](int64_t, const typename D::T* row) {
+                                   return argmax_row<D>(row, n);
+                                 });
 }
 
 // log(x) for positive normal floats, branch-free so that `omp simd` vectorizes it: x = m 2^e
@@ -158,12 +178,10 @@ KVF_CLONES int64_t race_row(const typename D::T* x, int64_t n, float inv_temp, u
   }
   float m = -INFINITY;
   int64_t arg = n;
-  for (int32_t j = 0; j < kLanes && j < whole; ++j)
-    if (best[j] > m || (best[j] == m && at[j] < arg)) m = best[j], arg = at[j];
+  fold_lanes(best, at, whole, m, arg);
   for (int64_t i = whole; i < n; ++i) {
     const float t = D::load(x[i]) * inv_temp;
-    const float v = t >= floor ? t - log_pos_f32(-log_pos_f32(uniform_at(key, i))) : -INFINITY;
-    if (v > m || (v == m && i < arg)) m = v, arg = i;
+    offer(t >= floor ? t - log_pos_f32(-log_pos_f32(uniform_at(key, i))) : -INFINITY, i, m, arg);
   }
   return arg < n ? arg : 0;
 }
@@ -171,16 +189,12 @@ KVF_CLONES int64_t race_row(const typename D::T* x, int64_t n, float inv_temp, u
 template <class D>
 int race_rows(const void* x, int64_t row_stride, int64_t rows, int64_t n, const float* inv_temp,
               const uint64_t* keys, const float* floors, int64_t* out, int64_t threads) {
-  using T = typename D::T;
-  // rows are only read: any stride, 0 included (one row broadcast)
-  if (rows < 0 || n <= 0 || n > INT32_MAX || row_stride < 0 || threads < 1) return 1;
-  const T* xs = static_cast<const T*>(x);
-  const bool parallel = rows > 1 && rows * n >= kParallelRaceElements && threads > 1;
-#pragma omp parallel for num_threads(static_cast<int>(threads)) if (parallel) schedule(static)
-  for (int64_t row = 0; row < rows; ++row)
-    out[row] = race_row<D>(xs + row * row_stride, n, inv_temp[row], keys[row],
-                           floors != nullptr ? floors[row] : -INFINITY);
-  return 0;
+  return for_rows<typename D::T>(
+      x, row_stride, rows, n, out, threads, kParallelRaceElements,
+      [=](int64_t r, const typename D::T* row) {
+        const float floor = floors != nullptr ? floors[r] : -INFINITY;
+        return race_row<D>(row, n, inv_temp[r], keys[r], floor);
+      });
 }
 
 // ---- top_cut -------------------------------------------------------------------------------
@@ -252,15 +266,31 @@ std::vector<float> bucket_values(const typename D::T* x, int64_t n, float inv_te
   return values;
 }
 
-// The k-th largest value >= floor (floor when fewer survive): ties at it are kept.
+// h reduced to the values >= cut, which lies in bucket b (values: that bucket's, largest first):
+// the buckets below b emptied, b recounted.
+inline void keep_from(CutHistogram& h, int32_t b, const std::vector<float>& values, float cut,
+                      float top) {
+  std::fill(h.count.begin() + b, h.count.end(), 0);
+  std::fill(h.mass.begin() + b, h.mass.end(), 0.0);
+  for (const float v : values) {
+    if (v < cut) break;
+    h.count[b] += 1;
+    h.mass[b] += b < kCutBuckets ? static_cast<double>(exp_f32<false>(v - top)) : 0.0;
+  }
+}
+
+// The k-th largest value >= floor (floor when fewer survive; ties at it are kept), with h
+// reduced to the values it keeps (top_p then cuts those without another pass over the row).
 template <class D>
 float top_k_cut(const typename D::T* x, int64_t n, float inv_temp, float top, float floor,
-                int64_t k, const CutHistogram& h) {
+                int64_t k, CutHistogram& h) {
   int64_t above = 0;
   for (int32_t b = 0; b <= kCutBuckets; ++b) {
     if (above + h.count[b] >= k) {
       const std::vector<float> values = bucket_values<D>(x, n, inv_temp, top, floor, b);
-      return values[static_cast<size_t>(k - above - 1)];
+      const float cut = values[static_cast<size_t>(k - above - 1)];
+      keep_from(h, b, values, cut, top);
+      return cut;
     }
     above += h.count[b];
   }
@@ -300,10 +330,7 @@ float row_cut(const typename D::T* x, int64_t n, float inv_temp, int64_t k, floa
   float floor = min_p > 0.f ? top + std::log(min_p) : -INFINITY;
   if (k <= 0 && !(p < 1.f)) return floor;
   fill_histogram<D>(x, n, inv_temp, top, floor, h);
-  if (k > 0) {
-    floor = std::max(floor, top_k_cut<D>(x, n, inv_temp, top, floor, k, h));
-    if (p < 1.f) fill_histogram<D>(x, n, inv_temp, top, floor, h);  // the survivors only
-  }
+  if (k > 0) floor = std::max(floor, top_k_cut<D>(x, n, inv_temp, top, floor, k, h));
   if (p < 1.f) floor = std::max(floor, top_p_cut<D>(x, n, inv_temp, top, floor, p, h));
   return floor;
 }
