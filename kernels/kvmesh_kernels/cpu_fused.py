@@ -1,5 +1,5 @@
 """The native executor's fused elementwise ops on CPU (`csrc/cpu_fused_ops.cpp`) and the
-sampler's kernels (`csrc/cpu_sampling.cpp`: argmax_rows, race_rows, top_cut).
+sampler's kernels (`csrc/cpu_sampling.cpp`: argmax_rows, race_rows, top_cut, logprob_rows).
 
 float32 and bfloat16 tensors on the CPU with unit inner stride, library built
 (`fused_supported`); the functions assert that and otherwise raise RuntimeError on a kernel
@@ -19,11 +19,14 @@ float32 value lies within that of a rounding boundary).
                                                  among values x * inv_temp >= floors [rows]
     top_cut(x, inv_temp, top_k, top_p, min_p)    per row the smallest tempered value the
                                                  sampler's filters keep (race_rows' floors)
+    logprob_rows(x, tokens, k) -> Logprobs       per row log_softmax(x) at tokens [rows], the
+                                                 token's rank and the top-k (ids, logprobs)
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -170,6 +173,49 @@ def top_cut(
     columns = [_column(inv_temp, torch.float32, x), _column(top_k, torch.int64, x)]
     columns += [_column(top_p, torch.float32, x), _column(min_p, torch.float32, x)]
     return _per_row("kvmesh_cpu_top_cut", x, torch.float32, *columns)
+
+
+class Logprobs(NamedTuple):
+    """Raw-model log-probabilities of one position per row."""
+
+    token_logprob: torch.Tensor  # float32 [rows]: log_softmax(x)[token]
+    token_rank: torch.Tensor  # int64 [rows]: 1 + the number of logits above the token's
+    top_ids: torch.Tensor  # int64 [rows, k]: the k largest logits, descending
+    top_logprobs: torch.Tensor  # float32 [rows, k]: their log-probabilities
+
+
+MAX_TOP_LOGPROBS = 64  # the kernel's selection slots
+
+
+def logprob_rows(x: torch.Tensor, tokens: torch.Tensor, k: int) -> Logprobs:
+    """x [rows, n] raw logits (rows strided, n > 0), tokens int64 [rows] in [0, n), 0 <= k <=
+    min(MAX_TOP_LOGPROBS, n) -> float32 log_softmax(x) at each row's token, its rank and the k
+    most likely tokens (the smaller id first on ties), without a float32 copy of the rows. A
+    row holding NaN gets NaN log-probabilities, as log_softmax gives."""
+    rows, n = x.shape
+    assert n > 0 and 0 <= k <= min(MAX_TOP_LOGPROBS, n)
+    out = Logprobs(
+        token_logprob=torch.empty(rows, dtype=torch.float32),  # [rows]
+        token_rank=torch.empty(rows, dtype=torch.int64),  # [rows]
+        top_ids=torch.empty(rows, k, dtype=torch.int64),  # [rows, k]
+        top_logprobs=torch.empty(rows, k, dtype=torch.float32),  # [rows, k]
+    )
+    if rows == 0:
+        return out
+    token_column = _column(tokens, torch.int64, x)  # held until the call returns
+    _call(
+        "kvmesh_cpu_logprob_rows",
+        ctypes.c_int(_DTYPE_CODES[x.dtype]),
+        _P(x.data_ptr()),
+        _I(x.stride(0) if rows > 1 else n),  # a lone row's stride is arbitrary
+        _I(rows),
+        _I(n),
+        _P(token_column.data_ptr()),
+        _I(k),
+        *(_P(t.data_ptr()) for t in out),
+        _I(torch.get_num_threads()),
+    )
+    return out
 
 
 def _column(values: torch.Tensor, dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,10 @@
 
 Order of operations (vLLM v1's):
 
-1. logprobs: `log_softmax` of the RAW model logits (before any processing, vLLM's default);
+1. logprobs: `log_softmax` of the RAW model logits (before any processing, vLLM's default),
+   taken after the draw from the rows as the model gave them (on CPU one kernel,
+   `cpu_fused.logprob_rows`: the sampled token's logprob and rank and the top-n without a
+   float32 copy of the rows);
 2. min_tokens: EOS (unless ignore_eos) and stop_token_ids masked while output is too short;
 3. penalties: repetition (divide positive / multiply negative logits of tokens seen in prompt or
    output), then frequency (minus count in output) and presence (minus 1 if in output);
@@ -26,7 +29,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvmesh_kernels.cpu_fused import argmax_rows, fused_supported, race_rows, top_cut
+from kvmesh_kernels.cpu_fused import (
+    Logprobs,
+    argmax_rows,
+    fused_supported,
+    logprob_rows,
+    race_rows,
+    top_cut,
+)
 
 from kvmesh.engine.sampling_params import SamplingParams
 
@@ -166,17 +176,14 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(batch), "one logits row per row"
         if batch.plain_greedy:
             return SamplerOutput(token_ids=greedy_ids(logits), logprobs=[None] * len(batch))
-        asked = [i for i, row in enumerate(batch.rows) if row.params.logprobs is not None]
-        raw_logprobs = None  # [asked rows, vocab]: only the rows that want logprobs
-        if asked:
-            rows_asked = logits if len(asked) == len(batch) else logits[asked]
-            raw_logprobs = rows_asked.log_softmax(dim=-1, dtype=torch.float32)
-        logits = self._process(logits, batch)
-        token_ids = greedy_ids(logits) if batch.all_greedy else self._sample(logits, batch)
-        if raw_logprobs is None:
+        processed = self._process(logits, batch)  # a copy where anything applies
+        token_ids = greedy_ids(processed) if batch.all_greedy else self._sample(processed, batch)
+        if batch.max_logprobs is None:
             return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(batch))
-        logprobs = _gather_logprobs(raw_logprobs, token_ids[asked], batch, asked)
-        return SamplerOutput(token_ids, logprobs)
+        asked = [i for i, row in enumerate(batch.rows) if row.params.logprobs is not None]
+        rows_asked = logits if len(asked) == len(batch) else logits[asked]  # raw logits
+        raw = raw_logprobs(rows_asked, token_ids[asked], batch.max_logprobs)
+        return SamplerOutput(token_ids, _logprobs_per_row(raw, token_ids, batch, asked))
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """min_tokens masking and penalties, on one copy of the logits made only when something
@@ -338,24 +345,43 @@ def apply_top_k_top_p(
     return logits.masked_fill(logits < floor, float("-inf"))
 
 
-def _gather_logprobs(
-    raw: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch, asked: list[int]
+def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Logprobs:
+    """logits [rows, vocab] as the model gave them, token_ids [rows] -> log_softmax at each
+    row's token, its rank (1 + the number of logits above it) and the k most likely tokens
+    (descending, the smaller id first on ties; k capped at the vocabulary). The CPU kernel
+    where it applies, else torch on a float32 log_softmax and a stable sort (the same ids and
+    ranks; the same values up to the sum's rounding)."""
+    k = min(k, logits.shape[-1])
+    if fused_supported(logits):
+        return logprob_rows(logits, token_ids, k)
+    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # [rows, vocab]
+    picked = token_ids.unsqueeze(1)  # [rows, 1]
+    ranks = (logits > logits.gather(1, picked)).sum(dim=-1) + 1  # [rows]
+    top = logprobs.sort(dim=-1, descending=True, stable=True)  # ties: the smaller id first
+    top_values, top_ids = top.values[:, :k], top.indices[:, :k]  # [rows, k]
+    return Logprobs(logprobs.gather(1, picked).squeeze(1), ranks, top_ids, top_values)
+
+
+def _logprobs_per_row(
+    raw: Logprobs, token_ids: torch.Tensor, batch: SamplingBatch, asked: list[int]
 ) -> list[TokenLogprobs | None]:
-    """Per row of the batch: for the rows in `asked` (raw's rows, in order; token_ids their
-    sampled tokens) the sampled token's raw logprob and rank and the top-n; None elsewhere."""
-    assert batch.max_logprobs is not None
-    sampled = raw.gather(1, token_ids.unsqueeze(1))  # [asked, 1]
-    ranks = (raw > sampled).sum(dim=-1) + 1  # [asked]
-    top_values, top_ids = raw.topk(batch.max_logprobs, dim=-1)  # [asked, max_logprobs]
+    """Per row of the batch: for the rows in `asked` (raw's rows, in order) the sampled token's
+    raw logprob and rank and the row's top-n; None elsewhere."""
+    tokens, token_logprob, ranks = (
+        token_ids.tolist(),
+        raw.token_logprob.tolist(),
+        raw.token_rank.tolist(),
+    )
+    top_ids, top_values = raw.top_ids.tolist(), raw.top_logprobs.tolist()
     out: list[TokenLogprobs | None] = [None] * len(batch)
     for j, i in enumerate(asked):
         n = batch.rows[i].params.logprobs
         assert n is not None
         out[i] = TokenLogprobs(
-            sampled_token_id=int(token_ids[j]),
-            sampled_logprob=float(sampled[j, 0]),
-            sampled_rank=int(ranks[j]),
-            top_token_ids=tuple(top_ids[j, :n].tolist()),
-            top_logprobs=tuple(top_values[j, :n].tolist()),
+            sampled_token_id=tokens[i],
+            sampled_logprob=token_logprob[j],
+            sampled_rank=ranks[j],
+            top_token_ids=tuple(top_ids[j][:n]),
+            top_logprobs=tuple(top_values[j][:n]),
         )
     return out

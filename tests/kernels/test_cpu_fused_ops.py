@@ -16,6 +16,7 @@ from kvmesh_kernels.cpu_fused import (
     add_rms_norm,
     argmax_rows,
     fused_supported,
+    logprob_rows,
     race_rows,
     rms_norm,
     rope_,
@@ -273,3 +274,64 @@ def test_top_cut_special_rows() -> None:
     assert int((logits[1] >= floors[1]).sum()) == 2999
     assert set((logits[2] >= floors[2]).nonzero().squeeze(1).tolist()) == set(range(10))
     assert (logits[3] >= floors[3]).nonzero().squeeze(1).tolist() == [7]
+
+
+def assert_logprobs_match_torch(x: torch.Tensor, tokens: torch.Tensor, k: int) -> None:
+    """The kernel against a float32 log_softmax, a rank count over the logits and a stable
+    descending sort (ties: the smaller id first)."""
+    got = logprob_rows(x, tokens, k)
+    reference = x.float().log_softmax(dim=-1)  # [rows, n]
+    picked = tokens.unsqueeze(1)
+    expected = reference.gather(1, picked).squeeze(1)
+    assert torch.allclose(got.token_logprob, expected, atol=2e-5, rtol=1e-6)
+    assert torch.equal(got.token_rank, (x > x.gather(1, picked)).sum(dim=-1) + 1)
+    top = reference.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(got.top_ids, top.indices[:, :k])
+    assert torch.allclose(got.top_logprobs, top.values[:, :k], atol=2e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [(1, 1, 1), (3, 15, 0), (5, 16, 16), (7, 17, 5), (40, 1000, 20), (3, 49157, 64)],
+)
+def test_logprob_rows_match_log_softmax_rank_and_sorted_top(
+    dtype: torch.dtype, rows: int, n: int, k: int
+) -> None:
+    generator = torch.Generator().manual_seed(rows + n)
+    tokens = torch.randint(0, n, (rows,), generator=generator)
+    spread = randn(rows, n + 3, dtype=dtype, seed=n)[:, 3:] * 3  # rows strided, unaligned
+    assert fused_supported(spread)
+    assert_logprobs_match_torch(spread, tokens, k)
+    ties = torch.randint(-4, 4, (rows, n), generator=generator).to(dtype)  # few values
+    assert_logprobs_match_torch(ties, tokens, k)
+    broadcast = spread[:1].expand(rows, -1)  # one row read `rows` times (row stride 0)
+    assert_logprobs_match_torch(broadcast, tokens, k)
+
+
+def test_logprob_rows_special_rows() -> None:
+    inf, nan = float("inf"), float("nan")
+    x = torch.zeros(4, 40)
+    x[0, 3] = nan  # NaN: NaN logprobs, as log_softmax; top ids among the numbers
+    x[1] = -inf
+    x[1, 30] = 2.0  # one finite token: logprob 0, the -inf ones -inf
+    x[2, 39] = 50.0  # in the tail, after the vector lanes
+    x[3] = torch.arange(40.0)
+    got = logprob_rows(x, torch.tensor([3, 5, 0, 39]), 3)
+    assert bool(got.token_logprob[0].isnan()) and bool(got.top_logprobs[0].isnan().all())
+    assert got.top_ids[0].tolist() == [0, 1, 2]  # ties: the smaller id first, NaN skipped
+    assert got.token_logprob[1] == -inf and got.token_rank[1] == 2
+    assert got.top_ids[1].tolist() == [30, 0, 1] and got.top_logprobs[1].tolist() == [
+        0.0,
+        -inf,
+        -inf,
+    ]
+    assert got.top_ids[2, 0] == 39 and got.token_rank[2] == 2
+    assert got.top_ids[3].tolist() == [39, 38, 37] and got.token_rank[3] == 1
+    reference = x[3].log_softmax(dim=-1)
+    assert torch.allclose(got.top_logprobs[3], reference[[39, 38, 37]])
+
+
+def test_logprob_rows_refuse_a_token_outside_the_row() -> None:
+    with pytest.raises(RuntimeError, match="rejected"):
+        logprob_rows(torch.zeros(2, 10), torch.tensor([0, 10]), 1)

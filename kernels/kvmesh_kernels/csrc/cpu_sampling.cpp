@@ -13,6 +13,11 @@
 //                  a histogram of the row's values within kCutRange of its maximum (count and
 //                  probability mass per bucket) and an exact sort of the one bucket holding
 //                  each cut, instead of a sort of the row
+//   logprob_rows:  per row log_softmax(x) at a given token, that token's rank (1 + the number
+//                  of values greater than its value) and the k largest values' indices and
+//                  log-probabilities (descending, the smaller index first on ties): one pass
+//                  for the maximum, one for the sum of exponentials, the rank count and a
+//                  k-slot selection, instead of a full float32 log_softmax row and a top-k
 //
 // Rows may be strided (any row stride, 0 included: rows are only read). Rows are split across
 // OpenMP threads when the work is large enough to pay for the fork. Plain C ABI.
@@ -21,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -354,6 +360,139 @@ int top_cut(const void* x, int64_t row_stride, int64_t rows, int64_t n, const fl
   return 0;
 }
 
+
+// ---- logprob_rows ----------------------------------------------------------------------------
+constexpr int64_t kMaxLogprobs = 64;  // slots of the per-row selection (the API allows 20)
+
+// The k largest values seen so far, descending (the smaller index first on ties: a value
+// enters only when larger than the last slot's, and after the slots it equals).
+struct TopSlots {
+  float value[kMaxLogprobs];
+  int64_t index[kMaxLogprobs];
+  int64_t k = 0;
+  int64_t filled = 0;
+  float bar() const { return filled < k ? -INFINITY : value[k - 1]; }  // what must be beaten
+  void offer(float v, int64_t i) {
+    if (!(v > bar()) && !(filled < k && v == -INFINITY)) return;  // NaN never enters
+    int64_t at = filled < k ? filled++ : k - 1;
+    for (; at > 0 && value[at - 1] < v; --at) value[at] = value[at - 1], index[at] = index[at - 1];
+    value[at] = v, index[at] = i;
+  }
+};
+
+// The row's largest value (NaN ignored) and whether it holds a NaN; with `widened`, the row's
+// values in float32 are stored there too (16-bit rows: the scan then reads float32, which
+// measured twice as fast as widening inside the scan's loop).
+template <class D>
+KVF_CLONES float row_max(const typename D::T* x, int64_t n, bool* has_nan, float* widened) {
+  float best[kLanes];
+  int32_t nan[kLanes];
+  for (int32_t j = 0; j < kLanes; ++j) best[j] = -INFINITY, nan[j] = 0;
+  const int32_t whole = static_cast<int32_t>(n - n % kLanes);
+  for (int32_t i = 0; i < whole; i += kLanes) {
+#pragma omp simd
+    for (int32_t j = 0; j < kLanes; ++j) {
+      const float v = D::load(x[i + j]);
+      best[j] = v > best[j] ? v : best[j];
+      nan[j] |= v != v;
+      if (widened != nullptr) widened[i + j] = v;
+    }
+  }
+  float top = -INFINITY;
+  int32_t any_nan = 0;
+  for (int32_t j = 0; j < kLanes; ++j) top = best[j] > top ? best[j] : top, any_nan |= nan[j];
+  for (int64_t i = whole; i < n; ++i) {
+    const float v = D::load(x[i]);
+    top = v > top ? v : top;
+    any_nan |= v != v;
+    if (widened != nullptr) widened[i] = v;
+  }
+  *has_nan = any_nan != 0;
+  return top;
+}
+
+// Over a float32 row: the sum of exp(x - top) in float32 lanes (folded in double), the count
+// of values above `mark`, and the k largest values into `slots` (a 16-value group is looked at
+// one by one only when its largest beats the slots' bar, which a random row's groups rarely do
+// after the first few).
+KVF_CLONES double row_scan(const float* x, int64_t n, float top, float mark, int64_t* above,
+                           TopSlots& slots) {
+  float sums[kLanes] = {};
+  int32_t more[kLanes] = {};
+  int64_t greater = 0;
+  const int32_t whole = static_cast<int32_t>(n - n % kLanes);
+  for (int32_t i = 0; i < whole; i += kLanes) {
+    float group_max = -INFINITY;
+#pragma omp simd reduction(max : group_max)
+    for (int32_t j = 0; j < kLanes; ++j) {
+      const float v = x[i + j];
+      sums[j] += exp_f32<false>(v - top);
+      more[j] += v > mark;
+      group_max = v > group_max ? v : group_max;
+    }
+    if (slots.k > 0 && (group_max > slots.bar() || slots.filled < slots.k))
+      for (int32_t j = 0; j < kLanes; ++j) slots.offer(x[i + j], i + j);
+  }
+  for (int32_t j = 0; j < kLanes; ++j) greater += more[j];
+  double sum = 0.0;
+  for (int32_t j = 0; j < kLanes; ++j) sum += sums[j];
+  for (int64_t i = whole; i < n; ++i) {
+    sum += exp_f32<false>(x[i] - top);
+    greater += x[i] > mark;
+    if (slots.k > 0) slots.offer(x[i], i);
+  }
+  *above = greater;
+  return sum;
+}
+
+// One row: out_logprob = log_softmax(x)[token] (float32: (x - max) - log(sum)), out_rank, and
+// the k largest values' indices and log-probabilities. A row holding NaN gets NaN
+// log-probabilities (as log_softmax gives) and the top values among its numbers. `scratch`
+// holds n floats (used for 16-bit rows).
+template <class D>
+void logprob_row(const typename D::T* x, int64_t n, int64_t token, int64_t k, float* scratch,
+                 float* out_logprob, int64_t* out_rank, int64_t* top_index, float* top_logprob) {
+  bool has_nan = false;
+  float* widened = std::is_same_v<typename D::T, float> ? nullptr : scratch;
+  const float top = row_max<D>(x, n, &has_nan, widened);
+  const float* row = widened != nullptr ? widened : reinterpret_cast<const float*>(x);
+  const float mark = row[token];
+  TopSlots slots;
+  slots.k = k;
+  int64_t above = 0;
+  const double sum = row_scan(row, n, top, mark, &above, slots);
+  const float log_sum = has_nan || !(top > -INFINITY) ? NAN : static_cast<float>(std::log(sum));
+  *out_logprob = (mark - top) - log_sum;
+  *out_rank = above + 1;
+  for (int64_t j = 0; j < k; ++j) {
+    const bool seen = j < slots.filled;
+    top_index[j] = seen ? slots.index[j] : 0;
+    top_logprob[j] = seen ? (slots.value[j] - top) - log_sum : -INFINITY;
+  }
+}
+
+template <class D>
+int logprob_rows(const void* x, int64_t row_stride, int64_t rows, int64_t n,
+                 const int64_t* tokens, int64_t k, float* out_logprob, int64_t* out_rank,
+                 int64_t* top_index, float* top_logprob, int64_t threads) {
+  using T = typename D::T;
+  if (rows < 0 || n <= 0 || row_stride < 0 || threads < 1 || k < 0 || k > kMaxLogprobs ||
+      k > n)
+    return 1;
+  for (int64_t row = 0; row < rows; ++row)
+    if (tokens[row] < 0 || tokens[row] >= n) return 2;
+  const T* xs = static_cast<const T*>(x);
+  const bool parallel = rows > 1 && rows * n >= kParallelElements && threads > 1;
+#pragma omp parallel num_threads(static_cast<int>(threads)) if (parallel)
+  {
+    std::vector<float> scratch(std::is_same_v<T, float> ? 0 : static_cast<size_t>(n));
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < rows; ++row)
+      logprob_row<D>(xs + row * row_stride, n, tokens[row], k, scratch.data(), out_logprob + row,
+                     out_rank + row, top_index + row * k, top_logprob + row * k);
+  }
+  return 0;
+}
 }  // namespace
 
 // x: rows of n values, row_stride elements apart; out: int64 [rows].
@@ -385,5 +524,21 @@ extern "C" int kvmesh_cpu_top_cut(int dtype, const void* x, int64_t row_stride, 
     return top_cut<F32>(x, row_stride, rows, n, inv_temp, top_k, top_p, min_p, out, threads);
   if (dtype == 1)
     return top_cut<BF16>(x, row_stride, rows, n, inv_temp, top_k, top_p, min_p, out, threads);
+  return 3;
+}
+
+// x: rows of n raw logits, row_stride elements apart; tokens: int64 [rows] (each in [0, n));
+// out_logprob: float32 [rows]; out_rank: int64 [rows]; top_index: int64 [rows, k];
+// top_logprob: float32 [rows, k] (0 <= k <= min(64, n)).
+extern "C" int kvmesh_cpu_logprob_rows(int dtype, const void* x, int64_t row_stride,
+                                       int64_t rows, int64_t n, const int64_t* tokens, int64_t k,
+                                       float* out_logprob, int64_t* out_rank,
+                                       int64_t* top_index, float* top_logprob, int64_t threads) {
+  if (dtype == 0)
+    return logprob_rows<F32>(x, row_stride, rows, n, tokens, k, out_logprob, out_rank,
+                             top_index, top_logprob, threads);
+  if (dtype == 1)
+    return logprob_rows<BF16>(x, row_stride, rows, n, tokens, k, out_logprob, out_rank,
+                              top_index, top_logprob, threads);
   return 3;
 }
