@@ -36,7 +36,7 @@ _TAIL = ("q_dtype", "s_qtok", "s_qhead", "out_dtype", "s_otok", "s_ohead", "isa"
 # Query/output element types the kernel reads and writes directly (codes as the cache's).
 IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Params.isa: 0 picks the best path the CPU runs; the others cap it (benchmarks, tests).
-ISAS = {"auto": 0, "baseline": 1, "avx2": 2, "avx512": 3}
+ISAS = {"auto": 0, "baseline": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}
 # Query rows per work item: q_tile tokens x G heads stay within about 64 rows.
 MAX_ROWS = 64
 
@@ -206,7 +206,7 @@ def cpu_paged_attention(
 
     `out`, when given, is a float32/bfloat16/float16 [num_tokens, Hq, D] buffer with unit last
     stride that the kernel fills (every row is written, zeros where a row sees no key). `isa`
-    caps the instruction set ("auto", "avx512", "avx2", "baseline"; tests and benchmarks).
+    caps the instruction set (ISAS keys; tests and benchmarks).
     """
     call = FusedCall(layer, block_tables, seq_lens, query_start_loc, num_splits=num_splits)
     data_ptr, scales_ptr = layer_pointers(layer)

@@ -46,13 +46,17 @@ SOURCES = (
     SOURCE.with_name("cpu_fused_ops.cpp"),
     SOURCE.with_name("cpu_sampling.cpp"),
 )  # compiled into one library
-HEADERS = (SOURCE.with_name("dtype_convert.h"), SOURCE.with_name("fused_common.h"))  # in the key
+HEADERS = (
+    SOURCE.with_name("dtype_convert.h"),
+    SOURCE.with_name("fused_common.h"),
+    SOURCE.with_name("cpu_attention_avx512.h"),
+)  # in the key
 CFLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
 ENTRY = "kvmesh_cpu_paged_attention"
 WRITE_ENTRY = "kvmesh_cpu_write_kv"
 LIB_NAME = "kvmesh_cpu.so"
-ISA_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c")
+ISA_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -220,7 +220,7 @@ def test_dispatch_uses_fused_kernel_and_reference_backend_stays(
     torch.testing.assert_close(mixed, ref, rtol=1e-5, atol=1e-5)
 
 
-ISAS = ["avx512", "avx2", "baseline"]  # caps: a CPU without one runs the next it has
+ISAS = ["avx512bf16", "avx512", "avx2", "baseline"]  # caps: a CPU without one runs the next it has
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -295,7 +295,9 @@ def test_every_isa_splits(isa: str, splits: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_query_read_in_place_and_output_rounding(dtype: torch.dtype) -> None:
     """A strided 16-bit query (the engine's transposed view) is read as it is and the output is
-    rounded like torch's `.to(dtype)`: bitwise equal to the float32-in, float32-out call."""
+    rounded like torch's `.to(dtype)`: bitwise equal to the float32-in, float32-out call (on
+    the float32-score paths: the AVX512_BF16 path sums a bfloat16 query's products in
+    another order)."""
     lens = [40, 9, 77]
     q_lens = [1, 9, 5]
     pc = random_paged_cache(lens, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
@@ -305,10 +307,12 @@ def test_query_read_in_place_and_output_rounding(dtype: torch.dtype) -> None:
     assert not query.is_contiguous()
     layer = pc.cache.layer(0)
     args = (layer, pc.block_tables, pc.seq_lens, starts)
-    direct = cpu_attention.cpu_paged_attention(query, *args, scale=0.125)
+    direct = cpu_attention.cpu_paged_attention(query, *args, scale=0.125, isa="avx512")
     assert direct.dtype == dtype and direct.shape == query.shape
-    via_f32 = cpu_attention.cpu_paged_attention(query.float().contiguous(), *args, scale=0.125)
+    via_f32 = cpu_attention.cpu_paged_attention(
+        query.float().contiguous(), *args, scale=0.125, isa="avx512"
+    )
     assert torch.equal(direct, via_f32.to(dtype))
     into = torch.full((tokens, 8, 64), float("nan"), dtype=dtype)
-    cpu_attention.cpu_paged_attention(query, *args, scale=0.125, out=into)
+    cpu_attention.cpu_paged_attention(query, *args, scale=0.125, out=into, isa="avx512")
     assert torch.equal(into, direct)

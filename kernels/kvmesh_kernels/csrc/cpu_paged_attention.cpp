@@ -47,7 +47,13 @@
 namespace {
 
 enum DType : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2, kI8 = 3, kFP8 = 4 };
-enum Isa : int64_t { kIsaAuto = 0, kIsaBaseline = 1, kIsaAvx2 = 2, kIsaAvx512 = 3 };
+enum Isa : int64_t {
+  kIsaAuto = 0,
+  kIsaBaseline = 1,
+  kIsaAvx2 = 2,
+  kIsaAvx512 = 3,
+  kIsaAvx512Bf16 = 4,  // AVX-512 with AVX512_BF16 (vdpbf16ps scores for bfloat16 caches)
+};
 
 // Every field is 8 bytes so the ctypes mirror needs no padding rules. Fields after `scale` were
 // added later: a library built from an older source reads only the prefix (and then needs
@@ -122,6 +128,7 @@ struct Buf {
 
 struct Scratch {
   Buf<float> q, acc, s, kbuf, vbuf, m, l;
+  Buf<uint16_t> qb;  // bfloat16 query rows as given, unscaled (the vdpbf16ps scores' operand)
   Buf<int64_t> pos;
   Buf<const float*> kp, vp;
   Buf<const void*> kraw, vraw;  // key / value rows in the cache's element type
@@ -130,7 +137,9 @@ struct Scratch {
 
 // An item's query rows, ordered [head][token][g] (row = (h - h0) * ntok * G + (t - t0) * G + g),
 // as float32 times `scale` into q [rows, D]; pos[row] = the row's position in its sequence.
-inline void load_queries(const Params& p, const Item& it, float* q, int64_t* pos) {
+// With qb (bfloat16 queries only), the rows as given, unscaled, into qb [rows, D] too.
+inline void load_queries(const Params& p, const Item& it, float* q, int64_t* pos,
+                         uint16_t* qb = nullptr) {
   const int64_t D = p.head_dim, G = p.num_q_heads / p.num_kv_heads;
   const int64_t ntok = it.t1 - it.t0, rph = ntok * G;
   const int32_t* qsl = reinterpret_cast<const int32_t*>(p.query_start_loc);
@@ -155,6 +164,7 @@ inline void load_queries(const Params& p, const Item& it, float* q, int64_t* pos
           const uint16_t* s = static_cast<const uint16_t*>(src) + base;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) dst[d] = bf16_to_f32(s[d]) * scale;
+          if (qb != nullptr) std::memcpy(qb + row * D, s, sizeof(uint16_t) * D);
         } else {
           const uint16_t* s = static_cast<const uint16_t*>(src) + base;
 #pragma omp simd
@@ -212,10 +222,11 @@ inline void store_item_partial(const Item& it, int64_t rows, int64_t rmax, int64
   }
 }
 
-// Start of an item: its query rows and positions loaded, the online-softmax state (acc, m, l)
-// of its `rows` rows cleared.
-inline void begin_item(const Params& p, const Item& it, Scratch& sc, int64_t rows) {
-  load_queries(p, it, sc.q.data(), sc.pos.data());
+// Start of an item: its query rows and positions loaded (with raw_bf16, also as given into
+// sc.qb), the online-softmax state (acc, m, l) of its `rows` rows cleared.
+inline void begin_item(const Params& p, const Item& it, Scratch& sc, int64_t rows,
+                       bool raw_bf16 = false) {
+  load_queries(p, it, sc.q.data(), sc.pos.data(), raw_bf16 ? sc.qb.data() : nullptr);
   std::fill(sc.acc.data(), sc.acc.data() + rows * p.head_dim, 0.f);
   std::fill(sc.m.data(), sc.m.data() + rows, kNegInf);
   std::fill(sc.l.data(), sc.l.data() + rows, 0.f);
@@ -682,459 +693,33 @@ KVM_INLINE void run_item_portable(const Params& p, const Item& it, Scratch& sc, 
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma")
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12 on unpack/shuffle intrinsics
+namespace avx512 {
+#include "cpu_attention_avx512.h"
+}  // namespace avx512
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
 
-// Element size in bytes of a cache element type.
-constexpr int64_t elem_bytes(int DT) { return DT == kF32 ? 4 : (DT == kI8 || DT == kFP8) ? 1 : 2; }
-
-// Sixteen elements of a float32 / bfloat16 / float16 row from element d, as float32.
-template <int LT>
-KVM_INLINE __m512 ld16(const void* row, int64_t d) {
-  if constexpr (LT == kF32) {
-    return _mm512_loadu_ps(static_cast<const float*>(row) + d);
-  } else {
-    const __m256i h = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + d));
-    if constexpr (LT == kBF16) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm512_cvtph_ps(h);
-    }
-  }
-}
-
-// A cache row of D elements as float32 into dst (any element type; fp8 through the table).
-template <int DT>
-KVM_INLINE void convert_row(const void* src, const float* lut, float* dst, int64_t D) {
-  if constexpr (DT == kI8) {
-    const int8_t* s = static_cast<const int8_t*>(src);
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d));
-      _mm512_storeu_ps(dst + d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
-    }
-  } else if constexpr (DT == kFP8) {
-    const uint8_t* s = static_cast<const uint8_t*>(src);
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d));
-      _mm512_storeu_ps(dst + d, _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), lut, 4));
-    }
-  } else {
-    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, ld16<DT>(src, d));
-  }
-}
-
-// result[j] = sum of the 16 lanes of a[j], for j < 16.
-KVM_INLINE __m512 reduce16(const __m512* a) {
-  __m512 u[4];
-  for (int k = 0; k < 4; ++k) {
-    const __m512* x = a + 4 * k;
-    // Per 128-bit lane: [x0 x1 | x0 x1] partial sums, then [x0 x1 x2 x3].
-    const __m512 t01 =
-        _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
-    const __m512 t23 =
-        _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
-    u[k] = _mm512_add_ps(
-        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))));
-  }
-  // u[k] lane quarter i holds the quarter-i sums of a[4k .. 4k + 3]: add the quarters.
-  const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
-                                 _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
-                                 _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
-}
-
-// Row r of a tile: lanes r * KB .. r * KB + KB - 1 of t to s[r * sp ..].
-template <int R, int KB>
-KVM_INLINE void store_scores(__m512 t, float* s, int64_t sp) {
-  alignas(64) float tmp[16];
-  _mm512_store_ps(tmp, t);
-  for (int r = 0; r < R; ++r) std::memcpy(s + r * sp, tmp + r * KB, sizeof(float) * KB);
-}
-
-// Scores of R query rows (stride D) against KB key rows: s[r * sp + j].
-template <int LT, int R, int KB>
-KVM_INLINE void qk_tile(const float* q, int64_t D, const void* const* kr, float* s, int64_t sp) {
-  static_assert(R * KB == 16, "a tile fills one 16-way reduction");
-  __m512 acc[16];
-  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    __m512 kv[KB];
-    for (int j = 0; j < KB; ++j) kv[j] = ld16<LT>(kr[j], d);
-    for (int r = 0; r < R; ++r) {
-      const __m512 qv = _mm512_loadu_ps(q + r * D + d);
-      for (int j = 0; j < KB; ++j) acc[r * KB + j] = _mm512_fmadd_ps(qv, kv[j], acc[r * KB + j]);
-    }
-  }
-  store_scores<R, KB>(reduce16(acc), s, sp);
-}
-
-// s[r * sp + i] = q_r . k_i for rows < nrows, keys < round_up(n, 16) (kr padded to that).
-template <int LT>
-KVM_INLINE void scores(const float* q, int64_t nrows, const void* const* kr, int64_t n,
-                       int64_t D, float* s, int64_t sp) {
-  int64_t r = 0;
-  for (; r + 4 <= nrows; r += 4)
-    for (int64_t i = 0; i < n; i += 4) qk_tile<LT, 4, 4>(q + r * D, D, kr + i, s + r * sp + i, sp);
-  for (; r + 2 <= nrows; r += 2)
-    for (int64_t i = 0; i < n; i += 8) qk_tile<LT, 2, 8>(q + r * D, D, kr + i, s + r * sp + i, sp);
-  for (; r < nrows; ++r) {
-    for (int64_t i = 0; i < n; i += 16) {
-      qk_tile<LT, 1, 16>(q + r * D, D, kr + i, s + r * sp + i, sp);
-    }
-  }
-}
-
-// acc[r][d0 .. d0 + 16 DV) += sum_i p[r * sp + i] * v_i[d0 ..], accumulators in registers.
-template <int LT, int R, int DV>
-KVM_INLINE void pv_tile(float* acc, int64_t D, const float* p, int64_t sp,
-                        const void* const* vr, int64_t n, int64_t d0) {
-  __m512 a[R * DV];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < DV; ++j) a[r * DV + j] = _mm512_loadu_ps(acc + r * D + d0 + 16 * j);
-  for (int64_t i = 0; i < n; ++i) {
-    __m512 vv[DV];
-    for (int j = 0; j < DV; ++j) vv[j] = ld16<LT>(vr[i], d0 + 16 * j);
-    for (int r = 0; r < R; ++r) {
-      const __m512 w = _mm512_set1_ps(p[r * sp + i]);
-      for (int j = 0; j < DV; ++j) a[r * DV + j] = _mm512_fmadd_ps(w, vv[j], a[r * DV + j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < DV; ++j) _mm512_storeu_ps(acc + r * D + d0 + 16 * j, a[r * DV + j]);
-}
-
-template <int LT, int R, int DV>
-KVM_INLINE void pv_rows(float* acc, int64_t D, const float* p, int64_t sp,
-                        const void* const* vr, int64_t n) {
-  int64_t d0 = 0;
-  for (; d0 + 16 * DV <= D; d0 += 16 * DV) pv_tile<LT, R, DV>(acc, D, p, sp, vr, n, d0);
-  for (; d0 < D; d0 += 16) pv_tile<LT, R, 1>(acc, D, p, sp, vr, n, d0);
-}
-
-// Three remaining rows (3 query heads per kv head) share one pass over V; a single remaining
-// row keeps at least four independent accumulators (a 1 x 16 tile is one FMA chain per key,
-// bound by the FMA latency). Every accumulator still sums its keys in order: same results.
-template <int LT>
-KVM_INLINE void pv(float* acc, int64_t nrows, const float* p, int64_t sp, const void* const* vr,
-                   int64_t n, int64_t D) {
-  int64_t r = 0;
-  for (; r + 4 <= nrows; r += 4) pv_rows<LT, 4, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
-  if (nrows - r == 3) {
-    pv_rows<LT, 3, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
-    return;
-  }
-  for (; r + 2 <= nrows; r += 2) pv_rows<LT, 2, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
-  for (; r < nrows; ++r) {
-    if (D >= 128) {
-      pv_rows<LT, 1, 8>(acc + r * D, D, p + r * sp, sp, vr, n);
-    } else {
-      pv_rows<LT, 1, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
-    }
-  }
-}
-
-// exp(x) for x <= 0 (scores minus the running max), -inf -> 0. Cephes expf: Cody-Waite range
-// reduction and a degree-6 polynomial, about 1 ulp; below ln(FLT_MIN) the result is 0.
-KVM_INLINE __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.33654475f);
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-  const __m512 xc = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
-}
-
-// Keys per step of the AVX-512 item: several blocks at once, so the per-step costs (the
-// softmax's row reductions and rescale, P x V's accumulator loads and stores) are spread over
-// up to 64 keys whatever the block size.
-constexpr int64_t kChunk = 64;
-
-// Keys per step for an item reading key_bytes of K and V per key: 64, halved (down to 16) while
-// a step's K/V exceed 256 KiB: longer steps amortise the softmax rescale over small keys, and
-// shorter ones keep large keys (8 kv heads x 128 float32, 8 KiB each) within L2. Compare
-// settings with `python -m kvmesh_kernels.cpu_bench --baseline-source OLD.cpp`.
-KVM_INLINE int64_t chunk_keys(int64_t key_bytes) {
-  int64_t keys = kChunk;
-  while (keys > 16 && keys * key_bytes > (int64_t{256} << 10)) keys /= 2;
-  return keys;
-}
-
-// Element offsets of keys [k_lo, k_hi) (K of kv head 0; V at + s_kv) through the block table
-// into koff, and of their scales (quantized caches) into soff.
-KVM_INLINE void key_offsets(const Params& p, const int32_t* table, int64_t k_lo, int64_t k_hi,
-                            int64_t* koff, int64_t* soff) {
-  const int64_t bs = p.block_size;
-  int64_t i = 0;
-  for (int64_t t = k_lo; t < k_hi;) {
-    const int64_t blk = t / bs;
-    int64_t phys = table[blk];
-    phys = phys < 0 ? 0 : phys >= p.num_blocks ? p.num_blocks - 1 : phys;
-    const int64_t end = k_hi < (blk + 1) * bs ? k_hi : (blk + 1) * bs;
-    for (; t < end; ++t, ++i) {
-      koff[i] = phys * p.s_block + (t - blk * bs) * p.s_tok;
-      soff[i] = phys * p.ss_block + (t - blk * bs) * p.ss_tok;
-    }
-  }
-}
-
-// Requests the K and V rows of kv heads [h0, h1) of the n keys at koff into L1: the next
-// step's rows load while this step computes (every line of a row: the rows sit in scattered
-// blocks the hardware prefetcher does not follow); skipped for float32 keys of 8 KiB or more
-// (8 kv heads x 128), whose long contiguous rows the hardware prefetcher streams by itself.
-template <int DT>
-KVM_INLINE void prefetch_keys(const Params& p, const char* data, const int64_t* koff, int64_t n,
-                              int64_t h0, int64_t h1) {
-  const int64_t row_bytes = p.head_dim * elem_bytes(DT);
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t h = h0; h < h1; ++h) {
-      const char* k = data + (koff[i] + h * p.s_head) * elem_bytes(DT);
-      const char* v = k + p.s_kv * elem_bytes(DT);
-      for (int64_t c = 0; c < row_bytes; c += 64) {
-        _mm_prefetch(k + c, _MM_HINT_T0);
-        _mm_prefetch(v + c, _MM_HINT_T0);
-      }
-    }
-  }
-}
-
-// The next chunk's K/V rows, prefetched in `slices` pieces spread over this chunk's work
-// (piece j before the j-th group of keys of a pass) instead of all at once: a burst of
-// prefetches stalls on the core's few line-fill buffers while nothing computes, spread ones
-// overlap the compute. n = 0: none.
-template <int DT>
-struct NextChunk {
-  const Params& p;
-  const char* data;
-  const int64_t* koff;
-  int64_t n, h0, h1, slices;
-  KVM_INLINE void prefetch(int64_t j) const {
-    const int64_t lo = n * j / slices, hi = n * (j + 1) / slices;
-    prefetch_keys<DT>(p, data, koff + lo, hi - lo, h0, h1);
-  }
-};
-
-// Load pointers of the n rows at data + (koff[i] + shift) elements, padded to sp with row 0:
-// in place (LT == DT) or converted into buf (LT == kF32 != DT).
-template <int DT, int LT>
-KVM_INLINE void row_pointers(const char* data, const int64_t* koff, int64_t shift, int64_t n,
-                             int64_t sp, int64_t D, const float* lut, float* buf,
-                             const void** rows) {
-  for (int64_t i = 0; i < n; ++i) {
-    const char* src = data + (koff[i] + shift) * elem_bytes(DT);
-    if constexpr (LT == DT) {
-      rows[i] = src;
-    } else {
-      convert_row<DT>(src, lut, buf + i * D, D);
-      rows[i] = buf + i * D;
-    }
-  }
-  for (int64_t i = n; i < sp; ++i) rows[i] = rows[0];  // padding keys, scores discarded
-}
-
-// Largest lane of a, as a float.
-KVM_INLINE float hmax16(__m512 a) {
-  __m256 h = _mm256_max_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-
-// Sum of the lanes of a.
-KVM_INLINE float hsum16(__m512 a) {
-  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
-// Masks keys [k_lo, k_lo + n) a row cannot see (-inf), pads to sp, and turns the scores into
-// probabilities relative to the running max, rescaling acc when the max moved.
-KVM_INLINE void chunk_softmax(const Params& p, float* s, int64_t sp, int64_t rows, int64_t n,
-                              int64_t k_lo, bool full, const int64_t* pos, float* acc,
-                              float* m, float* l) {
-  const int64_t D = p.head_dim;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* sr = s + r * sp;
-    if (!full) {
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = k_lo + i;
-        if (t > pos[r] || (p.window > 0 && t <= pos[r] - p.window)) sr[i] = kNegInf;
-      }
-    }
-    for (int64_t i = n; i < sp; ++i) sr[i] = kNegInf;
-    __m512 mx16 = _mm512_loadu_ps(sr);
-    for (int64_t c = 16; c < sp; c += 16) mx16 = _mm512_max_ps(mx16, _mm512_loadu_ps(sr + c));
-    const float mx = hmax16(mx16);
-    if (mx == kNegInf) {
-      for (int64_t i = 0; i < sp; ++i) sr[i] = 0.f;
-      continue;
-    }
-    const float m_new = m[r] > mx ? m[r] : mx;
-    const __m512 mv = _mm512_set1_ps(m_new);
-    __m512 sum16 = _mm512_setzero_ps();
-    for (int64_t c = 0; c < sp; c += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + c), mv));
-      _mm512_storeu_ps(sr + c, e);
-      sum16 = _mm512_add_ps(sum16, e);
-    }
-    if (m_new != m[r]) {
-      const float corr = std::exp(m[r] - m_new);  // 0 on the first chunk a row sees
-      const __m512 cv = _mm512_set1_ps(corr);
-      float* ar = acc + r * D;
-      for (int64_t d = 0; d < D; d += 16) {
-        _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), cv));
-      }
-      l[r] *= corr;
-    }
-    l[r] += hsum16(sum16);
-    m[r] = m_new;
-  }
-}
-
-// Per-key scales (quantized caches) into the scores or probabilities of one kv head's rows.
-KVM_INLINE void scale_keys(const float* scales, const int64_t* soff,
-                           int64_t shift, int64_t n, int64_t rph, int64_t sp, float* sh) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float f = scales[soff[i] + shift];
-    for (int64_t r = 0; r < rph; ++r) sh[r * sp + i] *= f;
-  }
-}
-
-// Query rows per kv head up to which bf16/f16 rows are converted in registers at every load;
-// above it each block's rows are converted once into float32 buffers and reused. Items up to
-// it (decode) also interleave the next chunk's prefetch with groups of 16 keys.
-constexpr int64_t kDirectRows = 8;
-
-// The item with K/V rows loaded as LT (DT itself, or float32 from the conversion buffers).
-template <int DT, int LT>
-KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_t rmax,
-                            float* part_acc, float* part_ml) {
-  const int64_t D = p.head_dim;
-  const int64_t sp = kChunk;  // score row stride: whole vectors
-  const int64_t G = p.num_q_heads / p.num_kv_heads;
-  const int64_t ntok = it.t1 - it.t0, nheads = it.h1 - it.h0;
-  const int64_t rph = ntok * G;  // rows per kv head
-  const int64_t rows = nheads * rph;
-  const int32_t* table = reinterpret_cast<const int32_t*>(p.block_tables) + it.b * p.max_blocks;
-  const char* data = reinterpret_cast<const char*>(p.data);
-  const float* scales = reinterpret_cast<const float*>(p.scales);
-  const float* lut = reinterpret_cast<const float*>(p.fp8_lut);
-  const bool quant = DT == kI8 || DT == kFP8;
-
-  float* q = sc.q.data();
-  float* acc = sc.acc.data();
-  float* s = sc.s.data();
-  float* m = sc.m.data();
-  float* l = sc.l.data();
-  int64_t* pos = sc.pos.data();
-  int64_t* koff = sc.koff.data();  // this chunk's keys, then the next chunk's
-  int64_t* soff = sc.soff.data();
-  const void** kr = sc.kraw.data();
-  const void** vr = sc.vraw.data();
-  begin_item(p, it, sc, rows);
-  const int64_t pos_min = pos[0], pos_max = pos[rph - 1];  // first and last token positions
-
-  const int64_t key_bytes = 2 * nheads * D * elem_bytes(DT);
-  const int64_t CH = chunk_keys(key_bytes);
-  const bool prefetch = DT != kF32 || key_bytes < 8192;
-  // Decode items run each pass in groups of 16 keys with a piece of the next chunk's prefetch
-  // before each, so memory requests keep flowing while the pass computes (prefill tiles keep
-  // whole passes: their many rows make a pass compute-bound, and splitting it costs).
-  const int64_t group = prefetch && rph <= kDirectRows ? 16 : CH;
-  const int64_t groups = (CH + group - 1) / group;
-  // Decode items reading rows in place take the kv heads inside each group of keys, so a
-  // group's K (then V) rows of all heads, adjacent in the block, are read together.
-  // Others run head by head, each head's rows converted into one reused buffer. Both passes
-  // step (outer, inner) = (group, head) or (head, group); the prefetch piece before a step is
-  // its index in that order (V's after K's: pieces = 2 * nheads * groups).
-  const bool heads_inner = group < CH && LT == DT && !quant;
-  const int64_t n_outer = heads_inner ? groups : nheads;
-  const int64_t n_inner = heads_inner ? nheads : groups;
-  const int64_t run = heads_inner ? sp : 0;  // kv head hh's row pointers: kr / vr + hh * run
-  int64_t k_hi = it.k0 + CH < it.k1 ? it.k0 + CH : it.k1;
-  key_offsets(p, table, it.k0, k_hi, koff, soff);
-  for (int64_t k_lo = it.k0; k_lo < it.k1;) {
-    const int64_t n = k_hi - k_lo;
-    const int64_t k_next = k_hi + CH < it.k1 ? k_hi + CH : it.k1;
-    if (k_next > k_hi) key_offsets(p, table, k_hi, k_next, koff + kChunk, soff + kChunk);
-    const int64_t next_keys = prefetch ? k_next - k_hi : 0;
-    const int64_t pieces = 2 * nheads * groups;  // one before each group of each pass
-    const NextChunk<DT> next{p, data, koff + kChunk, next_keys, it.h0, it.h1, pieces};
-    for (int64_t o = 0; o < n_outer; ++o) {
-      for (int64_t i = 0; i < n_inner; ++i) {
-        const int64_t hh = heads_inner ? i : o, i0 = (heads_inner ? o : i) * group;
-        const int64_t h = it.h0 + hh;
-        float* sh = s + hh * rph * sp;
-        if (i0 == 0)  // the head's first group: its K row pointers (rows converted into kbuf)
-          row_pointers<DT, LT>(data, koff, h * p.s_head, n, sp, D, lut, sc.kbuf.data(),
-                               kr + hh * run);
-        next.prefetch(o * n_inner + i);
-        if (i0 < n) {
-          scores<LT>(q + hh * rph * D, rph, kr + hh * run + i0, std::min(group, n - i0), D,
-                     sh + i0, sp);
-        }
-        if (quant && i0 + group >= CH) scale_keys(scales, soff, h * p.ss_head, n, rph, sp, sh);
-      }
-    }
-    const bool full = k_hi - 1 <= pos_min && (p.window <= 0 || k_lo > pos_max - p.window);
-    chunk_softmax(p, s, sp, rows, n, k_lo, full, pos, acc, m, l);
-    for (int64_t o = 0; o < n_outer; ++o) {
-      for (int64_t i = 0; i < n_inner; ++i) {
-        const int64_t hh = heads_inner ? i : o, i0 = (heads_inner ? o : i) * group;
-        const int64_t h = it.h0 + hh;
-        float* sh = s + hh * rph * sp;
-        if (i0 == 0) {  // the head's first group: its V row pointers, its keys' scales
-          row_pointers<DT, LT>(data, koff, p.s_kv + h * p.s_head, n, sp, D, lut, sc.vbuf.data(),
-                               vr + hh * run);
-          if (quant) scale_keys(scales, soff, p.ss_kv + h * p.ss_head, n, rph, sp, sh);
-        }
-        next.prefetch(nheads * groups + o * n_inner + i);
-        if (i0 < n) {
-          pv<LT>(acc + hh * rph * D, rph, sh + i0, sp, vr + hh * run + i0,
-                 std::min(group, n - i0), D);
-        }
-      }
-    }
-    std::memcpy(koff, koff + kChunk, sizeof(int64_t) * kChunk);
-    std::memcpy(soff, soff + kChunk, sizeof(int64_t) * kChunk);
-    k_lo = k_hi;
-    k_hi = k_next;
-  }
-
-  finish_item(p, it, sc, rows, rmax, part_acc, part_ml);
-}
-
-template <int DT>
-__attribute__((noinline)) void run_item_avx512(const Params& p, const Item& it, Scratch& sc,
-                                               int64_t rmax, float* part_acc, float* part_ml) {
-  if constexpr (DT == kBF16 || DT == kF16) {
-    const int64_t rph = (it.t1 - it.t0) * (p.num_q_heads / p.num_kv_heads);
-    if (rph <= kDirectRows) {
-      run_item_as<DT, DT>(p, it, sc, rmax, part_acc, part_ml);
-      return;
-    }
-  }
-  run_item_as<DT, kF32>(p, it, sc, rmax, part_acc, part_ml);
-}
-
+// The same item with AVX512_BF16: a bfloat16 cache read by bfloat16 queries takes its scores
+// from vdpbf16ps (pairs of bfloat16 products summed into float32, no conversion of K), the
+// scale applied to each score after its sum. Run only on CPUs that have the extension.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx512bf16")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define KVM_BF16_DOT 1
+namespace avx512_bf16 {
+#include "cpu_attention_avx512.h"
+}  // namespace avx512_bf16
+#undef KVM_BF16_DOT
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
 #endif  // KVM_AVX512
 
-// One item, by ISA: the AVX-512 path when the CPU has AVX-512 F/BW/DQ/VL,
-// else the register-tiled 8-float path compiled for AVX2 + FMA when the CPU has them, else
+// One item, by ISA: the AVX-512 path when the CPU has AVX-512 F/BW/DQ/VL (its AVX512_BF16 copy
+// for bfloat16 caches where the CPU has that too), else the register-tiled 8-float path compiled for AVX2 + FMA when the CPU has them, else
 // the portable path at the baseline ISA. Checked at run time; Params.isa or the environment
-// variable KVMESH_CPU_KERNEL_ISA (baseline | avx2 | avx512) caps the choice (tests, benches).
+// variable KVMESH_CPU_KERNEL_ISA (baseline | avx2 | avx512 | avx512bf16) caps the choice
+// (tests, benches).
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KVM_X86_DISPATCH 1
 template <int DT>
@@ -1165,7 +750,7 @@ Isa best_isa() {
     if (kAvx512Built && __builtin_cpu_supports("avx512f") &&
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma")) {
-      return kIsaAvx512;
+      return __builtin_cpu_supports("avx512bf16") ? kIsaAvx512Bf16 : kIsaAvx512;
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kIsaAvx2;
     return kIsaBaseline;
@@ -1184,6 +769,7 @@ Isa env_isa() {
     if (std::strcmp(isa, "baseline") == 0) return kIsaBaseline;
     if (std::strcmp(isa, "avx2") == 0) return kIsaAvx2;
     if (std::strcmp(isa, "avx512") == 0) return kIsaAvx512;
+    if (std::strcmp(isa, "avx512bf16") == 0) return kIsaAvx512Bf16;
     return kIsaAuto;
   }();
   return cap;
@@ -1201,8 +787,12 @@ template <int DT>
 void run_item_isa(Isa isa, const Params& p, const Item& it, Scratch& sc, int64_t rmax,
                   float* part_acc, float* part_ml) {
 #ifdef KVM_AVX512
-  if (isa == kIsaAvx512) {
-    run_item_avx512<DT>(p, it, sc, rmax, part_acc, part_ml);
+  if (isa == kIsaAvx512Bf16 && DT == kBF16) {
+    avx512_bf16::run_item_avx512<DT>(p, it, sc, rmax, part_acc, part_ml);
+    return;
+  }
+  if (isa >= kIsaAvx512) {
+    avx512::run_item_avx512<DT>(p, it, sc, rmax, part_acc, part_ml);
     return;
   }
 #endif
@@ -1225,6 +815,7 @@ void run_items(const Params& p, const std::vector<Item>& items, int64_t rmax, fl
   {
     Scratch sc;
     sc.q.resize(rmax * D);
+    sc.qb.resize(rmax * D);
     sc.acc.resize(rmax * D);
     const int64_t sp = std::max<int64_t>((bs + 7) / 8 * 8, 64);  // 8-float rows; AVX-512 chunks
     sc.s.resize(rmax * sp);

@@ -1,0 +1,508 @@
+// The AVX-512 attention item (included twice by cpu_paged_attention.cpp, inside its own
+// namespace and target pragma each time: once for AVX-512 F/BW/DQ/VL + FMA, once more with
+// AVX512_BF16 and KVM_BF16_DOT defined, where bfloat16 keys meet bfloat16 queries in
+// vdpbf16ps). No include guard: each inclusion is a separate copy.
+
+
+// Element size in bytes of a cache element type.
+constexpr int64_t elem_bytes(int DT) { return DT == kF32 ? 4 : (DT == kI8 || DT == kFP8) ? 1 : 2; }
+
+// Sixteen elements of a float32 / bfloat16 / float16 row from element d, as float32.
+template <int LT>
+KVM_INLINE __m512 ld16(const void* row, int64_t d) {
+  if constexpr (LT == kF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(row) + d);
+  } else {
+    const __m256i h = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + d));
+    if constexpr (LT == kBF16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+  }
+}
+
+// A cache row of D elements as float32 into dst (any element type; fp8 through the table).
+template <int DT>
+KVM_INLINE void convert_row(const void* src, const float* lut, float* dst, int64_t D) {
+  if constexpr (DT == kI8) {
+    const int8_t* s = static_cast<const int8_t*>(src);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d));
+      _mm512_storeu_ps(dst + d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
+    }
+  } else if constexpr (DT == kFP8) {
+    const uint8_t* s = static_cast<const uint8_t*>(src);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d));
+      _mm512_storeu_ps(dst + d, _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), lut, 4));
+    }
+  } else {
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, ld16<DT>(src, d));
+  }
+}
+
+// result[j] = sum of the 16 lanes of a[j], for j < 16.
+KVM_INLINE __m512 reduce16(const __m512* a) {
+  __m512 u[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m512* x = a + 4 * k;
+    // Per 128-bit lane: [x0 x1 | x0 x1] partial sums, then [x0 x1 x2 x3].
+    const __m512 t01 =
+        _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    const __m512 t23 =
+        _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    u[k] = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))));
+  }
+  // u[k] lane quarter i holds the quarter-i sums of a[4k .. 4k + 3]: add the quarters.
+  const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                 _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                 _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
+}
+
+// Row r of a tile: lanes r * KB .. r * KB + KB - 1 of t to s[r * sp ..].
+template <int R, int KB>
+KVM_INLINE void store_scores(__m512 t, float* s, int64_t sp) {
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, t);
+  for (int r = 0; r < R; ++r) std::memcpy(s + r * sp, tmp + r * KB, sizeof(float) * KB);
+}
+
+// Scores of R query rows (stride D) against KB key rows: s[r * sp + j].
+template <int LT, int R, int KB>
+KVM_INLINE void qk_tile(const float* q, int64_t D, const void* const* kr, float* s, int64_t sp) {
+  static_assert(R * KB == 16, "a tile fills one 16-way reduction");
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 kv[KB];
+    for (int j = 0; j < KB; ++j) kv[j] = ld16<LT>(kr[j], d);
+    for (int r = 0; r < R; ++r) {
+      const __m512 qv = _mm512_loadu_ps(q + r * D + d);
+      for (int j = 0; j < KB; ++j) acc[r * KB + j] = _mm512_fmadd_ps(qv, kv[j], acc[r * KB + j]);
+    }
+  }
+  store_scores<R, KB>(reduce16(acc), s, sp);
+}
+
+// s[r * sp + i] = q_r . k_i for rows < nrows, keys < round_up(n, 16) (kr padded to that).
+template <int LT>
+KVM_INLINE void scores(const float* q, int64_t nrows, const void* const* kr, int64_t n,
+                       int64_t D, float* s, int64_t sp) {
+  int64_t r = 0;
+  for (; r + 4 <= nrows; r += 4)
+    for (int64_t i = 0; i < n; i += 4) qk_tile<LT, 4, 4>(q + r * D, D, kr + i, s + r * sp + i, sp);
+  for (; r + 2 <= nrows; r += 2)
+    for (int64_t i = 0; i < n; i += 8) qk_tile<LT, 2, 8>(q + r * D, D, kr + i, s + r * sp + i, sp);
+  for (; r < nrows; ++r) {
+    for (int64_t i = 0; i < n; i += 16) {
+      qk_tile<LT, 1, 16>(q + r * D, D, kr + i, s + r * sp + i, sp);
+    }
+  }
+}
+
+#ifdef KVM_BF16_DOT
+// Scores of R bfloat16 query rows (stride D, unscaled) against KB bfloat16 key rows, times
+// scale: each accumulator lane sums pairs of exact bfloat16 products (vdpbf16ps), 32 elements
+// of head_dim per instruction; s[r * sp + j]. D is a multiple of 32.
+template <int R, int KB>
+KVM_INLINE void qk_tile_dot(const uint16_t* q, int64_t D, const void* const* kr, float* s,
+                            int64_t sp, __m512 scale) {
+  static_assert(R * KB == 16, "a tile fills one 16-way reduction");
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    __m512bh kv[KB];
+    for (int j = 0; j < KB; ++j)
+      kv[j] = (__m512bh)_mm512_loadu_si512(static_cast<const uint16_t*>(kr[j]) + d);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + r * D + d);
+      for (int j = 0; j < KB; ++j) acc[r * KB + j] = _mm512_dpbf16_ps(acc[r * KB + j], qv, kv[j]);
+    }
+  }
+  store_scores<R, KB>(_mm512_mul_ps(reduce16(acc), scale), s, sp);
+}
+
+// scores<kBF16> from bfloat16 queries q [nrows, D] (unscaled) by vdpbf16ps, times scale.
+KVM_INLINE void scores_dot(const uint16_t* q, int64_t nrows, const void* const* kr, int64_t n,
+                           int64_t D, float* s, int64_t sp, float scale) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  int64_t r = 0;
+  for (; r + 4 <= nrows; r += 4)
+    for (int64_t i = 0; i < n; i += 4)
+      qk_tile_dot<4, 4>(q + r * D, D, kr + i, s + r * sp + i, sp, sv);
+  for (; r + 2 <= nrows; r += 2)
+    for (int64_t i = 0; i < n; i += 8)
+      qk_tile_dot<2, 8>(q + r * D, D, kr + i, s + r * sp + i, sp, sv);
+  for (; r < nrows; ++r)
+    for (int64_t i = 0; i < n; i += 16) qk_tile_dot<1, 16>(q + r * D, D, kr + i, s + r * sp + i, sp, sv);
+}
+#endif
+
+// acc[r][d0 .. d0 + 16 DV) += sum_i p[r * sp + i] * v_i[d0 ..], accumulators in registers.
+template <int LT, int R, int DV>
+KVM_INLINE void pv_tile(float* acc, int64_t D, const float* p, int64_t sp,
+                        const void* const* vr, int64_t n, int64_t d0) {
+  __m512 a[R * DV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < DV; ++j) a[r * DV + j] = _mm512_loadu_ps(acc + r * D + d0 + 16 * j);
+  for (int64_t i = 0; i < n; ++i) {
+    __m512 vv[DV];
+    for (int j = 0; j < DV; ++j) vv[j] = ld16<LT>(vr[i], d0 + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * sp + i]);
+      for (int j = 0; j < DV; ++j) a[r * DV + j] = _mm512_fmadd_ps(w, vv[j], a[r * DV + j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < DV; ++j) _mm512_storeu_ps(acc + r * D + d0 + 16 * j, a[r * DV + j]);
+}
+
+template <int LT, int R, int DV>
+KVM_INLINE void pv_rows(float* acc, int64_t D, const float* p, int64_t sp,
+                        const void* const* vr, int64_t n) {
+  int64_t d0 = 0;
+  for (; d0 + 16 * DV <= D; d0 += 16 * DV) pv_tile<LT, R, DV>(acc, D, p, sp, vr, n, d0);
+  for (; d0 < D; d0 += 16) pv_tile<LT, R, 1>(acc, D, p, sp, vr, n, d0);
+}
+
+// Three remaining rows (3 query heads per kv head) share one pass over V; a single remaining
+// row keeps at least four independent accumulators (a 1 x 16 tile is one FMA chain per key,
+// bound by the FMA latency). Every accumulator still sums its keys in order: same results.
+template <int LT>
+KVM_INLINE void pv(float* acc, int64_t nrows, const float* p, int64_t sp, const void* const* vr,
+                   int64_t n, int64_t D) {
+  int64_t r = 0;
+  for (; r + 4 <= nrows; r += 4) pv_rows<LT, 4, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
+  if (nrows - r == 3) {
+    pv_rows<LT, 3, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
+    return;
+  }
+  for (; r + 2 <= nrows; r += 2) pv_rows<LT, 2, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
+  for (; r < nrows; ++r) {
+    if (D >= 128) {
+      pv_rows<LT, 1, 8>(acc + r * D, D, p + r * sp, sp, vr, n);
+    } else {
+      pv_rows<LT, 1, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
+    }
+  }
+}
+
+// exp(x) for x <= 0 (scores minus the running max), -inf -> 0. Cephes expf: Cody-Waite range
+// reduction and a degree-6 polynomial, about 1 ulp; below ln(FLT_MIN) the result is 0.
+KVM_INLINE __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.33654475f);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  const __m512 xc = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
+}
+
+// Keys per step of the AVX-512 item: several blocks at once, so the per-step costs (the
+// softmax's row reductions and rescale, P x V's accumulator loads and stores) are spread over
+// up to 64 keys whatever the block size.
+constexpr int64_t kChunk = 64;
+
+// Keys per step for an item reading key_bytes of K and V per key: 64, halved (down to 16) while
+// a step's K/V exceed 256 KiB: longer steps amortise the softmax rescale over small keys, and
+// shorter ones keep large keys (8 kv heads x 128 float32, 8 KiB each) within L2. Compare
+// settings with `python -m kvmesh_kernels.cpu_bench --baseline-source OLD.cpp`.
+KVM_INLINE int64_t chunk_keys(int64_t key_bytes) {
+  int64_t keys = kChunk;
+  while (keys > 16 && keys * key_bytes > (int64_t{256} << 10)) keys /= 2;
+  return keys;
+}
+
+// Element offsets of keys [k_lo, k_hi) (K of kv head 0; V at + s_kv) through the block table
+// into koff, and of their scales (quantized caches) into soff.
+KVM_INLINE void key_offsets(const Params& p, const int32_t* table, int64_t k_lo, int64_t k_hi,
+                            int64_t* koff, int64_t* soff) {
+  const int64_t bs = p.block_size;
+  int64_t i = 0;
+  for (int64_t t = k_lo; t < k_hi;) {
+    const int64_t blk = t / bs;
+    int64_t phys = table[blk];
+    phys = phys < 0 ? 0 : phys >= p.num_blocks ? p.num_blocks - 1 : phys;
+    const int64_t end = k_hi < (blk + 1) * bs ? k_hi : (blk + 1) * bs;
+    for (; t < end; ++t, ++i) {
+      koff[i] = phys * p.s_block + (t - blk * bs) * p.s_tok;
+      soff[i] = phys * p.ss_block + (t - blk * bs) * p.ss_tok;
+    }
+  }
+}
+
+// Requests the K and V rows of kv heads [h0, h1) of the n keys at koff into L1: the next
+// step's rows load while this step computes (every line of a row: the rows sit in scattered
+// blocks the hardware prefetcher does not follow); skipped for float32 keys of 8 KiB or more
+// (8 kv heads x 128), whose long contiguous rows the hardware prefetcher streams by itself.
+template <int DT>
+KVM_INLINE void prefetch_keys(const Params& p, const char* data, const int64_t* koff, int64_t n,
+                              int64_t h0, int64_t h1) {
+  const int64_t row_bytes = p.head_dim * elem_bytes(DT);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const char* k = data + (koff[i] + h * p.s_head) * elem_bytes(DT);
+      const char* v = k + p.s_kv * elem_bytes(DT);
+      for (int64_t c = 0; c < row_bytes; c += 64) {
+        _mm_prefetch(k + c, _MM_HINT_T0);
+        _mm_prefetch(v + c, _MM_HINT_T0);
+      }
+    }
+  }
+}
+
+// The next chunk's K/V rows, prefetched in `slices` pieces spread over this chunk's work
+// (piece j before the j-th group of keys of a pass) instead of all at once: a burst of
+// prefetches stalls on the core's few line-fill buffers while nothing computes, spread ones
+// overlap the compute. n = 0: none.
+template <int DT>
+struct NextChunk {
+  const Params& p;
+  const char* data;
+  const int64_t* koff;
+  int64_t n, h0, h1, slices;
+  KVM_INLINE void prefetch(int64_t j) const {
+    const int64_t lo = n * j / slices, hi = n * (j + 1) / slices;
+    prefetch_keys<DT>(p, data, koff + lo, hi - lo, h0, h1);
+  }
+};
+
+// Load pointers of the n rows at data + (koff[i] + shift) elements, padded to sp with row 0:
+// in place (LT == DT) or converted into buf (LT == kF32 != DT).
+template <int DT, int LT>
+KVM_INLINE void row_pointers(const char* data, const int64_t* koff, int64_t shift, int64_t n,
+                             int64_t sp, int64_t D, const float* lut, float* buf,
+                             const void** rows) {
+  for (int64_t i = 0; i < n; ++i) {
+    const char* src = data + (koff[i] + shift) * elem_bytes(DT);
+    if constexpr (LT == DT) {
+      rows[i] = src;
+    } else {
+      convert_row<DT>(src, lut, buf + i * D, D);
+      rows[i] = buf + i * D;
+    }
+  }
+  for (int64_t i = n; i < sp; ++i) rows[i] = rows[0];  // padding keys, scores discarded
+}
+
+// Largest lane of a, as a float.
+KVM_INLINE float hmax16(__m512 a) {
+  __m256 h = _mm256_max_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+// Sum of the lanes of a.
+KVM_INLINE float hsum16(__m512 a) {
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// Masks keys [k_lo, k_lo + n) a row cannot see (-inf), pads to sp, and turns the scores into
+// probabilities relative to the running max, rescaling acc when the max moved.
+KVM_INLINE void chunk_softmax(const Params& p, float* s, int64_t sp, int64_t rows, int64_t n,
+                              int64_t k_lo, bool full, const int64_t* pos, float* acc,
+                              float* m, float* l) {
+  const int64_t D = p.head_dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * sp;
+    if (!full) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = k_lo + i;
+        if (t > pos[r] || (p.window > 0 && t <= pos[r] - p.window)) sr[i] = kNegInf;
+      }
+    }
+    for (int64_t i = n; i < sp; ++i) sr[i] = kNegInf;
+    __m512 mx16 = _mm512_loadu_ps(sr);
+    for (int64_t c = 16; c < sp; c += 16) mx16 = _mm512_max_ps(mx16, _mm512_loadu_ps(sr + c));
+    const float mx = hmax16(mx16);
+    if (mx == kNegInf) {
+      for (int64_t i = 0; i < sp; ++i) sr[i] = 0.f;
+      continue;
+    }
+    const float m_new = m[r] > mx ? m[r] : mx;
+    const __m512 mv = _mm512_set1_ps(m_new);
+    __m512 sum16 = _mm512_setzero_ps();
+    for (int64_t c = 0; c < sp; c += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + c), mv));
+      _mm512_storeu_ps(sr + c, e);
+      sum16 = _mm512_add_ps(sum16, e);
+    }
+    if (m_new != m[r]) {
+      const float corr = std::exp(m[r] - m_new);  // 0 on the first chunk a row sees
+      const __m512 cv = _mm512_set1_ps(corr);
+      float* ar = acc + r * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), cv));
+      }
+      l[r] *= corr;
+    }
+    l[r] += hsum16(sum16);
+    m[r] = m_new;
+  }
+}
+
+// Per-key scales (quantized caches) into the scores or probabilities of one kv head's rows.
+KVM_INLINE void scale_keys(const float* scales, const int64_t* soff,
+                           int64_t shift, int64_t n, int64_t rph, int64_t sp, float* sh) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = scales[soff[i] + shift];
+    for (int64_t r = 0; r < rph; ++r) sh[r * sp + i] *= f;
+  }
+}
+
+// Query rows per kv head up to which bf16/f16 rows are converted in registers at every load;
+// above it each block's rows are converted once into float32 buffers and reused. Items up to
+// it (decode) also interleave the next chunk's prefetch with groups of 16 keys.
+constexpr int64_t kDirectRows = 8;
+
+// The item with K rows loaded as KT and V rows as VT (DT itself, read in place, or float32
+// from the conversion buffers).
+template <int DT, int KT, int VT>
+KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_t rmax,
+                            float* part_acc, float* part_ml) {
+  const int64_t D = p.head_dim;
+  const int64_t sp = kChunk;  // score row stride: whole vectors
+  const int64_t G = p.num_q_heads / p.num_kv_heads;
+  const int64_t ntok = it.t1 - it.t0, nheads = it.h1 - it.h0;
+  const int64_t rph = ntok * G;  // rows per kv head
+  const int64_t rows = nheads * rph;
+  const int32_t* table = reinterpret_cast<const int32_t*>(p.block_tables) + it.b * p.max_blocks;
+  const char* data = reinterpret_cast<const char*>(p.data);
+  const float* scales = reinterpret_cast<const float*>(p.scales);
+  const float* lut = reinterpret_cast<const float*>(p.fp8_lut);
+  const bool quant = DT == kI8 || DT == kFP8;
+
+  float* q = sc.q.data();
+  float* acc = sc.acc.data();
+  float* s = sc.s.data();
+  float* m = sc.m.data();
+  float* l = sc.l.data();
+  int64_t* pos = sc.pos.data();
+  int64_t* koff = sc.koff.data();  // this chunk's keys, then the next chunk's
+  int64_t* soff = sc.soff.data();
+  const void** kr = sc.kraw.data();
+  const void** vr = sc.vraw.data();
+#ifdef KVM_BF16_DOT
+  // bfloat16 keys read in place by bfloat16 queries: scores by vdpbf16ps
+  const bool dot = KT == kBF16 && p.q_dtype == kBF16 && D % 32 == 0;
+#else
+  constexpr bool dot = false;
+#endif
+  begin_item(p, it, sc, rows, dot);
+  const int64_t pos_min = pos[0], pos_max = pos[rph - 1];  // first and last token positions
+
+  const int64_t key_bytes = 2 * nheads * D * elem_bytes(DT);
+  const int64_t CH = chunk_keys(key_bytes);
+  const bool prefetch = DT != kF32 || key_bytes < 8192;
+  // Decode items run each pass in groups of 16 keys with a piece of the next chunk's prefetch
+  // before each, so memory requests keep flowing while the pass computes (prefill tiles keep
+  // whole passes: their many rows make a pass compute-bound, and splitting it costs).
+  const int64_t group = prefetch && rph <= kDirectRows ? 16 : CH;
+  const int64_t groups = (CH + group - 1) / group;
+  // Decode items reading rows in place take the kv heads inside each group of keys, so a
+  // group's K (then V) rows of all heads, adjacent in the block, are read together.
+  // Others run head by head, each head's rows converted into one reused buffer. Both passes
+  // step (outer, inner) = (group, head) or (head, group); the prefetch piece before a step is
+  // its index in that order (V's after K's: pieces = 2 * nheads * groups).
+  const bool heads_inner = group < CH && KT == DT && VT == DT && !quant;
+  const int64_t n_outer = heads_inner ? groups : nheads;
+  const int64_t n_inner = heads_inner ? nheads : groups;
+  const int64_t run = heads_inner ? sp : 0;  // kv head hh's row pointers: kr / vr + hh * run
+  int64_t k_hi = it.k0 + CH < it.k1 ? it.k0 + CH : it.k1;
+  key_offsets(p, table, it.k0, k_hi, koff, soff);
+  for (int64_t k_lo = it.k0; k_lo < it.k1;) {
+    const int64_t n = k_hi - k_lo;
+    const int64_t k_next = k_hi + CH < it.k1 ? k_hi + CH : it.k1;
+    if (k_next > k_hi) key_offsets(p, table, k_hi, k_next, koff + kChunk, soff + kChunk);
+    const int64_t next_keys = prefetch ? k_next - k_hi : 0;
+    const int64_t pieces = 2 * nheads * groups;  // one before each group of each pass
+    const NextChunk<DT> next{p, data, koff + kChunk, next_keys, it.h0, it.h1, pieces};
+    for (int64_t o = 0; o < n_outer; ++o) {
+      for (int64_t i = 0; i < n_inner; ++i) {
+        const int64_t hh = heads_inner ? i : o, i0 = (heads_inner ? o : i) * group;
+        const int64_t h = it.h0 + hh;
+        float* sh = s + hh * rph * sp;
+        if (i0 == 0)  // the head's first group: its K row pointers (rows converted into kbuf)
+          row_pointers<DT, KT>(data, koff, h * p.s_head, n, sp, D, lut, sc.kbuf.data(),
+                               kr + hh * run);
+        next.prefetch(o * n_inner + i);
+        if (i0 < n && dot) {
+#ifdef KVM_BF16_DOT
+          scores_dot(sc.qb.data() + hh * rph * D, rph, kr + hh * run + i0,
+                     std::min(group, n - i0), D, sh + i0, sp, static_cast<float>(p.scale));
+#endif
+        } else if (i0 < n) {
+          scores<KT>(q + hh * rph * D, rph, kr + hh * run + i0, std::min(group, n - i0), D,
+                     sh + i0, sp);
+        }
+        if (quant && i0 + group >= CH) scale_keys(scales, soff, h * p.ss_head, n, rph, sp, sh);
+      }
+    }
+    const bool full = k_hi - 1 <= pos_min && (p.window <= 0 || k_lo > pos_max - p.window);
+    chunk_softmax(p, s, sp, rows, n, k_lo, full, pos, acc, m, l);
+    for (int64_t o = 0; o < n_outer; ++o) {
+      for (int64_t i = 0; i < n_inner; ++i) {
+        const int64_t hh = heads_inner ? i : o, i0 = (heads_inner ? o : i) * group;
+        const int64_t h = it.h0 + hh;
+        float* sh = s + hh * rph * sp;
+        if (i0 == 0) {  // the head's first group: its V row pointers, its keys' scales
+          row_pointers<DT, VT>(data, koff, p.s_kv + h * p.s_head, n, sp, D, lut, sc.vbuf.data(),
+                               vr + hh * run);
+          if (quant) scale_keys(scales, soff, p.ss_kv + h * p.ss_head, n, rph, sp, sh);
+        }
+        next.prefetch(nheads * groups + o * n_inner + i);
+        if (i0 < n) {
+          pv<VT>(acc + hh * rph * D, rph, sh + i0, sp, vr + hh * run + i0,
+                 std::min(group, n - i0), D);
+        }
+      }
+    }
+    std::memcpy(koff, koff + kChunk, sizeof(int64_t) * kChunk);
+    std::memcpy(soff, soff + kChunk, sizeof(int64_t) * kChunk);
+    k_lo = k_hi;
+    k_hi = k_next;
+  }
+
+  finish_item(p, it, sc, rows, rmax, part_acc, part_ml);
+}
+
+template <int DT>
+__attribute__((noinline)) void run_item_avx512(const Params& p, const Item& it, Scratch& sc,
+                                               int64_t rmax, float* part_acc, float* part_ml) {
+  if constexpr (DT == kBF16 || DT == kF16) {
+    const int64_t rph = (it.t1 - it.t0) * (p.num_q_heads / p.num_kv_heads);
+    if (rph <= kDirectRows) {
+      run_item_as<DT, DT, DT>(p, it, sc, rmax, part_acc, part_ml);
+      return;
+    }
+#ifdef KVM_BF16_DOT
+    if constexpr (DT == kBF16) {
+      if (p.q_dtype == kBF16 && p.head_dim % 32 == 0) {  // K read in place, V converted
+        run_item_as<DT, DT, kF32>(p, it, sc, rmax, part_acc, part_ml);
+        return;
+      }
+    }
+#endif
+  }
+  run_item_as<DT, kF32, kF32>(p, it, sc, rmax, part_acc, part_ml);
+}
+
