@@ -191,9 +191,10 @@ def logprob_rows(x: torch.Tensor, tokens: torch.Tensor, k: int) -> Logprobs:
     """x [rows, n] raw logits (rows strided, n > 0), tokens int64 [rows] in [0, n), 0 <= k <=
     min(MAX_TOP_LOGPROBS, n) -> float32 log_softmax(x) at each row's token, its rank and the k
     most likely tokens (the smaller id first on ties), without a float32 copy of the rows. A
-    row holding NaN gets NaN log-probabilities, as log_softmax gives."""
+    row whose log_softmax is undefined (NaN or +inf logits, or all -inf) gets NaN
+    log-probabilities, as log_softmax gives, and top ids 0 .. k-1."""
     rows, n = x.shape
-    assert n > 0 and 0 <= k <= min(MAX_TOP_LOGPROBS, n)
+    assert fused_supported(x) and n > 0 and 0 <= k <= min(MAX_TOP_LOGPROBS, n)
     out = Logprobs(
         token_logprob=torch.empty(rows, dtype=torch.float32),  # [rows]
         token_rank=torch.empty(rows, dtype=torch.int64),  # [rows]
@@ -230,7 +231,7 @@ def _per_row(
     """Call a row kernel `name(dtype, x, row_stride, rows, n, *columns, out, threads)` over x
     [rows, n] (n > 0); returns out [rows] of `out_dtype`."""
     rows, n = x.shape
-    assert n > 0
+    assert fused_supported(x) and n > 0
     out = torch.empty(rows, dtype=out_dtype)  # [rows]
     if rows == 0:
         return out

@@ -98,7 +98,7 @@ class AttentionPlan:
         """Store key/value [num_tokens, Hkv, D] of this step at its slots in layer `layer`
         (quantizing when the cache is int8/fp8); tokens with slot -1 are skipped."""
         spec = self.cache.spec
-        data_ptr, _ = self._pointers(layer)  # IndexError when out of range
+        data_ptr, scales_ptr = self._pointers(layer)  # IndexError when out of range
         dispatch._check_kv(key, value, spec.num_kv_heads, spec.head_dim)
         _check(
             key.shape[0] == self.num_tokens,
@@ -107,8 +107,11 @@ class AttentionPlan:
         if self.backend == "triton":
             dispatch._triton("write_kv")(self.layer(layer), key, value, self.slot_mapping)
             return
-        if self._write is not None and cpu_cache_ops.kv_copyable(self.cache.data.dtype, key, value):
-            self._write(key, value, data_ptr)  # the layer was checked when the plan was built
+        quantized = spec.quantized
+        if self._write is not None and cpu_cache_ops.kv_writable(
+            self.cache.data.dtype, quantized, key, value
+        ):
+            self._write(key, value, data_ptr, scales_ptr)  # the layer was checked at build
             return
         if self._slot_index is None:
             self._slot_index = slot_index(self.slot_mapping, spec.block_size)

@@ -348,17 +348,21 @@ def apply_top_k_top_p(
 def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Logprobs:
     """logits [rows, vocab] as the model gave them, token_ids [rows] -> log_softmax at each
     row's token, its rank (1 + the number of logits above it) and the k most likely tokens
-    (descending, the smaller id first on ties; k capped at the vocabulary). The CPU kernel
-    where it applies, else torch on a float32 log_softmax and a stable sort (the same ids and
-    ranks; the same values up to the sum's rounding)."""
+    (descending by logit, the smaller id first on ties; k capped at the vocabulary; a row
+    whose log_softmax is NaN: ids 0 .. k-1). The CPU kernel where it applies, else torch: a
+    float32 log_softmax and a stable sort of the logits (the same ids and ranks; the same
+    values up to the sum's rounding)."""
     k = min(k, logits.shape[-1])
     if fused_supported(logits):
         return logprob_rows(logits, token_ids, k)
     logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # [rows, vocab]
     picked = token_ids.unsqueeze(1)  # [rows, 1]
     ranks = (logits > logits.gather(1, picked)).sum(dim=-1) + 1  # [rows]
-    top = logprobs.sort(dim=-1, descending=True, stable=True)  # ties: the smaller id first
-    top_values, top_ids = top.values[:, :k], top.indices[:, :k]  # [rows, k]
+    order = logits.sort(dim=-1, descending=True, stable=True).indices  # ties: smaller id first
+    undefined = logprobs[:, :1].isnan()  # [rows, 1]: NaN or +inf logits, or all -inf
+    first_ids = torch.arange(k, device=logits.device).expand(logits.shape[0], k)
+    top_ids = torch.where(undefined, first_ids, order[:, :k])  # [rows, k]
+    top_values = logprobs.gather(1, top_ids)  # [rows, k]
     return Logprobs(logprobs.gather(1, picked).squeeze(1), ranks, top_ids, top_values)
 
 

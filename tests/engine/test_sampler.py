@@ -344,3 +344,29 @@ def test_penalties_refuse_a_token_outside_the_vocabulary() -> None:
     rows = [row(SamplingParams(repetition_penalty=1.2), output=(8,)), row(SamplingParams())]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         apply_penalties(torch.zeros(2, 8), rows)
+
+
+def test_raw_logprobs_torch_path_gives_the_kernels_ids_and_ranks() -> None:
+    """The torch path (float16 rows here; CUDA) against the CPU kernel on the same values in
+    float32: runs of ties, -inf tails, and rows whose log_softmax is NaN (a NaN, +inf, all
+    -inf: ids 0 .. k-1)."""
+    from kvmesh.engine.sampler import raw_logprobs
+
+    inf = float("inf")
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(7, 300, generator=generator)
+    x[0] = 10 + torch.arange(300) * 2**-10  # runs of ties once rounded to float16
+    x[1] = (x[1] * 2).round()  # ties
+    x[2, 7] = float("nan")
+    x[3, 11] = inf
+    x[4] = -inf
+    x[5, 100:] = -inf
+    x16 = x.half()
+    tokens = torch.tensor([5, 9, 0, 1, 2, 150, 299])
+    kernel = raw_logprobs(x16.float(), tokens, 20)  # float32 on CPU: the kernel
+    torch_path = raw_logprobs(x16, tokens, 20)  # float16: torch
+    assert torch.equal(kernel.top_ids, torch_path.top_ids)
+    assert torch.equal(kernel.token_rank, torch_path.token_rank)
+    assert torch.allclose(kernel.top_logprobs, torch_path.top_logprobs, atol=1e-5, equal_nan=True)
+    assert bool(kernel.top_logprobs[2:5].isnan().all())
+    assert kernel.top_ids[4].tolist() == list(range(20))

@@ -312,7 +312,7 @@ def test_logprob_rows_match_log_softmax_rank_and_sorted_top(
 def test_logprob_rows_special_rows() -> None:
     inf, nan = float("inf"), float("nan")
     x = torch.zeros(4, 40)
-    x[0, 3] = nan  # NaN: NaN logprobs, as log_softmax; top ids among the numbers
+    x[0, 3] = nan  # NaN: NaN logprobs, as log_softmax; top ids 0 .. k-1
     x[1] = -inf
     x[1, 30] = 2.0  # one finite token: logprob 0, the -inf ones -inf
     x[2, 39] = 50.0  # in the tail, after the vector lanes

@@ -701,7 +701,10 @@ namespace avx512 {
 
 // The same item with AVX512_BF16: a bfloat16 cache read by bfloat16 queries takes its scores
 // from vdpbf16ps (pairs of bfloat16 products summed into float32, no conversion of K), the
-// scale applied to each score after its sum. Run only on CPUs that have the extension.
+// scale applied to each score after its sum. Run only on CPUs that have the extension; built
+// by GCC 10 and later (the first with its intrinsics).
+#if __GNUC__ >= 10
+#define KVM_AVX512_BF16 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx512bf16")
 #pragma GCC diagnostic push
@@ -713,6 +716,7 @@ namespace avx512_bf16 {
 #undef KVM_BF16_DOT
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
+#endif  // __GNUC__ >= 10
 #endif  // KVM_AVX512
 
 // One item, by ISA: the AVX-512 path when the CPU has AVX-512 F/BW/DQ/VL (its AVX512_BF16 copy
@@ -742,6 +746,11 @@ constexpr bool kAvx512Built = true;
 #else
 constexpr bool kAvx512Built = false;
 #endif
+#ifdef KVM_AVX512_BF16
+constexpr bool kAvx512Bf16Built = true;
+#else
+constexpr bool kAvx512Bf16Built = false;
+#endif
 
 // The best ISA path this CPU (and this build) runs.
 Isa best_isa() {
@@ -750,7 +759,8 @@ Isa best_isa() {
     if (kAvx512Built && __builtin_cpu_supports("avx512f") &&
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma")) {
-      return __builtin_cpu_supports("avx512bf16") ? kIsaAvx512Bf16 : kIsaAvx512;
+      const bool bf16 = kAvx512Bf16Built && __builtin_cpu_supports("avx512bf16");
+      return bf16 ? kIsaAvx512Bf16 : kIsaAvx512;
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kIsaAvx2;
     return kIsaBaseline;
@@ -787,10 +797,12 @@ template <int DT>
 void run_item_isa(Isa isa, const Params& p, const Item& it, Scratch& sc, int64_t rmax,
                   float* part_acc, float* part_ml) {
 #ifdef KVM_AVX512
+#ifdef KVM_AVX512_BF16
   if (isa == kIsaAvx512Bf16 && DT == kBF16) {
     avx512_bf16::run_item_avx512<DT>(p, it, sc, rmax, part_acc, part_ml);
     return;
   }
+#endif
   if (isa >= kIsaAvx512) {
     avx512::run_item_avx512<DT>(p, it, sc, rmax, part_acc, part_ml);
     return;

@@ -446,9 +446,10 @@ KVF_CLONES double row_scan(const float* x, int64_t n, float top, float mark, int
 }
 
 // One row: out_logprob = log_softmax(x)[token] (float32: (x - max) - log(sum)), out_rank, and
-// the k largest values' indices and log-probabilities. A row holding NaN gets NaN
-// log-probabilities (as log_softmax gives) and the top values among its numbers. `scratch`
-// holds n floats (used for 16-bit rows).
+// the k largest values' indices and log-probabilities. A row whose log_softmax is undefined
+// (a NaN, +inf, or nothing above -inf) gets NaN log-probabilities, as log_softmax gives, and
+// top ids 0 .. k-1 (a stable sort of equal values). `scratch` holds n floats (used for 16-bit
+// rows).
 template <class D>
 void logprob_row(const typename D::T* x, int64_t n, int64_t token, int64_t k, float* scratch,
                  float* out_logprob, int64_t* out_rank, int64_t* top_index, float* top_logprob) {
@@ -464,10 +465,11 @@ void logprob_row(const typename D::T* x, int64_t n, int64_t token, int64_t k, fl
   const float log_sum = has_nan || !(top > -INFINITY) ? NAN : static_cast<float>(std::log(sum));
   *out_logprob = (mark - top) - log_sum;
   *out_rank = above + 1;
+  const bool undefined = log_sum != log_sum;  // NaN, all -inf, or +inf (inf - inf): all NaN
   for (int64_t j = 0; j < k; ++j) {
-    const bool seen = j < slots.filled;
-    top_index[j] = seen ? slots.index[j] : 0;
-    top_logprob[j] = seen ? (slots.value[j] - top) - log_sum : -INFINITY;
+    const bool seen = j < slots.filled && !undefined;  // a finite row fills every slot
+    top_index[j] = seen ? slots.index[j] : j;
+    top_logprob[j] = seen ? (slots.value[j] - top) - log_sum : NAN;
   }
 }
 
