@@ -1,4 +1,4 @@
-"""Fused CPU paged attention side by side: float32 / bfloat16 / float16 caches, decode and extend.
+"""Fused CPU paged attention side by side: float32 / bfloat16 / float16 / int8 / fp8 caches.
 
 Run: `python -m kvmesh_kernels.cpu_bench [--repeats 9] [--threads N] [--isas auto avx2]
 [--baseline-source OLD.cpp] [--huge-pages] [--json]` (one thread is steadier on a shared
@@ -12,8 +12,10 @@ engine runs them, over a block-major cache of that many layers):
                size 16 (131 MB of bfloat16 K/V per step)
   big-decode   1 layer, batch 32, context 2048, 32 query heads, 8 kv heads, head dim 128
   w1-extend    8 layers, 4 chunks of 128 tokens after 384 cached (q_len 128, context 512)
-Variants, all in this process with interleaved repeats: the kernel through `FusedCall` as the
-engine calls it (query read and output written in the model dtype), once per `--isas` entry
+Caches "int8" and "fp8" are bfloat16 models' K/V quantized (`kvmesh_kernels.quant`), read by
+bfloat16 queries. Variants, all in this process with interleaved repeats: the kernel through
+`FusedCall` as the engine calls it (query read and output written in the model dtype), once
+per `--isas` entry
 ("auto" = the best path this CPU runs; "avx2", "baseline" cap it), and with
 `--baseline-source` the same call into a library built from another version of
 `csrc/cpu_paged_attention.cpp` (e.g. `git show REV:kernels/kvmesh_kernels/csrc/...`), driven
@@ -43,8 +45,16 @@ import torch
 from kvmesh_kernels import cpu_attention, cpu_build
 from kvmesh_kernels.cache import KVCacheSpec, LayerKV, allocate_kv_cache
 from kvmesh_kernels.hugepages import thp_mode
+from kvmesh_kernels.quant import quantize
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# cache name -> (model dtype: queries and K/V before storage, storage format)
+DTYPES = {
+    "float32": (torch.float32, "auto"),
+    "bfloat16": (torch.bfloat16, "auto"),
+    "float16": (torch.float16, "auto"),
+    "int8": (torch.bfloat16, "int8"),
+    "fp8": (torch.bfloat16, "fp8"),
+}
 
 
 @dataclass(frozen=True)
@@ -84,13 +94,21 @@ class Batch:
     kv_bytes: int
 
 
-def make_batch(case: Case, dtype: torch.dtype, huge_pages: bool = True) -> Batch:
+def make_batch(case: Case, cache_name: str, huge_pages: bool = True) -> Batch:
+    dtype, kv_dtype = DTYPES[cache_name]
     gen = torch.Generator().manual_seed(1)
     bs = case.block_size
     need = [-(-n // bs) for n in case.lens]
-    spec = KVCacheSpec(sum(need), case.layers, bs, case.kv_heads, case.head_dim, dtype)
+    spec = KVCacheSpec(sum(need), case.layers, bs, case.kv_heads, case.head_dim, dtype, kv_dtype)
     cache = allocate_kv_cache(spec, huge_pages=huge_pages)
-    cache.data.copy_(torch.randn(spec.data_shape, generator=gen).to(dtype))
+    kv = torch.randn(spec.data_shape, generator=gen).to(dtype)
+    if cache.scales is None:
+        cache.data.copy_(kv)
+    else:
+        values, scales = quantize(kv, kv_dtype)
+        cache.data.copy_(values)
+        cache.scales.copy_(scales)
+    del kv
     perm = torch.randperm(spec.num_blocks, generator=gen)
     tables = torch.zeros(len(case.lens), max(need), dtype=torch.int32)
     first = 0
@@ -99,8 +117,8 @@ def make_batch(case: Case, dtype: torch.dtype, huge_pages: bool = True) -> Batch
         first += n
     starts = torch.tensor([0, *torch.tensor(case.q_lens).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(sum(case.q_lens), case.q_heads, case.head_dim, generator=gen).to(dtype)
-    elem = torch.empty((), dtype=dtype).element_size()
-    kv_bytes = 2 * sum(case.lens) * case.kv_heads * case.head_dim * elem * case.layers
+    row_bytes = case.head_dim * cache.data.element_size() + (4 if spec.quantized else 0)
+    kv_bytes = 2 * sum(case.lens) * case.kv_heads * row_bytes * case.layers  # with scales
     lens = torch.tensor(case.lens, dtype=torch.int32)
     layers = [cache.layer(i) for i in range(case.layers)]
     return Batch(layers, tables, lens, starts, query, kv_bytes)
@@ -192,14 +210,14 @@ def measure(
     """One case in one dtype; with `compare_huge_pages` every variant runs on a cache advised
     against huge pages (`-4k`) and on the same contents in huge pages (`-thp`)."""
     if compare_huge_pages:
-        small = make_batch(case, DTYPES[dtype_name], huge_pages=False)
-        batch = make_batch(case, DTYPES[dtype_name], huge_pages=True)
+        small = make_batch(case, dtype_name, huge_pages=False)
+        batch = make_batch(case, dtype_name, huge_pages=True)
         fns = {
             **variants(small, isas, baseline, "-4k"),
             **variants(batch, isas, baseline, "-thp"),
         }
     else:
-        batch = make_batch(case, DTYPES[dtype_name])
+        batch = make_batch(case, dtype_name)
         fns = variants(batch, isas, baseline)
     first = next(iter(fns))
     ref = fns[first]().float()
@@ -224,7 +242,9 @@ def measure(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float32", "bfloat16", "float16"], choices=list(DTYPES)
+    )
     parser.add_argument("--cases", nargs="+", default=[c.name for c in cases()])
     parser.add_argument("--isas", nargs="+", default=["auto", "avx2"])
     parser.add_argument("--baseline-source", type=Path, default=None)

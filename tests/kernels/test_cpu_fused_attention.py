@@ -9,7 +9,14 @@ import kvmesh_kernels
 import pytest
 import torch
 from dense_reference import dense_attention, random_paged_cache, rel_error
-from kvmesh_kernels import cpu_attention, cpu_build, paged_attention, paged_decode_attention
+from kvmesh_kernels import (
+    KVCacheSpec,
+    allocate_kv_cache,
+    cpu_attention,
+    cpu_build,
+    paged_attention,
+    paged_decode_attention,
+)
 from kvmesh_kernels.reference_attention import (
     torch_paged_attention,
     torch_paged_decode_attention,
@@ -316,3 +323,29 @@ def test_query_read_in_place_and_output_rounding(dtype: torch.dtype) -> None:
     into = torch.full((tokens, 8, 64), float("nan"), dtype=dtype)
     cpu_attention.cpu_paged_attention(query, *args, scale=0.125, out=into, isa="avx512")
     assert torch.equal(into, direct)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
+def test_fp8_values_read_exactly(isa: str) -> None:
+    """A query that sees one key gets that key's V row times its scale: every finite e4m3fn
+    code (normal, subnormal, signed zeros) read back exactly, by decode rows (converted as
+    they load) and by a 4-token chunk (16 query rows per kv head: through the buffers)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[~torch.isnan(codes.view(torch.float8_e4m3fn).float())]  # 254 codes
+    rows = torch.cat([finite, finite[:2]]).view(4, 1, 64)  # V of token 0 of blocks 0..3
+    spec = KVCacheSpec(4, 1, 16, 1, 64, torch.float32, "fp8")
+    cache = allocate_kv_cache(spec)
+    assert cache.scales is not None
+    cache.data.view(torch.uint8)[:, 0, 1, 0] = rows  # [block, layer, V, token 0]
+    cache.scales.fill_(1.0)
+    tables = torch.arange(4, dtype=torch.int32).view(4, 1)
+    expected = rows.view(torch.float8_e4m3fn).float()  # [4, 1, 64]
+    for q_len in (1, 4):  # each sequence's context is its chunk: token 0 sees key 0 only
+        lens = torch.full((4,), q_len, dtype=torch.int32)
+        starts = torch.arange(0, 4 * q_len + 1, q_len, dtype=torch.int32)
+        query = torch.randn(4 * q_len, 4, 64)  # [tokens, Hq, D]
+        out = cpu_attention.cpu_paged_attention(
+            query, cache.layer(0), tables, lens, starts, scale=0.125, isa=isa
+        )
+        first = out.view(4, q_len, 4, 64)[:, 0]  # [sequence, Hq, D]
+        assert torch.equal(first, expected.expand(4, 4, 64))

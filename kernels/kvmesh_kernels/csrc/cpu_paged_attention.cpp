@@ -683,10 +683,11 @@ KVM_INLINE void run_item_portable(const Params& p, const Item& it, Scratch& sc, 
 //   P x V   tiles of 4 rows x 64 dims (1 x 128 for remainder rows) in registers over a step.
 // Decode items (few rows per kv head, rows read in place) run each pass in groups of 16 keys,
 // every kv head within a group, with a piece of the next step's prefetch before each.
-// bfloat16 / float16 K and V rows are converted in registers as they are loaded (zero-extend
-// and shift; vcvtph2ps), with no row buffer, when an item has few query rows per kv head
-// (decode: G rows). Items with more rows (prefill tiles) convert each step's rows once into
-// float32 buffers and reuse them; int8 / fp8 rows always go through the buffers.
+// bfloat16 / float16 / int8 / fp8 K and V rows are converted in registers as they are loaded
+// (zero-extend and shift; vcvtph2ps; sign-extend and convert; e4m3fn bit placement), with no
+// row buffer, when an item has few query rows per kv head (decode: G rows; quantized rows'
+// scales multiply the scores and probabilities). Items with more rows (prefill tiles) convert
+// each step's rows once into float32 buffers and reuse them.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KVM_AVX512 1
 #pragma GCC push_options
@@ -719,11 +720,11 @@ namespace avx512_bf16 {
 #endif  // __GNUC__ >= 10
 #endif  // KVM_AVX512
 
-// One item, by ISA: the AVX-512 path when the CPU has AVX-512 F/BW/DQ/VL (its AVX512_BF16 copy
-// for bfloat16 caches where the CPU has that too), else the register-tiled 8-float path compiled for AVX2 + FMA when the CPU has them, else
-// the portable path at the baseline ISA. Checked at run time; Params.isa or the environment
-// variable KVMESH_CPU_KERNEL_ISA (baseline | avx2 | avx512 | avx512bf16) caps the choice
-// (tests, benches).
+// One item, by ISA: the AVX-512 path when the CPU has AVX-512 F/BW/DQ/VL (its AVX512_BF16
+// copy for bfloat16 caches where the CPU has that too), else the register-tiled 8-float path
+// compiled for AVX2 + FMA when the CPU has them, else the portable path at the baseline ISA.
+// Checked at run time; Params.isa or the environment variable KVMESH_CPU_KERNEL_ISA
+// (baseline | avx2 | avx512 | avx512bf16) caps the choice (tests, benches).
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KVM_X86_DISPATCH 1
 template <int DT>
