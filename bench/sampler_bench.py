@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from kvmesh_kernels.cpu_build import machine
 
 from kvmesh.engine.sampler import Sampler, SamplingBatch, SamplingRow
 from kvmesh.engine.sampling_params import SamplingParams
@@ -53,6 +54,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    host = machine()
+    print(f"{host['cpu']} ({host['isa']}), {args.threads} threads")
     generator = torch.Generator().manual_seed(0)
     for rows in (16, 64, 256):
         logits = (torch.randn(rows, args.vocab, generator=generator) * 4).to(

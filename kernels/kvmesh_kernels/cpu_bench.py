@@ -269,9 +269,12 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in args.dtypes
     ]
     pages = {"thp": thp_mode(), "huge_pages_compared": args.huge_pages}  # the default: huge
+    host = cpu_build.machine()
     if args.json:
-        print(json.dumps({"threads": torch.get_num_threads(), **pages, "rows": rows}, indent=2))
+        report = {"threads": torch.get_num_threads(), "machine": host, **pages, "rows": rows}
+        print(json.dumps(report, indent=2))
         return 0
+    print(f"{host['cpu']} ({host['isa']})")
     print(f"threads={torch.get_num_threads()} repeats={args.repeats} THP {pages['thp']}")
     for row in rows:
         parts = []

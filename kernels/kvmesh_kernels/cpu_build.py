@@ -106,6 +106,17 @@ def isa_level() -> str:
     return ",".join(flag for flag in ISA_FLAGS if flag in have)
 
 
+def machine() -> dict[str, str]:
+    """What a benchmark ran on: the CPU's model name and `isa_level()` ("unknown" where
+    /proc/cpuinfo does not say)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    name = next((ln for ln in text.splitlines() if ln.startswith("model name")), "")
+    return {"cpu": name.partition(":")[2].strip() or "unknown", "isa": isa_level() or "unknown"}
+
+
 def published_path(key: str | None = None) -> Path:
     """Where the library of `key` (default: this build's) is published."""
     return cache_root() / (key or build_key(sources_bytes())) / LIB_NAME

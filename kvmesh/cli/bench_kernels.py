@@ -140,7 +140,7 @@ def bench_write(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from kvmesh_kernels.cpu_build import available
+    from kvmesh_kernels.cpu_build import available, machine
 
     decode = [bench_decode(args, c) for c in args.contexts]
     write = [bench_write(args, kv) for kv in ("auto", "int8", "fp8")]
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "fused_kernel": available(),
     }
-    result = {"shape": shape, "decode": decode, "write_kv": write}
+    result = {"shape": shape, "machine": machine(), "decode": decode, "write_kv": write}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -167,7 +167,8 @@ def _print_tables(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     shape = ", ".join(f"{k}={v}" for k, v in result["shape"].items())
-    table = Table(title=f"paged decode vs contiguous SDPA ({shape})")
+    host = result["machine"]
+    table = Table(title=f"paged decode vs contiguous SDPA ({shape}; {host['cpu']}, {host['isa']})")
     cols = ("context", "contiguous ms", "reference ms", "fused ms", "reference / contig")
     for col in (*cols, "fused / contig", "fused / contig range"):
         table.add_column(col, justify="right")

@@ -454,7 +454,10 @@ def _ratios(workload: str, results: list[dict[str, Any]]) -> dict[str, float]:
 
 def _report(workload: str, repeats: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """The first repeat's runs and ratios; with several repeats, every ratio's median and range."""
+    from kvmesh_kernels.cpu_build import machine
+
     report: dict[str, Any] = {"workload": workload, **repeats[0][0], "runs": repeats[0]}
+    report["machine"] = machine()
     report["ratios"] = _ratios(workload, repeats[0])
     if len(repeats) > 1:
         per_repeat = [_ratios(workload, results) for results in repeats]
@@ -482,7 +485,9 @@ def _print(report: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(report))
         return
-    print(f"workload {report['workload']}")
+    print(
+        f"workload {report['workload']} on {report['machine']['cpu']} ({report['machine']['isa']})"
+    )
     for run in report["runs"]:
         print(
             f"  {run['name']:<22} {run['tokens']:>7} tok {run['seconds']:>8.2f} s "

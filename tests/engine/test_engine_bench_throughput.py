@@ -62,6 +62,7 @@ def test_report_gives_median_and_range_over_repeats() -> None:
     assert report["ratios"][key] == 2.0
     assert report["ratio_range"][key] == [1.5, 2.2]
     assert len(report["repeats"]) == 3
+    assert report["machine"]["isa"] and report["machine"]["cpu"]  # what it ran on
     single = _report("W1", repeats[:1])
     assert single["ratios"][key] == 2.0 and "ratio_range" not in single
 

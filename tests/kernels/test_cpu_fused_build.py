@@ -46,6 +46,8 @@ def test_build_key_changes_with_source_and_flags_and_cache_dir_follows_env(
     monkeypatch.setattr(cpu_build, "CFLAGS", (*cpu_build.CFLAGS, "-march=native"))
     assert cpu_build.build_key(b"a") != key
     assert set(cpu_build.isa_level().split(",")) <= {"", *cpu_build.ISA_FLAGS}
+    assert cpu_build.machine()["isa"] in (cpu_build.isa_level(), "unknown")
+    assert cpu_build.HEADERS[-1].is_file() and cpu_build.HEADERS[-1].name.endswith(".h")
     assert cpu_build.HEADERS[0].name.encode() in cpu_build.sources_bytes()
     monkeypatch.setenv(cpu_build.CACHE_DIR_ENV, str(tmp_path))
     assert cpu_build.cache_root() == tmp_path / "torch_extensions"
