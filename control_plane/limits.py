@@ -29,6 +29,8 @@ class RequestLimits:
     max_stop_strings: int = 64
     max_stop_string_bytes: int = 1024
     max_stop_token_ids: int = 1024
+    # Tokens given a logit bias (`sampling.logit_bias`).
+    max_logit_bias_tokens: int = 1024
     max_cache_salt_bytes: int = 256
 
     def __post_init__(self) -> None:

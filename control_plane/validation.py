@@ -113,6 +113,11 @@ def check_sampling(sampling: generation_pb2.SamplingParams, limits: RequestLimit
             "sampling.stop_token_ids",
             f"{len(sampling.stop_token_ids)} ids; at most {limits.max_stop_token_ids}",
         )
+    if len(sampling.logit_bias) > limits.max_logit_bias_tokens:
+        raise FieldError(
+            "sampling.logit_bias",
+            f"{len(sampling.logit_bias)} tokens; at most {limits.max_logit_bias_tokens}",
+        )
 
 
 def check_generate_request(

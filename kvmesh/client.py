@@ -258,6 +258,8 @@ def build_request(
             continue
         if name in _REPEATED_SAMPLING:
             getattr(request.sampling, name).extend(value)
+        elif name == "logit_bias":  # a mapping of token ids to biases
+            request.sampling.logit_bias.update(value)
         else:
             setattr(request.sampling, name, value)
     return request

@@ -18,6 +18,7 @@ Kind = Literal["completion", "chat"]
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 SEED_LIMIT = 2**63
+MAX_LOGIT_BIAS_TOKENS = 1024
 _TYPES: dict[str, tuple[type, ...]] = {
     "integer": (int,),
     "number": (int, float),
@@ -114,9 +115,26 @@ def sampling(body: dict[str, Any], kind: Kind) -> generation_pb2.SamplingParams:
         raise bad_param("n", f"must be in [1, {MAX_N}], got {n}")
     params.n = n
     params.stop.extend(stop_strings(body))
-    if field(body, "logit_bias", "object"):
-        raise bad_param("logit_bias", "is not supported")
+    params.logit_bias.update(logit_bias(body))
     return params
+
+
+def logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's `logit_bias`: token ids (as JSON object keys: decimal strings) to biases in
+    [-100, 100], at most MAX_LOGIT_BIAS_TOKENS; the vocabulary is checked by the worker."""
+    bias = field(body, "logit_bias", "object", {})
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise bad_param("logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
+            raise bad_param("logit_bias", f"keys must be token ids, got {key!r}")
+        token_id = int(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if token_id >= 2**31 or not ok or not -100 <= value <= 100:
+            raise bad_param("logit_bias", f"token {key}: a bias in [-100, 100], got {value!r}")
+        out[token_id] = float(value)
+    return out
 
 
 def stop_strings(body: dict[str, Any]) -> list[str]:

@@ -7,6 +7,7 @@ Order of operations (vLLM v1's):
    `cpu_fused.logprob_rows`: the sampled token's logprob and rank and the top-n without a
    float32 copy of the rows);
 2. min_tokens: EOS (unless ignore_eos) and stop_token_ids masked while output is too short;
+   then logit_bias added to its tokens' logits;
 3. penalties: repetition (divide positive / multiply negative logits of tokens seen in prompt or
    output), then frequency (minus count in output) and presence (minus 1 if in output);
 4. greedy rows take the argmax here; the others: temperature, min_p, top_k, top_p, then draw.
@@ -87,6 +88,7 @@ class SamplingBatch:
     stop_masks: tuple[tuple[int, ...], ...]  # per row: ids masked until min_tokens is reached
     all_greedy: bool
     any_penalties: bool
+    any_logit_bias: bool
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
@@ -112,6 +114,7 @@ class SamplingBatch:
             stop_masks=tuple(_stop_mask(row, eos_token_id) for row in rows),
             all_greedy=all(greedy),
             any_penalties=any(p.has_penalties for p in params),
+            any_logit_bias=any(p.logit_bias for p in params),
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0.0 for p in params),
@@ -123,12 +126,13 @@ class SamplingBatch:
 
     @property
     def plain_greedy(self) -> bool:
-        """Every row greedy with no logprobs, penalties or min_tokens masks: the argmax of the
-        raw logits is the whole answer."""
+        """Every row greedy with no logprobs, penalties, logit biases or min_tokens masks: the
+        argmax of the raw logits is the whole answer."""
         return (
             self.all_greedy
             and self.max_logprobs is None
             and not self.any_penalties
+            and not self.any_logit_bias
             and not any(self.stop_masks)
         )
 
@@ -186,16 +190,19 @@ class Sampler:
         return SamplerOutput(token_ids, _logprobs_per_row(raw, token_ids, batch, asked))
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """min_tokens masking and penalties, on one copy of the logits made only when something
-        applies (float32 for penalties, else the logits' dtype: the kernels read 16-bit rows as
-        they are, and widening is exact)."""
-        if not (batch.any_penalties or any(batch.stop_masks)):
+        """min_tokens masking, logit biases and penalties, on one copy of the logits made only
+        when something applies (float32 for biases and penalties, else the logits' dtype: the
+        kernels read 16-bit rows as they are, and widening is exact)."""
+        arithmetic = batch.any_penalties or batch.any_logit_bias
+        if not (arithmetic or any(batch.stop_masks)):
             return logits
-        widen = batch.any_penalties and logits.dtype != torch.float32  # masks alone: -inf fits
+        widen = arithmetic and logits.dtype != torch.float32  # masks alone: -inf fits
         logits = logits.float() if widen else logits.clone()
         for i, ids in enumerate(batch.stop_masks):
             if ids:
                 logits[i, list(ids)] = float("-inf")
+        if batch.any_logit_bias:
+            add_logit_bias_(logits, batch.rows)
         if batch.any_penalties:
             penalize_(logits, batch.rows)
         return logits
@@ -262,6 +269,16 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     if logits.shape[-1] > 0 and fused_supported(logits):
         return argmax_rows(logits)
     return logits.max(dim=-1).indices
+
+
+def add_logit_bias_(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Add each row's logit_bias to its tokens' logits, in place on float32 logits [rows,
+    vocab] (one indexed add for the batch; ValueError for a token outside the vocabulary)."""
+    pairs = [(i, row.params.logit_bias_pairs) for i, row in enumerate(rows)]
+    pairs = [(i, bias) for i, bias in pairs if bias]
+    flat = _flat_positions([(i, [t for t, _ in bias]) for i, bias in pairs], logits.shape[1])
+    values = torch.tensor([b for _, bias in pairs for _, b in bias], dtype=torch.float32)
+    logits.view(-1).index_add_(0, flat.to(logits.device), values.to(logits.device))
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -2,15 +2,16 @@
 
 Validation here is independent of the model (`__post_init__`); `validate_for_model` adds the
 checks that need the vocabulary. Every failure is an `InvalidParameterError` naming the field.
-Sequences (`stop`, `stop_token_ids`) are normalised to tuples so the object stays hashable.
+Sequences (`stop`, `stop_token_ids`) and `logit_bias` are normalised to tuples so the object
+stays hashable.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from kvmesh.engine.errors import InvalidParameterError
 
@@ -20,6 +21,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize")
 
 
@@ -32,6 +35,9 @@ class SamplingParams:
     of every generated position (0: only the sampled token's); seed makes the request's draws
     reproducible regardless of what else is batched with it. detokenize False returns token ids
     only (no text; stop strings then need it True), as vLLM's option of the same name.
+    logit_bias maps token ids to values in [-100, 100] added to their logits before penalties
+    and sampling (OpenAI's and vLLM's field; logprobs stay those of the raw model); given as a
+    mapping or (id, bias) pairs, kept as pairs sorted by id.
     """
 
     n: int = 1
@@ -52,6 +58,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] = ()
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p"):
@@ -68,6 +75,7 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise InvalidParameterError("detokenize", "stop strings need detokenize=True")
         self._set("stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        self._set("logit_bias", _logit_bias(self.logit_bias))
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -131,8 +139,19 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs sorted by id (its normalised form)."""
+        return cast(tuple[tuple[int, float], ...], self.logit_bias)
+
     def validate_for_model(self, vocab_size: int) -> None:
-        """Check the fields that depend on the model: stop_token_ids must lie in the vocabulary."""
+        """Check the fields that depend on the model: stop_token_ids and logit_bias's token ids
+        must lie in the vocabulary."""
+        for token_id, _ in self.logit_bias_pairs:
+            if token_id >= vocab_size:
+                raise InvalidParameterError(
+                    "logit_bias", f"token id {token_id} is outside the vocabulary ({vocab_size})"
+                )
         for token_id in self.stop_token_ids:
             if token_id >= vocab_size:
                 raise InvalidParameterError(
@@ -186,3 +205,35 @@ def _stop_token_ids(ids: object) -> tuple[int, ...]:
         if _int("stop_token_ids", token_id) < 0:
             raise InvalidParameterError("stop_token_ids", f"must be non-negative, got {token_id}")
     return tuple(ids)
+
+
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs sorted by id from a mapping or pairs; ids non-negative and
+    distinct, biases finite in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], at most
+    MAX_LOGIT_BIAS_TOKENS entries."""
+    pairs = list(bias.items()) if isinstance(bias, Mapping) else bias
+    if not isinstance(pairs, Sequence) or isinstance(pairs, str):
+        raise InvalidParameterError(
+            "logit_bias", f"expected a mapping of ids to floats, got {bias!r}"
+        )
+    if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidParameterError(
+            "logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(pairs)}"
+        )
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, Sequence) or len(pair) != 2:
+            raise InvalidParameterError(
+                "logit_bias", f"expected (token id, bias) pairs, got {pair!r}"
+            )
+        token_id, value = _int("logit_bias", pair[0]), _float("logit_bias", pair[1])
+        if token_id < 0 or token_id in out:
+            raise InvalidParameterError(
+                "logit_bias", f"token id {token_id} is negative or repeated"
+            )
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidParameterError(
+                "logit_bias", f"bias of token {token_id} must be in [-100, 100], got {value}"
+            )
+        out[token_id] = value
+    return tuple(sorted(out.items()))

@@ -48,6 +48,8 @@ def sampling_from_proto(message: generation_pb2.SamplingParams) -> SamplingParam
         kwargs["stop_token_ids"] = tuple(message.stop_token_ids)
     if message.stop:
         kwargs["stop"] = tuple(message.stop)
+    if message.logit_bias:
+        kwargs["logit_bias"] = dict(message.logit_bias)
     return SamplingParams(**kwargs)
 
 

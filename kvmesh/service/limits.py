@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from kvmesh.engine.chat import max_prompt_chars
 from kvmesh.engine.errors import InvalidParameterError
-from kvmesh.engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from kvmesh.engine.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from kvmesh.v1 import generation_pb2
 
 MAX_N = 128  # completions per request
@@ -27,6 +31,11 @@ def check_sampling_size(sampling: generation_pb2.SamplingParams) -> None:
         raise InvalidParameterError(
             "stop_token_ids",
             f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(sampling.stop_token_ids)}",
+        )
+    if len(sampling.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidParameterError(
+            "logit_bias",
+            f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(sampling.logit_bias)}",
         )
 
 

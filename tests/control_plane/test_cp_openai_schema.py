@@ -49,6 +49,12 @@ def test_token_prompts_and_chat_messages() -> None:
     assert parse({"messages": body["messages"]}, "chat").logprobs is None
 
 
+def test_logit_bias_becomes_the_proto_map() -> None:
+    body = {"prompt": "x", "logit_bias": {"17": -100, "3": 2.5, "0": 100}}
+    assert dict(parse(body, "completion").request.sampling.logit_bias) == {17: -100, 3: 2.5, 0: 100}
+    assert not parse({"prompt": "x"}, "completion").request.sampling.logit_bias
+
+
 @pytest.mark.parametrize(
     ("kind", "body", "param"),
     [
@@ -62,7 +68,14 @@ def test_token_prompts_and_chat_messages() -> None:
         ("completion", {"prompt": "x", "stream": "yes"}, "stream"),
         ("completion", {"prompt": "x", "echo": True}, "echo"),
         ("completion", {"prompt": "x", "best_of": 3}, "best_of"),
-        ("completion", {"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+        ("completion", {"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias"),
+        ("completion", {"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+        ("completion", {"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
+        ("completion", {"prompt": "x", "logit_bias": {"1": True}}, "logit_bias"),
+        ("completion", {"prompt": "x", "logit_bias": {"1": float("nan")}}, "logit_bias"),
+        ("completion", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}},
+         "logit_bias"),
+        ("chat", {"messages": [{"role": "u", "content": "x"}], "logit_bias": [1]}, "logit_bias"),
         ("chat", {"messages": []}, "messages"),
         ("chat", {"messages": [{"content": "x"}]}, "messages[0].role"),
         ("chat", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),

@@ -370,3 +370,31 @@ def test_raw_logprobs_torch_path_gives_the_kernels_ids_and_ranks() -> None:
     assert torch.allclose(kernel.top_logprobs, torch_path.top_logprobs, atol=1e-5, equal_nan=True)
     assert bool(kernel.top_logprobs[2:5].isnan().all())
     assert kernel.top_ids[4].tolist() == list(range(20))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_logit_bias_forces_bans_and_leaves_raw_logprobs(dtype: torch.dtype) -> None:
+    """+100 makes a token win, -100 removes the argmax; a row without a bias is untouched;
+    logprobs stay those of the raw logits."""
+    logits = random_logits(4, seed=11).to(dtype)
+    top = logits.float().argmax(dim=-1)
+    forced = int(logits[0].float().argmin())  # the least likely token
+    rows = [
+        row(SamplingParams(temperature=0, logit_bias={forced: 100.0}, logprobs=1)),
+        row(SamplingParams(temperature=0, logit_bias={int(top[1]): -100.0})),
+        row(SamplingParams(temperature=0)),
+        row(SamplingParams(temperature=1.0, seed=5, logit_bias={forced: 100.0})),
+    ]
+    out = sample(logits, rows)
+    assert int(out.token_ids[0]) == forced and int(out.token_ids[3]) == forced
+    second = logits[1].float().clone()
+    second[top[1]] = float("-inf")
+    assert int(out.token_ids[1]) == int(second.argmax())
+    assert int(out.token_ids[2]) == int(top[2])
+    lp = out.logprobs[0]
+    assert lp is not None and lp.sampled_token_id == forced
+    raw = logits[0].float().log_softmax(dim=-1)
+    assert lp.sampled_logprob == pytest.approx(float(raw[forced]), abs=1e-4)
+    assert lp.top_token_ids == (int(top[0]),)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sample(logits, [row(SamplingParams(logit_bias={VOCAB: 1.0}))] * 4)

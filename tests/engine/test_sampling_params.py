@@ -85,6 +85,15 @@ INVALID = [
     ("ignore_eos", 1),
     ("skip_special_tokens", "yes"),
     ("detokenize", 0),
+    ("logit_bias", {1: 100.5}),
+    ("logit_bias", {1: math.nan}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"1": 1.0}),
+    ("logit_bias", {1: True}),
+    ("logit_bias", [(1, 1.0), (1, 2.0)]),
+    ("logit_bias", [(1, 1.0, 3)]),
+    ("logit_bias", "1:1"),
+    ("logit_bias", {i: 1.0 for i in range(1025)}),
 ]
 
 
@@ -121,3 +130,14 @@ def test_validate_for_model_checks_stop_token_ids() -> None:
 def test_params_are_frozen() -> None:
     with pytest.raises(AttributeError):
         SamplingParams().temperature = 0.5  # type: ignore[misc]
+
+
+def test_logit_bias_is_kept_as_sorted_pairs_and_checked_against_the_vocabulary() -> None:
+    params = SamplingParams(logit_bias={9: -100, 2: 1.5})
+    assert params.logit_bias_pairs == ((2, 1.5), (9, -100.0))
+    assert params == SamplingParams(logit_bias=[(9, -100.0), (2, 1.5)])
+    assert hash(params) == hash(SamplingParams(logit_bias=((2, 1.5), (9, -100.0))))
+    params.validate_for_model(10)
+    with pytest.raises(InvalidParameterError, match=r"^logit_bias:") as info:
+        params.validate_for_model(9)
+    assert "outside the vocabulary" in str(info.value)

@@ -105,6 +105,27 @@ def test_logprobs_errors_health_and_metrics(system: LocalSystem) -> None:
     assert status == 200 and 'kvmesh_control_requests_total{status="OK"}' in text
 
 
+def test_logit_bias_steers_greedy_tokens_over_http_and_grpc(system: LocalSystem) -> None:
+    """+100 forces a token at every step, -100 bans the greedy choice; the HTTP door gives
+    gRPC's answer; a token id outside the vocabulary is the worker's 400 naming the param."""
+    client = api(system)
+    model = client.models.list().data[0].id
+    with Client(system.endpoint) as grpc_client:
+        first = grpc_client.complete(PROMPT, **GREEDY).token_ids[0]
+        forced = grpc_client.complete(PROMPT, logit_bias={7: 100.0}, **GREEDY)
+        banned = grpc_client.complete(PROMPT, logit_bias={first: -100.0}, **GREEDY)
+    assert forced.token_ids == [7] * GREEDY["max_tokens"]
+    assert first not in banned.token_ids
+    done = client.completions.create(model=model, prompt=PROMPT, max_tokens=GREEDY["max_tokens"],
+                                     temperature=0, logit_bias={"7": 100},
+                                     extra_body=IGNORE_EOS)  # fmt: skip
+    assert done.choices[0].text == forced.text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt="x", logit_bias={str(10**6): 1})
+    assert caught.value.param == "logit_bias"
+    wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
+
+
 def test_client_leaving_mid_stream_frees_every_block(system: LocalSystem) -> None:
     client = api(system)
     model = client.models.list().data[0].id
