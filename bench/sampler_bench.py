@@ -4,7 +4,8 @@ Logits [rows, vocab] (SmolLM2-135M's 49,152 tokens by default) drawn as normal v
 peaked distribution, as a language model's: top_p 0.9 keeps tens to hundreds of tokens), in
 bfloat16 or float32, for greedy rows, temperature 1, temperature 0.7 with top_p 0.9, top_k 50
 (alone and with top_p 0.9), seeded rows, penalties (each row with a 300-token prompt and 200
-output tokens) and logprobs; best of 5 calls after one untimed, milliseconds per call.
+output tokens), logprobs and a logit_bias on 300 tokens; best of 5 calls after one untimed,
+milliseconds per call.
 
 Run: `.venv/bin/python bench/sampler_bench.py [--dtype bfloat16|float32] [--vocab N]
 [--threads 2]`
@@ -33,6 +34,9 @@ SETTINGS = {
         temperature=0.7, top_p=0.9, frequency_penalty=0.5, presence_penalty=0.5
     ),
     "temperature 0.7, logprobs 5": SamplingParams(temperature=0.7, logprobs=5),
+    "temperature 0.7, logit_bias on 300 tokens": SamplingParams(
+        temperature=0.7, logit_bias={i * 97: 1.0 for i in range(300)}
+    ),
 }
 PROMPT, OUTPUT = tuple(range(1000, 1300)), tuple(range(2000, 2200))  # what penalties look at
 

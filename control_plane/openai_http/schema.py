@@ -127,11 +127,14 @@ def logit_bias(body: dict[str, Any]) -> dict[int, float]:
         raise bad_param("logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
-            raise bad_param("logit_bias", f"keys must be token ids, got {key!r}")
+        digits = isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 10
+        if not digits or int(key) >= 2**31:
+            raise bad_param("logit_bias", f"keys must be token ids below 2**31, got {key!r}")
         token_id = int(key)
+        if token_id in out:
+            raise bad_param("logit_bias", f"token id {token_id} is given twice")
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if token_id >= 2**31 or not ok or not -100 <= value <= 100:
+        if not ok or not -100 <= value <= 100:
             raise bad_param("logit_bias", f"token {key}: a bias in [-100, 100], got {value!r}")
         out[token_id] = float(value)
     return out

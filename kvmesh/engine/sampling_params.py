@@ -169,9 +169,13 @@ def _int(name: str, value: object) -> int:
 def _float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidParameterError(name, f"expected a number, got {value!r}")
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        raise InvalidParameterError(name, "must be finite, got a larger int") from None
+    if not math.isfinite(number):
         raise InvalidParameterError(name, f"must be finite, got {value}")
-    return float(value)
+    return number
 
 
 def _stop_strings(stop: object) -> tuple[str, ...]:

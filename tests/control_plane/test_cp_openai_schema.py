@@ -70,6 +70,10 @@ def test_logit_bias_becomes_the_proto_map() -> None:
         ("completion", {"prompt": "x", "best_of": 3}, "best_of"),
         ("completion", {"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias"),
         ("completion", {"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+        ("completion", {"prompt": "x", "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a digit
+        ("completion", {"prompt": "x", "logit_bias": {"\uff11": 1}}, "logit_bias"),  # fullwidth 1
+        ("completion", {"prompt": "x", "logit_bias": {"01": 1, "1": 2}}, "logit_bias"),
+        ("completion", {"prompt": "x", "logit_bias": {"2147483648": 1}}, "logit_bias"),
         ("completion", {"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
         ("completion", {"prompt": "x", "logit_bias": {"1": True}}, "logit_bias"),
         ("completion", {"prompt": "x", "logit_bias": {"1": float("nan")}}, "logit_bias"),

@@ -398,3 +398,19 @@ def test_logit_bias_forces_bans_and_leaves_raw_logprobs(dtype: torch.dtype) -> N
     assert lp.top_token_ids == (int(top[0]),)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         sample(logits, [row(SamplingParams(logit_bias={VOCAB: 1.0}))] * 4)
+
+
+def test_a_sampler_reusing_its_buffer_draws_what_fresh_samplers_draw() -> None:
+    """Calls of different shapes and dtypes through one sampler (its processed-logits buffer
+    kept between calls) give the tokens fresh samplers give."""
+    biased = SamplingParams(temperature=0, logit_bias={3: 5.0}, presence_penalty=1.0)
+    calls = [
+        (random_logits(6, seed=21).bfloat16(), [row(biased, output=(4, 4))] * 6),
+        (random_logits(2, seed=22), [row(SamplingParams(temperature=0, logit_bias={8: 3.0}))] * 2),
+        (random_logits(9, seed=23).bfloat16(), [row(biased, output=(1,))] * 9),
+    ]
+    shared = Sampler(torch.Generator().manual_seed(0))
+    for logits, rows in calls * 2:
+        batch = SamplingBatch.build(rows, eos_token_id=EOS)
+        expected = Sampler(torch.Generator().manual_seed(0))(logits, batch).token_ids
+        assert torch.equal(shared(logits, batch).token_ids, expected)

@@ -87,6 +87,7 @@ INVALID = [
     ("detokenize", 0),
     ("logit_bias", {1: 100.5}),
     ("logit_bias", {1: math.nan}),
+    ("logit_bias", {1: 10**400}),
     ("logit_bias", {-1: 1.0}),
     ("logit_bias", {"1": 1.0}),
     ("logit_bias", {1: True}),
