@@ -265,14 +265,15 @@ def test_every_isa_matches_dense(
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_every_isa_quantized(isa: str, kv_dtype: str) -> None:
-    lens = [90, 1, 64, 33]
-    q_lens = [90, 1, 3, 1]
+@pytest.mark.parametrize("group", [4, 3])  # 3: fp8 decode converts K into the buffer
+def test_every_isa_quantized(isa: str, kv_dtype: str, group: int) -> None:
+    lens = [90, 1, 64, 33, 150]
+    q_lens = [90, 1, 3, 1, 1]
     pc = random_paged_cache(
         lens, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16, kv_dtype=kv_dtype
     )
     starts = starts_of(q_lens)
-    query = torch.randn(sum(q_lens), 8, 64).bfloat16()  # [tokens, Hq, D]
+    query = torch.randn(sum(q_lens), 2 * group, 64).bfloat16()  # [tokens, Hq, D]
     out = cpu_attention.cpu_paged_attention(
         query, pc.cache.layer(0), pc.block_tables, pc.seq_lens, starts, scale=0.125, isa=isa
     )

@@ -503,6 +503,15 @@ __attribute__((noinline)) void run_item_avx512(const Params& p, const Item& it, 
   if constexpr (DT != kF32) {
     const int64_t rph = (it.t1 - it.t0) * (p.num_q_heads / p.num_kv_heads);
     if (rph <= kDirectRows) {
+      // fp8 K rows that two score tiles would each convert (3, 5, 6 or 7 rows per kv head:
+      // a 4- or 2-row tile, then the rest) are converted once into the buffer instead; V rows
+      // always as they load
+      if constexpr (DT == kFP8) {
+        if (rph > 2 && rph % 4 != 0) {
+          run_item_as<DT, kF32, DT>(p, it, sc, rmax, part_acc, part_ml);
+          return;
+        }
+      }
       run_item_as<DT, DT, DT>(p, it, sc, rmax, part_acc, part_ml);
       return;
     }
