@@ -94,27 +94,27 @@ def build_key(source: bytes) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def isa_level() -> str:
-    """The extensions of ISA_FLAGS this CPU has (from /proc/cpuinfo; empty elsewhere): which
-    of the kernel's paths can run here (for reports; not part of the build key)."""
+def _cpuinfo(field: str) -> str:
+    """The first `field` line's value in /proc/cpuinfo ("" where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    have = set(line.partition(":")[2].split())
+    line = next((ln for ln in text.splitlines() if ln.startswith(field)), "")
+    return line.partition(":")[2].strip()
+
+
+def isa_level() -> str:
+    """The extensions of ISA_FLAGS this CPU has (from /proc/cpuinfo; empty elsewhere): which
+    of the kernel's paths can run here (for reports; not part of the build key)."""
+    have = set(_cpuinfo("flags").split())
     return ",".join(flag for flag in ISA_FLAGS if flag in have)
 
 
 def machine() -> dict[str, str]:
     """What a benchmark ran on: the CPU's model name and `isa_level()` ("unknown" where
     /proc/cpuinfo does not say)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    name = next((ln for ln in text.splitlines() if ln.startswith("model name")), "")
-    return {"cpu": name.partition(":")[2].strip() or "unknown", "isa": isa_level() or "unknown"}
+    return {"cpu": _cpuinfo("model name") or "unknown", "isa": isa_level() or "unknown"}
 
 
 def published_path(key: str | None = None) -> Path:

@@ -204,18 +204,7 @@ def logprob_rows(x: torch.Tensor, tokens: torch.Tensor, k: int) -> Logprobs:
     if rows == 0:
         return out
     token_column = _column(tokens, torch.int64, x)  # held until the call returns
-    _call(
-        "kvmesh_cpu_logprob_rows",
-        ctypes.c_int(_DTYPE_CODES[x.dtype]),
-        _P(x.data_ptr()),
-        _I(x.stride(0) if rows > 1 else n),  # a lone row's stride is arbitrary
-        _I(rows),
-        _I(n),
-        _P(token_column.data_ptr()),
-        _I(k),
-        *(_P(t.data_ptr()) for t in out),
-        _I(torch.get_num_threads()),
-    )
+    _row_call("kvmesh_cpu_logprob_rows", x, _P(token_column.data_ptr()), _I(k), *out)
     return out
 
 
@@ -233,8 +222,16 @@ def _per_row(
     rows, n = x.shape
     assert fused_supported(x) and n > 0
     out = torch.empty(rows, dtype=out_dtype)  # [rows]
-    if rows == 0:
-        return out
+    if rows:
+        _row_call(name, x, *columns, out)
+    return out
+
+
+def _row_call(name: str, x: torch.Tensor, *args: object) -> None:
+    """`name(dtype, x, row_stride, rows, n, *args, threads)` over x [rows, n]; a tensor in
+    `args` is passed as its data pointer, None as a null pointer."""
+    rows, n = x.shape
+    pointers = [_pointer(a) for a in args]
     _call(
         name,
         ctypes.c_int(_DTYPE_CODES[x.dtype]),
@@ -242,11 +239,16 @@ def _per_row(
         _I(x.stride(0) if rows > 1 else n),  # a lone row's stride is arbitrary
         _I(rows),
         _I(n),
-        *(_P(None if c is None else c.data_ptr()) for c in columns),
-        _P(out.data_ptr()),
+        *pointers,
         _I(torch.get_num_threads()),
     )
-    return out
+
+
+def _pointer(arg: object) -> object:
+    """A tensor's data pointer, None as a null pointer, anything else (a ctypes value) as is."""
+    if isinstance(arg, torch.Tensor):
+        return _P(arg.data_ptr())
+    return _P(None) if arg is None else arg
 
 
 def _call(name: str, *args: object) -> None:

@@ -107,9 +107,8 @@ class AttentionPlan:
         if self.backend == "triton":
             dispatch._triton("write_kv")(self.layer(layer), key, value, self.slot_mapping)
             return
-        quantized = spec.quantized
         if self._write is not None and cpu_cache_ops.kv_writable(
-            self.cache.data.dtype, quantized, key, value
+            self.cache.data.dtype, spec.quantized, key, value
         ):
             self._write(key, value, data_ptr, scales_ptr)  # the layer was checked at build
             return

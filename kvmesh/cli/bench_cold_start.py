@@ -43,6 +43,8 @@ def register(subparsers: Any) -> None:
 
 
 def run_cold_start(args: argparse.Namespace) -> int:
+    from kvmesh_kernels.cpu_build import machine
+
     from kvmesh.cli.up import LocalSystem, UpConfig, resolve_model
 
     if args.requests < 2:
@@ -65,7 +67,7 @@ def run_cold_start(args: argparse.Namespace) -> int:
               "ttft_s": ttfts, "first_over_last": ttfts[0] / ttfts[-1],
               "first_over_median": ttfts[0] / statistics.median(ttfts[1:]), "workers": warmups,
               "phases_ms": [phases for _, phases in timed],
-              "isa": isa()}  # fmt: skip
+              "isa": machine()["isa"]}  # fmt: skip
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0
 
@@ -86,12 +88,6 @@ def timed_request(endpoint: str, max_tokens: int) -> tuple[float, dict[str, floa
         {n: round(getattr(usage[-1], f"{n}_seconds") * 1000, 1) for n in names} if usage else {}
     )
     return first, phases
-
-
-def isa() -> str:
-    from kvmesh_kernels.cpu_build import isa_level
-
-    return isa_level() or "unknown"
 
 
 def table(result: dict[str, Any]) -> str:

@@ -195,13 +195,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _isa() -> str:
-    from kvmesh_kernels.cpu_build import isa_level
-
-    return isa_level() or "unknown"
-
-
 def _report(nbytes: int, times: dict[str, list[float]]) -> dict[str, Any]:
+    from kvmesh_kernels.cpu_build import machine
+
     best = {name: nbytes / min(ts) / 1e9 for name, ts in times.items()}
     rounds = {
         name: [m / t for m, t in zip(times["memcpy"], ts, strict=True)]
@@ -211,7 +207,7 @@ def _report(nbytes: int, times: dict[str, list[float]]) -> dict[str, Any]:
     report: dict[str, Any] = {
         "bytes": nbytes,
         "dtype": "bfloat16",
-        "isa": _isa(),
+        "isa": machine()["isa"],
         "load_average": round(os.getloadavg()[0], 2),
         "memcpy_gbps": round(best["memcpy"], 3),
         "gbps": {k: round(v, 3) for k, v in best.items()},

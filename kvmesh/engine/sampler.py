@@ -212,8 +212,8 @@ class Sampler:
 
     def _copy(self, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A contiguous copy of logits [rows, vocab] in `dtype`, in a buffer this sampler keeps
-        (valid until its next call): a fresh [256, 151936] float32 tensor measured 50-55 ms,
-        nearly all of it page faults, against 6 ms for the copy into a kept one."""
+        (valid until its next call) instead of a fresh tensor per step, whose pages are faulted
+        in anew each time (BENCHMARKS.md "Sampling (CPU)")."""
         need = logits.numel()
         scratch = self._scratch
         if (
@@ -228,7 +228,7 @@ class Sampler:
         return out
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        raw = logits  # the greedy rows' argmax reads these
+        untempered = logits  # the greedy rows' argmax reads these
         device = logits.device
         temperature = batch.temperature.to(device)  # [rows], 1.0 for greedy rows
         filtered = batch.any_min_p or batch.any_top_k or batch.any_top_p
@@ -250,7 +250,7 @@ class Sampler:
             sampled = greedy_ids(probs.div_(self._exponentials(probs, batch)))  # [rows]
         if not bool(batch.greedy.any()):
             return sampled
-        return torch.where(batch.greedy.to(device), greedy_ids(raw), sampled)
+        return torch.where(batch.greedy.to(device), greedy_ids(untempered), sampled)
 
     def _keys(self, batch: SamplingBatch) -> torch.Tensor:
         """int64 [rows] race keys: a seeded row's from its seed, child index and step (its
@@ -318,15 +318,9 @@ def _bias_tensors(pairs: tuple[tuple[int, float], ...]) -> tuple[torch.Tensor, t
     return ids, torch.tensor([bias for _, bias in pairs], dtype=torch.float32)
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """vLLM's repetition, frequency and presence penalties on a copy of logits [rows, vocab]."""
-    out = logits.clone()
-    penalize_(out, rows)
-    return out
-
-
 def penalize_(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """`apply_penalties` in place on contiguous float32 logits [rows, vocab].
+    """vLLM's repetition, frequency and presence penalties, in place on contiguous float32
+    logits [rows, vocab].
 
     Only the tokens a row has seen (its prompt or output) change, so the penalties are applied
     at those (row, token) positions alone: one sorted set of flat indices for the whole batch,

@@ -178,6 +178,8 @@ def chat(count: int, content: str = "hi", role: str = "user") -> generation_pb2.
          "sampling.stop[0]"),
         ({"text": "x", "sampling": generation_pb2.SamplingParams(stop_token_ids=[1] * 1025)},
          "sampling.stop_token_ids"),
+        ({"text": "x", "sampling": generation_pb2.SamplingParams(
+            logit_bias={i: 1.0 for i in range(1025)})}, "sampling.logit_bias"),
         ({"text": "x", "cache_salt": b"s" * 257}, "cache_salt"),
     ],
 )  # fmt: skip

@@ -120,6 +120,10 @@ async def test_chat_completion_and_chat_stream() -> None:
         ({"prompt": "x", "stop": [""]}, "stop"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": [1, 999]}, "prompt"),  # the worker's check, named as the request's param
+        (
+            {"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}},
+            "logit_bias",
+        ),  # the front door's bound, named as the request's param
     ],
 )
 def test_bad_fields_are_400_naming_the_param(kwargs: dict[str, Any], param: str) -> None:

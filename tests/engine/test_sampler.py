@@ -13,8 +13,8 @@ from kvmesh.engine.sampler import (
     Sampler,
     SamplingBatch,
     SamplingRow,
-    apply_penalties,
     apply_top_k_top_p,
+    penalize_,
 )
 from kvmesh.engine.sampling_params import SamplingParams
 
@@ -323,7 +323,8 @@ def test_penalties_at_seen_tokens_equal_the_dense_formula() -> None:
             prompt=tuple(torch.randint(0, 5000, (m,), generator=rng).tolist()))
         for p, n, m in zip(params, [300, 50, 0, 900, 20, 1], [400, 10, 700, 0, 5, 1], strict=True)
     ]  # fmt: skip
-    got = apply_penalties(logits, rows)
+    got = logits.clone()
+    penalize_(got, rows)
     assert torch.equal(got, dense_penalties(logits, rows))
     assert torch.equal(got[1], logits[1])
 
@@ -343,7 +344,7 @@ def test_ties_at_the_top_p_cut_are_kept_on_both_paths() -> None:
 def test_penalties_refuse_a_token_outside_the_vocabulary() -> None:
     rows = [row(SamplingParams(repetition_penalty=1.2), output=(8,)), row(SamplingParams())]
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        apply_penalties(torch.zeros(2, 8), rows)
+        penalize_(torch.zeros(2, 8), rows)
 
 
 def test_raw_logprobs_torch_path_gives_the_kernels_ids_and_ranks() -> None:

@@ -46,11 +46,11 @@ KVM_INLINE __m512 ld16(const void* row, int64_t d) {
   }
 }
 
-// A cache row of D elements as float32 into dst (any element type: fp8 by e4m3fn16, which took
-// the W1 decode step from 27 to 12 ms against a gather from the table; `lut` unused here).
+// A cache row of D elements as float32 into dst (any element type; fp8 by e4m3fn16, not the
+// table the other paths gather from: BENCHMARKS.md "Quantized KV caches in the attention
+// kernel").
 template <int DT>
-KVM_INLINE void convert_row(const void* src, const float* lut, float* dst, int64_t D) {
-  (void)lut;
+KVM_INLINE void convert_row(const void* src, float* dst, int64_t D) {
   for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, ld16<DT>(src, d));
 }
 
@@ -101,20 +101,35 @@ KVM_INLINE void qk_tile(const float* q, int64_t D, const void* const* kr, float*
   store_scores<R, KB>(reduce16(acc), s, sp);
 }
 
+// The tiling of one scores pass over rows < nrows (q [nrows, D]) and keys < round_up(n, 16)
+// (kr padded to that): 4 x 4 tiles while 4 rows remain, then 2 x 8, then 1 x 16, each tile
+// one 16-way reduction; Tile::run<R, KB>(q rows, key rows, s) fills s[r * sp + j].
+template <class Tile, class Q>
+KVM_INLINE void tile_scores(const Tile& tile, const Q* q, int64_t nrows, const void* const* kr,
+                            int64_t n, int64_t D, float* s, int64_t sp) {
+  int64_t r = 0;
+  for (; r + 4 <= nrows; r += 4)
+    for (int64_t i = 0; i < n; i += 4) tile.template run<4, 4>(q + r * D, kr + i, s + r * sp + i);
+  for (; r + 2 <= nrows; r += 2)
+    for (int64_t i = 0; i < n; i += 8) tile.template run<2, 8>(q + r * D, kr + i, s + r * sp + i);
+  for (; r < nrows; ++r)
+    for (int64_t i = 0; i < n; i += 16) tile.template run<1, 16>(q + r * D, kr + i, s + r * sp + i);
+}
+
+template <int LT>
+struct FmaTile {  // float32 query rows (scaled) against LT key rows
+  int64_t D, sp;
+  template <int R, int KB>
+  KVM_INLINE void run(const float* q, const void* const* kr, float* s) const {
+    qk_tile<LT, R, KB>(q, D, kr, s, sp);
+  }
+};
+
 // s[r * sp + i] = q_r . k_i for rows < nrows, keys < round_up(n, 16) (kr padded to that).
 template <int LT>
 KVM_INLINE void scores(const float* q, int64_t nrows, const void* const* kr, int64_t n,
                        int64_t D, float* s, int64_t sp) {
-  int64_t r = 0;
-  for (; r + 4 <= nrows; r += 4)
-    for (int64_t i = 0; i < n; i += 4) qk_tile<LT, 4, 4>(q + r * D, D, kr + i, s + r * sp + i, sp);
-  for (; r + 2 <= nrows; r += 2)
-    for (int64_t i = 0; i < n; i += 8) qk_tile<LT, 2, 8>(q + r * D, D, kr + i, s + r * sp + i, sp);
-  for (; r < nrows; ++r) {
-    for (int64_t i = 0; i < n; i += 16) {
-      qk_tile<LT, 1, 16>(q + r * D, D, kr + i, s + r * sp + i, sp);
-    }
-  }
+  tile_scores(FmaTile<LT>{D, sp}, q, nrows, kr, n, D, s, sp);
 }
 
 #ifdef KVM_BF16_DOT
@@ -139,20 +154,19 @@ KVM_INLINE void qk_tile_dot(const uint16_t* q, int64_t D, const void* const* kr,
   store_scores<R, KB>(_mm512_mul_ps(reduce16(acc), scale), s, sp);
 }
 
+struct DotTile {  // bfloat16 query rows (unscaled) against bfloat16 key rows, times scale
+  int64_t D, sp;
+  __m512 scale;
+  template <int R, int KB>
+  KVM_INLINE void run(const uint16_t* q, const void* const* kr, float* s) const {
+    qk_tile_dot<R, KB>(q, D, kr, s, sp, scale);
+  }
+};
+
 // scores<kBF16> from bfloat16 queries q [nrows, D] (unscaled) by vdpbf16ps, times scale.
 KVM_INLINE void scores_dot(const uint16_t* q, int64_t nrows, const void* const* kr, int64_t n,
                            int64_t D, float* s, int64_t sp, float scale) {
-  const __m512 sv = _mm512_set1_ps(scale);
-  int64_t r = 0;
-  for (; r + 4 <= nrows; r += 4)
-    for (int64_t i = 0; i < n; i += 4)
-      qk_tile_dot<4, 4>(q + r * D, D, kr + i, s + r * sp + i, sp, sv);
-  for (; r + 2 <= nrows; r += 2)
-    for (int64_t i = 0; i < n; i += 8)
-      qk_tile_dot<2, 8>(q + r * D, D, kr + i, s + r * sp + i, sp, sv);
-  for (; r < nrows; ++r)
-    for (int64_t i = 0; i < n; i += 16)
-      qk_tile_dot<1, 16>(q + r * D, D, kr + i, s + r * sp + i, sp, sv);
+  tile_scores(DotTile{D, sp, _mm512_set1_ps(scale)}, q, nrows, kr, n, D, s, sp);
 }
 #endif
 
@@ -298,14 +312,13 @@ struct NextChunk {
 // in place (LT == DT) or converted into buf (LT == kF32 != DT).
 template <int DT, int LT>
 KVM_INLINE void row_pointers(const char* data, const int64_t* koff, int64_t shift, int64_t n,
-                             int64_t sp, int64_t D, const float* lut, float* buf,
-                             const void** rows) {
+                             int64_t sp, int64_t D, float* buf, const void** rows) {
   for (int64_t i = 0; i < n; ++i) {
     const char* src = data + (koff[i] + shift) * elem_bytes(DT);
     if constexpr (LT == DT) {
       rows[i] = src;
     } else {
-      convert_row<DT>(src, lut, buf + i * D, D);
+      convert_row<DT>(src, buf + i * D, D);
       rows[i] = buf + i * D;
     }
   }
@@ -400,7 +413,6 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
   const int32_t* table = reinterpret_cast<const int32_t*>(p.block_tables) + it.b * p.max_blocks;
   const char* data = reinterpret_cast<const char*>(p.data);
   const float* scales = reinterpret_cast<const float*>(p.scales);
-  const float* lut = reinterpret_cast<const float*>(p.fp8_lut);
   const bool quant = DT == kI8 || DT == kFP8;
 
   float* q = sc.q.data();
@@ -454,7 +466,7 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
         const int64_t h = it.h0 + hh;
         float* sh = s + hh * rph * sp;
         if (i0 == 0)  // the head's first group: its K row pointers (rows converted into kbuf)
-          row_pointers<DT, KT>(data, koff, h * p.s_head, n, sp, D, lut, sc.kbuf.data(),
+          row_pointers<DT, KT>(data, koff, h * p.s_head, n, sp, D, sc.kbuf.data(),
                                kr + hh * run);
         next.prefetch(o * n_inner + i);
         if (i0 < n && dot) {
@@ -477,7 +489,7 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
         const int64_t h = it.h0 + hh;
         float* sh = s + hh * rph * sp;
         if (i0 == 0) {  // the head's first group: its V row pointers, its keys' scales
-          row_pointers<DT, VT>(data, koff, p.s_kv + h * p.s_head, n, sp, D, lut, sc.vbuf.data(),
+          row_pointers<DT, VT>(data, koff, p.s_kv + h * p.s_head, n, sp, D, sc.vbuf.data(),
                                vr + hh * run);
           if (quant) scale_keys(scales, soff, p.ss_kv + h * p.ss_head, n, rph, sp, sh);
         }

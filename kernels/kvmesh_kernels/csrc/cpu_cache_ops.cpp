@@ -37,6 +37,10 @@ struct WriteParams {
   int64_t ss_block, ss_kv, ss_tok, ss_head;  // scales strides (elements)
 };
 
+using kvmesh_fused::BF16;
+using kvmesh_fused::F16;
+using kvmesh_fused::F32;
+
 enum Quant : int { kNone = 0, kInt8 = 1, kFp8 = 2 };
 constexpr float kMinScale = 1e-8f;
 
@@ -56,15 +60,6 @@ inline void copy_token(char* dst, const char* src, int64_t s_src_head, const Wri
     std::memcpy(dst + h * p.s_head * p.elem_bytes, src + h * s_src_head * p.elem_bytes,
                 static_cast<size_t>(row));
   }
-}
-
-// Element d of a float32 (SD 0) / bfloat16 (1) / float16 (2) row as float (exact).
-template <int SD>
-inline __attribute__((always_inline)) float src_at(const void* row, int64_t d) {
-  if constexpr (SD == 0) return static_cast<const float*>(row)[d];
-  const uint16_t bits = static_cast<const uint16_t*>(row)[d];
-  if constexpr (SD == 1) return kvmesh_cvt::bf16_to_f32(bits);
-  return kvmesh_cvt::f16_to_f32(bits);
 }
 
 // float -> float8 e4m3fn bits, round to nearest even (no infinities: 0x7F / 0xFF is NaN; the
@@ -87,16 +82,17 @@ inline __attribute__((always_inline)) uint8_t f32_to_e4m3fn(float f) {
   return static_cast<uint8_t>(out | (sign >> 24));
 }
 
-// Quantizes one row of D source elements (SD as in src_at) into dst (int8 or e4m3fn bytes,
+// Quantizes one row of D source elements (dtype traits S) into dst (int8 or e4m3fn bytes,
 // Q = kInt8 / kFp8); returns its scale. Vectorized loops in target clones (x86-64-v3 and v4
 // round with vroundps; the baseline has no rounding instruction).
-template <int SD, int Q>
-KVF_CLONES float quantize_row(const void* src, int64_t D, uint8_t* dst) {
+template <class S, int Q>
+KVF_CLONES float quantize_row(const void* row, int64_t D, uint8_t* dst) {
+  const typename S::T* src = static_cast<const typename S::T*>(row);
   float amax = 0.f;
   int32_t nan = 0;  // a NaN makes the scale NaN, as torch's amax does
 #pragma omp simd reduction(max : amax) reduction(| : nan)
   for (int64_t d = 0; d < D; ++d) {
-    const float a = std::fabs(src_at<SD>(src, d));
+    const float a = std::fabs(S::load(src[d]));
     amax = a > amax ? a : amax;
     nan |= a != a;
   }
@@ -104,7 +100,7 @@ KVF_CLONES float quantize_row(const void* src, int64_t D, uint8_t* dst) {
   scale = scale < kMinScale ? kMinScale : scale;  // NaN stays NaN, as torch's clamp_min
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) {
-    const float x = src_at<SD>(src, d) / scale;
+    const float x = S::load(src[d]) / scale;
     if constexpr (Q == kInt8) {
       const float r = std::nearbyint(x);  // half to even under the default rounding mode
       const float c = r < -127.f ? -127.f : r > 127.f ? 127.f : r;
@@ -121,18 +117,21 @@ using QuantizeRow = float (*)(const void*, int64_t, uint8_t*);
 // quantize_row for a source dtype (0 f32, 1 bf16, 2 f16) and Quant.
 QuantizeRow row_quantizer(int64_t src_dtype, int64_t quant) {
   static const QuantizeRow table[3][2] = {
-      {quantize_row<0, kInt8>, quantize_row<0, kFp8>},
-      {quantize_row<1, kInt8>, quantize_row<1, kFp8>},
-      {quantize_row<2, kInt8>, quantize_row<2, kFp8>},
+      {quantize_row<F32, kInt8>, quantize_row<F32, kFp8>},
+      {quantize_row<BF16, kInt8>, quantize_row<BF16, kFp8>},
+      {quantize_row<F16, kInt8>, quantize_row<F16, kFp8>},
   };
   return table[src_dtype][quant == kInt8 ? 0 : 1];
 }
+
+// Bytes of one key / value element of a quantized write (src_dtype 0: float32, else 16-bit).
+inline int64_t source_bytes(const WriteParams& p) { return p.src_dtype == 0 ? 4 : 2; }
 
 // One token's K or V rows quantized into the cache (base: element offset of its head 0 row,
 // scale_base: of its head 0 scale).
 inline void quantize_token(const WriteParams& p, QuantizeRow quantize, const char* src,
                            int64_t s_src_head, int64_t base, int64_t scale_base) {
-  const int64_t sb = p.src_dtype == 0 ? 4 : 2;
+  const int64_t sb = source_bytes(p);
   uint8_t* data = reinterpret_cast<uint8_t*>(p.data);
   float* scales = reinterpret_cast<float*>(p.scales);
   for (int64_t h = 0; h < p.num_kv_heads; ++h) {
@@ -177,7 +176,7 @@ extern "C" int kvmesh_cpu_write_kv(const WriteParams* params) {
     const int64_t blk = slot / p.block_size, off = slot % p.block_size;
     const int64_t base = blk * p.s_block + off * p.s_tok;  // int64 element offset of K
     if (p.quant != kNone) {
-      const int64_t sbytes = p.src_dtype == 0 ? 4 : 2;
+      const int64_t sbytes = source_bytes(p);
       const int64_t scale_base = blk * p.ss_block + off * p.ss_tok;
       quantize_token(p, quantize, key + t * p.s_ktok * sbytes, p.s_khead, base, scale_base);
       quantize_token(p, quantize, value + t * p.s_vtok * sbytes, p.s_vhead, base + p.s_kv,

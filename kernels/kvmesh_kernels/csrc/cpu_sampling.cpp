@@ -365,15 +365,17 @@ int top_cut(const void* x, int64_t row_stride, int64_t rows, int64_t n, const fl
 constexpr int64_t kMaxLogprobs = 64;  // slots of the per-row selection (the API allows 20)
 
 // The k largest values seen so far, descending (the smaller index first on ties: a value
-// enters only when larger than the last slot's, and after the slots it equals).
+// enters only when larger than the last slot's, and after the slots it equals); offered
+// values only when k > 0.
 struct TopSlots {
   float value[kMaxLogprobs];
   int64_t index[kMaxLogprobs];
   int64_t k = 0;
   int64_t filled = 0;
-  float bar() const { return filled < k ? -INFINITY : value[k - 1]; }  // what must be beaten
+  // Whether v would enter: any value but NaN while a slot is free, else one above the last.
+  bool admits(float v) const { return filled < k ? v == v : v > value[k - 1]; }
   void offer(float v, int64_t i) {
-    if (!(v > bar()) && !(filled < k && v == -INFINITY)) return;  // NaN never enters
+    if (!admits(v)) return;
     int64_t at = filled < k ? filled++ : k - 1;
     for (; at > 0 && value[at - 1] < v; --at) value[at] = value[at - 1], index[at] = index[at - 1];
     value[at] = v, index[at] = i;
@@ -381,8 +383,8 @@ struct TopSlots {
 };
 
 // The row's largest value (NaN ignored) and whether it holds a NaN; with `widened`, the row's
-// values in float32 are stored there too (16-bit rows: the scan then reads float32, which
-// measured twice as fast as widening inside the scan's loop).
+// values in float32 are stored there too (16-bit rows: the scan then reads float32 and
+// widens nothing).
 template <class D>
 KVF_CLONES float row_max(const typename D::T* x, int64_t n, bool* has_nan, float* widened) {
   float best[kLanes];
@@ -413,7 +415,7 @@ KVF_CLONES float row_max(const typename D::T* x, int64_t n, bool* has_nan, float
 
 // Over a float32 row: the sum of exp(x - top) in float32 lanes (folded in double), the count
 // of values above `mark`, and the k largest values into `slots` (a 16-value group is looked at
-// one by one only when its largest beats the slots' bar, which a random row's groups rarely do
+// one by one only when the slots admit its largest, which a random row's groups rarely do
 // after the first few).
 KVF_CLONES double row_scan(const float* x, int64_t n, float top, float mark, int64_t* above,
                            TopSlots& slots) {
@@ -430,7 +432,7 @@ KVF_CLONES double row_scan(const float* x, int64_t n, float top, float mark, int
       more[j] += v > mark;
       group_max = v > group_max ? v : group_max;
     }
-    if (slots.k > 0 && (group_max > slots.bar() || slots.filled < slots.k))
+    if (slots.k > 0 && slots.admits(group_max))
       for (int32_t j = 0; j < kLanes; ++j) slots.offer(x[i + j], i + j);
   }
   for (int32_t j = 0; j < kLanes; ++j) greater += more[j];

@@ -1,5 +1,5 @@
-// Shared by the fused CPU kernels (cpu_fused_ops.cpp, cpu_sampling.cpp): float32 / bfloat16
-// traits, the target clones macro and a vectorizable float32 exp, all inline or templates.
+// Shared by the fused CPU kernels (cpu_fused_ops.cpp, cpu_sampling.cpp, cpu_cache_ops.cpp):
+// float32 / bfloat16 / float16 traits, the target clones macro and a vectorizable float32 exp, all inline or templates.
 // Include it after `#pragma GCC optimize("-ffp-contract=off")`: the exp's non-FMA path must
 // not be contracted.
 #pragma once
@@ -33,6 +33,12 @@ struct BF16 {
   static float load(uint16_t v) { return bf16_to_f32(v); }
   static uint16_t store(float v) { return f32_to_bf16(v); }
   static float round(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+};
+struct F16 {
+  using T = uint16_t;
+  static float load(uint16_t v) { return kvmesh_cvt::f16_to_f32(v); }
+  static uint16_t store(float v) { return kvmesh_cvt::f32_to_f16(v); }
+  static float round(float v) { return kvmesh_cvt::f16_to_f32(kvmesh_cvt::f32_to_f16(v)); }
 };
 
 // a * b + c: one fused rounding on the paths compiled for FMA, two elsewhere (this file is
