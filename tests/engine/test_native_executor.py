@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from kvmesh.engine.errors import UnsupportedModelError
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.native.layers import FUSED_SILU_MIN_OUTPUTS, silu_and_mul
 from kvmesh.engine.native.llama import NativeCausalLM
+from kvmesh.engine.native.rope import RotaryTable, apply_rotary
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.scheduler.plan import NewSeq, ScheduledChunk, plan_of_chunks
 from kvmesh.models.tiny import build_tiny_model
@@ -213,3 +215,39 @@ def test_silu_and_mul_takes_the_fused_kernel_on_cpu(monkeypatch: pytest.MonkeyPa
             assert torch.allclose(got.float(), expected.float(), rtol=1e-6, atol=0)
     assert FUSED_SILU_MIN_OUTPUTS == 16 * 1024  # the first shape is the smallest fused one
     assert fused == ([torch.float32, torch.bfloat16] if cpu_build.available() else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_of_adjacent_q_and_k_is_one_call_and_equals_two(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q and k split from one q|k|v output are rotated by one kernel call over both (when the
+    fused kernel is built), bit for bit as q and k rotated apart; apart ones take two calls."""
+    if not cpu_build.available():
+        pytest.skip("fused CPU kernels not built")
+    heads, kv_heads, dim, tokens = 9, 3, 64, 5
+    rotary = SimpleNamespace(inv_freq=1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    table = RotaryTable(rotary, 64, dtype, torch.device("cpu"))
+    positions = torch.tensor([0, 3, 17, 40, 63])
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
+    q, k, _ = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+    q_apart, k_apart = q.clone(), k.clone()
+    cos, sin = table.cos[positions].unsqueeze(1), table.sin[positions].unsqueeze(1)  # [T, 1, D]
+    expected = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # torch's arithmetic
+    calls: list[int] = []
+    real = cpu_fused.rope_
+
+    def spy(x: torch.Tensor, *args: torch.Tensor) -> None:
+        calls.append(x.shape[1])
+        real(x, *args)
+
+    monkeypatch.setattr(cpu_fused, "rope_", spy)
+    step = table.at(positions)
+    step.apply(q, k)
+    assert calls == [heads + kv_heads]
+    step.apply(q_apart, k_apart)
+    assert calls == [heads + kv_heads, heads, kv_heads]
+    assert torch.equal(q, q_apart) and torch.equal(k, k_apart)
+    assert torch.equal(q, expected[0]) and torch.equal(k, expected[1])

@@ -36,6 +36,7 @@ def compile_native(model: NativeCausalLM) -> NativeCausalLM:
         for norm in (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm):
             if norm is not None:
                 norm.fused = False
+        layer.call_linears_directly(False)  # the regions trace the modules
         layer.pre_attention = _compiled(layer.pre_attention)  # type: ignore[method-assign]
         layer.post_attention = _compiled(layer.post_attention)  # type: ignore[method-assign]
     logger.info("native executor: per-layer math compiled (torch.compile, inductor)")

@@ -6,6 +6,8 @@ float32 results agree with transformers' to the rounding of the matmul shapes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from kvmesh_kernels import cpu_fused
@@ -24,6 +26,13 @@ class PlainLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+def direct_call(linear: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The function that computes `linear(x)` eagerly, without nn.Module's `__call__`."""
+    if isinstance(linear, PackedLinear):
+        return linear.run
+    return linear.forward  # type: ignore[no-any-return]
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> nn.Module:

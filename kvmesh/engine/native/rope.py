@@ -78,6 +78,10 @@ class StepRotary:
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused and q.stride(-1) == 1 and k.stride(-1) == 1:
             table = self.table
+            if _heads_follow(q, k):  # q|k of one qkv output: one call over both
+                qk = q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
+                cpu_fused.rope_(qk, table.cos, table.sin, self.positions)  # [T, Hq + Hkv, D]
+                return q, k
             cpu_fused.rope_(q, table.cos, table.sin, self.positions)
             cpu_fused.rope_(k, table.cos, table.sin, self.positions)
             return q, k
@@ -86,6 +90,16 @@ class StepRotary:
             sin = self.table.sin[self.positions].unsqueeze(1)
             return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+
+
+def _heads_follow(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """k's heads continue q's in memory: same token and head strides, k's first head right
+    after q's last (q and k split from one q|k|v row)."""
+    return (
+        q.stride() == k.stride()
+        and q.shape[0] == k.shape[0]
+        and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size()
+    )
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
