@@ -120,15 +120,20 @@ class OpenAIApp:
         except ApiError as error:  # refused before a run: counted like the door's refusals
             self.door.count_rejected(grpc_code(error))
             raise
-        responses = self.door.generate(parsed.request)
+        n = parsed.n
+        runs = [numbered(self.door.generate(each), i * n) for i, each in enumerate(parsed.requests)]
         prompt_param = "prompt" if kind == "completion" else "messages"
         try:
-            first = await until_disconnect(request, anext(responses))
+            firsts = await until_disconnect(request, first_responses(runs))
+            responses = runs[0] if len(runs) == 1 else merged(runs)
             if parsed.stream:
-                events = stream_events(answer, parsed, first, responses, prompt_param)
+                events = stream_events(answer, parsed, firsts, responses, prompt_param)
                 return RunStream(events, responses)
-            await until_disconnect(request, keep_all(answer, first, responses))
+            await until_disconnect(request, keep_all(answer, firsts, responses))
             return JSONResponse(answer.final())
+        except PromptFailure as failed:
+            param = f"prompt[{failed.index}]" if len(runs) > 1 else prompt_param
+            return from_failure(failed.failure, param).response()
         except RpcFailure as failure:
             return from_failure(failure, prompt_param).response()
         except ClientGone:
@@ -149,8 +154,9 @@ class OpenAIApp:
             raise ApiError(404, f"model {parsed.model!r} is not served (serving {served!r})",
                            param="model", code="model_not_found")  # fmt: skip
         answer = Answer(kind, f"{ID_PREFIX[kind]}-{uuid.uuid4().hex}", parsed.model or served,
-                        parsed.logprobs)  # fmt: skip
-        parsed.request.request_id = answer.id
+                        parsed.logprobs, n=parsed.n)  # fmt: skip
+        for i, each in enumerate(parsed.requests):  # a batch's prompts: "<id>-<i>"
+            each.request_id = answer.id if len(parsed.requests) == 1 else f"{answer.id}-{i}"
         if parsed.user:
             LOG.debug("request %s from user %r", answer.id, parsed.user)
         return parsed, answer
@@ -222,10 +228,81 @@ class RunStream(StreamingResponse):
             await self.responses.aclose()
 
 
+class PromptFailure(Exception):
+    """Prompt `index` of a request failed before its first response."""
+
+    def __init__(self, index: int, failure: RpcFailure) -> None:
+        super().__init__(failure.message)
+        self.index, self.failure = index, failure
+
+
+async def numbered(responses: Responses, offset: int) -> Responses:
+    """A prompt's responses with their choice index moved past the previous prompts'."""
+    async with contextlib.aclosing(responses):
+        async for response in responses:
+            response.index += offset
+            yield response
+
+
+async def first_responses(runs: list[Responses]) -> list[generation_pb2.GenerateResponse]:
+    """Every run's first response, awaited together; when one fails (PromptFailure naming
+    it) or the wait is cancelled, every run is closed (its blocks released) first."""
+    tasks = [asyncio.ensure_future(anext(run)) for run in runs]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for run in runs:
+            await run.aclose()
+        for i, task in enumerate(tasks):
+            if not task.cancelled() and isinstance(task.exception(), RpcFailure):
+                raise PromptFailure(i, task.exception()) from None  # type: ignore[arg-type]
+        raise
+    return [task.result() for task in tasks]
+
+
+async def merged(runs: list[Responses]) -> Responses:
+    """The responses of several runs as they arrive. A run's failure ends it (RpcFailure),
+    and closing it closes every run: the others are cancelled, their blocks released."""
+    queue: asyncio.Queue[generation_pb2.GenerateResponse | BaseException | None] = (
+        asyncio.Queue()
+    )  # a run's output is bounded by its max_tokens
+
+    async def pump(run: Responses) -> None:
+        try:
+            async for response in run:
+                queue.put_nowait(response)
+        except Exception as error:  # handed to the consumer
+            queue.put_nowait(error)
+        finally:
+            queue.put_nowait(None)
+
+    pumps = [asyncio.ensure_future(pump(run)) for run in runs]
+    try:
+        left = len(runs)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for run in runs:
+            await run.aclose()
+
+
 async def keep_all(
-    answer: Answer, first: generation_pb2.GenerateResponse, responses: Responses
+    answer: Answer, firsts: list[generation_pb2.GenerateResponse], responses: Responses
 ) -> None:
-    answer.keep(first)
+    for first in firsts:
+        answer.keep(first)
     async for response in responses:
         answer.keep(response)
 
@@ -233,7 +310,7 @@ async def keep_all(
 async def stream_events(
     answer: Answer,
     parsed: ParsedRequest,
-    first: generation_pb2.GenerateResponse,
+    firsts: list[generation_pb2.GenerateResponse],
     responses: Responses,
     prompt_param: str,
 ) -> AsyncGenerator[str, None]:
@@ -242,7 +319,8 @@ async def stream_events(
     Starlette cancels this iterator when the client disconnects, which cancels the run."""
     extra = {"usage": None} if parsed.include_usage else {}
     async with contextlib.aclosing(responses):
-        yield sse({**answer.chunk(first), **extra})
+        for first in firsts:
+            yield sse({**answer.chunk(first), **extra})
         try:
             async for response in responses:
                 yield sse({**answer.chunk(response), **extra})

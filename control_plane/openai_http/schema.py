@@ -16,6 +16,7 @@ from kvmesh.v1 import generation_pb2
 
 Kind = Literal["completion", "chat"]
 MAX_N = 128
+MAX_CHOICES = 256  # prompts x n of one completions request
 MAX_TOP_LOGPROBS = 20
 SEED_LIMIT = 2**63
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -43,15 +44,26 @@ _SAMPLING: dict[str, tuple[str, Callable[[Any], bool] | None, str]] = {
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """One OpenAI request: the GenerateRequest (request_id unset) and how to answer it."""
+    """One OpenAI request: a GenerateRequest per prompt (request ids unset; chat has one, a
+    completions `prompt` may be a batch) and how to answer it."""
 
     kind: Kind
     model: str | None
-    request: generation_pb2.GenerateRequest
+    requests: tuple[generation_pb2.GenerateRequest, ...]
     stream: bool
     include_usage: bool
     logprobs: int | None  # top alternatives per token when logprobs were asked for, else None
     user: str | None
+
+    @property
+    def request(self) -> generation_pb2.GenerateRequest:
+        """The first prompt's request (the only one but for a batch of completions)."""
+        return self.requests[0]
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt."""
+        return self.requests[0].sampling.n or 1
 
 
 def field(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:
@@ -71,17 +83,19 @@ def parse(body: Any, kind: Kind) -> ParsedRequest:
         raise ApiError(400, "the request body must be a JSON object")
     request = generation_pb2.GenerateRequest(sampling=sampling(body, kind))
     if kind == "completion":
-        completion_only(body, request)
+        requests = completion_requests(body, request)
     else:
         request.chat.CopyFrom(chat_messages(body))
+        requests = (request,)
     logprobs = completion_logprobs(body) if kind == "completion" else chat_logprobs(body)
     if logprobs is not None:
-        request.sampling.logprobs = logprobs
+        for each in requests:
+            each.sampling.logprobs = logprobs
     stream = field(body, "stream", "boolean", False)
     options = field(body, "stream_options", "object", {})
     include_usage = field(options, "include_usage", "boolean", False)
     return ParsedRequest(
-        kind, field(body, "model", "string"), request, stream, include_usage, logprobs,
+        kind, field(body, "model", "string"), requests, stream, include_usage, logprobs,
         field(body, "user", "string"),
     )  # fmt: skip
 
@@ -148,19 +162,47 @@ def stop_strings(body: dict[str, Any]) -> list[str]:
     return items
 
 
+def completion_requests(
+    body: dict[str, Any], request: generation_pb2.GenerateRequest
+) -> tuple[generation_pb2.GenerateRequest, ...]:
+    """One request per prompt of `prompt` (a string, a token list, or a batch of either: up
+    to MAX_CHOICES choices in all), after the fields only completions have."""
+    completion_only(body, request)
+    prompts = prompt_batch(body.get("prompt"))
+    if len(prompts) * request.sampling.n > MAX_CHOICES:
+        raise bad_param(
+            "prompt", f"{len(prompts)} prompts x n={request.sampling.n} choices exceed "
+            f"{MAX_CHOICES} in one request",
+        )  # fmt: skip
+    requests = []
+    for prompt in prompts:
+        each = generation_pb2.GenerateRequest()
+        each.CopyFrom(request)
+        if isinstance(prompt, str):
+            each.text = prompt
+        else:
+            each.token_ids.ids.extend(prompt)
+        requests.append(each)
+    return tuple(requests)
+
+
+def prompt_batch(prompt: Any) -> list[str | list[int]]:
+    """`prompt` as a list of prompts: one string or token list, or a batch (a list of
+    strings or of token lists); ApiError naming `prompt` or the bad `prompt[i]`."""
+    if (isinstance(prompt, str) and prompt) or is_token_list(prompt):
+        return [prompt]
+    batch = isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt)
+    if not batch:
+        raise bad_param("prompt", "expected a non-empty string, a list of token ids, or a "
+                        "list of either")  # fmt: skip
+    for i, each in enumerate(prompt):
+        if not ((isinstance(each, str) and each) or is_token_list(each)):
+            raise bad_param(f"prompt[{i}]", "expected a non-empty string or list of token ids")
+    return list(prompt)
+
+
 def completion_only(body: dict[str, Any], request: generation_pb2.GenerateRequest) -> None:
-    """`prompt` (one string or one token list) and the fields only completions have."""
-    prompt: Any = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
-        request.text = prompt
-    elif is_token_list(prompt):
-        request.token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise bad_param("prompt", f"one prompt per request is supported, got {len(prompt)}")
-    else:
-        raise bad_param("prompt", "expected a non-empty string or a list of token ids")
+    """The fields only completions have."""
     if field(body, "echo", "boolean", False):
         raise bad_param("echo", "is not supported")
     if field(body, "suffix", "string"):

@@ -85,29 +85,34 @@ class Answer:
     id: str
     model: str
     logprobs: int | None
+    n: int = 1  # choices per prompt: choice i belongs to prompt i // n
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, Choice] = field(default_factory=dict)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
+    prompt_tokens: dict[int, int] = field(default_factory=dict)  # per prompt
+    cached_tokens: dict[int, int] = field(default_factory=dict)
 
     def add(self, response: generation_pb2.GenerateResponse) -> Choice:
         """Record a response; returns its choice (state before this response's text)."""
         choice = self.choices.setdefault(response.index, Choice())
         if response.HasField("usage"):
-            self.prompt_tokens = response.usage.prompt_tokens
-            self.cached_tokens = max(self.cached_tokens, response.usage.cached_tokens)
+            prompt = response.index // self.n
+            self.prompt_tokens[prompt] = response.usage.prompt_tokens
+            cached = max(self.cached_tokens.get(prompt, 0), response.usage.cached_tokens)
+            self.cached_tokens[prompt] = cached
             choice.completion_tokens = response.usage.completion_tokens
         if response.finish_reason in FINISH_REASONS:
             choice.finish_reason = FINISH_REASONS[response.finish_reason]
         return choice
 
     def usage(self) -> dict[str, Any]:
+        """Tokens of every prompt and every choice."""
+        prompt = sum(self.prompt_tokens.values())
         completion = sum(c.completion_tokens for c in self.choices.values())
         return {
-            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens": prompt,
             "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
         }
 
     def header(self, streaming: bool) -> dict[str, Any]:

@@ -118,8 +118,10 @@ async def test_chat_completion_and_chat_stream() -> None:
         ({"prompt": "x", "max_tokens": True}, "max_tokens"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "stop": [""]}, "stop"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt[1]"),
         ({"prompt": [1, 999]}, "prompt"),  # the worker's check, named as the request's param
+        ({"prompt": [[1, 2], [1, 999]]}, "prompt[1]"),  # the same, for a batch's prompt
+        ({"prompt": ["a"] * 9, "n": 30}, "prompt"),  # 270 choices in all
         (
             {"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}},
             "logit_bias",
@@ -175,6 +177,53 @@ async def test_admission_full_is_429_with_retry_after() -> None:
         worker.gate.set()
         assert (await first).choices[0].text == "abbb"
         await idle(cp)
+
+
+@run_async
+async def test_a_batch_of_prompts_answers_each_in_order_streamed_or_not() -> None:
+    async with control_plane(http_port=0) as cp:
+        await cp.add("p0", "prefill"), await cp.add("d0", "decode")
+        api = client(cp)
+        prompts: Any = ["hi", "there you", "x"]  # one token per character here: 12 in all
+        done = await api.completions.create(model=MODEL, prompt=prompts, max_tokens=4)
+        assert [(c.index, c.text, c.finish_reason) for c in done.choices] == [
+            (i, "abbb", "length") for i in range(3)
+        ]
+        assert done.usage is not None
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (12, 12)
+        stream = await api.completions.create(
+            model=MODEL,
+            prompt=[[5, 6, 7], [8]],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+        texts: dict[int, str] = {}
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+        assert texts == {0: "abbb", 1: "abbb"} and len({c.id for c in chunks}) == 1
+        usage = chunks[-1].usage
+        assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (4, 8)
+        await idle(cp)
+
+
+@run_async
+async def test_client_leaving_a_batch_mid_stream_releases_every_block() -> None:
+    async with control_plane(http_port=0) as cp:
+        await cp.add("p0", "prefill")
+        decode = await cp.add("d0", "decode")
+        decode.after_first_gate = asyncio.Event()  # every stream stalls after its first token
+        stream = await client(cp).completions.create(
+            model=MODEL, prompt=["a", "b", "c"], stream=True
+        )
+        firsts = [await stream.__anext__() for _ in range(3)]
+        assert sorted(c.choices[0].index for c in firsts) == [0, 1, 2]
+        assert len(decode.held) == 3
+        await stream.close()
+        await idle(cp)
+        ledger = cp.server.cluster.ledger
+        assert [ledger.closed_outcome(f"{firsts[0].id}-{i}") for i in range(3)] == ["CANCELLED"] * 3
 
 
 @run_async

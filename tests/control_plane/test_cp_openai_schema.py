@@ -116,8 +116,8 @@ def responses() -> list[generation_pb2.GenerateResponse]:
 
 
 def test_final_answers_sum_usage_over_choices_and_shape_logprobs() -> None:
-    chat = Answer("chat", "chatcmpl-1", "m", logprobs=1)
-    completion = Answer("completion", "cmpl-1", "m", logprobs=1)
+    chat = Answer("chat", "chatcmpl-1", "m", logprobs=1, n=2)  # choices 0, 1 of one prompt
+    completion = Answer("completion", "cmpl-1", "m", logprobs=1, n=2)
     for response in responses():
         chat.keep(response)
         completion.keep(response)
@@ -149,3 +149,37 @@ def test_stream_chunks_send_the_role_once_and_offsets_continue() -> None:
     completion = Answer("completion", "cmpl-1", "m", logprobs=0)
     offsets = [completion.chunk(r)["choices"][0]["logprobs"]["text_offset"] for r in responses()]
     assert offsets == [[0], [0, 1], [1]]
+
+
+def test_a_batch_of_prompts_sums_each_prompts_usage_once() -> None:
+    """Choice i belongs to prompt i // n: prompt tokens count once per prompt (every choice
+    of a prompt reports them), completion tokens once per choice."""
+    answer = Answer("completion", "cmpl-1", "m", logprobs=None, n=2)
+    stop = generation_pb2.FINISH_REASON_STOP
+    for index, (prompt_tokens, cached) in enumerate([(3, 1), (3, 0), (7, 4), (7, 4)]):
+        usage = generation_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=index + 1,
+                                     cached_tokens=cached)  # fmt: skip
+        answer.keep(generation_pb2.GenerateResponse(index=index, text=str(index), usage=usage,
+                                                    finish_reason=stop))  # fmt: skip
+    body = answer.final()
+    assert [c["text"] for c in body["choices"]] == ["0", "1", "2", "3"]
+    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20,
+                             "prompt_tokens_details": {"cached_tokens": 5}}  # fmt: skip
+
+
+def test_completion_batches_become_one_request_per_prompt() -> None:
+    parsed = parse({"prompt": ["a", "b"], "n": 2, "logprobs": 1, "max_tokens": 3}, "completion")
+    assert [r.text for r in parsed.requests] == ["a", "b"] and parsed.n == 2
+    assert all(r.sampling.logprobs == 1 and r.sampling.max_tokens == 3 for r in parsed.requests)
+    tokens = parse({"prompt": [[1, 2], [3]]}, "completion")
+    assert [list(r.token_ids.ids) for r in tokens.requests] == [[1, 2], [3]]
+    assert len(parse({"prompt": [[1, 2]]}, "completion").requests) == 1  # a batch of one
+    assert len(parse({"prompt": [1, 2]}, "completion").requests) == 1  # one token prompt
+    for bad, param in (
+        (["a", 3], "prompt"),
+        ([[1], []], "prompt[1]"),
+        ([[1], "a", ""], "prompt[2]"),
+    ):
+        with pytest.raises(ApiError) as caught:
+            parse({"prompt": bad}, "completion")
+        assert caught.value.param == param

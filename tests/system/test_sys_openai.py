@@ -57,6 +57,29 @@ def test_completion_matches_grpc_and_its_stream(system: LocalSystem) -> None:
     wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
 
 
+def test_a_batch_of_prompts_answers_as_the_prompts_one_by_one(system: LocalSystem) -> None:
+    client = api(system)
+    model = client.models.list().data[0].id
+    prompts = [PROMPT, [7, 3, 11, 12], PROMPT[:2]]
+    params: dict[str, Any] = {
+        "model": model,
+        "max_tokens": GREEDY["max_tokens"],
+        "temperature": GREEDY["temperature"],
+        "extra_body": IGNORE_EOS,
+    }
+    batch = client.completions.create(prompt=prompts, logprobs=1, **params)
+    singles = [
+        client.completions.create(prompt=p, logprobs=1, **params).choices[0] for p in prompts
+    ]
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [c.text for c in singles]
+    got = [c.logprobs.tokens for c in batch.choices if c.logprobs is not None]
+    assert got == [c.logprobs.tokens for c in singles if c.logprobs is not None]
+    assert batch.usage is not None and batch.usage.prompt_tokens == 11
+    assert batch.usage.completion_tokens == 3 * GREEDY["max_tokens"]
+    wait_until(lambda: idle(system), 5.0, "blocks free after the batch")
+
+
 def test_chat_matches_grpc_chat_with_token_logprobs(system: LocalSystem) -> None:
     client = api(system)
     model = client.models.list().data[0].id
