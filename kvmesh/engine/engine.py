@@ -27,6 +27,7 @@ from kvmesh.engine.detokenizer import SequenceText
 from kvmesh.engine.engine_setup import EngineParts, build_engine_parts
 from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvmesh.engine.prompt_logprobs import PromptLogprobs, rows_of_step, score
 from kvmesh.engine.sampler import SamplingBatch, SamplingRow, TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import SchedulerOutput
@@ -41,6 +42,7 @@ class _Tracked:
 
     request: Request
     prompt: str | None
+    prompt_logprobs: PromptLogprobs | None = None  # while asked for, until complete
     texts: dict[str, SequenceText] = field(default_factory=dict)
     outputs: dict[str, CompletionOutput] = field(default_factory=dict)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
@@ -59,6 +61,7 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._seq_request: dict[str, str] = {}
         self._step_logprobs: dict[str, TokenLogprobs] = {}
+        self._owing: dict[str, PromptLogprobs] = {}  # prompt seq id -> logprobs still owed
         # Called with the tokens each non-empty step schedules (in the stepping thread).
         self.step_observers: list[Callable[[int], None]] = []
         if self.config.show_progress:
@@ -87,7 +90,11 @@ class LLMEngine:
         if tiers is not None and tiers.disk is not None:  # disk reads start now, before admission
             manager = self.scheduler.block_manager
             tiers.prefetch(manager.block_hashes(prompt_ids, request.seqs[0].extra_key))
-        self._tracked[request_id] = _Tracked(request, text, metrics=RequestMetrics(arrival))
+        tracked = _Tracked(request, text, metrics=RequestMetrics(arrival))
+        if params.prompt_logprobs is not None:
+            tracked.prompt_logprobs = PromptLogprobs(params.prompt_logprobs, prompt_ids)
+            self._owing[request.seqs[0].seq_id] = tracked.prompt_logprobs
+        self._tracked[request_id] = tracked
         self._seq_request[request_id] = request_id
         return request
 
@@ -146,6 +153,7 @@ class LLMEngine:
         """Stop tracking a request the scheduler no longer holds (its outputs end here)."""
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None:
+            self._owing.pop(tracked.request.seqs[0].seq_id, None)
             for seq in tracked.request.seqs:
                 self._seq_request.pop(seq.seq_id, None)
 
@@ -186,7 +194,15 @@ class LLMEngine:
             observe(plan.num_batched_tokens)
         self.runner.copy_blocks(plan.copy_pairs)
         started = time.perf_counter()
-        logits = self.runner.execute(plan)  # [sampling chunks, vocab]
+        prompt_rows = rows_of_step(plan, self._owing)
+        if prompt_rows is None:
+            logits = self.runner.execute(plan)  # [sampling chunks, vocab]
+        else:
+            logits, hidden = self.runner.execute_keeping(plan, prompt_rows.rows)
+            assert hidden is not None
+            score(prompt_rows, hidden, self.runner.executor.compute_logits)
+            for seq_id in [s for s, owed in self._owing.items() if owed.complete]:
+                del self._owing[seq_id]
         tokens = len(plan.token_ids)
         if self.parts.tiers is not None and tokens > 2 * len(plan.seq_ids):  # mostly prompt
             self.parts.tiers.rates.observe_compute(tokens, time.perf_counter() - started)
@@ -282,6 +298,7 @@ class LLMEngine:
                 out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
         tracked.metrics.finished_time = time.monotonic()
         self._tracked.pop(request.request_id, None)
+        self._owing.pop(request.seqs[0].seq_id, None)
         for seq in request.seqs:
             self._seq_request.pop(seq.seq_id, None)
         return self._snapshot(tracked, finished=True)
@@ -293,6 +310,7 @@ class LLMEngine:
             for s in request.seqs
             if s.seq_id in tracked.outputs
         ]
+        scored = tracked.prompt_logprobs
         return RequestOutput(
             request_id=request.request_id,
             prompt=tracked.prompt,
@@ -301,6 +319,7 @@ class LLMEngine:
             finished=finished,
             metrics=RequestMetrics(**vars(tracked.metrics)),
             num_cached_tokens=request.seqs[0].num_cached_tokens,
+            prompt_logprobs=list(scored.entries) if scored and scored.complete else None,
         )
 
 

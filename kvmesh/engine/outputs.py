@@ -56,7 +56,9 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """Everything about one request so far; `finished` when every sequence has finished."""
+    """Everything about one request so far; `finished` when every sequence has finished.
+    `prompt_logprobs` (when asked for, once the whole prompt is scored): one entry per prompt
+    token, None for the first."""
 
     request_id: str
     prompt: str | None
@@ -65,3 +67,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

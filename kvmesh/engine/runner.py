@@ -125,14 +125,24 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns logits [num sampling chunks, vocab] in chunk order, in the
         model's dtype."""
+        return self.execute_keeping(plan, None)[0]
+
+    def execute_keeping(
+        self, plan: SchedulerOutput, rows: list[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`execute`, also returning the final hidden states [len(rows), hidden] of the flat
+        token rows `rows` (None: none kept)."""
         batch = self.prepare(plan)
         graphs, ctx = self.decode_graphs, batch.context
         if graphs is not None and graphs.applies(batch.input_ids.shape[0], ctx):
             hidden = graphs.forward(batch.input_ids, batch.positions, ctx)  # [T, hidden]
         else:
             hidden = self.executor.forward(batch.input_ids, batch.positions, ctx)
+        kept = None
+        if rows is not None:
+            kept = hidden.index_select(0, torch.tensor(rows, device=hidden.device))  # [R, hidden]
         sampled = hidden.index_select(0, batch.sample_rows)  # [S, hidden]
-        return self.executor.compute_logits(sampled)  # [S, vocab]
+        return self.executor.compute_logits(sampled), kept  # [S, vocab]
 
     def prepare(self, plan: SchedulerOutput) -> FlatBatch:
         """Apply the plan's table diffs, build the flat varlen batch (decodes first, as

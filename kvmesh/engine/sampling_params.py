@@ -37,7 +37,10 @@ class SamplingParams:
     only (no text; stop strings then need it True), as vLLM's option of the same name.
     logit_bias maps token ids to values in [-100, 100] added to their logits before penalties
     and sampling (OpenAI's and vLLM's field; logprobs stay those of the raw model); given as a
-    mapping or (id, bias) pairs, kept as pairs sorted by id.
+    mapping or (id, bias) pairs, kept as pairs sorted by id. prompt_logprobs N returns, for
+    every prompt token after the first, its raw-model logprob given the tokens before it, its
+    rank and the top-N there (vLLM's field; such a prompt is computed whole, not read from the
+    prefix cache).
     """
 
     n: int = 1
@@ -59,6 +62,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] = ()
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p"):
@@ -94,10 +98,10 @@ class SamplingParams:
                 "min_tokens",
                 f"must not exceed max_tokens ({self.max_tokens}), got {self.min_tokens}",
             )
-        if self.logprobs is not None and not 0 <= _int("logprobs", self.logprobs) <= MAX_LOGPROBS:
-            raise InvalidParameterError(
-                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= _int(name, value) <= MAX_LOGPROBS:
+                raise InvalidParameterError(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.seed is not None and not 0 <= _int("seed", self.seed) < MAX_SEED:
             raise InvalidParameterError("seed", f"must be in [0, 2**63), got {self.seed}")
 

@@ -99,7 +99,8 @@ def _start(state: SchedulerState, config: SchedulerConfig, seq: Sequence, budget
 def _lookup(state: SchedulerState, config: SchedulerConfig, seq: Sequence) -> None:
     bm = state.block_manager
     cached = 0
-    if config.enable_prefix_caching:
+    owes_prompt_logprobs = seq.params.prompt_logprobs is not None and not seq.output_ids
+    if config.enable_prefix_caching and not owes_prompt_logprobs:  # those need every row
         cached = bm.lookup_prefix(seq.seq_id, seq.all_token_ids, seq.extra_key)
     else:
         bm.allocate(seq.seq_id, 0)
