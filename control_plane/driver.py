@@ -233,6 +233,8 @@ class Driver:
         timings.prefill = response.prefill_seconds
         timings.transfer = response.transfer_seconds
         timings.cached_tokens = response.cached_tokens
+        run.prompt_logprobs = list(response.prompt_logprobs)
+        run.prompt_text = response.prompt_text
 
     async def _colocated(self, run: Run, worker: WorkerRecord) -> None:
         run.event("routed", colocated=worker.worker_id)

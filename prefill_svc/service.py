@@ -32,7 +32,7 @@ from kvmesh.engine import disagg
 from kvmesh.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sequence import Request
-from kvmesh.service.convert import first_tokens
+from kvmesh.service.convert import first_tokens, prompt_logprobs_to_proto, prompt_text
 from kvmesh.service.runtime import WorkerRuntime, check_layout
 from kvmesh.service.status import ServiceError, abort_with, status_of
 from kvmesh.telemetry import request_scope
@@ -267,7 +267,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                 finally:
                     span.parts = run.export.parts
                 self.metrics.request_done(grpc.StatusCode.OK)
-                return self._response(output, timings, result)
+                return self._response(output, timings, result, self.runtime.core.tokenizer)
             finally:
                 if sender is not None:
                     self._give_back(backend, endpoint, sender, handle)
@@ -331,9 +331,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 
     @staticmethod
     def _response(
-        first: RequestOutput, timings: Timings, result: TransferResult | None
+        first: RequestOutput, timings: Timings, result: TransferResult | None, tokenizer: Any
     ) -> worker_pb2.PrefillResponse:
-        return worker_pb2.PrefillResponse(
+        response = worker_pb2.PrefillResponse(
             first_tokens=first_tokens(first),
             cached_tokens=first.num_cached_tokens,
             queue_seconds=timings.added - timings.arrival,
@@ -341,6 +341,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             transfer_seconds=timings.transfer,
             transfer_bytes=0 if result is None else result.num_bytes,
         )
+        if first.prompt_logprobs is not None:  # the control plane sends them to the client
+            response.prompt_logprobs.extend(prompt_logprobs_to_proto(first, tokenizer))
+            response.prompt_text = prompt_text(first, tokenizer)
+        return response
 
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext

@@ -33,7 +33,7 @@ from control_plane.front_door import FrontDoor
 from control_plane.openai_http.auth import ApiKeyMiddleware
 from control_plane.openai_http.errors import ApiError, from_failure, grpc_code
 from control_plane.openai_http.schema import Kind, ParsedRequest, parse
-from control_plane.openai_http.stream import DONE, Answer, sse
+from control_plane.openai_http.stream import DONE, Answer, Echo, sse
 from control_plane.run import RpcFailure
 from kvmesh.v1 import generation_pb2
 
@@ -153,8 +153,12 @@ class OpenAIApp:
         if parsed.model is not None and parsed.model != served:
             raise ApiError(404, f"model {parsed.model!r} is not served (serving {served!r})",
                            param="model", code="model_not_found")  # fmt: skip
+        echo = None
+        if parsed.echo:
+            echo = Echo([r.text for r in parsed.requests], prompt_only=parsed.prompt_only)
         answer = Answer(kind, f"{ID_PREFIX[kind]}-{uuid.uuid4().hex}", parsed.model or served,
-                        parsed.logprobs, n=parsed.n)  # fmt: skip
+                        parsed.logprobs, n=parsed.n, echo=echo,
+                        prompt_logprobs=parsed.prompt_logprobs)  # fmt: skip
         for i, each in enumerate(parsed.requests):  # a batch's prompts: "<id>-<i>"
             each.request_id = answer.id if len(parsed.requests) == 1 else f"{answer.id}-{i}"
         if parsed.user:

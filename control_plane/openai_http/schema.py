@@ -54,6 +54,9 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None  # top alternatives per token when logprobs were asked for, else None
     user: str | None
+    echo: bool = False  # completions: each choice starts with its prompt (and its logprobs)
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt alone, nothing generated
+    prompt_logprobs: int | None = None  # vLLM's field: the prompt's logprobs in the answer
 
     @property
     def request(self) -> generation_pb2.GenerateRequest:
@@ -81,26 +84,42 @@ def parse(body: Any, kind: Kind) -> ParsedRequest:
     """The ParsedRequest of a decoded JSON body (ApiError 400 naming the bad param)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    request = generation_pb2.GenerateRequest(sampling=sampling(body, kind))
+    echo = kind == "completion" and field(body, "echo", "boolean", False)
+    prompt_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+    request = generation_pb2.GenerateRequest(sampling=sampling(body, kind, prompt_only))
     if kind == "completion":
         requests = completion_requests(body, request)
     else:
         request.chat.CopyFrom(chat_messages(body))
         requests = (request,)
     logprobs = completion_logprobs(body) if kind == "completion" else chat_logprobs(body)
-    if logprobs is not None:
-        for each in requests:
+    prompt_logprobs = field(body, "prompt_logprobs", "integer")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_param(
+            "prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {prompt_logprobs}"
+        )
+    for each in requests:
+        if logprobs is not None:
             each.sampling.logprobs = logprobs
+        if echo and (logprobs is not None or each.WhichOneof("prompt") != "text"):
+            # the prompt's logprobs, or the text of a token prompt, come from the worker
+            each.sampling.prompt_logprobs = logprobs or 0
+        if prompt_logprobs is not None:
+            each.sampling.prompt_logprobs = max(prompt_logprobs, each.sampling.prompt_logprobs)
     stream = field(body, "stream", "boolean", False)
     options = field(body, "stream_options", "object", {})
     include_usage = field(options, "include_usage", "boolean", False)
     return ParsedRequest(
         kind, field(body, "model", "string"), requests, stream, include_usage, logprobs,
-        field(body, "user", "string"),
+        field(body, "user", "string"), echo, prompt_only, prompt_logprobs,
     )  # fmt: skip
 
 
-def sampling(body: dict[str, Any], kind: Kind) -> generation_pb2.SamplingParams:
+def sampling(
+    body: dict[str, Any], kind: Kind, prompt_only: bool = False
+) -> generation_pb2.SamplingParams:
+    """The sampling fields; `prompt_only` (echo with max_tokens 0) generates one token, which
+    the answer leaves out."""
     params = generation_pb2.SamplingParams()
     for name, (json_type, check, what) in _SAMPLING.items():
         value = field(body, name, json_type)
@@ -116,9 +135,12 @@ def sampling(body: dict[str, Any], kind: Kind) -> generation_pb2.SamplingParams:
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         max_name = "max_completion_tokens"
     max_tokens = field(body, max_name, "integer")
+    if prompt_only:
+        max_tokens = 1
     if max_tokens is not None:
         if max_tokens < 1:
-            raise bad_param(max_name, f"must be >= 1, got {max_tokens}")
+            why = " (0 only with echo)" if kind == "completion" else ""
+            raise bad_param(max_name, f"must be >= 1{why}, got {max_tokens}")
         try:
             params.max_tokens = max_tokens
         except ValueError:  # beyond int32
@@ -203,8 +225,6 @@ def prompt_batch(prompt: Any) -> list[str | list[int]]:
 
 def completion_only(body: dict[str, Any], request: generation_pb2.GenerateRequest) -> None:
     """The fields only completions have."""
-    if field(body, "echo", "boolean", False):
-        raise bad_param("echo", "is not supported")
     if field(body, "suffix", "string"):
         raise bad_param("suffix", "is not supported")
     best_of = field(body, "best_of", "integer")

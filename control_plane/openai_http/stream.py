@@ -10,6 +10,7 @@ named `token_id:<id>`.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,24 +48,84 @@ def chat_logprobs(items: list[generation_pb2.TokenLogprobs]) -> dict[str, Any]:
     return {"content": content}
 
 
-def completion_logprobs(items: list[generation_pb2.TokenLogprobs], offset: int) -> dict[str, Any]:
-    """Logprobs of consecutive tokens whose text starts at `offset` in the choice's text."""
+def completion_logprobs(
+    items: list[generation_pb2.TokenLogprobs], offset: int, top: int | None = None
+) -> dict[str, Any]:
+    """Logprobs of consecutive tokens whose text starts at `offset` in the choice's text (at
+    most `top` alternatives each); a prompt's first token (logprob NaN: nothing precedes it)
+    has null logprob and alternatives."""
     tokens, offsets = [], []
     for lp in items:
         tokens.append(token_text(lp.token, lp.token_id))
         offsets.append(offset)
         offset += len(lp.token)
+    scored = [not math.isnan(lp.logprob) for lp in items]
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in items],
-        "top_logprobs": [{token_text(t, i): p for t, i, p in zip_top(lp)} for lp in items],
+        "token_logprobs": [
+            lp.logprob if ok else None for lp, ok in zip(items, scored, strict=True)
+        ],
+        "top_logprobs": [
+            {token_text(t, i): p for t, i, p in zip_top(lp)[:top]} if ok else None
+            for lp, ok in zip(items, scored, strict=True)
+        ],
         "text_offset": offsets,
     }
+
+
+def joined_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Completion logprobs of `first`'s tokens followed by `then`'s."""
+    return {key: [*first[key], *then[key]] for key in first}
 
 
 def zip_top(lp: generation_pb2.TokenLogprobs) -> list[tuple[str, int, float]]:
     texts = list(lp.top_tokens) or [""] * len(lp.top_token_ids)
     return list(zip(texts, lp.top_token_ids, lp.top_logprobs, strict=False))
+
+
+@dataclass
+class Echo:
+    """What completions with `echo` prepend to every choice of prompt i: the prompt's text (a
+    text prompt's own, else the worker's decoding of its token ids) and, with logprobs, the
+    prompt tokens' logprobs (from the prompt's first response)."""
+
+    prompt_texts: list[str]  # per prompt: its text, "" for token ids
+    prompt_only: bool = False  # max_tokens 0: the prompt alone
+
+
+@dataclass
+class Prompts:
+    """What the workers returned about each prompt (its first response): its logprobs and its
+    decoded text, when they were asked for."""
+
+    logprobs: dict[int, list[generation_pb2.TokenLogprobs]] = field(default_factory=dict)
+    decoded: dict[int, str] = field(default_factory=dict)
+
+    def keep(self, prompt: int, response: generation_pb2.GenerateResponse) -> None:
+        if response.prompt_logprobs:
+            self.logprobs[prompt] = list(response.prompt_logprobs)
+        if response.prompt_text:
+            self.decoded[prompt] = response.prompt_text
+
+
+def vllm_prompt_logprobs(
+    items: list[generation_pb2.TokenLogprobs], top: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}} for the prompt token and the `top` most likely there."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for lp in items:
+        if math.isnan(lp.logprob):
+            out.append(None)
+            continue
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank or None,
+                                    "decoded_token": lp.token}}  # fmt: skip
+        for rank, (text, token_id, logprob) in enumerate(zip_top(lp)[:top], start=1):
+            entry.setdefault(
+                str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": text}
+            )
+        out.append(entry)
+    return out
 
 
 @dataclass
@@ -75,6 +136,8 @@ class Choice:
     finish_reason: str | None = None
     completion_tokens: int = 0
     started: bool = False  # chat: the assistant role was sent
+    echoed: bool = False  # completions with echo: the prompt was streamed
+    prompt_sent: bool = False  # completions: vLLM's prompt_logprobs were streamed
 
 
 @dataclass
@@ -86,22 +149,32 @@ class Answer:
     model: str
     logprobs: int | None
     n: int = 1  # choices per prompt: choice i belongs to prompt i // n
+    echo: Echo | None = None  # completions with echo: each choice starts with its prompt
+    prompt_logprobs: int | None = None  # vLLM's field: each choice carries its prompt's
+    prompts: Prompts = field(default_factory=Prompts)
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, Choice] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # per prompt
     cached_tokens: dict[int, int] = field(default_factory=dict)
 
     def add(self, response: generation_pb2.GenerateResponse) -> Choice:
-        """Record a response; returns its choice (state before this response's text)."""
+        """Record a response; returns its choice (state before this response's text). With
+        echo and nothing to generate, the response's own tokens are left out."""
         choice = self.choices.setdefault(response.index, Choice())
+        prompt = response.index // self.n
+        self.prompts.keep(prompt, response)
         if response.HasField("usage"):
-            prompt = response.index // self.n
             self.prompt_tokens[prompt] = response.usage.prompt_tokens
             cached = max(self.cached_tokens.get(prompt, 0), response.usage.cached_tokens)
             self.cached_tokens[prompt] = cached
             choice.completion_tokens = response.usage.completion_tokens
         if response.finish_reason in FINISH_REASONS:
             choice.finish_reason = FINISH_REASONS[response.finish_reason]
+        if self.echo is not None and self.echo.prompt_only:
+            response.text, choice.completion_tokens = "", 0
+            del response.logprobs[:], response.token_ids[:]
+            if choice.finish_reason is not None:
+                choice.finish_reason = "length"  # max_tokens 0
         return choice
 
     def usage(self) -> dict[str, Any]:
@@ -128,8 +201,14 @@ class Answer:
         logprobs = list(response.logprobs)
         entry: dict[str, Any] = {"index": response.index}
         if self.kind == "completion":
-            entry["text"] = response.text
-            entry["logprobs"] = self._completion_lp(logprobs, choice.length)
+            fields, echoed = self._completion_fields(
+                response.index, response.text, logprobs, choice.length, choice
+            )
+            entry.update(fields)
+            choice.length += echoed
+            if not choice.prompt_sent:  # vLLM's prompt_logprobs, in the choice's first chunk
+                choice.prompt_sent = True
+                self._with_prompt_logprobs(entry, response.index)
         else:
             delta: dict[str, Any] = {"content": response.text}
             if not choice.started:
@@ -155,19 +234,62 @@ class Answer:
             text = "".join(c.text)
             entry: dict[str, Any] = {"index": index}
             if self.kind == "completion":
-                entry["text"] = text
-                entry["logprobs"] = self._completion_lp(c.logprobs, 0)
+                entry.update(self._completion_fields(index, text, c.logprobs, 0, None)[0])
+                self._with_prompt_logprobs(entry, index)
             else:
                 entry["message"] = {"role": "assistant", "content": text}
                 entry["logprobs"] = chat_logprobs(c.logprobs) if self.logprobs is not None else None
             entry["finish_reason"] = c.finish_reason
             choices.append(entry)
-        return {**self.header(False), "choices": choices, "usage": self.usage()}
+        body = {**self.header(False), "choices": choices, "usage": self.usage()}
+        if self.kind == "chat" and self.prompt_logprobs is not None:  # vLLM: top level
+            items = self.prompts.logprobs.get(0, [])
+            body["prompt_logprobs"] = vllm_prompt_logprobs(items, self.prompt_logprobs)
+        return body
+
+    def _completion_fields(
+        self,
+        index: int,
+        text: str,
+        items: list[generation_pb2.TokenLogprobs],
+        offset: int,
+        choice: Choice | None,
+    ) -> tuple[dict[str, Any], int]:
+        """A completion choice's `text` and `logprobs` (its tokens' text starting at `offset`),
+        with echo preceded by the prompt's; and the echoed prompt's length (0 without)."""
+        prefix, prompt_lp = self._echo_of(index, choice)
+        logprobs = self._completion_lp(items, offset + len(prefix))
+        if logprobs is not None and prompt_lp:
+            prompt = completion_logprobs(
+                prompt_lp, 0, self.logprobs
+            )  # prompt_logprobs may ask more
+            logprobs = joined_logprobs(prompt, logprobs)
+        return {"text": prefix + text, "logprobs": logprobs}, len(prefix)
 
     def _completion_lp(
         self, items: list[generation_pb2.TokenLogprobs], offset: int
     ) -> dict[str, Any] | None:
         return None if self.logprobs is None else completion_logprobs(items, offset)
+
+    def _echo_of(
+        self, index: int, choice: Choice | None
+    ) -> tuple[str, list[generation_pb2.TokenLogprobs]]:
+        """The prompt text and logprobs choice `index` starts with: with echo, once (a stream
+        sends them in the choice's first chunk: `choice` given and not yet echoed)."""
+        if self.echo is None or (choice is not None and choice.echoed):
+            return "", []
+        if choice is not None:
+            choice.echoed = True
+        prompt = index // self.n
+        text = self.echo.prompt_texts[prompt] or self.prompts.decoded.get(prompt, "")
+        return text, self.prompts.logprobs.get(prompt, [])
+
+    def _with_prompt_logprobs(self, entry: dict[str, Any], index: int) -> dict[str, Any]:
+        """vLLM's `prompt_logprobs` in a choice, when asked for."""
+        if self.prompt_logprobs is not None:
+            items = self.prompts.logprobs.get(index // self.n, [])
+            entry["prompt_logprobs"] = vllm_prompt_logprobs(items, self.prompt_logprobs)
+        return entry
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self.header(True), "choices": [], "usage": self.usage()}

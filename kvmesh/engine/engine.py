@@ -91,10 +91,8 @@ class LLMEngine:
             manager = self.scheduler.block_manager
             tiers.prefetch(manager.block_hashes(prompt_ids, request.seqs[0].extra_key))
         tracked = _Tracked(request, text, metrics=RequestMetrics(arrival))
-        if params.prompt_logprobs is not None:
-            tracked.prompt_logprobs = PromptLogprobs(params.prompt_logprobs, prompt_ids)
-            self._owing[request.seqs[0].seq_id] = tracked.prompt_logprobs
         self._tracked[request_id] = tracked
+        self._owe_prompt_logprobs(tracked)
         self._seq_request[request_id] = request_id
         return request
 
@@ -147,7 +145,16 @@ class LLMEngine:
     def add_built_request(self, request: Request) -> None:
         """Queue a Request built elsewhere (validated, carrying its prefix-cache salt)."""
         self.scheduler.add_request(request)
-        self._track(request)
+        self._owe_prompt_logprobs(self._track(request))
+
+    def _owe_prompt_logprobs(self, tracked: _Tracked) -> None:
+        """A request that will compute its prompt here and asked for prompt logprobs owes
+        them until its prompt is scored (imported requests computed theirs elsewhere)."""
+        request = tracked.request
+        top = request.params.prompt_logprobs
+        if top is not None:
+            tracked.prompt_logprobs = PromptLogprobs(top, list(request.seqs[0].prompt_ids))
+            self._owing[request.seqs[0].seq_id] = tracked.prompt_logprobs
 
     def forget_request(self, request_id: str) -> None:
         """Stop tracking a request the scheduler no longer holds (its outputs end here)."""

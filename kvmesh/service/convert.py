@@ -6,6 +6,7 @@ engine's own rules (`InvalidParameterError` names the field).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ _OPTIONAL_SAMPLING = (
     "logprobs",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "prompt_logprobs",
 )
 FINISH_REASONS = {
     None: generation_pb2.FINISH_REASON_UNSPECIFIED,
@@ -71,15 +73,16 @@ def logprobs_to_proto(item: TokenLogprobs, tokenizer: Any = None) -> generation_
         top_logprobs=list(item.top_logprobs),
         token=texts[0],
         top_tokens=texts[1:],
+        rank=item.sampled_rank,
     )
 
 
 def logprobs_from_proto(message: generation_pb2.TokenLogprobs) -> TokenLogprobs:
-    """The wire form carries no rank; 0 marks it unknown."""
+    """The wire form's rank is 0 when unknown."""
     return TokenLogprobs(
         sampled_token_id=message.token_id,
         sampled_logprob=message.logprob,
-        sampled_rank=0,
+        sampled_rank=message.rank,
         top_token_ids=tuple(message.top_token_ids),
         top_logprobs=tuple(message.top_logprobs),
     )
@@ -118,6 +121,29 @@ def decode_responses(
         for out in output.outputs
         if out.new_token_ids or out.new_text or out.finish_reason is not None
     ]
+
+
+def prompt_logprobs_to_proto(
+    output: RequestOutput, tokenizer: Any = None
+) -> list[generation_pb2.TokenLogprobs]:
+    """The wire form of a request's prompt logprobs (empty when it has none): one entry per
+    prompt token, the first carrying only its token (logprob NaN)."""
+    entries = output.prompt_logprobs
+    if entries is None or not output.prompt_token_ids:
+        return []
+    first_id = output.prompt_token_ids[0]
+    first = generation_pb2.TokenLogprobs(
+        token_id=first_id, logprob=math.nan, token=token_texts(tokenizer, [first_id])[0]
+    )
+    rest = [logprobs_to_proto(entry, tokenizer) for entry in entries[1:] if entry is not None]
+    return [first, *rest]
+
+
+def prompt_text(output: RequestOutput, tokenizer: Any = None) -> str:
+    """The prompt as the tokenizer decodes its ids (special tokens kept); empty without one."""
+    if tokenizer is None:
+        return ""
+    return str(tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False))
 
 
 def first_tokens(output: RequestOutput, tokenizer: Any = None) -> list[worker_pb2.FirstToken]:

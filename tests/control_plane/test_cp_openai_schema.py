@@ -8,7 +8,7 @@ import pytest
 
 from control_plane.openai_http.errors import ApiError
 from control_plane.openai_http.schema import parse
-from control_plane.openai_http.stream import Answer
+from control_plane.openai_http.stream import Answer, Echo
 from kvmesh.v1 import generation_pb2
 
 
@@ -66,7 +66,12 @@ def test_logit_bias_becomes_the_proto_map() -> None:
         ("completion", {"prompt": "x", "seed": -1}, "seed"),
         ("completion", {"prompt": "x", "max_tokens": 2**40}, "max_tokens"),
         ("completion", {"prompt": "x", "stream": "yes"}, "stream"),
-        ("completion", {"prompt": "x", "echo": True}, "echo"),
+        ("completion", {"prompt": "x", "echo": 1}, "echo"),
+        ("completion", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ("chat", {"messages": [{"role": "u", "content": "x"}], "prompt_logprobs": -1},
+         "prompt_logprobs"),
+        ("completion", {"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
+        ("completion", {"prompt": "x", "echo": True, "max_tokens": False}, "max_tokens"),
         ("completion", {"prompt": "x", "best_of": 3}, "best_of"),
         ("completion", {"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias"),
         ("completion", {"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
@@ -183,3 +188,84 @@ def test_completion_batches_become_one_request_per_prompt() -> None:
         with pytest.raises(ApiError) as caught:
             parse({"prompt": bad}, "completion")
         assert caught.value.param == param
+
+
+def test_echo_asks_the_worker_for_what_the_door_lacks() -> None:
+    """A text prompt's echo is its own text; a token prompt's text, and the prompt's logprobs
+    when logprobs are asked for, come from the worker (sampling.prompt_logprobs)."""
+    text = parse({"prompt": "x", "echo": True}, "completion")
+    assert text.echo and not text.request.sampling.HasField("prompt_logprobs")
+    tokens = parse({"prompt": [1, 2], "echo": True}, "completion")
+    assert tokens.request.sampling.prompt_logprobs == 0
+    scored = parse({"prompt": "x", "echo": True, "logprobs": 2}, "completion")
+    assert scored.request.sampling.prompt_logprobs == 2
+    only = parse({"prompt": "x", "echo": True, "max_tokens": 0}, "completion")
+    assert only.prompt_only and only.request.sampling.max_tokens == 1
+    assert not parse({"prompt": "x", "logprobs": 2}, "completion").request.sampling.HasField(
+        "prompt_logprobs"
+    )
+
+
+def test_echo_starts_each_choice_with_its_prompt_and_its_logprobs() -> None:
+    prompt_lp = [
+        generation_pb2.TokenLogprobs(token_id=7, logprob=float("nan"), token="He"),
+        logprob(8, "llo", -0.75),
+    ]
+    usage = generation_pb2.Usage(prompt_tokens=2, completion_tokens=1)
+    stop = generation_pb2.FINISH_REASON_STOP
+    first = generation_pb2.GenerateResponse(
+        index=0, text="!", token_ids=[3], logprobs=[logprob(3, "!", -0.5)], usage=usage,
+        finish_reason=stop, prompt_logprobs=prompt_lp, prompt_text="Hello",
+    )  # fmt: skip
+    answer = Answer("completion", "cmpl-1", "m", logprobs=1, echo=Echo([""]))
+    answer.keep(first)
+    (choice,) = answer.final()["choices"]
+    assert choice["text"] == "Hello!"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["He", "llo", "!"] and lp["token_logprobs"] == [None, -0.75, -0.5]
+    assert lp["top_logprobs"][0] is None and lp["text_offset"] == [0, 2, 5]
+    streamed = Answer("completion", "cmpl-1", "m", logprobs=None, echo=Echo(["Hi"]))
+    chunk = streamed.chunk(generation_pb2.GenerateResponse(index=0, text="!", token_ids=[3]))
+    assert chunk["choices"][0]["text"] == "Hi!"
+    later = streamed.chunk(generation_pb2.GenerateResponse(index=0, text="?", token_ids=[4]))
+    assert later["choices"][0]["text"] == "?"  # the prompt comes once
+    only = Answer("completion", "cmpl-1", "m", logprobs=1, echo=Echo([""], prompt_only=True))
+    only.keep(first)
+    (choice,) = only.final()["choices"]
+    assert (choice["text"], choice["finish_reason"]) == ("Hello", "length")
+    assert choice["logprobs"]["tokens"] == ["He", "llo"]
+    assert only.final()["usage"]["completion_tokens"] == 0
+
+
+def test_vllm_prompt_logprobs_per_choice_and_at_the_top_of_chat() -> None:
+    """vLLM's shape: per prompt token None (the first) or {id: {logprob, rank, decoded_token}}
+    for the prompt token and the top alternatives; the larger of echo's and the field's k is
+    asked of the worker, and echo shows only `logprobs` alternatives."""
+    parsed = parse({"prompt": "x", "echo": True, "logprobs": 1, "prompt_logprobs": 3},
+                   "completion")  # fmt: skip
+    assert parsed.request.sampling.prompt_logprobs == 3 and parsed.prompt_logprobs == 3
+    scored = generation_pb2.TokenLogprobs(
+        token_id=8, logprob=-0.75, token="llo", rank=2, top_token_ids=[9, 8],
+        top_logprobs=[-0.5, -0.75], top_tokens=["lp", "llo"],
+    )  # fmt: skip
+    prompt_lp = [generation_pb2.TokenLogprobs(token_id=7, logprob=float("nan"), token="He"), scored]
+    stop = generation_pb2.FINISH_REASON_STOP
+    first = generation_pb2.GenerateResponse(
+        index=0, text="!", prompt_logprobs=prompt_lp, finish_reason=stop
+    )
+    answer = Answer("completion", "cmpl-1", "m", logprobs=1, echo=Echo(["Hello"]),
+                    prompt_logprobs=3)  # fmt: skip
+    answer.keep(first)
+    (choice,) = answer.final()["choices"]
+    assert choice["prompt_logprobs"] == [
+        None,
+        {"8": {"logprob": -0.75, "rank": 2, "decoded_token": "llo"},
+         "9": {"logprob": -0.5, "rank": 1, "decoded_token": "lp"}},
+    ]  # fmt: skip
+    assert choice["logprobs"]["top_logprobs"][1] == {"lp": -0.5}  # echo: logprobs=1
+    chat = Answer("chat", "chatcmpl-1", "m", logprobs=None, prompt_logprobs=0)
+    chat.keep(first)
+    body = chat.final()
+    assert body["prompt_logprobs"][1] == {"8": {"logprob": -0.75, "rank": 2,
+                                                "decoded_token": "llo"}}  # fmt: skip
+    assert "prompt_logprobs" not in body["choices"][0]

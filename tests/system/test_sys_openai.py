@@ -80,6 +80,74 @@ def test_a_batch_of_prompts_answers_as_the_prompts_one_by_one(system: LocalSyste
     wait_until(lambda: idle(system), 5.0, "blocks free after the batch")
 
 
+def hf_prompt_logprobs(model_dir: str, prompt: list[int]) -> list[float]:
+    """transformers' log-probability of each prompt token after the first (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0, :-1].float()  # [L - 1, vocab]
+    picked = logits.log_softmax(dim=-1).gather(1, torch.tensor(prompt[1:]).unsqueeze(1))
+    return [float(v) for v in picked.squeeze(1)]
+
+
+def check_echoed_prompt(choice: Any, model_dir: str, prompt: list[int]) -> None:
+    """The choice's logprobs start with the prompt's: its tokens, null for the first, then
+    transformers' values."""
+    lp = choice.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = hf_prompt_logprobs(model_dir, prompt)
+    got = lp.token_logprobs[1 : len(prompt)]
+    assert got == pytest.approx(expected, abs=1e-3)
+    assert all(len(top) == 1 for top in lp.top_logprobs[1 : len(prompt)])
+
+
+def test_echo_returns_the_prompt_with_its_logprobs(system: LocalSystem) -> None:
+    """lm-eval's loglikelihood request (echo, max_tokens 0, logprobs) and echo before a
+    completion, disaggregated: the prefill worker scores the prompt."""
+    from transformers import AutoTokenizer
+
+    client = api(system)
+    model = client.models.list().data[0].id
+    only = client.completions.create(model=model, prompt=PROMPT, echo=True, max_tokens=0,
+                                     logprobs=1, temperature=0)  # fmt: skip
+    (choice,) = only.choices
+    tokenizer = AutoTokenizer.from_pretrained(system.model_dir)
+    assert choice.text == tokenizer.decode(PROMPT, skip_special_tokens=False)
+    assert choice.finish_reason == "length" and choice.logprobs is not None
+    assert len(choice.logprobs.token_logprobs or []) == len(PROMPT)
+    check_echoed_prompt(choice, system.model_dir, PROMPT)
+    assert only.usage is not None and only.usage.completion_tokens == 0
+    params: dict[str, Any] = {"model": model, "max_tokens": 4, "temperature": 0,
+                              "extra_body": IGNORE_EOS}  # fmt: skip
+    plain = client.completions.create(prompt="The KV", **params).choices[0].text
+    echoed = client.completions.create(prompt="The KV", echo=True, **params).choices[0]
+    assert echoed.text == "The KV" + plain
+    streamed = client.completions.create(prompt=PROMPT, echo=True, logprobs=1, stream=True,
+                                         **params)  # fmt: skip
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(c.text for c in chunks).startswith(choice.text)
+    first = chunks[0].logprobs
+    assert first is not None and first.token_logprobs is not None
+    assert first.token_logprobs[0] is None and len(first.token_logprobs) == len(PROMPT) + 1
+    extra = {**IGNORE_EOS, "prompt_logprobs": 2}  # vLLM's field
+    scored = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body=extra)
+    vllm_shape = (scored.choices[0].model_extra or {})["prompt_logprobs"]
+    assert vllm_shape[0] is None and len(vllm_shape) == len(PROMPT)
+    expected = hf_prompt_logprobs(system.model_dir, PROMPT)
+    for position, entry in enumerate(vllm_shape[1:], start=1):
+        mine = entry[str(PROMPT[position])]
+        assert mine["logprob"] == pytest.approx(expected[position - 1], abs=1e-3)
+        assert mine["rank"] >= 1 and 2 <= len(entry) <= 3
+    chat = client.chat.completions.create(model=model, max_tokens=2, extra_body=extra,
+                                          messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+    chat_shape = (chat.model_extra or {})["prompt_logprobs"]
+    assert chat_shape[0] is None and all(entry for entry in chat_shape[1:])
+    wait_until(lambda: idle(system), 5.0, "blocks free after the echoes")
+
+
 def test_chat_matches_grpc_chat_with_token_logprobs(system: LocalSystem) -> None:
     client = api(system)
     model = client.models.list().data[0].id
@@ -172,6 +240,10 @@ def test_n_completions_colocated_then_503_without_workers(tiny_model: str) -> No
                                          extra_body=IGNORE_EOS)  # fmt: skip
         assert sorted(c.index for c in done.choices) == [0, 1]
         assert done.usage is not None and done.usage.completion_tokens == 12
+        echoed = client.completions.create(model=model, prompt=PROMPT, echo=True, max_tokens=2,
+                                           n=2, logprobs=1, seed=1)  # fmt: skip
+        for choice in echoed.choices:  # the colocated worker scores the prompt itself
+            check_echoed_prompt(choice, tiny_model, PROMPT)
         system.supervisor.stop(system.workers[0].child, grace=5.0)
         wait_until(lambda: get_status(system, "/health") == 503, 10.0, "health 503")
         with pytest.raises(openai.InternalServerError) as caught:
