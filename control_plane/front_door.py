@@ -59,6 +59,11 @@ class FrontDoor:
     def inflight(self) -> int:
         return len(self._runs)
 
+    @property
+    def max_inflight(self) -> int:
+        """Requests admitted at once (`--max-inflight`); more get RESOURCE_EXHAUSTED."""
+        return self._cluster.config.max_inflight
+
     async def wait_idle(self, timeout: float) -> bool:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)

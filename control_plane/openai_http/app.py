@@ -121,25 +121,42 @@ class OpenAIApp:
             self.door.count_rejected(grpc_code(error))
             raise
         n = parsed.n
-        runs = [numbered(self.door.generate(each), i * n) for i, each in enumerate(parsed.requests)]
+        runs = [
+            numbered(self.door.generate(each), i * n, i) for i, each in enumerate(parsed.requests)
+        ]
         prompt_param = "prompt" if kind == "completion" else "messages"
         try:
             firsts = await until_disconnect(request, first_responses(runs))
             responses = runs[0] if len(runs) == 1 else merged(runs)
             if parsed.stream:
                 events = stream_events(answer, parsed, firsts, responses, prompt_param)
-                return RunStream(events, responses)
+                return RunStream(events, responses, runs)
             await until_disconnect(request, keep_all(answer, firsts, responses))
             return JSONResponse(answer.final())
         except PromptFailure as failed:
             param = f"prompt[{failed.index}]" if len(runs) > 1 else prompt_param
             return from_failure(failed.failure, param).response()
-        except RpcFailure as failure:
-            return from_failure(failure, prompt_param).response()
         except ClientGone:
             return Response(status_code=499)
         except StopAsyncIteration:
             raise ApiError(500, "no response from the workers", type="server_error") from None
+
+    def check_room(self, prompts: int) -> None:
+        """A batch of prompts is admitted as that many requests at once: 400 when it could
+        never be (more than the front door's in-flight bound), 429 with nothing started when
+        it cannot be now."""
+        if prompts == 1:
+            return  # the front door's own admission answers
+        bound = self.door.max_inflight
+        if prompts > bound:
+            raise ApiError(400, f"prompt: a batch of {prompts} prompts exceeds the {bound} "
+                           "requests the server runs at once", param="prompt",
+                           code="invalid_value")  # fmt: skip
+        if self.door.inflight + prompts > bound:
+            raise ApiError(429, f"{self.door.inflight} requests are in flight; a batch of "
+                           f"{prompts} prompts does not fit now, retry later",
+                           type="rate_limit_error", code="resource_exhausted",
+                           headers={"Retry-After": "1"})  # fmt: skip
 
     async def accept(self, request: Request, kind: Kind) -> tuple[ParsedRequest, Answer]:
         """The parsed body (ApiError 400/404/503 before any run starts) and its answer,
@@ -149,6 +166,7 @@ class OpenAIApp:
             parsed = await asyncio.to_thread(parse_body, raw, kind)
         else:
             parsed = parse_body(raw, kind)
+        self.check_room(len(parsed.requests))
         served = self.model_info().model_name
         if parsed.model is not None and parsed.model != served:
             raise ApiError(404, f"model {parsed.model!r} is not served (serving {served!r})",
@@ -219,17 +237,21 @@ class RunStream(StreamingResponse):
     """An SSE response that closes its events (and so its run) however the response ends,
     even when the client left before the first byte was sent."""
 
-    def __init__(self, events: AsyncGenerator[str, None], responses: Responses) -> None:
+    def __init__(
+        self, events: AsyncGenerator[str, None], responses: Responses, runs: list[Responses]
+    ) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})  # fmt: skip
-        self.events, self.responses = events, responses
+        self.events, self.responses, self.runs = events, responses, runs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
-        finally:  # closing an unstarted `events` runs none of its code: close the run too
+        finally:  # closing an unstarted generator runs none of its code: close every run too
             await self.events.aclose()
             await self.responses.aclose()
+            for run in self.runs:
+                await run.aclose()
 
 
 class PromptFailure(Exception):
@@ -240,12 +262,16 @@ class PromptFailure(Exception):
         self.index, self.failure = index, failure
 
 
-async def numbered(responses: Responses, offset: int) -> Responses:
-    """A prompt's responses with their choice index moved past the previous prompts'."""
+async def numbered(responses: Responses, offset: int, prompt: int) -> Responses:
+    """Prompt `prompt`'s responses with their choice index moved past the previous prompts';
+    its failure is a PromptFailure naming it."""
     async with contextlib.aclosing(responses):
-        async for response in responses:
-            response.index += offset
-            yield response
+        try:
+            async for response in responses:
+                response.index += offset
+                yield response
+        except RpcFailure as failure:
+            raise PromptFailure(prompt, failure) from None
 
 
 async def first_responses(runs: list[Responses]) -> list[generation_pb2.GenerateResponse]:
@@ -260,9 +286,10 @@ async def first_responses(runs: list[Responses]) -> list[generation_pb2.Generate
         await asyncio.gather(*tasks, return_exceptions=True)
         for run in runs:
             await run.aclose()
-        for i, task in enumerate(tasks):
-            if not task.cancelled() and isinstance(task.exception(), RpcFailure):
-                raise PromptFailure(i, task.exception()) from None  # type: ignore[arg-type]
+        for task in tasks:
+            failure = None if task.cancelled() else task.exception()
+            if isinstance(failure, PromptFailure):
+                raise failure from None
         raise
     return [task.result() for task in tasks]
 
@@ -328,8 +355,9 @@ async def stream_events(
         try:
             async for response in responses:
                 yield sse({**answer.chunk(response), **extra})
-        except RpcFailure as failure:
-            yield sse(from_failure(failure, prompt_param).body())
+        except PromptFailure as failed:
+            param = f"prompt[{failed.index}]" if len(parsed.requests) > 1 else prompt_param
+            yield sse(from_failure(failed.failure, param).body())
     if parsed.include_usage:
         yield sse(answer.usage_chunk())
     yield DONE

@@ -137,7 +137,7 @@ class Choice:
     completion_tokens: int = 0
     started: bool = False  # chat: the assistant role was sent
     echoed: bool = False  # completions with echo: the prompt was streamed
-    prompt_sent: bool = False  # completions: vLLM's prompt_logprobs were streamed
+    prompt_sent: bool = False  # vLLM's prompt_logprobs were streamed
 
 
 @dataclass
@@ -173,8 +173,8 @@ class Answer:
         if self.echo is not None and self.echo.prompt_only:
             response.text, choice.completion_tokens = "", 0
             del response.logprobs[:], response.token_ids[:]
-            if choice.finish_reason is not None:
-                choice.finish_reason = "length"  # max_tokens 0
+            if choice.finish_reason in ("stop", "length"):
+                choice.finish_reason = "length"  # max_tokens 0 (an abort stays one)
         return choice
 
     def usage(self) -> dict[str, Any]:
@@ -218,7 +218,13 @@ class Answer:
             entry["logprobs"] = chat_logprobs(logprobs) if self.logprobs is not None else None
         entry["finish_reason"] = choice.finish_reason
         choice.length += len(response.text)
-        return {**self.header(True), "choices": [entry]}
+        body = {**self.header(True), "choices": [entry]}
+        first = response.index == 0 and not choice.prompt_sent
+        if self.kind == "chat" and self.prompt_logprobs is not None and first:
+            choice.prompt_sent = True  # vLLM's top-level field, in the first chunk
+            items = self.prompts.logprobs.get(0, [])
+            body["prompt_logprobs"] = vllm_prompt_logprobs(items, self.prompt_logprobs)
+        return body
 
     def keep(self, response: generation_pb2.GenerateResponse) -> None:
         """Record a response of a non-streamed request (text and logprobs kept whole)."""

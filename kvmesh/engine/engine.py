@@ -27,7 +27,7 @@ from kvmesh.engine.detokenizer import SequenceText
 from kvmesh.engine.engine_setup import EngineParts, build_engine_parts
 from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvmesh.engine.prompt_logprobs import PromptLogprobs, rows_of_step, score
+from kvmesh.engine.prompt_logprobs import PromptLogprobs, PromptRows, rows_of_step, score
 from kvmesh.engine.sampler import SamplingBatch, SamplingRow, TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import SchedulerOutput
@@ -202,17 +202,16 @@ class LLMEngine:
         self.runner.copy_blocks(plan.copy_pairs)
         started = time.perf_counter()
         prompt_rows = rows_of_step(plan, self._owing)
+        hidden = None
         if prompt_rows is None:
             logits = self.runner.execute(plan)  # [sampling chunks, vocab]
         else:
             logits, hidden = self.runner.execute_keeping(plan, prompt_rows.rows)
-            assert hidden is not None
-            score(prompt_rows, hidden, self.runner.executor.compute_logits)
-            for seq_id in [s for s, owed in self._owing.items() if owed.complete]:
-                del self._owing[seq_id]
         tokens = len(plan.token_ids)
         if self.parts.tiers is not None and tokens > 2 * len(plan.seq_ids):  # mostly prompt
             self.parts.tiers.rates.observe_compute(tokens, time.perf_counter() - started)
+        if prompt_rows is not None and hidden is not None:
+            self._score_prompts(prompt_rows, hidden)
         sampled = self._sample(plan, logits)
         changed = self.scheduler.update(plan, sampled)
         now = time.monotonic()
@@ -223,6 +222,13 @@ class LLMEngine:
             touched[seq.request_id] = tracked
         self._step_logprobs.clear()
         return [self._emit(tracked) for tracked in touched.values()]
+
+    @torch.inference_mode()
+    def _score_prompts(self, rows: PromptRows, hidden: torch.Tensor) -> None:
+        """Score the step's prompt rows (hidden [rows, hidden]); forget completed prompts."""
+        score(rows, hidden, self.runner.executor.compute_logits)
+        for seq_id in [s for s, owed in self._owing.items() if owed.complete]:
+            del self._owing[seq_id]
 
     def _sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> dict[str, int]:
         """One token per sampled sequence; n > 1 children share their chunk's logits row."""
@@ -326,7 +332,7 @@ class LLMEngine:
             finished=finished,
             metrics=RequestMetrics(**vars(tracked.metrics)),
             num_cached_tokens=request.seqs[0].num_cached_tokens,
-            prompt_logprobs=list(scored.entries) if scored and scored.complete else None,
+            prompt_logprobs=scored.entries if scored and scored.complete else None,  # final
         )
 
 

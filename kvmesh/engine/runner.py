@@ -127,6 +127,7 @@ class ModelRunner:
         model's dtype."""
         return self.execute_keeping(plan, None)[0]
 
+    @torch.inference_mode()
     def execute_keeping(
         self, plan: SchedulerOutput, rows: list[int] | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -4,14 +4,19 @@ driven by the official `openai` client: answers, streams, errors, disconnects, d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
 import pytest
 from cp_harness import Harness, control_plane, run_async
+
+from control_plane.openai_http.app import RunStream, first_responses, merged, numbered
+from kvmesh.v1 import generation_pb2
 
 MODEL = "tiny"  # cp_fixtures' model name
 
@@ -270,3 +275,51 @@ async def test_drain_refuses_new_requests_and_stops_the_http_server() -> None:
         await asyncio.wait_for(cp.server.drain(grace=1.0), 6)
         with pytest.raises(urllib.error.URLError):
             await asyncio.to_thread(urllib.request.urlopen, f"{url}/health", timeout=2)
+
+
+def test_a_batch_stream_that_never_sent_a_byte_closes_every_run() -> None:
+    """The client is gone before the response's first byte (its first send fails): the
+    events and the merged responses never started, and every prompt's run is closed anyway
+    (a run's close is what releases its blocks)."""
+    closed: list[int] = []
+
+    async def run(i: int) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            for _ in range(100):
+                yield generation_pb2.GenerateResponse(index=0, text="x")
+                await asyncio.sleep(0)
+        finally:
+            closed.append(i)
+
+    async def events(responses: AsyncIterator[Any]) -> AsyncIterator[str]:
+        async for _ in responses:
+            yield "data"
+
+    async def receive() -> dict[str, str]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: Any) -> None:
+        raise OSError("the client is gone")
+
+    async def scenario() -> None:
+        runs = [numbered(run(i), i, i) for i in range(3)]
+        await first_responses(runs)
+        responses = merged(runs)
+        stream = RunStream(events(responses), responses, runs)
+        with contextlib.suppress(Exception):  # the failed send, however the server wraps it
+            await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        assert sorted(closed) == [0, 1, 2]
+
+    asyncio.run(scenario())
+
+
+@run_async
+async def test_a_batch_larger_than_the_inflight_bound_is_refused_before_any_run() -> None:
+    async with control_plane(http_port=0, max_inflight=2) as cp:
+        await cp.add("c0", "colocated")
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client(cp).completions.create(model=MODEL, prompt=["a", "b", "c"])
+        assert caught.value.param == "prompt" and "3 prompts" in caught.value.message
+        done = await client(cp).completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2)
+        assert len(done.choices) == 2
+        await idle(cp)

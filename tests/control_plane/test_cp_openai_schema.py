@@ -269,3 +269,12 @@ def test_vllm_prompt_logprobs_per_choice_and_at_the_top_of_chat() -> None:
     assert body["prompt_logprobs"][1] == {"8": {"logprob": -0.75, "rank": 2,
                                                 "decoded_token": "llo"}}  # fmt: skip
     assert "prompt_logprobs" not in body["choices"][0]
+
+
+def test_echo_without_generation_keeps_an_abort() -> None:
+    abort = generation_pb2.GenerateResponse(
+        index=0, finish_reason=generation_pb2.FINISH_REASON_ABORT
+    )
+    only = Answer("completion", "cmpl-1", "m", logprobs=None, echo=Echo(["x"], prompt_only=True))
+    only.keep(abort)
+    assert only.final()["choices"][0]["finish_reason"] == "abort"

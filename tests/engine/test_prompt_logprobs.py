@@ -14,6 +14,7 @@ import torch
 from kvmesh import LLM, SamplingParams
 from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.scheduler.stops import MAX_PROMPT_LOGPROB_ENTRIES, check_prompt_logprobs
 from kvmesh.models.tiny import build_tiny_model
 
 PROMPT = [(11 * i + 5) % 900 + 10 for i in range(70)]
@@ -89,3 +90,32 @@ def test_prompt_logprobs_out_of_range_is_refused() -> None:
     for value in (-1, 21):
         with pytest.raises(InvalidParameterError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=value)
+
+
+def test_prompt_rows_run_and_score_in_inference_mode(checkpoint: Path) -> None:
+    """The step that keeps prompt rows runs without autograd, as every other step does (a
+    compiled executor would otherwise recompile for the grad mode)."""
+    llm = LLM(str(checkpoint), num_kv_blocks=64, dtype="float32")
+    runner = llm.engine.runner
+    modes: list[bool] = []
+    forward, logits = runner.executor.forward, runner.executor.compute_logits
+
+    def spy_forward(*args: Any) -> torch.Tensor:
+        modes.append(torch.is_inference_mode_enabled())
+        return forward(*args)
+
+    def spy_logits(hidden: torch.Tensor) -> torch.Tensor:
+        modes.append(torch.is_inference_mode_enabled())
+        return logits(hidden)
+
+    runner.executor.forward, runner.executor.compute_logits = spy_forward, spy_logits  # type: ignore[method-assign]
+    llm.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    assert modes and all(modes)
+
+
+def test_a_prompt_whose_entries_would_not_fit_one_answer_is_refused() -> None:
+    bound = MAX_PROMPT_LOGPROB_ENTRIES
+    check_prompt_logprobs(20, bound // 21)
+    check_prompt_logprobs(None, 10 * bound)
+    with pytest.raises(InvalidParameterError, match="prompt_logprobs"):
+        check_prompt_logprobs(20, bound // 21 + 1)

@@ -36,6 +36,7 @@ def validate_request(
         raise EmptyPromptError()
     if num_prompt > config.max_model_len:
         raise PromptTooLongError(num_prompt, config.max_model_len)
+    check_prompt_logprobs(request.params.prompt_logprobs, num_prompt)
     max_tokens = request.params.max_tokens
     if max_tokens is not None and num_prompt + max_tokens > config.max_model_len:
         raise PromptTooLongError(num_prompt + max_tokens, config.max_model_len, field="max_tokens")
@@ -49,6 +50,22 @@ def validate_request(
         )
     if request.params.n > 1 and config.allocation == "contiguous":
         raise InvalidParameterError("n", "parallel sampling needs allocation='paged'")
+
+
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 17
+"""Prompt tokens x (prompt_logprobs + 1) a request may ask for: about 2 MB on the wire (about
+15 bytes an entry), inside gRPC's default 4 MiB message on every hop, so a long prompt is
+refused before its prefill rather than failing after it."""
+
+
+def check_prompt_logprobs(top: int | None, num_prompt: int) -> None:
+    """InvalidParameterError naming prompt_logprobs when the prompt's entries would not fit."""
+    if top is not None and num_prompt * (top + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise InvalidParameterError(
+            "prompt_logprobs",
+            f"{num_prompt} prompt tokens x {top + 1} values exceed {MAX_PROMPT_LOGPROB_ENTRIES} "
+            "in one answer; ask for fewer alternatives or a shorter prompt",
+        )
 
 
 def validate_import(
