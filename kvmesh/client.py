@@ -5,6 +5,8 @@
         for chunk in client.generate("Hello", max_tokens=32, temperature=0):
             print(chunk.text, end="")
         result = client.complete([1, 2, 3], max_tokens=8, timeout=10)
+        scored = client.complete("Hi", max_tokens=1, logprobs=2, prompt_logprobs=2)
+        # scored.completions[0].logprobs, scored.prompt_logprobs: Logprob entries
         reply = client.complete_chat([{"role": "user", "content": "Hi"}], max_tokens=32)
 
 Sampling keywords are the fields of `kvmesh.v1.SamplingParams` (vLLM's names); unset ones take
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 import time
 import uuid
@@ -158,8 +161,31 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """One position's raw-model log-probabilities: the token's (None for a prompt's first
+    token, which nothing precedes), its rank (1 = most likely; 0 unknown), and the top
+    alternatives as (token id, text, logprob), best first. Texts are empty without a
+    tokenizer."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    rank: int
+    top: tuple[tuple[int, str, float], ...]
+
+    @classmethod
+    def from_proto(cls, lp: generation_pb2.TokenLogprobs) -> Logprob:
+        texts = list(lp.top_tokens) or [""] * len(lp.top_token_ids)
+        top = tuple(zip(lp.top_token_ids, texts, lp.top_logprobs, strict=False))
+        scored = not math.isnan(lp.logprob)
+        return cls(lp.token_id, lp.token, lp.logprob if scored else None, lp.rank, top)
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """One streamed response: new tokens of completion `index`; the last one has usage."""
+    """One streamed response: new tokens of completion `index` (with their logprobs when
+    `logprobs` was asked for); the last one has usage. The request's first chunk carries the
+    prompt's logprobs and text when `prompt_logprobs` was asked for."""
 
     request_id: str
     index: int
@@ -168,6 +194,9 @@ class Chunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
     stop_reason: int | str | None = None
     usage: Usage | None = None
+    logprobs: tuple[Logprob, ...] = ()
+    prompt_logprobs: tuple[Logprob, ...] = ()
+    prompt_text: str = ""
 
     @classmethod
     def from_proto(cls, r: generation_pb2.GenerateResponse) -> Chunk:
@@ -180,6 +209,9 @@ class Chunk:
             finish_reason=FINISH_REASONS.get(r.finish_reason),
             stop_reason=getattr(r, which) if which else None,
             usage=Usage.from_proto(r.usage) if r.HasField("usage") else None,
+            logprobs=tuple(Logprob.from_proto(lp) for lp in r.logprobs),
+            prompt_logprobs=tuple(Logprob.from_proto(lp) for lp in r.prompt_logprobs),
+            prompt_text=r.prompt_text,
         )
 
 
@@ -193,14 +225,17 @@ class Completion:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     usage: Usage | None = None
+    logprobs: list[Logprob] = field(default_factory=list)  # one per token, when asked for
 
 
 @dataclass
 class Result:
-    """What `complete` returns: every completion of the request, by index."""
+    """What `complete` returns: every completion of the request, by index, and the prompt's
+    logprobs (one per prompt token) when `prompt_logprobs` was asked for."""
 
     request_id: str
     completions: list[Completion]
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -222,15 +257,18 @@ class Result:
 def collect(request_id: str, chunks: list[Chunk]) -> Result:
     """Join streamed chunks into a Result."""
     by_index: dict[int, Completion] = {}
+    prompt: list[Logprob] = []
     for chunk in chunks:
         c = by_index.setdefault(chunk.index, Completion(chunk.index))
         c.text += chunk.text
         c.token_ids.extend(chunk.token_ids)
+        c.logprobs.extend(chunk.logprobs)
+        prompt.extend(chunk.prompt_logprobs)
         if chunk.finish_reason is not None:
             c.finish_reason, c.stop_reason, c.usage = (
                 chunk.finish_reason, chunk.stop_reason, chunk.usage,
             )  # fmt: skip
-    return Result(request_id, [by_index[i] for i in sorted(by_index)])
+    return Result(request_id, [by_index[i] for i in sorted(by_index)], prompt)
 
 
 def build_request(

@@ -145,6 +145,14 @@ def test_echo_returns_the_prompt_with_its_logprobs(system: LocalSystem) -> None:
                                           messages=[{"role": "user", "content": "hi"}])  # fmt: skip
     chat_shape = (chat.model_extra or {})["prompt_logprobs"]
     assert chat_shape[0] is None and all(entry for entry in chat_shape[1:])
+    with Client(system.endpoint) as grpc_client:  # the same over gRPC, with the Python client
+        result = grpc_client.complete(PROMPT, prompt_logprobs=1, logprobs=1, **GREEDY)
+    prompt_lp = result.prompt_logprobs
+    assert [lp.token_id for lp in prompt_lp] == PROMPT and prompt_lp[0].logprob is None
+    assert [lp.logprob for lp in prompt_lp[1:]] == pytest.approx(expected, abs=1e-3)
+    assert all(lp.rank >= 1 and len(lp.top) == 1 for lp in prompt_lp[1:])
+    (completion,) = result.completions
+    assert [lp.token_id for lp in completion.logprobs] == completion.token_ids
     wait_until(lambda: idle(system), 5.0, "blocks free after the echoes")
 
 
