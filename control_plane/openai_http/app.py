@@ -134,8 +134,7 @@ class OpenAIApp:
             await until_disconnect(request, keep_all(answer, firsts, responses))
             return JSONResponse(answer.final())
         except PromptFailure as failed:
-            param = f"prompt[{failed.index}]" if len(runs) > 1 else prompt_param
-            return from_failure(failed.failure, param).response()
+            return failed.answer(len(runs), prompt_param).response()
         except ClientGone:
             return Response(status_code=499)
         except StopAsyncIteration:
@@ -255,11 +254,15 @@ class RunStream(StreamingResponse):
 
 
 class PromptFailure(Exception):
-    """Prompt `index` of a request failed before its first response."""
+    """Prompt `index` of a request failed (its run raised `failure`)."""
 
     def __init__(self, index: int, failure: RpcFailure) -> None:
         super().__init__(failure.message)
         self.index, self.failure = index, failure
+
+    def answer(self, prompts: int, prompt_param: str) -> ApiError:
+        """The HTTP error; a batch's names `prompt[index]`."""
+        return from_failure(self.failure, f"prompt[{self.index}]" if prompts > 1 else prompt_param)
 
 
 async def numbered(responses: Responses, offset: int, prompt: int) -> Responses:
@@ -295,8 +298,9 @@ async def first_responses(runs: list[Responses]) -> list[generation_pb2.Generate
 
 
 async def merged(runs: list[Responses]) -> Responses:
-    """The responses of several runs as they arrive. A run's failure ends it (RpcFailure),
-    and closing it closes every run: the others are cancelled, their blocks released."""
+    """The responses of several runs as they arrive. A run's failure ends it (raised as the
+    run raised it), and closing it closes every run: the others are cancelled, their blocks
+    released."""
     queue: asyncio.Queue[generation_pb2.GenerateResponse | BaseException | None] = (
         asyncio.Queue()
     )  # a run's output is bounded by its max_tokens
@@ -356,8 +360,7 @@ async def stream_events(
             async for response in responses:
                 yield sse({**answer.chunk(response), **extra})
         except PromptFailure as failed:
-            param = f"prompt[{failed.index}]" if len(parsed.requests) > 1 else prompt_param
-            yield sse(from_failure(failed.failure, param).body())
+            yield sse(failed.answer(len(parsed.requests), prompt_param).body())
     if parsed.include_usage:
         yield sse(answer.usage_chunk())
     yield DONE

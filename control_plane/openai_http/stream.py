@@ -85,9 +85,9 @@ def zip_top(lp: generation_pb2.TokenLogprobs) -> list[tuple[str, int, float]]:
 
 @dataclass
 class Echo:
-    """What completions with `echo` prepend to every choice of prompt i: the prompt's text (a
-    text prompt's own, else the worker's decoding of its token ids) and, with logprobs, the
-    prompt tokens' logprobs (from the prompt's first response)."""
+    """Completions with `echo`: each choice of prompt i starts with the prompt's text (a text
+    prompt's own, else the worker's decoding of its token ids: `Prompts.decoded`) and, with
+    logprobs, the prompt tokens' logprobs (`Prompts.logprobs`)."""
 
     prompt_texts: list[str]  # per prompt: its text, "" for token ids
     prompt_only: bool = False  # max_tokens 0: the prompt alone
@@ -219,11 +219,9 @@ class Answer:
         entry["finish_reason"] = choice.finish_reason
         choice.length += len(response.text)
         body = {**self.header(True), "choices": [entry]}
-        first = response.index == 0 and not choice.prompt_sent
-        if self.kind == "chat" and self.prompt_logprobs is not None and first:
+        if self.kind == "chat" and response.index == 0 and not choice.prompt_sent:
             choice.prompt_sent = True  # vLLM's top-level field, in the first chunk
-            items = self.prompts.logprobs.get(0, [])
-            body["prompt_logprobs"] = vllm_prompt_logprobs(items, self.prompt_logprobs)
+            self._with_prompt_logprobs(body, 0)
         return body
 
     def keep(self, response: generation_pb2.GenerateResponse) -> None:
@@ -248,9 +246,8 @@ class Answer:
             entry["finish_reason"] = c.finish_reason
             choices.append(entry)
         body = {**self.header(False), "choices": choices, "usage": self.usage()}
-        if self.kind == "chat" and self.prompt_logprobs is not None:  # vLLM: top level
-            items = self.prompts.logprobs.get(0, [])
-            body["prompt_logprobs"] = vllm_prompt_logprobs(items, self.prompt_logprobs)
+        if self.kind == "chat":  # vLLM: at the top level
+            self._with_prompt_logprobs(body, 0)
         return body
 
     def _completion_fields(
@@ -265,11 +262,8 @@ class Answer:
         with echo preceded by the prompt's; and the echoed prompt's length (0 without)."""
         prefix, prompt_lp = self._echo_of(index, choice)
         logprobs = self._completion_lp(items, offset + len(prefix))
-        if logprobs is not None and prompt_lp:
-            prompt = completion_logprobs(
-                prompt_lp, 0, self.logprobs
-            )  # prompt_logprobs may ask more
-            logprobs = joined_logprobs(prompt, logprobs)
+        if logprobs is not None and prompt_lp:  # at most `logprobs` alternatives, as the rest
+            logprobs = joined_logprobs(completion_logprobs(prompt_lp, 0, self.logprobs), logprobs)
         return {"text": prefix + text, "logprobs": logprobs}, len(prefix)
 
     def _completion_lp(
@@ -290,12 +284,12 @@ class Answer:
         text = self.echo.prompt_texts[prompt] or self.prompts.decoded.get(prompt, "")
         return text, self.prompts.logprobs.get(prompt, [])
 
-    def _with_prompt_logprobs(self, entry: dict[str, Any], index: int) -> dict[str, Any]:
-        """vLLM's `prompt_logprobs` in a choice, when asked for."""
+    def _with_prompt_logprobs(self, target: dict[str, Any], index: int) -> None:
+        """vLLM's `prompt_logprobs` of choice `index`'s prompt into `target` (a choice, or a
+        chat answer's top level), when asked for."""
         if self.prompt_logprobs is not None:
             items = self.prompts.logprobs.get(index // self.n, [])
-            entry["prompt_logprobs"] = vllm_prompt_logprobs(items, self.prompt_logprobs)
-        return entry
+            target["prompt_logprobs"] = vllm_prompt_logprobs(items, self.prompt_logprobs)
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self.header(True), "choices": [], "usage": self.usage()}

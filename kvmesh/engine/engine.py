@@ -201,7 +201,7 @@ class LLMEngine:
             observe(plan.num_batched_tokens)
         self.runner.copy_blocks(plan.copy_pairs)
         started = time.perf_counter()
-        prompt_rows = rows_of_step(plan, self._owing)
+        prompt_rows = rows_of_step(plan, self._owing)  # rows scoring prompt tokens, if any
         hidden = None
         if prompt_rows is None:
             logits = self.runner.execute(plan)  # [sampling chunks, vocab]
@@ -210,7 +210,8 @@ class LLMEngine:
         tokens = len(plan.token_ids)
         if self.parts.tiers is not None and tokens > 2 * len(plan.seq_ids):  # mostly prompt
             self.parts.tiers.rates.observe_compute(tokens, time.perf_counter() - started)
-        if prompt_rows is not None and hidden is not None:
+        if prompt_rows is not None:
+            assert hidden is not None  # [len(prompt_rows.rows), hidden]
             self._score_prompts(prompt_rows, hidden)
         sampled = self._sample(plan, logits)
         changed = self.scheduler.update(plan, sampled)
