@@ -25,9 +25,10 @@ Where the time goes (perf and per-process CPU time, 2-core machine shared with o
   and it changes every allocation of the worker), 512 KiB frames (more CPU per byte; 1 to 7
   MiB alike, 2 MiB stays), HTTP/2 frame size, window and BDP options (within noise), and
   verifying and scattering on a worker thread while the loop takes the next message (more
-  CPU, no faster on a loaded machine). Not built: several streams in flight (a raw gRPC test
-  with two streams was within noise of one; both processes are CPU-bound on two cores, and the
-  receiver handles every stream on its one event loop thread).
+  CPU, no faster on a loaded machine). Not built: several streams in flight (gRPC alone moved
+  4.38 GB/s best over one stream, 4.36 over two connections, 3.59 over four, 4.26 over two
+  streams on one connection: both processes are CPU-bound on two cores, and the receiver
+  handles every stream on its one event loop thread; BENCHMARKS.md).
 
 gRPC alone sets the ceiling: the same bytes through the same kind of call with none of the
 work above (`kvmesh bench transfer`'s `grpc_raw` row: no gather, hash or scatter) moved 2.05-
