@@ -12,6 +12,8 @@ engine runs them, over a block-major cache of that many layers):
                size 16 (131 MB of bfloat16 K/V per step)
   big-decode   1 layer, batch 32, context 2048, 32 query heads, 8 kv heads, head dim 128
   w1-extend    8 layers, 4 chunks of 128 tokens after 384 cached (q_len 128, context 512)
+  w1-prompt-g3 8 layers, 8 whole prompts of 272 tokens (W1's mean), SmolLM2's 9 / 3 heads
+  prompt2048-g3  4 layers, one whole prompt of 2048 tokens, SmolLM2's heads
 Caches "int8" and "fp8" are bfloat16 models' K/V quantized (`kvmesh_kernels.quant`), read by
 bfloat16 queries. Variants, all in this process with interleaved repeats: the kernel through
 `FusedCall` as the engine calls it (query read and output written in the model dtype), once
@@ -79,6 +81,8 @@ def cases() -> list[Case]:
         Case("w1-decode-g3", w1, (1,) * 64, 9, 3, 64, layers=8),  # SmolLM2's heads
         Case("big-decode", (2048,) * 32, (1,) * 32, 32, 8, 128),
         Case("w1-extend", (512,) * 4, (128,) * 4, 8, 2, 64, layers=8),
+        Case("w1-prompt-g3", (272,) * 8, (272,) * 8, 9, 3, 64, layers=8),
+        Case("prompt2048-g3", (2048,), (2048,), 9, 3, 64, layers=4),
     ]
 
 

@@ -341,6 +341,21 @@ KVM_INLINE float hsum16(__m512 a) {
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
+// Sets the scores of chunk indexes outside [lo, hi] to -inf, sixteen at a time (sp a multiple
+// of 16; lo and hi are clamped to [-1, sp] first, so they fit the 32-bit lanes).
+KVM_INLINE void hide_outside(float* sr, int64_t sp, int64_t lo, int64_t hi) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i first = _mm512_set1_epi32(static_cast<int>(std::clamp<int64_t>(lo, -1, sp)));
+  const __m512i last = _mm512_set1_epi32(static_cast<int>(std::clamp<int64_t>(hi, -1, sp)));
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  for (int64_t c = 0; c < sp; c += 16) {
+    const __m512i idx = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(c)));
+    const __mmask16 hide =
+        _mm512_cmplt_epi32_mask(idx, first) | _mm512_cmpgt_epi32_mask(idx, last);
+    if (hide) _mm512_mask_storeu_ps(sr + c, hide, ninf);  // a masked store stalls the reloads
+  }
+}
+
 // Masks keys [k_lo, k_lo + n) a row cannot see (-inf), pads to sp, and turns the scores into
 // probabilities relative to the running max, rescaling acc when the max moved.
 KVM_INLINE void chunk_softmax(const Params& p, float* s, int64_t sp, int64_t rows, int64_t n,
@@ -349,13 +364,14 @@ KVM_INLINE void chunk_softmax(const Params& p, float* s, int64_t sp, int64_t row
   const int64_t D = p.head_dim;
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * sp;
+    // Visible keys: chunk indexes [lo, hi] (key k_lo + i is after the row's position, or
+    // before its window, outside them; so is every padding key i >= n).
+    int64_t lo = 0, hi = n - 1;
     if (!full) {
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = k_lo + i;
-        if (t > pos[r] || (p.window > 0 && t <= pos[r] - p.window)) sr[i] = kNegInf;
-      }
+      hi = std::min(hi, pos[r] - k_lo);
+      if (p.window > 0) lo = std::max(lo, pos[r] - p.window + 1 - k_lo);
     }
-    for (int64_t i = n; i < sp; ++i) sr[i] = kNegInf;
+    if (lo > 0 || hi < sp - 1) hide_outside(sr, sp, lo, hi);
     __m512 mx16 = _mm512_loadu_ps(sr);
     for (int64_t c = 16; c < sp; c += 16) mx16 = _mm512_max_ps(mx16, _mm512_loadu_ps(sr + c));
     const float mx = hmax16(mx16);
