@@ -231,11 +231,12 @@ class Completion:
 @dataclass
 class Result:
     """What `complete` returns: every completion of the request, by index, and the prompt's
-    logprobs (one per prompt token) when `prompt_logprobs` was asked for."""
+    logprobs (one per prompt token) and decoded text when `prompt_logprobs` was asked for."""
 
     request_id: str
     completions: list[Completion]
     prompt_logprobs: list[Logprob] = field(default_factory=list)
+    prompt_text: str = ""
 
     @property
     def text(self) -> str:
@@ -258,17 +259,19 @@ def collect(request_id: str, chunks: list[Chunk]) -> Result:
     """Join streamed chunks into a Result."""
     by_index: dict[int, Completion] = {}
     prompt: list[Logprob] = []
+    prompt_text = ""
     for chunk in chunks:
         c = by_index.setdefault(chunk.index, Completion(chunk.index))
         c.text += chunk.text
         c.token_ids.extend(chunk.token_ids)
         c.logprobs.extend(chunk.logprobs)
         prompt.extend(chunk.prompt_logprobs)
+        prompt_text = prompt_text or chunk.prompt_text
         if chunk.finish_reason is not None:
             c.finish_reason, c.stop_reason, c.usage = (
                 chunk.finish_reason, chunk.stop_reason, chunk.usage,
             )  # fmt: skip
-    return Result(request_id, [by_index[i] for i in sorted(by_index)], prompt)
+    return Result(request_id, [by_index[i] for i in sorted(by_index)], prompt, prompt_text)
 
 
 def build_request(

@@ -148,6 +148,7 @@ def test_echo_returns_the_prompt_with_its_logprobs(system: LocalSystem) -> None:
     with Client(system.endpoint) as grpc_client:  # the same over gRPC, with the Python client
         result = grpc_client.complete(PROMPT, prompt_logprobs=1, logprobs=1, **GREEDY)
     prompt_lp = result.prompt_logprobs
+    assert result.prompt_text == tokenizer.decode(PROMPT, skip_special_tokens=False)
     assert [lp.token_id for lp in prompt_lp] == PROMPT and prompt_lp[0].logprob is None
     assert [lp.logprob for lp in prompt_lp[1:]] == pytest.approx(expected, abs=1e-3)
     assert all(lp.rank >= 1 and len(lp.top) == 1 for lp in prompt_lp[1:])
