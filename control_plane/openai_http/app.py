@@ -261,8 +261,15 @@ class PromptFailure(Exception):
         self.index, self.failure = index, failure
 
     def answer(self, prompts: int, prompt_param: str) -> ApiError:
-        """The HTTP error; a batch's names `prompt[index]`."""
-        return from_failure(self.failure, f"prompt[{self.index}]" if prompts > 1 else prompt_param)
+        """The HTTP error; in a batch its message starts with `prompt[index]` (also its param
+        when the prompt itself was refused)."""
+        if prompts == 1:
+            return from_failure(self.failure, prompt_param)
+        where = f"prompt[{self.index}]"
+        error = from_failure(self.failure, where)
+        if not error.message.startswith(where):
+            error.message = f"{where}: {error.message}"
+        return error
 
 
 async def numbered(responses: Responses, offset: int, prompt: int) -> Responses:

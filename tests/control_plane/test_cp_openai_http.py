@@ -323,3 +323,26 @@ async def test_a_batch_larger_than_the_inflight_bound_is_refused_before_any_run(
         done = await client(cp).completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2)
         assert len(done.choices) == 2
         await idle(cp)
+
+
+@run_async
+async def test_a_worker_dying_mid_batch_ends_the_stream_and_releases_every_run() -> None:
+    """Every prompt streamed its first token from the one decode worker, which then dies: the
+    stream ends with an error event naming a prompt, and every prompt's run is released."""
+    async with control_plane(http_port=0) as cp:
+        await cp.add("p0", "prefill")
+        decode = await cp.add("d0", "decode")
+        decode.after_first_gate = asyncio.Event()  # every stream stalls after its first token
+        stream = await client(cp).completions.create(model=MODEL, prompt=["a", "b", "c"],
+                                                     stream=True)  # fmt: skip
+        firsts = [await stream.__anext__() for _ in range(3)]
+        assert sorted(c.choices[0].index for c in firsts) == [0, 1, 2]
+        await decode.kill()
+        with pytest.raises(openai.APIError) as caught:
+            async for _ in stream:
+                pass
+        assert caught.value.message.startswith("prompt[") and "d0" in caught.value.message
+        ledger = cp.server.cluster.ledger
+        await asyncio.sleep(0.2)
+        assert len(ledger) == 0
+        assert await cp.server.front_door.wait_idle(2.0)
