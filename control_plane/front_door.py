@@ -59,10 +59,25 @@ class FrontDoor:
     def inflight(self) -> int:
         return len(self._runs)
 
-    @property
-    def max_inflight(self) -> int:
-        """Requests admitted at once (`--max-inflight`); more get RESOURCE_EXHAUSTED."""
-        return self._cluster.config.max_inflight
+    def check_batch(self, requests: int) -> None:
+        """Whether `requests` sent at once (an HTTP batch of prompts) can be admitted together:
+        RpcFailure INVALID_ARGUMENT naming `prompt` when they never could (more than
+        `--max-inflight`), RESOURCE_EXHAUSTED with the retry delay when they cannot now."""
+        config = self._cluster.config
+        if requests > config.max_inflight:
+            raise RpcFailure(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt: a batch of {requests} prompts exceeds the {config.max_inflight} "
+                "requests the server runs at once",
+                field="prompt",
+            )
+        if len(self._runs) + requests > config.max_inflight:
+            raise RpcFailure(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(self._runs)} requests are in flight; a batch of {requests} prompts "
+                "does not fit now, retry later",
+                config.retry_after_ms,
+            )
 
     async def wait_idle(self, timeout: float) -> bool:
         with contextlib.suppress(TimeoutError):

@@ -107,11 +107,10 @@ class Run:
     request_span: RequestSpan | None = None
     finishing: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    # The prompt's logprobs and text from the prefill worker (disaggregated), sent with the
-    # first response relayed; a colocated worker sends them in its own first response.
+    # The prompt's logprobs and text from the prefill worker (disaggregated), until the first
+    # response relayed carries them; a colocated worker sends them in its own first response.
     prompt_logprobs: list[generation_pb2.TokenLogprobs] = field(default_factory=list)
     prompt_text: str = ""
-    prompt_logprobs_sent: bool = False
 
     def depends_on(self, worker: WorkerRef, holders: frozenset[WorkerRef]) -> bool:
         """Whether losing `worker` ends the current attempt: a call to it is in flight, or
@@ -170,10 +169,9 @@ class Run:
             logprobs=worker.logprobs,
             finish_reason=worker.finish_reason,
         )
-        if not self.prompt_logprobs_sent:
-            self.prompt_logprobs_sent = True
-            out.prompt_logprobs.extend(worker.prompt_logprobs or self.prompt_logprobs)
-            out.prompt_text = worker.prompt_text or self.prompt_text
+        out.prompt_logprobs.extend(worker.prompt_logprobs or self.prompt_logprobs)
+        out.prompt_text = worker.prompt_text or self.prompt_text
+        self.prompt_logprobs, self.prompt_text = [], ""  # sent once
         which = worker.WhichOneof("stop_reason")
         if which == "stop_token_id":
             out.stop_token_id = worker.stop_token_id

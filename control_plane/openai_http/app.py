@@ -140,23 +140,6 @@ class OpenAIApp:
         except StopAsyncIteration:
             raise ApiError(500, "no response from the workers", type="server_error") from None
 
-    def check_room(self, prompts: int) -> None:
-        """A batch of prompts is admitted as that many requests at once: 400 when it could
-        never be (more than the front door's in-flight bound), 429 with nothing started when
-        it cannot be now."""
-        if prompts == 1:
-            return  # the front door's own admission answers
-        bound = self.door.max_inflight
-        if prompts > bound:
-            raise ApiError(400, f"prompt: a batch of {prompts} prompts exceeds the {bound} "
-                           "requests the server runs at once", param="prompt",
-                           code="invalid_value")  # fmt: skip
-        if self.door.inflight + prompts > bound:
-            raise ApiError(429, f"{self.door.inflight} requests are in flight; a batch of "
-                           f"{prompts} prompts does not fit now, retry later",
-                           type="rate_limit_error", code="resource_exhausted",
-                           headers={"Retry-After": "1"})  # fmt: skip
-
     async def accept(self, request: Request, kind: Kind) -> tuple[ParsedRequest, Answer]:
         """The parsed body (ApiError 400/404/503 before any run starts) and its answer,
         whose id is the request id."""
@@ -165,7 +148,11 @@ class OpenAIApp:
             parsed = await asyncio.to_thread(parse_body, raw, kind)
         else:
             parsed = parse_body(raw, kind)
-        self.check_room(len(parsed.requests))
+        if len(parsed.requests) > 1:  # a batch is admitted whole, before any run starts
+            try:
+                self.door.check_batch(len(parsed.requests))
+            except RpcFailure as failure:
+                raise from_failure(failure) from None
         served = self.model_info().model_name
         if parsed.model is not None and parsed.model != served:
             raise ApiError(404, f"model {parsed.model!r} is not served (serving {served!r})",

@@ -121,7 +121,6 @@ class ModelRunner:
         if scales is not None:
             scales.index_copy_(0, index[:, 1], scales.index_select(0, index[:, 0]))
 
-    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns logits [num sampling chunks, vocab] in chunk order, in the
         model's dtype."""

@@ -326,6 +326,25 @@ async def test_a_batch_larger_than_the_inflight_bound_is_refused_before_any_run(
 
 
 @run_async
+async def test_a_batch_that_does_not_fit_beside_the_runs_in_flight_is_429_with_nothing_started(
+) -> None:  # fmt: skip
+    async with control_plane(http_port=0, max_inflight=2, retry_after_ms=1500) as cp:
+        worker = await cp.add("c0", "colocated")
+        worker.gate = asyncio.Event()
+        api = client(cp)
+        first = asyncio.create_task(api.completions.create(model=MODEL, prompt="x"))
+        await asyncio.wait_for(worker.stream_started.wait(), 5)
+        calls = len(worker.calls)
+        with pytest.raises(openai.RateLimitError) as caught:
+            await api.completions.create(model=MODEL, prompt=["a", "b"])
+        assert caught.value.response.headers["retry-after"] == "2"  # the door's retry delay
+        assert len(worker.calls) == calls  # no prompt of the batch reached a worker
+        worker.gate.set()
+        assert (await first).choices[0].text == "abbb"
+        await idle(cp)
+
+
+@run_async
 async def test_a_worker_dying_mid_batch_ends_the_stream_and_releases_every_run() -> None:
     """Every prompt streamed its first token from the one decode worker, which then dies: the
     stream ends with an error event naming a prompt, and every prompt's run is released."""
