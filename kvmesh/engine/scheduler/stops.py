@@ -53,9 +53,9 @@ def validate_request(
 
 
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 17
-"""Prompt tokens x (prompt_logprobs + 1) a request may ask for: about 2 MB on the wire (about
-15 bytes an entry), inside gRPC's default 4 MiB message on every hop, so a long prompt is
-refused before its prefill rather than failing after it."""
+"""Prompt tokens x (prompt_logprobs + 1) a request may ask for: at most 2.9 MB on the wire (16-22
+bytes a value, BENCHMARKS.md "Prompt logprobs on the wire"), inside gRPC's default 4 MiB message
+on every hop, so a long prompt is refused before its prefill rather than failing after it."""
 
 
 def check_prompt_logprobs(top: int | None, num_prompt: int) -> None:
