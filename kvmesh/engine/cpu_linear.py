@@ -13,6 +13,11 @@ Only the module class changes: transformers' model code still calls `self.q_proj
 on. The plain weight is dropped after packing (a tied `lm_head` keeps the embedding's copy).
 Inside `torch.compile` regions the packed GEMM is the custom op `kvmesh::packed_linear` (the
 opaque packed weight cannot be traced; the op finds it by a handle tensor).
+
+On CPUs with AVX512_BF16 the native executor's bfloat16 linears run kvmesh's own GEMM instead
+(`Bf16GemmLinear`, `kvmesh_kernels.cpu_gemm`): the same vdpbf16ps arithmetic, with each thread
+prefetching its next weight panel while it computes, which decode steps (weights streamed from
+memory every step) need and oneDNN's GEMM does not do.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from kvmesh_kernels import cpu_gemm
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -55,6 +61,10 @@ class PackedLinear(nn.Module):
         plain = weight.detach()  # [out, in]
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(plain, None)  # opaque
         self.bias = None if bias is None else bias.detach().contiguous()  # [out]
+        self._register()
+
+    def _register(self) -> None:
+        """Make this module the compiled op's target under a fresh handle."""
         handle = next(_HANDLES)
         _LIVE[handle] = self
         self.handle = torch.tensor(handle, dtype=torch.int64)  # [] the compiled op's key
@@ -73,6 +83,24 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
+class Bf16GemmLinear(PackedLinear):
+    """A bfloat16 linear on kvmesh's AVX512_BF16 GEMM (`kvmesh_kernels.cpu_gemm`): the weight
+    packed once into the kernel's panels, the bias kept in float32. Faster than oneDNN's packed
+    GEMM where a step streams the weights from memory (decode), level on prompt-sized steps
+    (docs/BENCHMARKS.md "bfloat16 GEMM"). Needs an even in_features (`cpu_gemm.weight_fits`)."""
+
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed_weight = cpu_gemm.pack_weight(weight.detach().contiguous())
+        self.bias = None if bias is None else bias.detach().float().contiguous()  # [out]
+        self._register()
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.linear(x, self.packed_weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=kvmesh"
+
+
 @torch.library.custom_op("kvmesh::packed_linear", mutates_args=())
 def packed_linear(
     x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int
@@ -86,6 +114,11 @@ def _packed_linear_shape(
     x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def bf16_gemm_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """True for bfloat16 on a CPU that runs kvmesh's AVX512_BF16 GEMM (library built)."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and cpu_gemm.gemm_supported()
 
 
 def packing_applies(dtype: torch.dtype, device: torch.device) -> bool:

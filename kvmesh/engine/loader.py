@@ -17,7 +17,12 @@ from kvmesh_kernels.cache import HEAD_DIMS
 
 from kvmesh.engine.attention import register_attention
 from kvmesh.engine.config import EngineConfig
-from kvmesh.engine.cpu_linear import float32_packing_wins, pack_linear_layers, packing_applies
+from kvmesh.engine.cpu_linear import (
+    bf16_gemm_applies,
+    float32_packing_wins,
+    pack_linear_layers,
+    packing_applies,
+)
 from kvmesh.engine.cpu_norm import fuse_rms_norms, fused_norm_applies
 from kvmesh.engine.errors import InvalidParameterError, UnsupportedModelError
 from kvmesh.engine.executor import choose_executor
@@ -113,9 +118,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     executor = choose_executor(config.executor, model, hf_config)
     if executor == "native":
         generation_config = getattr(model, "generation_config", None)
-        model = build_native(
-            model, hf_config, pack=native_packing(config, hf_config, dtype, device)
-        )
+        linears = native_linears(config, hf_config, dtype, device)
+        model = build_native(model, hf_config, linears)
+        logger.info("native linears: %s", linears)
         model.generation_config = generation_config
         if config.compile == "on":
             from kvmesh.engine.native.compiled import compile_native
@@ -130,21 +135,27 @@ def load_model(config: EngineConfig) -> LoadedModel:
     return LoadedModel(path, model, hf_config, load_tokenizer(path), dtype, device, executor)
 
 
-def native_packing(
+def native_linears(
     config: EngineConfig, hf_config: Any, dtype: torch.dtype, device: torch.device
-) -> bool:
-    """oneDNN-packed linears for the native executor: always for CPU bf16/fp16; for CPU float32
-    as `float32_packing` says (auto: measured at load on the model's widest GEMM)."""
+) -> str:
+    """The native executor's linear kind (`native.layers.LINEAR_KINDS`): kvmesh's bfloat16
+    GEMM for CPU bfloat16 where this CPU runs it (unless `bfloat16_gemm` is onednn),
+    oneDNN-packed for the other CPU bf16/fp16 cases, and for CPU float32 as `float32_packing`
+    says (auto: measured at load on the model's widest GEMM); plain `F.linear` otherwise."""
+    if config.bfloat16_gemm != "onednn" and bf16_gemm_applies(dtype, device):
+        return "bf16-gemm"
+    if config.bfloat16_gemm == "kvmesh" and dtype == torch.bfloat16 and device.type == "cpu":
+        logger.warning("bfloat16_gemm=kvmesh: this CPU or build lacks AVX512_BF16; oneDNN runs")
     if packing_applies(dtype, device):
-        return True
+        return "onednn"
     if dtype != torch.float32 or device.type != "cpu" or config.float32_packing == "off":
-        return False
+        return "plain"
     if config.float32_packing == "on":
-        return torch.backends.mkldnn.is_available()
+        return "onednn" if torch.backends.mkldnn.is_available() else "plain"
     hidden = int(hf_config.hidden_size)
     wins = float32_packing_wins(hidden, 2 * int(hf_config.intermediate_size))
     logger.info("float32 linears: %s (measured at load)", "oneDNN-packed" if wins else "MKL")
-    return wins
+    return "onednn" if wins else "plain"
 
 
 def load_tokenizer(path: Path) -> Any | None:

@@ -74,10 +74,11 @@ def hf_greedy(path: Path, prompt: list[int], new_tokens: int) -> list[int]:
 
 
 def native_last_logits(
-    path: Path, prompt: list[int], dtype: str, fresh_attention: str = "auto"
+    path: Path, prompt: list[int], dtype: str, fresh_attention: str = "auto", gemm: str = "auto"
 ) -> torch.Tensor:
     """The native runner's logits for the last prompt token (one prefill chunk)."""
-    loaded = load_model(EngineConfig(model=str(path), dtype=dtype, executor="native"))
+    config = EngineConfig(model=str(path), dtype=dtype, executor="native", bfloat16_gemm=gemm)
+    loaded = load_model(config)
     runner = ModelRunner(loaded, 64, 4, "auto", fresh_attention=fresh_attention)
     table = tuple(range(-(-len(prompt) // 4)))
     chunk = ScheduledChunk("0", tuple(prompt), 0, table, (), ("0",))
@@ -98,14 +99,19 @@ def test_float32_logits_match_transformers_forward(checkpoint: Path) -> None:
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
 
 
-@pytest.mark.parametrize("fresh_attention", ["on", "off"])
-def test_bfloat16_within_tolerance_of_float32(checkpoint: Path, fresh_attention: str) -> None:
+@pytest.mark.parametrize(
+    "fresh_attention,gemm", [("on", "auto"), ("off", "auto"), ("off", "onednn")]
+)
+def test_bfloat16_within_tolerance_of_float32(
+    checkpoint: Path, fresh_attention: str, gemm: str
+) -> None:
     """Stated tolerance: the native bfloat16 logits are no further from the float32 ones than
     transformers' own bfloat16 forward is (mean and max absolute error, within 1.5x), whichever
-    path attends the first chunk (causal sdpa on its own K/V, or the paged kernel)."""
+    path attends the first chunk (causal sdpa on its own K/V, or the paged kernel) and whichever
+    GEMM runs the linears (kvmesh's where the CPU has AVX512_BF16, or oneDNN's)."""
     reference = hf_last_logits(checkpoint, PROMPT, torch.float32)
     hf_error = (hf_last_logits(checkpoint, PROMPT, torch.bfloat16) - reference).abs()
-    native = native_last_logits(checkpoint, PROMPT, "bfloat16", fresh_attention)
+    native = native_last_logits(checkpoint, PROMPT, "bfloat16", fresh_attention, gemm)
     error = (native - reference).abs()
     assert error.mean() <= 1.5 * hf_error.mean(), (error.mean(), hf_error.mean())
     assert error.max() <= 1.5 * hf_error.max(), (error.max(), hf_error.max())
@@ -168,14 +174,24 @@ def test_both_first_chunk_paths_keep_greedy_parity(checkpoint: Path, fresh_atten
     assert output.outputs[0].token_ids == hf_greedy(checkpoint, PROMPT, GREEDY.max_tokens)
 
 
-def test_bfloat16_native_packs_merged_linears(checkpoint: Path) -> None:
-    from kvmesh.engine.cpu_linear import PackedLinear, packing_applies
+@pytest.mark.parametrize("gemm", ["auto", "onednn"])
+def test_bfloat16_native_packs_merged_linears(checkpoint: Path, gemm: str) -> None:
+    """Every linear is packed once at load: for kvmesh's GEMM where the CPU has AVX512_BF16
+    (unless oneDNN's is asked for), else for oneDNN's."""
+    from kvmesh_kernels import cpu_gemm
+
+    from kvmesh.engine.cpu_linear import Bf16GemmLinear, PackedLinear, packing_applies
 
     if not packing_applies(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no native bfloat16 matmul on this CPU")
-    loaded = load_model(EngineConfig(model=str(checkpoint), dtype="bfloat16", executor="native"))
+    config = EngineConfig(
+        model=str(checkpoint), dtype="bfloat16", executor="native", bfloat16_gemm=gemm
+    )
+    loaded = load_model(config)
     packed = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 4 * loaded.hf_config.num_hidden_layers + 1  # qkv, o, gate_up, down; head
+    ours = gemm == "auto" and cpu_gemm.gemm_supported()
+    assert all(isinstance(m, Bf16GemmLinear) == ours for m in packed)
 
 
 def test_float32_packed_linears_keep_greedy_parity(checkpoint: Path) -> None:

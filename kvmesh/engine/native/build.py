@@ -43,37 +43,38 @@ def check_native(hf_model: Any, hf_config: Any) -> None:
             raise UnsupportedModelError(f"layer {index} lacks {', '.join(missing)}")
 
 
-def build_native(hf_model: Any, hf_config: Any, pack: bool) -> NativeCausalLM:
+def build_native(hf_model: Any, hf_config: Any, linears: str) -> NativeCausalLM:
     """The native model over the transformers model's weights (check_native first).
 
-    `pack`: oneDNN-packed linears (CPU bfloat16/float16). The transformers model's decoder
-    layers are emptied as they are converted; its embedding and LM head are shared.
+    `linears`: the linear kind (`layers.make_linear`: "bf16-gemm", "onednn" or "plain"). The
+    transformers model's decoder layers are emptied as they are converted; its embedding is
+    shared.
     """
     check_native(hf_model, hf_config)
     inner = hf_model.model
     weight = inner.embed_tokens.weight
     layers = []
     for index in range(len(inner.layers)):
-        layers.append(convert_layer(index, inner.layers[index], hf_config, pack))
+        layers.append(convert_layer(index, inner.layers[index], hf_config, linears))
         inner.layers[index] = nn.Identity()  # free the unmerged weights now
     head = hf_model.lm_head
-    lm_head = make_linear(head.weight, getattr(head, "bias", None), pack)
+    lm_head = make_linear(head.weight, getattr(head, "bias", None), linears)
     max_positions = int(getattr(hf_config, "max_position_embeddings", 0) or 32768)
     rotary = RotaryTable(inner.rotary_emb, max_positions, weight.dtype, weight.device)
     return NativeCausalLM(inner.embed_tokens, layers, norm_of(inner.norm), lm_head, rotary)
 
 
-def convert_layer(index: int, layer: Any, hf_config: Any, pack: bool) -> NativeDecoderLayer:
+def convert_layer(index: int, layer: Any, hf_config: Any, linears: str) -> NativeDecoderLayer:
     attn, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return NativeDecoderLayer(
         index,
         attention_shape(attn, hf_config),
         (norm_of(layer.input_layernorm), norm_of(layer.post_attention_layernorm)),
-        qkv=merged_linear([attn.q_proj, attn.k_proj, attn.v_proj], pack),
-        o=make_linear(attn.o_proj.weight, getattr(attn.o_proj, "bias", None), pack),
-        gate_up=merged_linear([mlp.gate_proj, mlp.up_proj], pack),
-        down=make_linear(mlp.down_proj.weight, getattr(mlp.down_proj, "bias", None), pack),
+        qkv=merged_linear([attn.q_proj, attn.k_proj, attn.v_proj], linears),
+        o=make_linear(attn.o_proj.weight, getattr(attn.o_proj, "bias", None), linears),
+        gate_up=merged_linear([mlp.gate_proj, mlp.up_proj], linears),
+        down=make_linear(mlp.down_proj.weight, getattr(mlp.down_proj, "bias", None), linears),
         qk_norms=(norm_of(q_norm), norm_of(k_norm)) if q_norm is not None else None,
     )
 

@@ -10,10 +10,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from kvmesh_kernels import cpu_fused
+from kvmesh_kernels import cpu_fused, cpu_gemm
 from torch import nn
 
-from kvmesh.engine.cpu_linear import PackedLinear
+from kvmesh.engine.cpu_linear import Bf16GemmLinear, PackedLinear
+
+LINEAR_KINDS = ("bf16-gemm", "onednn", "plain")  # make_linear's kinds
 
 
 class PlainLinear(nn.Module):
@@ -35,24 +37,31 @@ def direct_call(linear: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return linear.forward  # type: ignore[no-any-return]
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> nn.Module:
-    """A linear over weight [out, in]: oneDNN-packed when `pack` (CPU bf16/fp16), else plain."""
-    return PackedLinear.from_weight(weight, bias) if pack else PlainLinear(weight, bias)
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> nn.Module:
+    """A linear over weight [out, in] of `kind` (`LINEAR_KINDS`): kvmesh's bfloat16 GEMM
+    ("bf16-gemm", oneDNN-packed instead for a weight it does not take), oneDNN-packed
+    ("onednn": CPU bf16/fp16, float32 where it measured faster), or `F.linear` ("plain")."""
+    if kind == "bf16-gemm" and cpu_gemm.weight_fits(weight):
+        return Bf16GemmLinear.from_weight(weight, bias)
+    if kind in ("bf16-gemm", "onednn"):
+        return PackedLinear.from_weight(weight, bias)
+    return PlainLinear(weight, bias)
 
 
-def merged_linear(parts: list[nn.Module], pack: bool) -> nn.Module:
-    """One linear whose output is the concatenation of `parts`' outputs (q|k|v, gate|up)."""
+def merged_linear(parts: list[nn.Module], kind: str) -> nn.Module:
+    """One linear of `kind` whose output is the concatenation of `parts`' outputs (q|k|v,
+    gate|up)."""
     weight = torch.cat([p.get_parameter("weight").detach() for p in parts])  # [sum out, in]
     biases = [getattr(p, "bias", None) for p in parts]
     if all(b is None for b in biases):
-        return make_linear(weight, None, pack)
+        return make_linear(weight, None, kind)
     bias = torch.cat(
         [
             b.detach() if b is not None else weight.new_zeros(p.get_parameter("weight").shape[0])
             for p, b in zip(parts, biases, strict=True)
         ]
     )  # [sum out], zeros where a part has no bias, on the weight's device
-    return make_linear(weight, bias, pack)
+    return make_linear(weight, bias, kind)
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,93 @@
+"""kvmesh's bfloat16 GEMM against oneDNN's packed GEMM on a decode step's linears.
+
+One "step" is every layer's four linears (q|k|v, o, gate|up, down) of a Llama-family model at
+M rows, each layer with its own weights, so that (as in a real decode step) the weights come
+from memory rather than cache: SmolLM2-135M's shapes by default (30 layers, hidden 576,
+intermediate 1536, 9 / 3 heads of 64: 212 MB of bfloat16 weights). Both GEMMs run in this
+process, alternating, best of `--repeats`; prints one JSON line per M with milliseconds per
+step, GFLOP/s and oneDNN / kvmesh (above 1: kvmesh faster), and the CPU's ISA.
+
+Run: `.venv/bin/python bench/gemm_bf16.py [--rows 1 8 16 32 64 128 512 2048] [--threads 2]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+from kvmesh_kernels import cpu_gemm
+from kvmesh_kernels.cpu_build import machine
+
+from kvmesh.engine.cpu_linear import Bf16GemmLinear, PackedLinear
+
+
+def layer_shapes(hidden: int, inter: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
+    """(out, in) of q|k|v, o, gate|up, down."""
+    head_dim = hidden // heads
+    qkv = (heads + 2 * kv_heads) * head_dim
+    return [(qkv, hidden), (hidden, heads * head_dim), (2 * inter, hidden), (hidden, inter)]
+
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def step_ms(linears: list[list[Linear]], inputs: list[torch.Tensor]) -> float:
+    """Milliseconds of one step: every layer's linears on their inputs, in layer order."""
+    start = time.perf_counter()
+    for layer in linears:
+        for run, x in zip(layer, inputs, strict=True):
+            run(x)
+    return (time.perf_counter() - start) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 512, 2048])
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--hidden", type=int, default=576)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--heads", type=int, nargs=2, default=[9, 3], metavar=("Q", "KV"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    if not cpu_gemm.gemm_supported():
+        raise SystemExit("this CPU has no AVX512_BF16 (or the kernel library did not build)")
+    torch.set_num_threads(args.threads)
+    shapes = layer_shapes(args.hidden, args.intermediate, *args.heads)
+    generator = torch.Generator().manual_seed(0)
+    weights = [
+        [torch.randn(shape, generator=generator).bfloat16() for shape in shapes]
+        for _ in range(args.layers)
+    ]
+    systems: dict[str, list[list[Linear]]] = {
+        "onednn": [[PackedLinear.from_weight(w, None).run for w in layer] for layer in weights],
+        "kvmesh": [[Bf16GemmLinear.from_weight(w, None).run for w in layer] for layer in weights],
+    }
+    flops_per_row = 2 * args.layers * sum(out * inp for out, inp in shapes)
+    for rows in args.rows:
+        inputs = [torch.randn(rows, inp, generator=generator).bfloat16() for _, inp in shapes]
+        times = {name: float("inf") for name in systems}
+        with torch.inference_mode():
+            for _ in range(args.repeats):  # alternate, so both see the same machine
+                for name, linears in systems.items():
+                    times[name] = min(times[name], step_ms(linears, inputs))
+        report = {
+            "rows": rows,
+            **{f"{name}_ms": round(ms, 2) for name, ms in times.items()},
+            **{
+                f"{name}_gflops": round(rows * flops_per_row / ms / 1e6)
+                for name, ms in times.items()
+            },
+            "onednn_over_kvmesh": round(times["onednn"] / times["kvmesh"], 2),
+            "threads": args.threads,
+            "dtype": "bfloat16",
+            **machine(),
+        }
+        print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
