@@ -1,7 +1,7 @@
 """Build, cache and load the fused CPU kernel library.
 
 The C++ sources (`csrc/*.cpp`: paged attention, KV write, RMSNorm, the native executor's fused
-elementwise ops and bfloat16 GEMM; plain C ABI + OpenMP, no torch headers) are compiled into
+elementwise ops and GEMM; plain C ABI + OpenMP, no torch headers) are compiled into
 one library with `torch.utils.cpp_extension.load` and published as
 `$KVMESH_CACHE_DIR/torch_extensions/<key>/kvmesh_cpu.so` (default `~/.cache/kvmesh`). The key
 hashes the sources and headers, the compiler flags, the torch and Python versions and the
@@ -45,7 +45,7 @@ SOURCES = (
     SOURCE.with_name("cpu_cache_ops.cpp"),
     SOURCE.with_name("cpu_fused_ops.cpp"),
     SOURCE.with_name("cpu_sampling.cpp"),
-    SOURCE.with_name("cpu_gemm_bf16.cpp"),
+    SOURCE.with_name("cpu_gemm.cpp"),
 )  # compiled into one library
 HEADERS = (
     SOURCE.with_name("dtype_convert.h"),

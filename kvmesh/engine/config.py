@@ -17,7 +17,7 @@ KV_DTYPES = ("auto", "int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("auto", "native", "transformers")
 FLOAT32_PACKINGS = ("auto", "on", "off")
-BFLOAT16_GEMMS = ("auto", "kvmesh", "onednn")
+CPU_GEMMS = ("auto", "kvmesh", "torch")
 FRESH_ATTENTION_MODES = ("auto", "on", "off")
 COMPILE_MODES = ("off", "on")
 PREEMPTIONS = ("auto", "swap", "recompute")
@@ -62,12 +62,13 @@ class EngineConfig:
         "auto (packed when a load-time measurement finds it 10 percent faster)",
         FLOAT32_PACKINGS,
     )
-    bfloat16_gemm: str = _setting(
+    cpu_gemm: str = _setting(
         "auto",
-        "native executor, bfloat16 on CPU: kvmesh's AVX512_BF16 GEMM, which prefetches the "
-        "weights decode steps stream (kvmesh), oneDNN's packed GEMM (onednn), or auto (kvmesh "
-        "where the CPU has AVX512_BF16)",
-        BFLOAT16_GEMMS,
+        "native executor on CPU: kvmesh's AVX-512 GEMM for the linears, which prefetches the "
+        "weights decode steps stream (kvmesh; bfloat16 needs AVX512_BF16), torch's "
+        "(oneDNN-packed; float32 as float32_packing says), or auto (kvmesh where the CPU runs "
+        "it for the model's dtype)",
+        CPU_GEMMS,
     )
     fresh_attention: str = _setting(
         "auto",
@@ -137,7 +138,7 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("executor", self.executor, EXECUTORS)
         _choice("float32_packing", self.float32_packing, FLOAT32_PACKINGS)
-        _choice("bfloat16_gemm", self.bfloat16_gemm, BFLOAT16_GEMMS)
+        _choice("cpu_gemm", self.cpu_gemm, CPU_GEMMS)
         _choice("fresh_attention", self.fresh_attention, FRESH_ATTENTION_MODES)
         _choice("compile", self.compile, COMPILE_MODES)
         _choice("policy", self.policy, POLICIES)

@@ -14,10 +14,10 @@ on. The plain weight is dropped after packing (a tied `lm_head` keeps the embedd
 Inside `torch.compile` regions the packed GEMM is the custom op `kvmesh::packed_linear` (the
 opaque packed weight cannot be traced; the op finds it by a handle tensor).
 
-On CPUs with AVX512_BF16 the native executor's bfloat16 linears run kvmesh's own GEMM instead
-(`Bf16GemmLinear`, `kvmesh_kernels.cpu_gemm`): the same vdpbf16ps arithmetic, with each thread
-prefetching its next weight panel while it computes, which decode steps (weights streamed from
-memory every step) need and oneDNN's GEMM does not do.
+On AVX-512 CPUs (bfloat16: with AVX512_BF16) the native executor's linears run kvmesh's own
+GEMM instead (`CpuGemmLinear`, `kvmesh_kernels.cpu_gemm`): the same arithmetic, with each
+thread prefetching its next weight panel while it computes, which decode steps (weights
+streamed from memory every step) need and oneDNN's and MKL's GEMMs do not do.
 """
 
 from __future__ import annotations
@@ -83,11 +83,12 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
-class Bf16GemmLinear(PackedLinear):
-    """A bfloat16 linear on kvmesh's AVX512_BF16 GEMM (`kvmesh_kernels.cpu_gemm`): the weight
-    packed once into the kernel's panels, the bias kept in float32. Faster than oneDNN's packed
-    GEMM where a step streams the weights from memory (decode), level on prompt-sized steps
-    (docs/BENCHMARKS.md "bfloat16 GEMM"). Needs an even in_features (`cpu_gemm.weight_fits`)."""
+class CpuGemmLinear(PackedLinear):
+    """A bfloat16 or float32 linear on kvmesh's AVX-512 GEMM (`kvmesh_kernels.cpu_gemm`): the
+    weight packed once into the kernel's panels, the bias kept in float32. Faster than oneDNN's
+    and MKL's GEMMs where a step streams the weights from memory (decode), level on prompt-sized
+    steps (docs/BENCHMARKS.md "kvmesh's CPU GEMM"). A bfloat16 weight needs an even
+    in_features (`cpu_gemm.weight_fits`)."""
 
     def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.packed_weight = cpu_gemm.pack_weight(weight.detach().contiguous())
@@ -116,9 +117,10 @@ def _packed_linear_shape(
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def bf16_gemm_applies(dtype: torch.dtype, device: torch.device) -> bool:
-    """True for bfloat16 on a CPU that runs kvmesh's AVX512_BF16 GEMM (library built)."""
-    return dtype == torch.bfloat16 and device.type == "cpu" and cpu_gemm.gemm_supported()
+def kvmesh_gemm_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """True on a CPU that runs kvmesh's GEMM of `dtype` (float32: AVX-512; bfloat16: also
+    AVX512_BF16; library built)."""
+    return device.type == "cpu" and cpu_gemm.gemm_supported(dtype)
 
 
 def packing_applies(dtype: torch.dtype, device: torch.device) -> bool:

@@ -18,8 +18,8 @@ from kvmesh_kernels.cache import HEAD_DIMS
 from kvmesh.engine.attention import register_attention
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.cpu_linear import (
-    bf16_gemm_applies,
     float32_packing_wins,
+    kvmesh_gemm_applies,
     pack_linear_layers,
     packing_applies,
 )
@@ -138,14 +138,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
 def native_linears(
     config: EngineConfig, hf_config: Any, dtype: torch.dtype, device: torch.device
 ) -> str:
-    """The native executor's linear kind (`native.layers.LINEAR_KINDS`): kvmesh's bfloat16
-    GEMM for CPU bfloat16 where this CPU runs it (unless `bfloat16_gemm` is onednn),
-    oneDNN-packed for the other CPU bf16/fp16 cases, and for CPU float32 as `float32_packing`
-    says (auto: measured at load on the model's widest GEMM); plain `F.linear` otherwise."""
-    if config.bfloat16_gemm != "onednn" and bf16_gemm_applies(dtype, device):
-        return "bf16-gemm"
-    if config.bfloat16_gemm == "kvmesh" and dtype == torch.bfloat16 and device.type == "cpu":
-        logger.warning("bfloat16_gemm=kvmesh: this CPU or build lacks AVX512_BF16; oneDNN runs")
+    """The native executor's linear kind (`native.layers.LINEAR_KINDS`): kvmesh's GEMM on a
+    CPU that runs it for `dtype` (unless `cpu_gemm` is torch), else oneDNN-packed for CPU
+    bf16/fp16, and for CPU float32 as `float32_packing` says (auto: measured at load on the
+    model's widest GEMM); plain `F.linear` otherwise."""
+    if config.cpu_gemm != "torch" and kvmesh_gemm_applies(dtype, device):
+        return "kvmesh"
+    if config.cpu_gemm == "kvmesh" and device.type == "cpu":
+        logger.warning("cpu_gemm=kvmesh: this CPU or build has no %s GEMM of kvmesh's", dtype)
     if packing_applies(dtype, device):
         return "onednn"
     if dtype != torch.float32 or device.type != "cpu" or config.float32_packing == "off":

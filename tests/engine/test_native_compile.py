@@ -31,6 +31,7 @@ def test_compiled_layers_keep_greedy_parity(tmp_path: Path) -> None:
         dtype="float32",
         compile="on",
         float32_packing=packing,
+        cpu_gemm="torch",
         max_num_batched_tokens=64,  # the 90-token prompt is chunked: prefill, mixed, decode
     )
     layer = llm.engine.runner.loaded.model.layers[0]

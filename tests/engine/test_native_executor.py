@@ -77,7 +77,7 @@ def native_last_logits(
     path: Path, prompt: list[int], dtype: str, fresh_attention: str = "auto", gemm: str = "auto"
 ) -> torch.Tensor:
     """The native runner's logits for the last prompt token (one prefill chunk)."""
-    config = EngineConfig(model=str(path), dtype=dtype, executor="native", bfloat16_gemm=gemm)
+    config = EngineConfig(model=str(path), dtype=dtype, executor="native", cpu_gemm=gemm)
     loaded = load_model(config)
     runner = ModelRunner(loaded, 64, 4, "auto", fresh_attention=fresh_attention)
     table = tuple(range(-(-len(prompt) // 4)))
@@ -93,14 +93,16 @@ def test_auto_picks_native_and_transformers_on_request(checkpoint: Path) -> None
     assert hf.executor == "transformers" and not isinstance(hf.model, NativeCausalLM)
 
 
-def test_float32_logits_match_transformers_forward(checkpoint: Path) -> None:
+@pytest.mark.parametrize("gemm", ["auto", "torch"])
+def test_float32_logits_match_transformers_forward(checkpoint: Path, gemm: str) -> None:
+    """kvmesh's float32 GEMM (auto, on AVX-512 CPUs) or torch's: transformers' logits."""
     expected = hf_last_logits(checkpoint, PROMPT, torch.float32)
-    got = native_last_logits(checkpoint, PROMPT, "float32")
+    got = native_last_logits(checkpoint, PROMPT, "float32", gemm=gemm)
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
 
 
 @pytest.mark.parametrize(
-    "fresh_attention,gemm", [("on", "auto"), ("off", "auto"), ("off", "onednn")]
+    "fresh_attention,gemm", [("on", "auto"), ("off", "auto"), ("off", "torch")]
 )
 def test_bfloat16_within_tolerance_of_float32(
     checkpoint: Path, fresh_attention: str, gemm: str
@@ -108,7 +110,7 @@ def test_bfloat16_within_tolerance_of_float32(
     """Stated tolerance: the native bfloat16 logits are no further from the float32 ones than
     transformers' own bfloat16 forward is (mean and max absolute error, within 1.5x), whichever
     path attends the first chunk (causal sdpa on its own K/V, or the paged kernel) and whichever
-    GEMM runs the linears (kvmesh's where the CPU has AVX512_BF16, or oneDNN's)."""
+    GEMM runs the linears (kvmesh's where the CPU has AVX512_BF16, or oneDNN's: torch)."""
     reference = hf_last_logits(checkpoint, PROMPT, torch.float32)
     hf_error = (hf_last_logits(checkpoint, PROMPT, torch.bfloat16) - reference).abs()
     native = native_last_logits(checkpoint, PROMPT, "bfloat16", fresh_attention, gemm)
@@ -174,36 +176,36 @@ def test_both_first_chunk_paths_keep_greedy_parity(checkpoint: Path, fresh_atten
     assert output.outputs[0].token_ids == hf_greedy(checkpoint, PROMPT, GREEDY.max_tokens)
 
 
-@pytest.mark.parametrize("gemm", ["auto", "onednn"])
+@pytest.mark.parametrize("gemm", ["auto", "torch"])
 def test_bfloat16_native_packs_merged_linears(checkpoint: Path, gemm: str) -> None:
     """Every linear is packed once at load: for kvmesh's GEMM where the CPU has AVX512_BF16
-    (unless oneDNN's is asked for), else for oneDNN's."""
+    (unless torch's is asked for), else for oneDNN's."""
     from kvmesh_kernels import cpu_gemm
 
-    from kvmesh.engine.cpu_linear import Bf16GemmLinear, PackedLinear, packing_applies
+    from kvmesh.engine.cpu_linear import CpuGemmLinear, PackedLinear, packing_applies
 
     if not packing_applies(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no native bfloat16 matmul on this CPU")
-    config = EngineConfig(
-        model=str(checkpoint), dtype="bfloat16", executor="native", bfloat16_gemm=gemm
-    )
+    config = EngineConfig(model=str(checkpoint), dtype="bfloat16", executor="native", cpu_gemm=gemm)
     loaded = load_model(config)
     packed = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 4 * loaded.hf_config.num_hidden_layers + 1  # qkv, o, gate_up, down; head
-    ours = gemm == "auto" and cpu_gemm.gemm_supported()
-    assert all(isinstance(m, Bf16GemmLinear) == ours for m in packed)
+    ours = gemm == "auto" and cpu_gemm.gemm_supported(torch.bfloat16)
+    assert all(isinstance(m, CpuGemmLinear) == ours for m in packed)
 
 
 def test_float32_packed_linears_keep_greedy_parity(checkpoint: Path) -> None:
     """float32_packing="on" (oneDNN-packed float32 linears, chosen at load where they measure
-    faster) still gives transformers' greedy tokens."""
+    faster, when kvmesh's GEMM is not used) still gives transformers' greedy tokens."""
     from kvmesh.engine.cpu_linear import PackedLinear
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
-    llm = LLM(str(checkpoint), num_kv_blocks=64, dtype="float32", float32_packing="on")
+    llm = LLM(
+        str(checkpoint), num_kv_blocks=64, dtype="float32", float32_packing="on", cpu_gemm="torch"
+    )
     model = llm.engine.runner.loaded.model
-    assert any(isinstance(m, PackedLinear) for m in model.modules())
+    assert any(type(m) is PackedLinear for m in model.modules())
     (output,) = llm.generate([PROMPT], GREEDY)
     assert output.outputs[0].token_ids == hf_greedy(checkpoint, PROMPT, GREEDY.max_tokens)
 

@@ -46,7 +46,7 @@ def check_native(hf_model: Any, hf_config: Any) -> None:
 def build_native(hf_model: Any, hf_config: Any, linears: str) -> NativeCausalLM:
     """The native model over the transformers model's weights (check_native first).
 
-    `linears`: the linear kind (`layers.make_linear`: "bf16-gemm", "onednn" or "plain"). The
+    `linears`: the linear kind (`layers.make_linear`: "kvmesh", "onednn" or "plain"). The
     transformers model's decoder layers are emptied as they are converted; its embedding is
     shared.
     """

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from kvmesh_kernels import cpu_fused, cpu_gemm
 from torch import nn
 
-from kvmesh.engine.cpu_linear import Bf16GemmLinear, PackedLinear
+from kvmesh.engine.cpu_linear import CpuGemmLinear, PackedLinear
 
-LINEAR_KINDS = ("bf16-gemm", "onednn", "plain")  # make_linear's kinds
+LINEAR_KINDS = ("kvmesh", "onednn", "plain")  # make_linear's kinds
 
 
 class PlainLinear(nn.Module):
@@ -38,12 +38,12 @@ def direct_call(linear: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> nn.Module:
-    """A linear over weight [out, in] of `kind` (`LINEAR_KINDS`): kvmesh's bfloat16 GEMM
-    ("bf16-gemm", oneDNN-packed instead for a weight it does not take), oneDNN-packed
+    """A linear over weight [out, in] of `kind` (`LINEAR_KINDS`): kvmesh's CPU GEMM ("kvmesh":
+    float32 or bfloat16; oneDNN-packed instead for a weight it does not take), oneDNN-packed
     ("onednn": CPU bf16/fp16, float32 where it measured faster), or `F.linear` ("plain")."""
-    if kind == "bf16-gemm" and cpu_gemm.weight_fits(weight):
-        return Bf16GemmLinear.from_weight(weight, bias)
-    if kind in ("bf16-gemm", "onednn"):
+    if kind == "kvmesh" and cpu_gemm.weight_fits(weight):
+        return CpuGemmLinear.from_weight(weight, bias)
+    if kind in ("kvmesh", "onednn"):
         return PackedLinear.from_weight(weight, bias)
     return PlainLinear(weight, bias)
 

@@ -1,13 +1,16 @@
-"""kvmesh's bfloat16 GEMM against oneDNN's packed GEMM on a decode step's linears.
+"""kvmesh's CPU GEMM against oneDNN's packed GEMM (and MKL's in float32) on a decode step's
+linears.
 
 One "step" is every layer's four linears (q|k|v, o, gate|up, down) of a Llama-family model at
 M rows, each layer with its own weights, so that (as in a real decode step) the weights come
 from memory rather than cache: SmolLM2-135M's shapes by default (30 layers, hidden 576,
-intermediate 1536, 9 / 3 heads of 64: 212 MB of bfloat16 weights). Both GEMMs run in this
-process, alternating, best of `--repeats`; prints one JSON line per M with milliseconds per
-step, GFLOP/s and oneDNN / kvmesh (above 1: kvmesh faster), and the CPU's ISA.
+intermediate 1536, 9 / 3 heads of 64: 212 MB of bfloat16 weights, 424 MB in float32). The
+GEMMs run in this process, alternating, best of `--repeats`; prints one JSON line per M with
+milliseconds per step, GFLOP/s and each other GEMM's time over kvmesh's (above 1: kvmesh
+faster), the dtype and the CPU's ISA.
 
-Run: `.venv/bin/python bench/gemm_bf16.py [--rows 1 8 16 32 64 128 512 2048] [--threads 2]`
+Run: `.venv/bin/python bench/cpu_gemm.py [--dtype bfloat16|float32] [--rows 1 8 16 ...]
+[--threads 2]`
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 from kvmesh_kernels import cpu_gemm
 from kvmesh_kernels.cpu_build import machine
 
-from kvmesh.engine.cpu_linear import Bf16GemmLinear, PackedLinear
+from kvmesh.engine.cpu_linear import CpuGemmLinear, PackedLinear
 
 
 def layer_shapes(hidden: int, inter: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
@@ -51,24 +56,28 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--heads", type=int, nargs=2, default=[9, 3], metavar=("Q", "KV"))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    if not cpu_gemm.gemm_supported():
-        raise SystemExit("this CPU has no AVX512_BF16 (or the kernel library did not build)")
+    dtype = getattr(torch, args.dtype)
+    if not cpu_gemm.gemm_supported(dtype):
+        raise SystemExit(f"this CPU or build does not run kvmesh's {args.dtype} GEMM")
     torch.set_num_threads(args.threads)
     shapes = layer_shapes(args.hidden, args.intermediate, *args.heads)
     generator = torch.Generator().manual_seed(0)
     weights = [
-        [torch.randn(shape, generator=generator).bfloat16() for shape in shapes]
+        [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
         for _ in range(args.layers)
     ]
     systems: dict[str, list[list[Linear]]] = {
         "onednn": [[PackedLinear.from_weight(w, None).run for w in layer] for layer in weights],
-        "kvmesh": [[Bf16GemmLinear.from_weight(w, None).run for w in layer] for layer in weights],
+        "kvmesh": [[CpuGemmLinear.from_weight(w, None).run for w in layer] for layer in weights],
     }
+    if dtype == torch.float32:  # MKL's sgemm through F.linear: the float32 alternative
+        systems["mkl"] = [[partial(F.linear, weight=w) for w in layer] for layer in weights]
     flops_per_row = 2 * args.layers * sum(out * inp for out, inp in shapes)
     for rows in args.rows:
-        inputs = [torch.randn(rows, inp, generator=generator).bfloat16() for _, inp in shapes]
+        inputs = [torch.randn(rows, inp, generator=generator).to(dtype) for _, inp in shapes]
         times = {name: float("inf") for name in systems}
         with torch.inference_mode():
             for _ in range(args.repeats):  # alternate, so both see the same machine
@@ -81,9 +90,13 @@ def main() -> None:
                 f"{name}_gflops": round(rows * flops_per_row / ms / 1e6)
                 for name, ms in times.items()
             },
-            "onednn_over_kvmesh": round(times["onednn"] / times["kvmesh"], 2),
+            **{
+                f"{name}_over_kvmesh": round(ms / times["kvmesh"], 2)
+                for name, ms in times.items()
+                if name != "kvmesh"
+            },
             "threads": args.threads,
-            "dtype": "bfloat16",
+            "dtype": args.dtype,
             **machine(),
         }
         print(json.dumps(report), flush=True)
