@@ -1,19 +1,21 @@
-"""kvmesh's GEMM for linear layers on AVX-512 CPUs (`csrc/cpu_gemm.cpp`): bfloat16 (with
-AVX512_BF16) and float32.
+"""kvmesh's GEMM for linear layers on x86-64 CPUs (`csrc/cpu_gemm.cpp`): bfloat16 (AVX-512
+with AVX512_BF16) and float32 (AVX-512, or AVX2 + FMA).
 
     gemm_supported(dtype) -> bool              the library is built and this CPU runs it
     weight_fits(w) -> bool                     pack_weight takes w
     pack_weight(w) -> PackedWeight             w [out, in] (bfloat16: in even), packed once
+    pack_bias(bias, packed) -> float32 bias    padded to whole panels, once
     linear(x, packed, bias) -> y               x [rows, in] (rows strided) -> y [rows, out] =
                                                x . w^T + bias in the weight's dtype, float32
                                                sums (bfloat16 rounded once at the end)
 
-bfloat16 is oneDNN's arithmetic on these CPUs (vdpbf16ps: pairs of exact products added into
-float32, subnormal inputs read as zero, round to nearest even at the end), float32 one FMA per
-k in order; the order of the float32 additions differs from oneDNN's and MKL's, so results
-match them to rounding, not bit for bit. The gain is in decode-sized steps, where every step
-streams the weights from memory: the kernel prefetches each thread's next weight panel while
-it computes the current one (docs/BENCHMARKS.md "kvmesh's CPU GEMM").
+The path is chosen at run time (`KVMESH_CPU_KERNEL_ISA` caps it). bfloat16 is oneDNN's
+arithmetic on these CPUs (vdpbf16ps: pairs of exact products added into float32, subnormal
+inputs read as zero, round to nearest even at the end), float32 one FMA per k in order; the
+order of the float32 additions differs from oneDNN's and MKL's, so results match them to
+rounding, not bit for bit. The gain is in decode-sized steps, where every step streams the
+weights from memory: the kernel prefetches each thread's next weight panel while it computes
+the current one (docs/BENCHMARKS.md "kvmesh's CPU GEMM").
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvmesh_kernels.cpu_build import library
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+PANEL = 32  # output columns per packed panel
 
 
 def gemm_supported(dtype: torch.dtype) -> bool:
@@ -57,6 +60,11 @@ class PackedWeight:
     out_features: int
     in_features: int
 
+    @property
+    def padded_out(self) -> int:
+        """out_features rounded up to whole 32-column panels."""
+        return -(-self.out_features // PANEL) * PANEL
+
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight:
     """weight [out, in] (`weight_fits`) -> its packed panels (a copy)."""
@@ -80,13 +88,22 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(data, out_features, in_features)
 
 
+def pack_bias(bias: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """bias [out] (any float dtype) -> float32 [weight.padded_out], zeros past out."""
+    assert bias.shape == (weight.out_features,)
+    padded = torch.zeros(weight.padded_out, dtype=torch.float32)  # [padded_out]
+    padded[: weight.out_features] = bias.detach().float()
+    return padded
+
+
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] in the weight's dtype (rows may be strided, unit inner stride), bias float32
-    [out] or None -> [..., out] in that dtype."""
+    """x [..., in] in the weight's dtype (rows may be strided, unit inner stride), bias from
+    `pack_bias` or None -> [..., out] in that dtype."""
     rows_x = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [rows, in]
     rows, in_features = rows_x.shape
     assert x.dtype == weight.data.dtype and in_features == weight.in_features
-    assert rows_x.stride(-1) == 1 and (bias is None or bias.dtype == torch.float32)
+    assert rows_x.stride(-1) == 1
+    assert bias is None or (bias.dtype == torch.float32 and bias.shape == (weight.padded_out,))
     out = torch.empty((rows, weight.out_features), dtype=x.dtype)  # [rows, out]
     lib = library()
     assert lib is not None

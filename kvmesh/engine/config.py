@@ -64,8 +64,9 @@ class EngineConfig:
     )
     cpu_gemm: str = _setting(
         "auto",
-        "native executor on CPU: kvmesh's AVX-512 GEMM for the linears, which prefetches the "
-        "weights decode steps stream (kvmesh; bfloat16 needs AVX512_BF16), torch's "
+        "native executor on CPU: kvmesh's GEMM for the linears, which prefetches the weights "
+        "decode steps stream (kvmesh; float32 needs AVX2 + FMA or AVX-512, bfloat16 "
+        "AVX512_BF16), torch's "
         "(oneDNN-packed; float32 as float32_packing says), or auto (kvmesh where the CPU runs "
         "it for the model's dtype)",
         CPU_GEMMS,

@@ -14,10 +14,11 @@ on. The plain weight is dropped after packing (a tied `lm_head` keeps the embedd
 Inside `torch.compile` regions the packed GEMM is the custom op `kvmesh::packed_linear` (the
 opaque packed weight cannot be traced; the op finds it by a handle tensor).
 
-On AVX-512 CPUs (bfloat16: with AVX512_BF16) the native executor's linears run kvmesh's own
-GEMM instead (`CpuGemmLinear`, `kvmesh_kernels.cpu_gemm`): the same arithmetic, with each
-thread prefetching its next weight panel while it computes, which decode steps (weights
-streamed from memory every step) need and oneDNN's and MKL's GEMMs do not do.
+On x86-64 CPUs with AVX2 + FMA or AVX-512 (float32) or AVX512_BF16 (bfloat16) the native
+executor's linears run kvmesh's own GEMM instead (`CpuGemmLinear`, `kvmesh_kernels.cpu_gemm`):
+the same arithmetic, with each thread prefetching its next weight panel while it computes,
+which decode steps (weights streamed from memory every step) need and oneDNN's and MKL's GEMMs
+do not do.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class PackedLinear(nn.Module):
 
 
 class CpuGemmLinear(PackedLinear):
-    """A bfloat16 or float32 linear on kvmesh's AVX-512 GEMM (`kvmesh_kernels.cpu_gemm`): the
+    """A bfloat16 or float32 linear on kvmesh's CPU GEMM (`kvmesh_kernels.cpu_gemm`): the
     weight packed once into the kernel's panels, the bias kept in float32. Faster than oneDNN's
     and MKL's GEMMs where a step streams the weights from memory (decode), level on prompt-sized
     steps (docs/BENCHMARKS.md "kvmesh's CPU GEMM"). A bfloat16 weight needs an even
@@ -92,7 +93,8 @@ class CpuGemmLinear(PackedLinear):
 
     def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.packed_weight = cpu_gemm.pack_weight(weight.detach().contiguous())
-        self.bias = None if bias is None else bias.detach().float().contiguous()  # [out]
+        packed = self.packed_weight
+        self.bias = None if bias is None else cpu_gemm.pack_bias(bias, packed)  # [padded out]
         self._register()
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,8 +120,8 @@ def _packed_linear_shape(
 
 
 def kvmesh_gemm_applies(dtype: torch.dtype, device: torch.device) -> bool:
-    """True on a CPU that runs kvmesh's GEMM of `dtype` (float32: AVX-512; bfloat16: also
-    AVX512_BF16; library built)."""
+    """True on a CPU that runs kvmesh's GEMM of `dtype` (float32: AVX2 + FMA or AVX-512;
+    bfloat16: AVX-512 with AVX512_BF16; library built)."""
     return device.type == "cpu" and cpu_gemm.gemm_supported(dtype)
 
 

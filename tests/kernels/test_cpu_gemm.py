@@ -7,6 +7,11 @@ or (where the sum cancels) within both float32 sums' error bound of it.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,7 +60,8 @@ def test_gemm_matches_torch(
     w = torch.randn(out_features, in_features, generator=generator).to(dtype)
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
     b = torch.randn(out_features, generator=generator) if bias else None
-    got = cpu_gemm.linear(x, cpu_gemm.pack_weight(w), b)
+    packed = cpu_gemm.pack_weight(w)
+    got = cpu_gemm.linear(x, packed, None if b is None else cpu_gemm.pack_bias(b, packed))
     assert_matches_torch(got, x, w, b)
 
 
@@ -117,3 +123,33 @@ def test_weights_it_does_not_take() -> None:
     assert not cpu_gemm.weight_fits(torch.zeros(6, 4, dtype=torch.bfloat16).t())  # strided
     with pytest.raises(AssertionError, match="even inner size"):
         cpu_gemm.pack_weight(torch.zeros(4, 5, dtype=torch.bfloat16))
+
+
+AVX2_CHECK = """
+import torch
+from kvmesh_kernels import cpu_gemm
+from test_cpu_gemm import assert_matches_torch
+assert cpu_gemm.gemm_supported(torch.float32) and not cpu_gemm.gemm_supported(torch.bfloat16)
+generator = torch.Generator().manual_seed(5)
+for rows, out_features, in_features in ((1, 33, 48), (7, 80, 77), (13, 700, 64), (200, 96, 1536)):
+    w = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    b = torch.randn(out_features, generator=generator)
+    packed = cpu_gemm.pack_weight(w)
+    assert_matches_torch(cpu_gemm.linear(x, packed, cpu_gemm.pack_bias(b, packed)), x, w, b)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not cpu_gemm.gemm_supported(torch.float32), reason="no AVX2 + FMA here")
+def test_avx2_path_matches_torch_and_drops_bfloat16() -> None:
+    """Capped at AVX2 (`KVMESH_CPU_KERNEL_ISA=avx2`, as on an AVX2-only CPU): float32 runs the
+    6-row, two-half tiles and matches torch; bfloat16 reports no path (AVX512_BF16 only)."""
+    env = dict(os.environ, KVMESH_CPU_KERNEL_ISA="avx2")
+    here = str(Path(__file__).parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+    out = subprocess.run(
+        [sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ok"]

@@ -1,0 +1,108 @@
+// The ISA-generic part of cpu_gemm.cpp: tiles, panels and threads, included once per ISA
+// section inside its namespace, after that section's element types (each with T, kStep,
+// kCols, the vector types and load / broadcast / madd / store) and kMaxRows. Uses the file's
+// Gemm<T>, kPanel, kLine, kChunkBytes and panels_of.
+
+// rows x 32 columns of y from the panel (k / kStep steps), in parts of two vectors of kCols
+// output columns; while the first part runs, `lines_per_step` cache lines of `next` per step
+// are prefetched (none when next is null). bias: the panel's 32 float32 values or null.
+template <class E, int R>
+inline __attribute__((always_inline)) void tile(const Gemm<typename E::T>& g,
+                                                const typename E::T* x,
+                                                const typename E::T* panel, typename E::T* y,
+                                                int64_t ldy, const float* bias,
+                                                const char* next, int64_t lines_per_step) {
+  constexpr int64_t kStride = kPanel * E::kStep;  // elements per step of the panel
+  constexpr int64_t kParts = kPanel / (2 * E::kCols);
+  const int64_t steps = g.k / E::kStep;
+  for (int64_t part = 0; part < kParts; ++part) {
+    const typename E::T* cols = panel + part * 2 * E::kCols * E::kStep;
+    typename E::Acc lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = E::zero();
+    for (int64_t s = 0; s < steps; ++s) {
+      const typename E::B b0 = E::load(cols + s * kStride);
+      const typename E::B b1 = E::load(cols + s * kStride + E::kCols * E::kStep);
+      if (next != nullptr)
+        for (int64_t j = 0; j < lines_per_step; ++j)
+          _mm_prefetch(next + (s * lines_per_step + j) * kLine, _MM_HINT_T1);
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        const typename E::B a = E::broadcast(x + r * g.ldx + E::kStep * s);
+        lo[r] = E::madd(lo[r], a, b0);
+        hi[r] = E::madd(hi[r], a, b1);
+      }
+    }
+    next = nullptr;
+    const float* part_bias = bias != nullptr ? bias + part * 2 * E::kCols : nullptr;
+    typename E::T* out = y + part * 2 * E::kCols;
+    for (int r = 0; r < R; ++r) {
+      E::store(out + r * ldy, lo[r], part_bias);
+      E::store(out + r * ldy + E::kCols, hi[r], part_bias ? part_bias + E::kCols : nullptr);
+    }
+  }
+}
+
+template <class E>
+using TileFn = void (*)(const Gemm<typename E::T>&, const typename E::T*, const typename E::T*,
+                        typename E::T*, int64_t, const float*, const char*, int64_t);
+
+template <class E, int R>
+void tile_fn(const Gemm<typename E::T>& g, const typename E::T* x, const typename E::T* panel,
+             typename E::T* y, int64_t ldy, const float* bias, const char* next,
+             int64_t lines_per_step) {
+  tile<E, R>(g, x, panel, y, ldy, bias, next, lines_per_step);
+}
+
+template <class E, int... R>
+constexpr std::array<TileFn<E>, sizeof...(R) + 1> tiles_of(std::integer_sequence<int, R...>) {
+  return {nullptr, &tile_fn<E, R + 1>...};
+}
+
+template <class E>
+constexpr auto kTiles = tiles_of<E>(std::make_integer_sequence<int, kMaxRows>{});
+
+// Rows [m0, m1) of panels [p0, p1): per panel every tile of the rows, the next panel of the
+// range prefetched during the first. The last panel's columns past N go to a scratch row
+// block and only the real ones are copied out.
+template <class E>
+void run_panels(const Gemm<typename E::T>& g, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+  using T = typename E::T;
+  const int64_t panel_elems = g.k * kPanel;
+  const int64_t lines = panel_elems * static_cast<int64_t>(sizeof(T)) / kLine;
+  const int64_t steps = g.k / E::kStep;
+  const int64_t lines_per_step = (lines + steps - 1) / steps;
+  T scratch[kMaxRows * kPanel];
+  for (int64_t p = p0; p < p1; ++p) {
+    const T* panel = g.w + p * panel_elems;
+    const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
+    const int64_t cols = std::min(kPanel, g.n - p * kPanel);
+    const float* bias = g.bias != nullptr ? g.bias + p * kPanel : nullptr;
+    for (int64_t m = m0; m < m1; m += kMaxRows) {
+      const int64_t rows = std::min<int64_t>(kMaxRows, m1 - m);
+      T* y = g.y + m * g.ldy + p * kPanel;
+      T* target = cols == kPanel ? y : scratch;
+      kTiles<E>[rows](g, g.x + m * g.ldx, panel, target, cols == kPanel ? g.ldy : kPanel, bias,
+                      next, lines_per_step);
+      next = nullptr;
+      if (cols != kPanel)
+        for (int64_t r = 0; r < rows; ++r)
+          std::memcpy(y + r * g.ldy, scratch + r * kPanel, cols * sizeof(T));
+    }
+  }
+}
+
+template <class E>
+void gemm(const Gemm<typename E::T>& g, int64_t threads) {
+  const int64_t panels = panels_of(g.n);
+  const int64_t row_bytes = g.k * static_cast<int64_t>(sizeof(typename E::T));
+  const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkBytes / row_bytes / kMaxRows * kMaxRows);
+  const int64_t work = g.m * g.n * g.k;
+  const int team = static_cast<int>(std::min(threads, panels));
+#pragma omp parallel num_threads(team) if (team > 1 && work >= (int64_t{1} << 18))
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+    for (int64_t m = 0; m < g.m; m += chunk)
+      run_panels<E>(g, m, std::min(g.m, m + chunk), p0, p1);
+  }
+}
