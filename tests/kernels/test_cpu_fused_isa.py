@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from capped_isa import run_capped
 from kvmesh_kernels import cpu_build
 
 CHECK = """
@@ -31,14 +27,7 @@ print("ok")
 def test_baseline_isa_path_matches_dense() -> None:
     if not cpu_build.enabled() or not cpu_build.available():
         pytest.skip("fused CPU kernel unavailable")
-    env = dict(os.environ, KVMESH_CPU_KERNEL_ISA="baseline")
-    here = str(Path(__file__).parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
-    out = subprocess.run(
-        [sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["ok"]
+    run_capped("baseline", CHECK)
 
 
 SILU_CHECK = """
@@ -59,9 +48,4 @@ def test_silu_mul_paths_below_the_best_match_torch(isa: str) -> None:
     """The exp without FMA (baseline) and with AVX2 + FMA: float32 and bfloat16 within 2^-20."""
     if not cpu_build.enabled() or not cpu_build.available():
         pytest.skip("fused CPU kernel unavailable")
-    env = dict(os.environ, KVMESH_CPU_KERNEL_ISA=isa)
-    out = subprocess.run(
-        [sys.executable, "-c", SILU_CHECK], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["ok"]
+    run_capped(isa, SILU_CHECK)

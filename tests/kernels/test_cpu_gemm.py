@@ -7,14 +7,10 @@ or (where the sum cancels) within both float32 sums' error bound of it.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from capped_isa import run_capped
 from kvmesh_kernels import cpu_gemm
 
 DTYPES = [
@@ -145,11 +141,4 @@ print("ok")
 def test_avx2_path_matches_torch_and_drops_bfloat16() -> None:
     """Capped at AVX2 (`KVMESH_CPU_KERNEL_ISA=avx2`, as on an AVX2-only CPU): float32 runs the
     6-row, two-half tiles and matches torch; bfloat16 reports no path (AVX512_BF16 only)."""
-    env = dict(os.environ, KVMESH_CPU_KERNEL_ISA="avx2")
-    here = str(Path(__file__).parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
-    out = subprocess.run(
-        [sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["ok"]
+    run_capped("avx2", AVX2_CHECK)
