@@ -7,10 +7,14 @@ from memory rather than cache: SmolLM2-135M's shapes by default (30 layers, hidd
 intermediate 1536, 9 / 3 heads of 64: 212 MB of bfloat16 weights, 424 MB in float32). The
 GEMMs run in this process, alternating, best of `--repeats`; prints one JSON line per M with
 milliseconds per step, GFLOP/s and each other GEMM's time over kvmesh's (above 1: kvmesh
-faster), the dtype and the CPU's ISA.
+faster; `kvmesh_no_prefetch` is kvmesh's kernel with its weight prefetch off), the dtype and
+the CPU's ISA.
+
+`--hot` runs every layer on the first layer's weights instead, which stay in cache: the
+difference is what streaming the weights costs each GEMM.
 
 Run: `.venv/bin/python bench/cpu_gemm.py [--dtype bfloat16|float32] [--rows 1 8 16 ...]
-[--threads 2]`
+[--threads 2] [--hot]`
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 from kvmesh_kernels import cpu_gemm
 from kvmesh_kernels.cpu_build import machine
 
-from kvmesh.engine.cpu_linear import CpuGemmLinear, PackedLinear
+from kvmesh.engine.cpu_linear import PackedLinear
 
 
 def layer_shapes(hidden: int, inter: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
@@ -57,6 +61,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs=2, default=[9, 3], metavar=("Q", "KV"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--hot", action="store_true", help="every layer on the first layer's weights (in cache)"
+    )
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -65,13 +72,21 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     shapes = layer_shapes(args.hidden, args.intermediate, *args.heads)
     generator = torch.Generator().manual_seed(0)
+    distinct = 1 if args.hot else args.layers
     weights = [
         [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
-        for _ in range(args.layers)
-    ]
+        for _ in range(distinct)
+    ] * (args.layers // distinct)
+    ours = [[cpu_gemm.pack_weight(w) for w in layer] for layer in weights]
     systems: dict[str, list[list[Linear]]] = {
         "onednn": [[PackedLinear.from_weight(w, None).run for w in layer] for layer in weights],
-        "kvmesh": [[CpuGemmLinear.from_weight(w, None).run for w in layer] for layer in weights],
+        "kvmesh": [
+            [partial(cpu_gemm.linear, weight=p, bias=None) for p in layer] for layer in ours
+        ],
+        "kvmesh_no_prefetch": [  # the same kernel with its weight prefetch off
+            [partial(cpu_gemm.linear, weight=p, bias=None, prefetch=False) for p in layer]
+            for layer in ours
+        ],
     }
     if dtype == torch.float32:  # MKL's sgemm through F.linear: the float32 alternative
         systems["mkl"] = [[partial(F.linear, weight=w) for w in layer] for layer in weights]
@@ -96,6 +111,7 @@ def main() -> None:
                 if name != "kvmesh"
             },
             "threads": args.threads,
+            "weights": "hot" if args.hot else "cold",
             "dtype": args.dtype,
             **machine(),
         }

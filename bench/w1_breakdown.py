@@ -27,7 +27,7 @@ apply_omp_defaults()  # before torch loads OpenMP, as every kvmesh command
 
 from kvmesh.cli.bench_throughput import WARMUP_PROMPT, run_all_at_once, w1_requests  # noqa: E402
 from kvmesh.engine import cpu_linear  # noqa: E402
-from kvmesh.engine.config import FRESH_ATTENTION_MODES, EngineConfig  # noqa: E402
+from kvmesh.engine.config import CPU_GEMMS, FRESH_ATTENTION_MODES, EngineConfig  # noqa: E402
 from kvmesh.engine.engine import LLMEngine  # noqa: E402
 from kvmesh.engine.native import layers, llama  # noqa: E402
 from kvmesh.engine.sampler import Sampler  # noqa: E402
@@ -56,16 +56,23 @@ def attention_part(ctx: Any, *_: Any) -> str:
     return "attention_decode_steps" if decode_only else "attention_prompt_steps"
 
 
+def linears_part(_: Any, x: Any) -> str:
+    """Linears on up to 64 rows (decode-sized: weights streamed per call) or more (prompts)."""
+    return "linears_up_to_64_rows" if x.shape[0] <= 64 else "linears_over_64_rows"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fresh-attention", default="auto", choices=FRESH_ATTENTION_MODES)
+    parser.add_argument("--cpu-gemm", default="auto", choices=CPU_GEMMS)
     args = parser.parse_args()
     # The layers hold their linears' bound kernels from build time: wrap before building.
-    timed(cpu_linear.PackedLinear, "run", "linears")
-    timed(layers.PlainLinear, "forward", "linears")
+    timed(cpu_linear.CpuGemmLinear, "run", linears_part)
+    timed(cpu_linear.PackedLinear, "run", linears_part)
+    timed(layers.PlainLinear, "forward", linears_part)
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
@@ -73,6 +80,7 @@ def main() -> None:
             num_threads=args.threads,
             executor="native",
             fresh_attention=args.fresh_attention,
+            cpu_gemm=args.cpu_gemm,
         )
     )
     run_all_at_once(engine, [WARMUP_PROMPT])
@@ -87,6 +95,7 @@ def main() -> None:
     report = {
         "dtype": args.dtype,
         "fresh_rule": engine.runner.fresh_rule.describe(),
+        "linears": engine.runner.loaded.linears,
         "seconds": round(seconds, 2),
         "tok_per_s": round(generated / seconds, 1),
     }

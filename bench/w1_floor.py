@@ -2,11 +2,11 @@
 
 Runs W1 once on the engine (64 requests, greedy, exact output lengths) and records every
 step's shape: tokens in the flat batch and rows sampled. Then replays only the matmuls of those
-steps on weights of the model's shapes, the way the engine runs them (oneDNN-packed in
-bfloat16, `F.linear` in float32): per layer q, k, v, o, gate, up, down on [tokens, in], plus
-`lm_head` on [sampled, hidden]. The replay's wall time is the floor the model's arithmetic and
-weight traffic set for this schedule on this machine; the engine's wall time over it says how
-much goes elsewhere (attention, elementwise ops, Python).
+steps on weights of the model's shapes, the way the engine runs them (its linear kind:
+kvmesh's CPU GEMM, oneDNN-packed or `F.linear`): per layer q, k, v, o, gate, up, down on
+[tokens, in], plus `lm_head` on [sampled, hidden]. The replay's wall time is the floor the
+model's arithmetic and weight traffic set for this schedule on this machine; the engine's wall
+time over it says how much goes elsewhere (attention, elementwise ops, Python).
 
 Attention cannot go below reading each scheduled sequence's K/V once per step: the script also
 counts those bytes (every sequence's context, every layer, K and V at the cache's dtype) and
@@ -34,12 +34,12 @@ from kvmesh.cli.main import apply_omp_defaults
 apply_omp_defaults()  # before torch loads OpenMP, as every kvmesh command
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from kvmesh.cli.bench_throughput import WARMUP_PROMPT, run_all_at_once, w1_requests  # noqa: E402
 from kvmesh.engine.config import EngineConfig  # noqa: E402
-from kvmesh.engine.cpu_linear import PackedLinear  # noqa: E402
+from kvmesh.engine.cpu_linear import CpuGemmLinear, PackedLinear  # noqa: E402
 from kvmesh.engine.engine import LLMEngine  # noqa: E402
+from kvmesh.engine.native.layers import direct_call, make_linear  # noqa: E402
 
 MODEL = Path.home() / ".cache" / "kvmesh" / "models" / "tiny-llama-bench-seed0"
 
@@ -91,32 +91,38 @@ def replay(
     config: Any,
     dtype: torch.dtype,
     merged: bool,
-    packed: bool,
+    kind: str,
 ) -> float:
-    """Seconds for the recorded steps' matmuls alone (oneDNN-packed or `F.linear`)."""
+    """Seconds for the recorded steps' matmuls alone, on the engine's linear kind
+    (`native.layers.make_linear`: kvmesh's CPU GEMM, oneDNN-packed or `F.linear`)."""
     layers = [layer_shapes(config, merged) for _ in range(int(config.num_hidden_layers))]
-    weights = [[torch.randn(o, i, dtype=dtype) for o, i in layer] for layer in layers]
-    head = torch.randn(int(config.vocab_size), int(config.hidden_size), dtype=dtype)
-    if packed:
-        weights = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in weights]
-        head = torch.ops.mkldnn._reorder_linear_weight(head, None)
-
-    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if packed:
-            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # type: ignore[no-any-return]
-        return F.linear(x, w)
-
+    weights = [
+        [direct_call(make_linear(torch.randn(o, i, dtype=dtype), None, kind)) for o, i in layer]
+        for layer in layers
+    ]
+    head_weight = torch.randn(int(config.vocab_size), int(config.hidden_size), dtype=dtype)
+    head = direct_call(make_linear(head_weight, None, kind))
     widest = max(tokens for tokens, _, _ in shapes)
     inputs = {i: torch.randn(widest, i, dtype=dtype) for i in {i for o, i in layers[0]}}
     start = time.perf_counter()
     with torch.inference_mode():
         for tokens, sampled, _ in shapes:
-            for layer, ws in zip(layers, weights, strict=True):
-                for (_, width), w in zip(layer, ws, strict=True):
-                    linear(inputs[width][:tokens], w)
+            for layer, linears in zip(layers, weights, strict=True):
+                for (_, width), linear in zip(layer, linears, strict=True):
+                    linear(inputs[width][:tokens])
             if sampled:
-                linear(inputs[int(config.hidden_size)][:sampled], head)
+                head(inputs[int(config.hidden_size)][:sampled])
     return time.perf_counter() - start
+
+
+def linear_kind(model: torch.nn.Module) -> str:
+    """The linear kind the loaded model runs (the first linear module's)."""
+    for module in model.modules():
+        if isinstance(module, CpuGemmLinear):
+            return "kvmesh"
+        if isinstance(module, PackedLinear):
+            return "onednn"
+    return "plain"
 
 
 def main() -> None:
@@ -134,8 +140,8 @@ def main() -> None:
     shapes, engine_seconds, generated = record_w1(engine)
     loaded = engine.runner.loaded
     merged = loaded.executor == "native"
-    packed = any(isinstance(m, PackedLinear) for m in loaded.model.modules())
-    floor = min(replay(shapes, loaded.hf_config, loaded.dtype, merged, packed) for _ in range(2))
+    kind = linear_kind(loaded.model)
+    floor = min(replay(shapes, loaded.hf_config, loaded.dtype, merged, kind) for _ in range(2))
     spec = engine.runner.kv_cache.spec  # the cache's own dtype (and scales, when quantized)
     kv_bytes = sum(c for _, _, c in shapes) * (spec.bytes_per_block // spec.block_size)
     read_rate = read_bytes_per_second()
@@ -145,7 +151,7 @@ def main() -> None:
             {
                 "dtype": args.dtype,
                 "executor": loaded.executor,
-                "packed_linears": packed,
+                "linears": kind,
                 "steps": len(shapes),
                 "generated_tokens": generated,
                 "engine_seconds": round(engine_seconds, 3),

@@ -58,7 +58,17 @@ LDFLAGS = ("-fopenmp",)
 ENTRY = "kvmesh_cpu_paged_attention"
 WRITE_ENTRY = "kvmesh_cpu_write_kv"
 LIB_NAME = "kvmesh_cpu.so"
-ISA_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c")
+ISA_FLAGS = (
+    "avx512f",
+    "avx512bw",
+    "avx512dq",
+    "avx512vl",
+    "avx512_bf16",
+    "amx_bf16",
+    "avx2",
+    "fma",
+    "f16c",
+)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -111,6 +121,11 @@ def isa_level() -> str:
     of the kernel's paths can run here (for reports; not part of the build key)."""
     have = set(_cpuinfo("flags").split())
     return ",".join(flag for flag in ISA_FLAGS if flag in have)
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX bfloat16 tiles (oneDNN's fastest bfloat16 GEMM path)."""
+    return "amx_bf16" in isa_level().split(",")
 
 
 def machine() -> dict[str, str]:

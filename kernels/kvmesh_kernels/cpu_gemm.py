@@ -5,7 +5,7 @@ with AVX512_BF16) and float32 (AVX-512, or AVX2 + FMA).
     weight_fits(w) -> bool                     pack_weight takes w
     pack_weight(w) -> PackedWeight             w [out, in] (bfloat16: in even), packed once
     pack_bias(bias, packed) -> float32 bias    padded to whole panels, once
-    linear(x, packed, bias) -> y               x [rows, in] (rows strided) -> y [rows, out] =
+    linear(x, packed, bias) -> y               x [..., in] (any strides) -> y [..., out] =
                                                x . w^T + bias in the weight's dtype, float32
                                                sums (bfloat16 rounded once at the end)
 
@@ -96,14 +96,17 @@ def pack_bias(bias: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     return padded
 
 
-def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] in the weight's dtype (rows may be strided, unit inner stride), bias from
-    `pack_bias` or None -> [..., out] in that dtype."""
+def linear(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, prefetch: bool = True
+) -> torch.Tensor:
+    """x [..., in] in the weight's dtype (any strides), bias from `pack_bias` or None ->
+    [..., out] in that dtype. ValueError for operands the kernel cannot take.
+    `prefetch=False` turns the weight prefetch off (only to measure what it gains)."""
+    _check_operands(x, weight, bias)
     rows_x = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [rows, in]
     rows, in_features = rows_x.shape
-    assert x.dtype == weight.data.dtype and in_features == weight.in_features
-    assert rows_x.stride(-1) == 1
-    assert bias is None or (bias.dtype == torch.float32 and bias.shape == (weight.padded_out,))
+    if rows_x.stride(-1) != 1 or (rows > 1 and rows_x.stride(0) < in_features):
+        rows_x = rows_x.contiguous()  # strided columns, or an expanded row
     out = torch.empty((rows, weight.out_features), dtype=x.dtype)  # [rows, out]
     lib = library()
     assert lib is not None
@@ -119,7 +122,23 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> 
         _I(weight.out_features),
         _I(in_features),
         _I(torch.get_num_threads()),
+        ctypes.c_int(int(prefetch)),
     )
     if rc != 0:
         raise RuntimeError(f"kvmesh_cpu_gemm rejected its arguments (code {rc})")
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.out_features)
+
+
+def _check_operands(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> None:
+    """What the kernel reads must be what it assumes: checked always (not an assert)."""
+    if x.device.type != "cpu" or x.dtype != weight.data.dtype or x.dim() < 1:
+        raise ValueError(f"x: a CPU {weight.data.dtype} tensor, got {x.dtype} on {x.device}")
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"x: last dimension {weight.in_features}, got shape {tuple(x.shape)}")
+    if bias is not None and not (
+        bias.device.type == "cpu"
+        and bias.dtype == torch.float32
+        and bias.shape == (weight.padded_out,)
+        and bias.is_contiguous()
+    ):
+        raise ValueError(f"bias: float32 [{weight.padded_out}] from pack_bias, got {bias.shape}")

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.cli.main import apply_omp_defaults
-from kvmesh.engine.config import COMPILE_MODES, SCHEDULING_POLICIES, EngineConfig
+from kvmesh.engine.config import COMPILE_MODES, CPU_GEMMS, SCHEDULING_POLICIES, EngineConfig
 
 WORKLOADS = ("W1", "W3", "W3-unique")
 BASELINE_OPTIONS = {"static": {"policy": "static"}, "contiguous": {"allocation": "contiguous"}}
@@ -98,6 +98,17 @@ def register(subparsers: Any) -> None:
         choices=COMPILE_MODES,
         default=None,
         help="native executor: torch.compile of the per-layer math (default: the engine's)",
+    )
+    parser.add_argument(
+        "--cpu-gemm",
+        choices=CPU_GEMMS,
+        default=None,
+        help="native executor on CPU: the linears' GEMM (default: the engine's, auto)",
+    )
+    parser.add_argument(
+        "--compare-cpu-gemm",
+        action="store_true",
+        help="W1: also kvmesh with torch's GEMM for the linears (kvmesh-torch-gemm)",
     )
     parser.add_argument(
         "--compare-compile",
@@ -360,7 +371,8 @@ def run_vllm(
 def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: Any) -> dict:
     from kvmesh.engine.engine import LLMEngine
 
-    for knob in ("max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "compile"):
+    knobs = ("max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "compile", "cpu_gemm")
+    for knob in knobs:
         if getattr(args, knob, None) is not None:
             options = {knob: getattr(args, knob), **options}
     options = {"executor": args.executor, **options}
@@ -383,6 +395,7 @@ def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: An
         "dtype": dtype,
         "scheduling_policy": policy,
         "executor": executor,
+        "linears": engine.runner.loaded.linears,
         "compile": config.compile,
     }
 
@@ -407,6 +420,8 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
             runs.append((f"kvmesh-{args.baseline}", BASELINE_OPTIONS[args.baseline]))
         if args.compare_executors:
             runs.append(("kvmesh-transformers", {"executor": "transformers"}))
+        if args.compare_cpu_gemm:
+            runs.append(("kvmesh-torch-gemm", {"cpu_gemm": "torch"}))
         if args.compare_compile:
             other = "on" if (args.compile or EngineConfig.compile) == "off" else "off"
             runs.append((f"kvmesh-compile-{other}", {"compile": other}))

@@ -68,7 +68,7 @@ class EngineConfig:
         "decode steps stream (kvmesh; float32 needs AVX2 + FMA or AVX-512, bfloat16 "
         "AVX512_BF16), torch's "
         "(oneDNN-packed; float32 as float32_packing says), or auto (kvmesh where the CPU runs "
-        "it for the model's dtype)",
+        "it for the model's dtype and has no AMX, against which it was not measured)",
         CPU_GEMMS,
     )
     fresh_attention: str = _setting(

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from kvmesh_kernels.cache import HEAD_DIMS
+from kvmesh_kernels.cpu_build import has_amx
 
 from kvmesh.engine.attention import register_attention
 from kvmesh.engine.config import EngineConfig
@@ -46,6 +47,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     executor: str = "transformers"  # "native" | "transformers" (kvmesh.engine.executor)
+    linears: str = "plain"  # the linears' GEMM: native.layers.LINEAR_KINDS
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -127,23 +129,28 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
             compile_native(model)
     else:
-        if packing_applies(dtype, device):
+        linears = "onednn" if packing_applies(dtype, device) else "plain"
+        if linears == "onednn":
             pack_linear_layers(model)
         if fused_norm_applies(dtype, device):
             fuse_rms_norms(model)
     logger.info("executor: %s for %s (%s)", executor, hf_config.model_type, dtype)
-    return LoadedModel(path, model, hf_config, load_tokenizer(path), dtype, device, executor)
+    tokenizer = load_tokenizer(path)
+    return LoadedModel(path, model, hf_config, tokenizer, dtype, device, executor, linears)
 
 
 def native_linears(
     config: EngineConfig, hf_config: Any, dtype: torch.dtype, device: torch.device
 ) -> str:
     """The native executor's linear kind (`native.layers.LINEAR_KINDS`): kvmesh's GEMM on a
-    CPU that runs it for `dtype` (unless `cpu_gemm` is torch), else oneDNN-packed for CPU
-    bf16/fp16, and for CPU float32 as `float32_packing` says (auto: measured at load on the
-    model's widest GEMM); plain `F.linear` otherwise."""
-    if config.cpu_gemm != "torch" and kvmesh_gemm_applies(dtype, device):
-        return "kvmesh"
+    CPU that runs it for `dtype` (`cpu_gemm` kvmesh, or auto on a CPU without AMX, where it was
+    measured), else oneDNN-packed for CPU bf16/fp16, and for CPU float32 as `float32_packing`
+    says (auto: measured at load on the model's widest GEMM); plain `F.linear` otherwise."""
+    if config.cpu_gemm == "kvmesh" or (config.cpu_gemm == "auto" and not has_amx()):
+        if kvmesh_gemm_applies(dtype, device):
+            return "kvmesh"
+    elif config.cpu_gemm == "auto" and device.type == "cpu":
+        logger.info("AMX CPU: torch's GEMM (kvmesh's was not measured against AMX)")
     if config.cpu_gemm == "kvmesh" and device.type == "cpu":
         logger.warning("cpu_gemm=kvmesh: this CPU or build has no %s GEMM of kvmesh's", dtype)
     if packing_applies(dtype, device):

@@ -131,3 +131,25 @@ def _greedy(model: Any, prompt: list[int], out_len: int) -> list[int]:
         do_sample=False,
     )
     return list(out[0, len(prompt) :].tolist())
+
+
+def test_compare_cpu_gemm_runs_both_gemms_and_names_them(capsys: Any) -> None:
+    """`--compare-cpu-gemm` adds a run on torch's GEMM; each run's JSON names the GEMM that
+    ran (kvmesh's where this CPU runs it and has no AMX)."""
+    import json
+
+    import torch
+    from kvmesh_kernels import cpu_gemm
+    from kvmesh_kernels.cpu_build import has_amx
+
+    from kvmesh.cli.main import main
+
+    argv = ["bench", "throughput", "--num-requests", "4", "--compare-cpu-gemm", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    linears = {run["name"]: run["linears"] for run in report["runs"]}
+    runs_ours = cpu_gemm.gemm_supported(torch.float32) and not has_amx()
+    ours = "kvmesh" if runs_ours else linears["kvmesh-torch-gemm"]
+    assert linears["kvmesh"] == ours
+    assert linears["kvmesh-torch-gemm"] in ("onednn", "plain")
+    assert "tok_per_s kvmesh / kvmesh-torch-gemm" in report["ratios"]

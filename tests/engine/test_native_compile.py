@@ -20,7 +20,10 @@ from tests.engine.test_native_executor import PROMPT, hf_greedy
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def test_compiled_layers_keep_greedy_parity(tmp_path: Path) -> None:
+@pytest.mark.parametrize("gemm", ["torch", "kvmesh"])
+def test_compiled_layers_keep_greedy_parity(tmp_path: Path, gemm: str) -> None:
+    """Compiled regions call the packed linears through the `kvmesh::packed_linear` op, for
+    oneDNN's GEMM (torch, float32 packed where oneDNN runs) and kvmesh's alike."""
     from torch._dynamo.utils import counters
 
     checkpoint = build_tiny_model(tmp_path / "qwen3", "qwen3", "test", seed=0)
@@ -31,7 +34,7 @@ def test_compiled_layers_keep_greedy_parity(tmp_path: Path) -> None:
         dtype="float32",
         compile="on",
         float32_packing=packing,
-        cpu_gemm="torch",
+        cpu_gemm=gemm,
         max_num_batched_tokens=64,  # the 90-token prompt is chunked: prefill, mixed, decode
     )
     layer = llm.engine.runner.loaded.model.layers[0]

@@ -269,3 +269,47 @@ def test_rotary_of_adjacent_q_and_k_is_one_call_and_equals_two(
     assert calls == [heads + kv_heads, heads, kv_heads]
     assert torch.equal(q, q_apart) and torch.equal(k, k_apart)
     assert torch.equal(q, expected[0]) and torch.equal(k, expected[1])
+
+
+def test_linear_kind_follows_cpu_gemm_and_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """auto takes kvmesh's GEMM where the CPU runs it and has no AMX; kvmesh where the CPU
+    cannot run it warns and falls back; torch follows float32_packing in float32."""
+    from types import SimpleNamespace
+
+    from kvmesh.engine import loader
+
+    cpu, hf = torch.device("cpu"), SimpleNamespace(hidden_size=64, intermediate_size=128)
+
+    def kind(gemm: str, dtype: torch.dtype, runs: bool, amx: bool, packing: str = "off") -> str:
+        monkeypatch.setattr(loader, "kvmesh_gemm_applies", lambda d, dev: runs)
+        monkeypatch.setattr(loader, "has_amx", lambda: amx)
+        config = EngineConfig(cpu_gemm=gemm, float32_packing=packing)
+        return loader.native_linears(config, hf, dtype, cpu)
+
+    assert kind("auto", torch.float32, runs=True, amx=False) == "kvmesh"
+    assert kind("auto", torch.float32, runs=True, amx=True) == "plain"  # not measured on AMX
+    assert kind("kvmesh", torch.float32, runs=True, amx=True) == "kvmesh"
+    assert kind("torch", torch.float32, runs=True, amx=False) == "plain"
+    if torch.backends.mkldnn.is_available():
+        assert kind("torch", torch.float32, runs=True, amx=False, packing="on") == "onednn"
+    with caplog.at_level("WARNING", logger="kvmesh.engine.loader"):
+        assert kind("kvmesh", torch.float32, runs=False, amx=False) == "plain"
+    assert "cpu_gemm=kvmesh" in caplog.text
+    assert loader.native_linears(EngineConfig(), hf, torch.float32, torch.device("cuda")) == "plain"
+
+
+def test_bfloat16_weight_kvmesh_cannot_take_stays_on_onednn() -> None:
+    """An odd in_features in bfloat16 (the GEMM takes k in pairs) keeps oneDNN's packed
+    linear, which equals F.linear."""
+    from kvmesh.engine.cpu_linear import CpuGemmLinear, PackedLinear, packing_applies
+    from kvmesh.engine.native.layers import make_linear
+
+    if not packing_applies(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no native bfloat16 matmul on this CPU")
+    weight = torch.randn(16, 7).bfloat16()
+    linear = make_linear(weight, None, "kvmesh")
+    assert type(linear) is PackedLinear and not isinstance(linear, CpuGemmLinear)
+    x = torch.randn(3, 7).bfloat16()
+    assert torch.equal(linear(x), torch.nn.functional.linear(x, weight))

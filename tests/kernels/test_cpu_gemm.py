@@ -70,12 +70,40 @@ def test_many_rows_run_in_chunks_and_keep_every_row(dtype: torch.dtype) -> None:
     assert_matches_torch(cpu_gemm.linear(x, cpu_gemm.pack_weight(w), None), x, w, None)
 
 
-@pytest.mark.skipif(not cpu_gemm.gemm_supported(torch.float32), reason="no AVX-512 here")
-def test_float32_takes_an_odd_inner_size() -> None:
+@pytest.mark.skipif(not cpu_gemm.gemm_supported(torch.float32), reason="no float32 path here")
+@pytest.mark.parametrize("out_features,in_features", [(45, 77), (3, 1)])
+def test_float32_takes_any_inner_size(out_features: int, in_features: int) -> None:
     generator = torch.Generator().manual_seed(4)
-    w = torch.randn(45, 77, generator=generator)
-    x = torch.randn(14, 77, generator=generator)
+    w = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(14, in_features, generator=generator)
     assert_matches_torch(cpu_gemm.linear(x, cpu_gemm.pack_weight(w), None), x, w, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weight_rows_strided_and_prefetch_off(dtype: torch.dtype) -> None:
+    """A weight that is a column slice of a wider one packs like its copy; turning the
+    prefetch off (a benchmark switch) changes no bit."""
+    generator = torch.Generator().manual_seed(6)
+    wide = torch.randn(70, 100, generator=generator).to(dtype)
+    sliced, dense = cpu_gemm.pack_weight(wide[:, :64]), cpu_gemm.pack_weight(wide[:, :64].clone())
+    x = torch.randn(25, 64, generator=generator).to(dtype)
+    expected = cpu_gemm.linear(x, dense, None)
+    assert torch.equal(cpu_gemm.linear(x, sliced, None), expected)
+    assert torch.equal(cpu_gemm.linear(x, dense, None, prefetch=False), expected)
+    assert_matches_torch(expected, x, wide[:, :64], None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_and_inf_propagate(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(7)
+    w = torch.randn(40, 32, generator=generator).to(dtype)
+    x = torch.randn(3, 32, generator=generator).to(dtype)
+    x[0, 5], x[1, 7] = float("nan"), float("inf")
+    got = cpu_gemm.linear(x, cpu_gemm.pack_weight(w), None).float()
+    expected = F.linear(x.float(), w.float())
+    assert bool(got[0].isnan().all()) and bool(expected[0].isnan().all())
+    assert torch.equal(got[1].isinf(), expected[1].isinf()) and bool(got[1].isinf().all())
+    assert bool(got[2].isfinite().all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -119,6 +147,56 @@ def test_weights_it_does_not_take() -> None:
     assert not cpu_gemm.weight_fits(torch.zeros(6, 4, dtype=torch.bfloat16).t())  # strided
     with pytest.raises(AssertionError, match="even inner size"):
         cpu_gemm.pack_weight(torch.zeros(4, 5, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_operands_it_cannot_take_raise_and_odd_layouts_are_copied(dtype: torch.dtype) -> None:
+    """Wrong dtype, width or bias: ValueError before the kernel runs (no assert, so `python
+    -O` keeps it). Strided columns and an expanded row are copied first."""
+    generator = torch.Generator().manual_seed(8)
+    w = torch.randn(40, 32, generator=generator).to(dtype)
+    packed = cpu_gemm.pack_weight(w)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    bias = cpu_gemm.pack_bias(torch.randn(40, generator=generator), packed)  # [64]
+    bad = {
+        "x": torch.zeros(2, 32, dtype=other),
+        "last dimension": torch.zeros(2, 30, dtype=dtype),
+    }
+    for field, x in bad.items():
+        with pytest.raises(ValueError, match=field):
+            cpu_gemm.linear(x, packed, None)
+    x = torch.randn(2, 32, generator=generator).to(dtype)
+    for b in (bias[:40], bias.double(), torch.zeros(128)[::2]):
+        with pytest.raises(ValueError, match="bias"):
+            cpu_gemm.linear(x, packed, b)
+    wide = torch.randn(5, 64, generator=generator).to(dtype)
+    columns = wide[:, ::2]  # [5, 32], column stride 2
+    assert torch.equal(
+        cpu_gemm.linear(columns, packed, bias), cpu_gemm.linear(columns.contiguous(), packed, bias)
+    )
+    row = x[:1].expand(4, 32)  # row stride 0
+    assert torch.equal(
+        cpu_gemm.linear(row, packed, None), cpu_gemm.linear(row.contiguous(), packed, None)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_more_threads_than_panels(dtype: torch.dtype) -> None:
+    """33 outputs are two panels: a team of four runs as two, and agrees with one thread."""
+    generator = torch.Generator().manual_seed(9)
+    w = torch.randn(33, 64, generator=generator).to(dtype)
+    x = torch.randn(300, 64, generator=generator).to(dtype)  # enough work to go parallel
+    packed = cpu_gemm.pack_weight(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        many = cpu_gemm.linear(x, packed, None)
+        torch.set_num_threads(1)
+        one = cpu_gemm.linear(x, packed, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(many, one)
+    assert_matches_torch(many, x, w, None)
 
 
 AVX2_CHECK = """

@@ -52,6 +52,7 @@ struct Gemm {
   T* y;
   int64_t ldy;
   int64_t m, n, k;
+  bool prefetch;  // the next panel while the current one runs (off only to measure its gain)
 };
 
 }  // namespace
@@ -205,10 +206,10 @@ extern "C" int kvmesh_cpu_gemm_pack(int dtype, const void* w, int64_t ldw, int64
 }
 
 // y [m, n] (row stride ldy) = x [m, k] (row stride ldx) . W^T + bias (float32, padded to
-// whole panels, or null).
+// whole panels, or null); prefetch 0 turns the weight prefetch off (benchmarks only).
 extern "C" int kvmesh_cpu_gemm(int dtype, const void* x, int64_t ldx, const void* packed,
                                const float* bias, void* y, int64_t ldy, int64_t m, int64_t n,
-                               int64_t k, int64_t threads) {
+                               int64_t k, int64_t threads, int prefetch) {
   if (m < 0 || n <= 0 || k <= 0 || ldx < k || ldy < n || threads < 1) return 1;
   if (dtype == 1 && k % 2 != 0) return 1;
   if (dtype != 0 && dtype != 1) return 3;
@@ -219,12 +220,12 @@ extern "C" int kvmesh_cpu_gemm(int dtype, const void* x, int64_t ldx, const void
   if (dtype == 1) {
     const Gemm<uint16_t> g{static_cast<const uint16_t*>(x), ldx,
                            static_cast<const uint16_t*>(packed), bias,
-                           static_cast<uint16_t*>(y), ldy, m, n, k};
+                           static_cast<uint16_t*>(y), ldy, m, n, k, prefetch != 0};
     avx512::gemm<avx512::Bf16>(g, threads);
     return 0;
   }
   const Gemm<float> g{static_cast<const float*>(x), ldx, static_cast<const float*>(packed), bias,
-                      static_cast<float*>(y), ldy, m, n, k};
+                      static_cast<float*>(y), ldy, m, n, k, prefetch != 0};
   if (path == Path::kAvx512) {
     avx512::gemm<avx512::F32>(g, threads);
   } else {

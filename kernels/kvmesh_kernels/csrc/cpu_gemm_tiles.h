@@ -74,7 +74,8 @@ void run_panels(const Gemm<typename E::T>& g, int64_t m0, int64_t m1, int64_t p0
   T scratch[kMaxRows * kPanel];
   for (int64_t p = p0; p < p1; ++p) {
     const T* panel = g.w + p * panel_elems;
-    const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
+    const bool more = g.prefetch && p + 1 < p1;
+    const char* next = more ? reinterpret_cast<const char*>(panel + panel_elems) : nullptr;
     const int64_t cols = std::min(kPanel, g.n - p * kPanel);
     const float* bias = g.bias != nullptr ? g.bias + p * kPanel : nullptr;
     for (int64_t m = m0; m < m1; m += kMaxRows) {
