@@ -121,21 +121,26 @@ def test_strided_rows_and_leading_dims(dtype: torch.dtype) -> None:
     assert torch.equal(got.reshape(6, 40), cpu_gemm.linear(batch.reshape(6, 32), packed, None))
 
 
+def on_threads(counts: tuple[int, ...], x: torch.Tensor, packed: cpu_gemm.PackedWeight) -> list:
+    """linear(x, packed) once per thread count in `counts` (torch's count restored after)."""
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in counts:
+            torch.set_num_threads(count)
+            results.append(cpu_gemm.linear(x, packed, None))
+        return results
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_threads_split_columns_not_sums(dtype: torch.dtype) -> None:
     """Each output is summed by one thread in one order: 1 and 2 threads agree bit for bit."""
     generator = torch.Generator().manual_seed(3)
     w = torch.randn(1000, 256, generator=generator).to(dtype)
     x = torch.randn(40, 256, generator=generator).to(dtype)
-    packed = cpu_gemm.pack_weight(w)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = cpu_gemm.linear(x, packed, None)
-        torch.set_num_threads(2)
-        together = cpu_gemm.linear(x, packed, None)
-    finally:
-        torch.set_num_threads(threads)
+    alone, together = on_threads((1, 2), x, cpu_gemm.pack_weight(w))
     assert torch.equal(alone, together)
 
 
@@ -186,15 +191,7 @@ def test_more_threads_than_panels(dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(9)
     w = torch.randn(33, 64, generator=generator).to(dtype)
     x = torch.randn(300, 64, generator=generator).to(dtype)  # enough work to go parallel
-    packed = cpu_gemm.pack_weight(w)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(4)
-        many = cpu_gemm.linear(x, packed, None)
-        torch.set_num_threads(1)
-        one = cpu_gemm.linear(x, packed, None)
-    finally:
-        torch.set_num_threads(threads)
+    many, one = on_threads((4, 1), x, cpu_gemm.pack_weight(w))
     assert torch.equal(many, one)
     assert_matches_torch(many, x, w, None)
 
