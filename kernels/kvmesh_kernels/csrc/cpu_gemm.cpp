@@ -36,10 +36,10 @@
 
 namespace {
 
-constexpr int64_t kPanel = 32;          // columns per packed panel
-constexpr int kMaxRows = 12;            // rows per tile
+constexpr int64_t kPanel = 32;              // columns per packed panel (every ISA)
 constexpr int64_t kChunkBytes = 256 << 10;  // the rows of x one chunk keeps in L2
-constexpr int64_t kLine = 64;
+constexpr int64_t kLine = 64;               // bytes per cache line
+// (rows per tile, kMaxRows, are per ISA section below)
 
 int64_t panels_of(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
