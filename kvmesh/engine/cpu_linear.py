@@ -16,9 +16,8 @@ opaque packed weight cannot be traced; the op finds it by a handle tensor).
 
 On x86-64 CPUs with AVX2 + FMA or AVX-512 (float32) or AVX512_BF16 (bfloat16) the native
 executor's linears run kvmesh's own GEMM instead (`CpuGemmLinear`, `kvmesh_kernels.cpu_gemm`):
-the same arithmetic, with each thread prefetching its next weight panel while it computes,
-which decode steps (weights streamed from memory every step) need and oneDNN's and MKL's GEMMs
-do not do.
+the same arithmetic, 1.1-1.4x faster than oneDNN's at a decode step's row counts and level on
+prompt steps (docs/BENCHMARKS.md "kvmesh's CPU GEMM").
 """
 
 from __future__ import annotations
@@ -86,10 +85,10 @@ class PackedLinear(nn.Module):
 
 class CpuGemmLinear(PackedLinear):
     """A bfloat16 or float32 linear on kvmesh's CPU GEMM (`kvmesh_kernels.cpu_gemm`): the
-    weight packed once into the kernel's panels, the bias kept in float32. Faster than oneDNN's
-    and MKL's GEMMs where a step streams the weights from memory (decode), level on prompt-sized
-    steps (docs/BENCHMARKS.md "kvmesh's CPU GEMM"). A bfloat16 weight needs an even
-    in_features (`cpu_gemm.weight_fits`)."""
+    weight packed once into the kernel's panels, the bias kept in float32 (padded to whole
+    panels). Faster than oneDNN's and MKL's GEMMs at decode sizes, level on prompt-sized steps
+    (docs/BENCHMARKS.md "kvmesh's CPU GEMM"). A bfloat16 weight needs an even in_features
+    (`cpu_gemm.weight_fits`)."""
 
     def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.packed_weight = cpu_gemm.pack_weight(weight.detach().contiguous())
