@@ -135,9 +135,7 @@ class Choice:
     logprobs: list[generation_pb2.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
-    started: bool = False  # chat: the assistant role was sent
-    echoed: bool = False  # completions with echo: the prompt was streamed
-    prompt_sent: bool = False  # vLLM's prompt_logprobs were streamed
+    started: bool = False  # its first chunk was streamed (what goes only there went)
 
 
 @dataclass
@@ -198,29 +196,28 @@ class Answer:
     def chunk(self, response: generation_pb2.GenerateResponse) -> dict[str, Any]:
         """The stream chunk of one response (recorded in the answer too)."""
         choice = self.add(response)
+        # the choice's first chunk carries the echoed prompt, the role and prompt_logprobs
+        first, choice.started = not choice.started, True
         logprobs = list(response.logprobs)
         entry: dict[str, Any] = {"index": response.index}
         if self.kind == "completion":
             fields, echoed = self._completion_fields(
-                response.index, response.text, logprobs, choice.length, choice
+                response.index, response.text, logprobs, choice.length, first
             )
             entry.update(fields)
             choice.length += echoed
-            if not choice.prompt_sent:  # vLLM's prompt_logprobs, in the choice's first chunk
-                choice.prompt_sent = True
+            if first:
                 self._with_prompt_logprobs(entry, response.index)
         else:
             delta: dict[str, Any] = {"content": response.text}
-            if not choice.started:
+            if first:
                 delta = {"role": "assistant", **delta}
-                choice.started = True
             entry["delta"] = delta
             entry["logprobs"] = chat_logprobs(logprobs) if self.logprobs is not None else None
         entry["finish_reason"] = choice.finish_reason
         choice.length += len(response.text)
         body = {**self.header(True), "choices": [entry]}
-        if self.kind == "chat" and response.index == 0 and not choice.prompt_sent:
-            choice.prompt_sent = True  # vLLM's top-level field, in the first chunk
+        if self.kind == "chat" and response.index == 0 and first:  # vLLM: at the top level
             self._with_prompt_logprobs(body, 0)
         return body
 
@@ -238,7 +235,7 @@ class Answer:
             text = "".join(c.text)
             entry: dict[str, Any] = {"index": index}
             if self.kind == "completion":
-                entry.update(self._completion_fields(index, text, c.logprobs, 0, None)[0])
+                entry.update(self._completion_fields(index, text, c.logprobs, 0, True)[0])
                 self._with_prompt_logprobs(entry, index)
             else:
                 entry["message"] = {"role": "assistant", "content": text}
@@ -256,11 +253,12 @@ class Answer:
         text: str,
         items: list[generation_pb2.TokenLogprobs],
         offset: int,
-        choice: Choice | None,
+        first: bool,
     ) -> tuple[dict[str, Any], int]:
-        """A completion choice's `text` and `logprobs` (its tokens' text starting at `offset`),
-        with echo preceded by the prompt's; and the echoed prompt's length (0 without)."""
-        prefix, prompt_lp = self._echo_of(index, choice)
+        """A completion choice's `text` and `logprobs` (its tokens' text starting at `offset`);
+        in its `first` part (a stream's first chunk, or the whole answer), with echo, preceded
+        by the prompt's; and the echoed prompt's length (0 without)."""
+        prefix, prompt_lp = self._echo_of(index) if first else ("", [])
         logprobs = self._completion_lp(items, offset + len(prefix))
         if logprobs is not None and prompt_lp:  # at most `logprobs` alternatives, as the rest
             logprobs = joined_logprobs(completion_logprobs(prompt_lp, 0, self.logprobs), logprobs)
@@ -271,15 +269,10 @@ class Answer:
     ) -> dict[str, Any] | None:
         return None if self.logprobs is None else completion_logprobs(items, offset)
 
-    def _echo_of(
-        self, index: int, choice: Choice | None
-    ) -> tuple[str, list[generation_pb2.TokenLogprobs]]:
-        """The prompt text and logprobs choice `index` starts with: with echo, once (a stream
-        sends them in the choice's first chunk: `choice` given and not yet echoed)."""
-        if self.echo is None or (choice is not None and choice.echoed):
+    def _echo_of(self, index: int) -> tuple[str, list[generation_pb2.TokenLogprobs]]:
+        """With echo, the prompt text and logprobs choice `index` starts with."""
+        if self.echo is None:
             return "", []
-        if choice is not None:
-            choice.echoed = True
         prompt = index // self.n
         text = self.echo.prompt_texts[prompt] or self.prompts.decoded.get(prompt, "")
         return text, self.prompts.logprobs.get(prompt, [])
