@@ -32,7 +32,7 @@ from kvmesh.engine import disagg
 from kvmesh.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sequence import Request
-from kvmesh.service.convert import first_tokens, prompt_logprobs_to_proto, prompt_text
+from kvmesh.service.convert import add_prompt_scores, first_tokens
 from kvmesh.service.runtime import WorkerRuntime, check_layout
 from kvmesh.service.status import ServiceError, abort_with, status_of
 from kvmesh.telemetry import request_scope
@@ -341,9 +341,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             transfer_seconds=timings.transfer,
             transfer_bytes=0 if result is None else result.num_bytes,
         )
-        if first.prompt_logprobs is not None:  # the control plane sends them to the client
-            response.prompt_logprobs.extend(prompt_logprobs_to_proto(first, tokenizer))
-            response.prompt_text = prompt_text(first, tokenizer)
+        add_prompt_scores(response, first, tokenizer)  # the control plane relays them
         return response
 
     async def Release(

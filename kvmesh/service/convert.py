@@ -123,27 +123,27 @@ def decode_responses(
     ]
 
 
-def prompt_logprobs_to_proto(
-    output: RequestOutput, tokenizer: Any = None
-) -> list[generation_pb2.TokenLogprobs]:
-    """The wire form of a request's prompt logprobs (empty when it has none): one entry per
-    prompt token, the first carrying only its token (logprob NaN)."""
+def add_prompt_scores(
+    message: worker_pb2.DecodeResponse | worker_pb2.PrefillResponse,
+    output: RequestOutput,
+    tokenizer: Any = None,
+) -> None:
+    """Put a request's prompt logprobs and decoded prompt text into `message` (a colocated
+    worker's first response, or the prefill answer the control plane relays), when the request
+    computed them: one entry per prompt token, the first carrying only its token (logprob
+    NaN); the text as the tokenizer decodes the ids (special tokens kept), empty without one."""
     entries = output.prompt_logprobs
     if entries is None or not output.prompt_token_ids:
-        return []
+        return
     first_id = output.prompt_token_ids[0]
     first = generation_pb2.TokenLogprobs(
         token_id=first_id, logprob=math.nan, token=token_texts(tokenizer, [first_id])[0]
     )
     rest = [logprobs_to_proto(entry, tokenizer) for entry in entries[1:] if entry is not None]
-    return [first, *rest]
-
-
-def prompt_text(output: RequestOutput, tokenizer: Any = None) -> str:
-    """The prompt as the tokenizer decodes its ids (special tokens kept); empty without one."""
-    if tokenizer is None:
-        return ""
-    return str(tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False))
+    message.prompt_logprobs.extend([first, *rest])
+    if tokenizer is not None:
+        ids = output.prompt_token_ids
+        message.prompt_text = str(tokenizer.decode(ids, skip_special_tokens=False))
 
 
 def first_tokens(output: RequestOutput, tokenizer: Any = None) -> list[worker_pb2.FirstToken]:

@@ -10,7 +10,7 @@ from opentelemetry import trace
 
 from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
-from kvmesh.service.convert import decode_responses, prompt_logprobs_to_proto, prompt_text
+from kvmesh.service.convert import add_prompt_scores, decode_responses
 from kvmesh.v1 import worker_pb2
 
 TOKENS_GENERATED = "kvmesh.tokens_generated"
@@ -50,9 +50,7 @@ async def responses(
                     response.first_decode_seconds = max(0.0, time.monotonic() - since)
                     response.queue_seconds = queue_seconds
                     response.prefill_seconds = prefill_seconds
-                    if output.prompt_logprobs is not None:  # computed here (colocated)
-                        response.prompt_logprobs.extend(prompt_logprobs_to_proto(output, tokenizer))
-                        response.prompt_text = prompt_text(output, tokenizer)
+                    add_prompt_scores(response, output, tokenizer)  # computed here (colocated)
                     timed = True
                 if response.token_ids and not tokens:
                     span.add_event("first_token", {"kvmesh.completion.index": response.index})
