@@ -1,9 +1,9 @@
 """Fused CPU paged attention side by side: float32 / bfloat16 / float16 / int8 / fp8 caches.
 
 Run: `python -m kvmesh_kernels.cpu_bench [--repeats 9] [--threads N] [--isas auto avx2]
-[--baseline-source OLD.cpp] [--huge-pages] [--json]` (one thread is steadier on a shared
-machine). `--huge-pages` runs every variant on the cache in 4 KiB pages (`-4k`) and on the
-same contents in transparent huge pages (`-thp`, `kvmesh_kernels.hugepages`).
+[--baseline-source OLD.cpp [--baseline-same-call]] [--huge-pages] [--json]` (one thread is
+steadier on a shared machine). `--huge-pages` runs every variant on the cache in 4 KiB pages
+(`-4k`) and on the same contents in transparent huge pages (`-thp`, `kvmesh_kernels.hugepages`).
 
 Cases (blocks in random physical order; a call is one model step: every layer in turn, as the
 engine runs them, over a block-major cache of that many layers):
@@ -17,20 +17,22 @@ engine runs them, over a block-major cache of that many layers):
 Caches "int8" and "fp8" are bfloat16 models' K/V quantized (`kvmesh_kernels.quant`), read by
 bfloat16 queries. Variants, all in this process with interleaved repeats: the kernel through
 `FusedCall` as the engine calls it (query read and output written in the model dtype), once
-per `--isas` entry
-("auto" = the best path this CPU runs; "avx2", "baseline" cap it), and with
+per `--isas` entry ("auto" = the best path this CPU runs; "avx2", "baseline" cap it), and with
 `--baseline-source` the same call into a library built from another version of
-`csrc/cpu_paged_attention.cpp` (e.g. `git show REV:kernels/kvmesh_kernels/csrc/...`), driven
-as that version's Python did: the query converted to a float32 contiguous copy, a float32
-output converted back. Each ratio is taken within one repeat against the first variant (the
-baseline when given) and reported as the median with its min-max range; GB/s counts the K/V
-bytes the call reads. Outputs are checked against the first variant.
+`csrc/cpu_paged_attention.cpp` (e.g. `git show REV:kernels/kvmesh_kernels/csrc/...`; headers
+next to that file are found first). That baseline is driven as the first versions' Python
+did (the query converted to a float32 contiguous copy, a float32 output converted back), or
+with `--baseline-same-call` exactly as this version calls its own build (for a baseline that
+takes this version's call parameters). Each ratio is taken within one repeat against the
+first variant (the baseline when given) and reported as the median with its min-max range;
+GB/s counts the K/V bytes the call reads. Outputs are checked against the first variant.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import hashlib
 import json
 import random
@@ -151,15 +153,33 @@ def load_baseline(source: Path) -> ctypes.CDLL:
 
 
 def variants(
-    batch: Batch, isas: list[str], baseline: ctypes.CDLL | None, suffix: str = ""
+    batch: Batch,
+    isas: list[str],
+    baseline: ctypes.CDLL | None,
+    suffix: str = "",
+    same_call: bool = False,
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """name -> one model step over the batch: a kernel call per layer, the outputs stacked
-    (the baseline first when given); `suffix` is appended to each name."""
+    (the baseline first when given, called as this version calls its build with
+    `same_call`); `suffix` is appended to each name."""
     pointers = [cpu_attention.layer_pointers(layer) for layer in batch.layers]
     scale = batch.query.shape[-1] ** -0.5
     meta = (batch.layers[0], batch.tables, batch.lens, batch.starts)
     fns: dict[str, Callable[[], torch.Tensor]] = {}
-    if baseline is not None:
+
+    def step(call: cpu_attention.FusedCall, isa: str) -> torch.Tensor:
+        return torch.stack(
+            [
+                call(batch.query, d, s, scale=scale, sliding_window=None, isa=isa)
+                for d, s in pointers
+            ]
+        )
+
+    if baseline is not None and same_call:
+        same = cpu_attention.FusedCall(*meta)
+        same._entry = getattr(baseline, cpu_build.ENTRY)
+        fns["baseline" + suffix] = functools.partial(step, same, "auto")
+    elif baseline is not None:
         old = cpu_attention.FusedCall(*meta)
         old._entry = getattr(baseline, cpu_build.ENTRY)
         dtype = batch.query.dtype
@@ -175,17 +195,7 @@ def variants(
 
         fns["baseline" + suffix] = run_old
     for isa in isas:
-        call = cpu_attention.FusedCall(*meta)
-
-        def run(call: cpu_attention.FusedCall = call, isa: str = isa) -> torch.Tensor:
-            return torch.stack(
-                [
-                    call(batch.query, d, s, scale=scale, sliding_window=None, isa=isa)
-                    for d, s in pointers
-                ]
-            )
-
-        fns[f"fused-{isa}{suffix}"] = run
+        fns[f"fused-{isa}{suffix}"] = functools.partial(step, cpu_attention.FusedCall(*meta), isa)
     return fns
 
 
@@ -210,19 +220,21 @@ def measure(
     baseline: ctypes.CDLL | None,
     repeats: int,
     compare_huge_pages: bool = False,
+    same_call: bool = False,
 ) -> dict[str, Any]:
     """One case in one dtype; with `compare_huge_pages` every variant runs on a cache advised
-    against huge pages (`-4k`) and on the same contents in huge pages (`-thp`)."""
+    against huge pages (`-4k`) and on the same contents in huge pages (`-thp`); `same_call`:
+    see `variants`."""
     if compare_huge_pages:
         small = make_batch(case, dtype_name, huge_pages=False)
         batch = make_batch(case, dtype_name, huge_pages=True)
         fns = {
-            **variants(small, isas, baseline, "-4k"),
-            **variants(batch, isas, baseline, "-thp"),
+            **variants(small, isas, baseline, "-4k", same_call),
+            **variants(batch, isas, baseline, "-thp", same_call),
         }
     else:
         batch = make_batch(case, dtype_name)
-        fns = variants(batch, isas, baseline)
+        fns = variants(batch, isas, baseline, same_call=same_call)
     first = next(iter(fns))
     ref = fns[first]().float()
     tol = 1e-4 if dtype_name == "float32" else 2e-2
@@ -252,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="+", default=[c.name for c in cases()])
     parser.add_argument("--isas", nargs="+", default=["auto", "avx2"])
     parser.add_argument("--baseline-source", type=Path, default=None)
+    parser.add_argument(
+        "--baseline-same-call",
+        action="store_true",
+        help="call the baseline exactly as this version calls its own build",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
     parser.add_argument(
         "--huge-pages",
@@ -267,7 +284,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     baseline = load_baseline(args.baseline_source) if args.baseline_source else None
     rows = [
-        measure(case, dtype, args.isas, baseline, args.repeats, args.huge_pages)
+        measure(
+            case,
+            dtype,
+            args.isas,
+            baseline,
+            args.repeats,
+            args.huge_pages,
+            args.baseline_same_call,
+        )
         for case in cases()
         if case.name in args.cases
         for dtype in args.dtypes

@@ -7,6 +7,46 @@
 // Element size in bytes of a cache element type.
 constexpr int64_t elem_bytes(int DT) { return DT == kF32 ? 4 : (DT == kI8 || DT == kFP8) ? 1 : 2; }
 
+// The K and V lines of the next keys an item reads (its next chunk, or at its last chunk the
+// first chunk of the item this thread runs next), requested into L1 evenly over the current
+// chunk's work: every vector load of a K or V row calls `issue(loads)`, which requests the
+// lines due by then (`per_load` lines per `loads_due` loads), so memory requests keep
+// flowing while the chunk computes. (Requests in bursts, even spread over the chunk in
+// pieces, stall on the core's few line-fill buffers while nothing computes, and so do not
+// overlap the compute; a standalone read of random 24 KiB blocks with compute between the
+// lines ran 1.4-1.5x faster with one request per line than with bursts or none.) Lines of
+// key i in order: K of heads [h0, h1), then V of those heads. n = 0: nothing to request.
+struct Cursor {
+  const char* data = nullptr;
+  const int64_t* koff = nullptr;  // element offsets of the keys (K of kv head 0)
+  int64_t n = 0, h0 = 0, h1 = 0;
+  int64_t s_head = 0, s_kv = 0, row_bytes = 0, eb = 0;  // strides in elements, sizes in bytes
+  int64_t per_load = 1, loads_due = 1, credit = 0;      // pace: lines per loads
+  int64_t i = 0, h = 0, half = 0, c = 0;                // the next line: key, head, K/V, byte
+
+  KVM_INLINE void issue(int64_t loads) {
+    if (i >= n) return;
+    credit += loads * per_load;
+    for (; credit >= loads_due && i < n; credit -= loads_due) {
+      const char* row = data + (koff[i] + h * s_head + half * s_kv) * eb;
+      _mm_prefetch(row + c, _MM_HINT_T0);
+      c += 64;
+      if (c < row_bytes) continue;
+      c = 0;
+      if (++h < h1) continue;
+      h = h0;
+      if (++half < 2) continue;
+      half = 0;
+      ++i;
+    }
+  }
+};
+
+// A cursor that requests nothing (items whose next keys are prefetched in pieces, or not).
+struct NoCursor {
+  KVM_INLINE void issue(int64_t) {}
+};
+
 // Sixteen float8 e4m3fn codes as float32, exactly, without the table: a normal code's exponent
 // and mantissa bits placed in a float's (exponent rebiased from 7 to 127), a subnormal one
 // (exponent 0) as m * 2^-9, 0x7F / 0xFF as NaN, the sign bit moved to bit 31.
@@ -85,14 +125,16 @@ KVM_INLINE void store_scores(__m512 t, float* s, int64_t sp) {
 }
 
 // Scores of R query rows (stride D) against KB key rows: s[r * sp + j].
-template <int LT, int R, int KB>
-KVM_INLINE void qk_tile(const float* q, int64_t D, const void* const* kr, float* s, int64_t sp) {
+template <int LT, int R, int KB, class Pf>
+KVM_INLINE void qk_tile(const float* q, int64_t D, const void* const* kr, float* s, int64_t sp,
+                        Pf& pf) {
   static_assert(R * KB == 16, "a tile fills one 16-way reduction");
   __m512 acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) {
     __m512 kv[KB];
     for (int j = 0; j < KB; ++j) kv[j] = ld16<LT>(kr[j], d);
+    pf.issue(KB);
     for (int r = 0; r < R; ++r) {
       const __m512 qv = _mm512_loadu_ps(q + r * D + d);
       for (int j = 0; j < KB; ++j) acc[r * KB + j] = _mm512_fmadd_ps(qv, kv[j], acc[r * KB + j]);
@@ -116,29 +158,30 @@ KVM_INLINE void tile_scores(const Tile& tile, const Q* q, int64_t nrows, const v
     for (int64_t i = 0; i < n; i += 16) tile.template run<1, 16>(q + r * D, kr + i, s + r * sp + i);
 }
 
-template <int LT>
+template <int LT, class Pf>
 struct FmaTile {  // float32 query rows (scaled) against LT key rows
   int64_t D, sp;
+  Pf& pf;
   template <int R, int KB>
   KVM_INLINE void run(const float* q, const void* const* kr, float* s) const {
-    qk_tile<LT, R, KB>(q, D, kr, s, sp);
+    qk_tile<LT, R, KB>(q, D, kr, s, sp, pf);
   }
 };
 
 // s[r * sp + i] = q_r . k_i for rows < nrows, keys < round_up(n, 16) (kr padded to that).
-template <int LT>
+template <int LT, class Pf>
 KVM_INLINE void scores(const float* q, int64_t nrows, const void* const* kr, int64_t n,
-                       int64_t D, float* s, int64_t sp) {
-  tile_scores(FmaTile<LT>{D, sp}, q, nrows, kr, n, D, s, sp);
+                       int64_t D, float* s, int64_t sp, Pf& pf) {
+  tile_scores(FmaTile<LT, Pf>{D, sp, pf}, q, nrows, kr, n, D, s, sp);
 }
 
 #ifdef KVM_BF16_DOT
 // Scores of R bfloat16 query rows (stride D, unscaled) against KB bfloat16 key rows, times
 // scale: each accumulator lane sums pairs of exact bfloat16 products (vdpbf16ps), 32 elements
 // of head_dim per instruction; s[r * sp + j]. D is a multiple of 32.
-template <int R, int KB>
+template <int R, int KB, class Pf>
 KVM_INLINE void qk_tile_dot(const uint16_t* q, int64_t D, const void* const* kr, float* s,
-                            int64_t sp, __m512 scale) {
+                            int64_t sp, __m512 scale, Pf& pf) {
   static_assert(R * KB == 16, "a tile fills one 16-way reduction");
   __m512 acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
@@ -146,6 +189,7 @@ KVM_INLINE void qk_tile_dot(const uint16_t* q, int64_t D, const void* const* kr,
     __m512bh kv[KB];
     for (int j = 0; j < KB; ++j)
       kv[j] = (__m512bh)_mm512_loadu_si512(static_cast<const uint16_t*>(kr[j]) + d);
+    pf.issue(KB);
     for (int r = 0; r < R; ++r) {
       const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + r * D + d);
       for (int j = 0; j < KB; ++j) acc[r * KB + j] = _mm512_dpbf16_ps(acc[r * KB + j], qv, kv[j]);
@@ -154,32 +198,36 @@ KVM_INLINE void qk_tile_dot(const uint16_t* q, int64_t D, const void* const* kr,
   store_scores<R, KB>(_mm512_mul_ps(reduce16(acc), scale), s, sp);
 }
 
+template <class Pf>
 struct DotTile {  // bfloat16 query rows (unscaled) against bfloat16 key rows, times scale
   int64_t D, sp;
   __m512 scale;
+  Pf& pf;
   template <int R, int KB>
   KVM_INLINE void run(const uint16_t* q, const void* const* kr, float* s) const {
-    qk_tile_dot<R, KB>(q, D, kr, s, sp, scale);
+    qk_tile_dot<R, KB>(q, D, kr, s, sp, scale, pf);
   }
 };
 
 // scores<kBF16> from bfloat16 queries q [nrows, D] (unscaled) by vdpbf16ps, times scale.
+template <class Pf>
 KVM_INLINE void scores_dot(const uint16_t* q, int64_t nrows, const void* const* kr, int64_t n,
-                           int64_t D, float* s, int64_t sp, float scale) {
-  tile_scores(DotTile{D, sp, _mm512_set1_ps(scale)}, q, nrows, kr, n, D, s, sp);
+                           int64_t D, float* s, int64_t sp, float scale, Pf& pf) {
+  tile_scores(DotTile<Pf>{D, sp, _mm512_set1_ps(scale), pf}, q, nrows, kr, n, D, s, sp);
 }
 #endif
 
 // acc[r][d0 .. d0 + 16 DV) += sum_i p[r * sp + i] * v_i[d0 ..], accumulators in registers.
-template <int LT, int R, int DV>
+template <int LT, int R, int DV, class Pf>
 KVM_INLINE void pv_tile(float* acc, int64_t D, const float* p, int64_t sp,
-                        const void* const* vr, int64_t n, int64_t d0) {
+                        const void* const* vr, int64_t n, int64_t d0, Pf& pf) {
   __m512 a[R * DV];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < DV; ++j) a[r * DV + j] = _mm512_loadu_ps(acc + r * D + d0 + 16 * j);
   for (int64_t i = 0; i < n; ++i) {
     __m512 vv[DV];
     for (int j = 0; j < DV; ++j) vv[j] = ld16<LT>(vr[i], d0 + 16 * j);
+    pf.issue(DV);
     for (int r = 0; r < R; ++r) {
       const __m512 w = _mm512_set1_ps(p[r * sp + i]);
       for (int j = 0; j < DV; ++j) a[r * DV + j] = _mm512_fmadd_ps(w, vv[j], a[r * DV + j]);
@@ -189,32 +237,32 @@ KVM_INLINE void pv_tile(float* acc, int64_t D, const float* p, int64_t sp,
     for (int j = 0; j < DV; ++j) _mm512_storeu_ps(acc + r * D + d0 + 16 * j, a[r * DV + j]);
 }
 
-template <int LT, int R, int DV>
+template <int LT, int R, int DV, class Pf>
 KVM_INLINE void pv_rows(float* acc, int64_t D, const float* p, int64_t sp,
-                        const void* const* vr, int64_t n) {
+                        const void* const* vr, int64_t n, Pf& pf) {
   int64_t d0 = 0;
-  for (; d0 + 16 * DV <= D; d0 += 16 * DV) pv_tile<LT, R, DV>(acc, D, p, sp, vr, n, d0);
-  for (; d0 < D; d0 += 16) pv_tile<LT, R, 1>(acc, D, p, sp, vr, n, d0);
+  for (; d0 + 16 * DV <= D; d0 += 16 * DV) pv_tile<LT, R, DV>(acc, D, p, sp, vr, n, d0, pf);
+  for (; d0 < D; d0 += 16) pv_tile<LT, R, 1>(acc, D, p, sp, vr, n, d0, pf);
 }
 
 // Three remaining rows (3 query heads per kv head) share one pass over V; a single remaining
 // row keeps at least four independent accumulators (a 1 x 16 tile is one FMA chain per key,
 // bound by the FMA latency). Every accumulator still sums its keys in order: same results.
-template <int LT>
+template <int LT, class Pf>
 KVM_INLINE void pv(float* acc, int64_t nrows, const float* p, int64_t sp, const void* const* vr,
-                   int64_t n, int64_t D) {
+                   int64_t n, int64_t D, Pf& pf) {
   int64_t r = 0;
-  for (; r + 4 <= nrows; r += 4) pv_rows<LT, 4, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
+  for (; r + 4 <= nrows; r += 4) pv_rows<LT, 4, 4>(acc + r * D, D, p + r * sp, sp, vr, n, pf);
   if (nrows - r == 3) {
-    pv_rows<LT, 3, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
+    pv_rows<LT, 3, 4>(acc + r * D, D, p + r * sp, sp, vr, n, pf);
     return;
   }
-  for (; r + 2 <= nrows; r += 2) pv_rows<LT, 2, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
+  for (; r + 2 <= nrows; r += 2) pv_rows<LT, 2, 4>(acc + r * D, D, p + r * sp, sp, vr, n, pf);
   for (; r < nrows; ++r) {
     if (D >= 128) {
-      pv_rows<LT, 1, 8>(acc + r * D, D, p + r * sp, sp, vr, n);
+      pv_rows<LT, 1, 8>(acc + r * D, D, p + r * sp, sp, vr, n, pf);
     } else {
-      pv_rows<LT, 1, 4>(acc + r * D, D, p + r * sp, sp, vr, n);
+      pv_rows<LT, 1, 4>(acc + r * D, D, p + r * sp, sp, vr, n, pf);
     }
   }
 }
@@ -272,6 +320,35 @@ KVM_INLINE void key_offsets(const Params& p, const int32_t* table, int64_t k_lo,
   }
 }
 
+// Vector loads of K and V rows per key of one kv head in an item with rph query rows per kv
+// head: scores load each key row once per tile row group (4, then 2, then 1 rows: 16 or, by
+// vdpbf16ps, 32 elements a load), P x V once per group (4 rows, 3, 2, then 1) per 16 elements.
+KVM_INLINE int64_t loads_per_key(int64_t rph, int64_t D, bool dot) {
+  const int64_t rest = rph % 4;
+  const int64_t qk_groups = rph / 4 + rest / 2 + rest % 2;
+  const int64_t pv_groups = rph / 4 + (rest == 3 ? 1 : rest / 2 + rest % 2);
+  return qk_groups * (dot ? D / 32 : D / 16) + pv_groups * (D / 16);
+}
+
+// A cursor over the lines of n keys at koff, kv heads [h0, h1), paced over `loads` row loads.
+template <int DT>
+KVM_INLINE Cursor lines_of(const Params& p, const char* data, const int64_t* koff, int64_t n,
+                           int64_t h0, int64_t h1, int64_t loads) {
+  Cursor pf;
+  pf.data = data;
+  pf.koff = koff;
+  pf.n = n;
+  pf.h0 = pf.h = h0;
+  pf.h1 = h1;
+  pf.s_head = p.s_head;
+  pf.s_kv = p.s_kv;
+  pf.eb = elem_bytes(DT);
+  pf.row_bytes = p.head_dim * pf.eb;
+  pf.per_load = n * (h1 - h0) * 2 * ((pf.row_bytes + 63) / 64);  // lines to request
+  pf.loads_due = std::max<int64_t>(1, loads);
+  return pf;
+}
+
 // Requests the K and V rows of kv heads [h0, h1) of the n keys at koff into L1: the next
 // step's rows load while this step computes (every line of a row: the rows sit in scattered
 // blocks the hardware prefetcher does not follow); skipped for float32 keys of 8 KiB or more
@@ -293,9 +370,8 @@ KVM_INLINE void prefetch_keys(const Params& p, const char* data, const int64_t* 
 }
 
 // The next chunk's K/V rows, prefetched in `slices` pieces spread over this chunk's work
-// (piece j before the j-th group of keys of a pass) instead of all at once: a burst of
-// prefetches stalls on the core's few line-fill buffers while nothing computes, spread ones
-// overlap the compute. n = 0: none.
+// (piece j before the j-th group of keys of a pass), for items not paced by a Cursor (prefill
+// tiles, whose many rows make each pass compute-bound). n = 0: none.
 template <int DT>
 struct NextChunk {
   const Params& p;
@@ -307,6 +383,11 @@ struct NextChunk {
     prefetch_keys<DT>(p, data, koff + lo, hi - lo, h0, h1);
   }
 };
+
+// Whether an item reading key_bytes of K and V per key prefetches its next keys: not float32
+// keys of 8 KiB or more (8 kv heads x 128), whose long contiguous rows the hardware prefetcher
+// streams by itself.
+KVM_INLINE bool prefetches(int DT, int64_t key_bytes) { return DT != kF32 || key_bytes < 8192; }
 
 // Load pointers of the n rows at data + (koff[i] + shift) elements, padded to sp with row 0:
 // in place (LT == DT) or converted into buf (LT == kF32 != DT).
@@ -410,6 +491,24 @@ KVM_INLINE void scale_keys(const float* scales, const int64_t* soff,
   }
 }
 
+// The lines to request while a chunk computes: the item's next keys [k_hi, k_next), whose
+// offsets are in sc.koff + kChunk; at its last chunk (k_next == k_hi) the first chunk of the
+// item this thread runs next (`following`, may be null), its offsets computed there.
+template <int DT>
+KVM_INLINE Cursor ahead(const Params& p, const Item& it, const Item* following, int64_t k_hi,
+                        int64_t k_next, int64_t loads, Scratch& sc) {
+  const char* data = reinterpret_cast<const char*>(p.data);
+  int64_t* koff = sc.koff.data() + kChunk;
+  if (k_next > k_hi) return lines_of<DT>(p, data, koff, k_next - k_hi, it.h0, it.h1, loads);
+  if (following == nullptr || following->k1 <= following->k0) return Cursor{};
+  const Item& f = *following;
+  const int64_t keys = std::min(chunk_keys(2 * (f.h1 - f.h0) * p.head_dim * elem_bytes(DT)),
+                                f.k1 - f.k0);
+  const int32_t* table = reinterpret_cast<const int32_t*>(p.block_tables) + f.b * p.max_blocks;
+  key_offsets(p, table, f.k0, f.k0 + keys, koff, sc.soff.data() + kChunk);
+  return lines_of<DT>(p, data, koff, keys, f.h0, f.h1, loads);
+}
+
 // Query rows per kv head up to which 16- and 8-bit rows are converted in registers at every
 // load; above it each block's rows are converted once into float32 buffers and reused. Items
 // up to it (decode) also interleave the next chunk's prefetch with groups of 16 keys.
@@ -417,7 +516,7 @@ constexpr int64_t kDirectRows = 8;
 
 // The item with K rows loaded as KT and V rows as VT (DT itself, read in place, or float32
 // from the conversion buffers).
-template <int DT, int KT, int VT>
+template <int DT, int KT, int VT, class Pf>
 KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_t rmax,
                             float* part_acc, float* part_ml) {
   const int64_t D = p.head_dim;
@@ -452,17 +551,15 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
 
   const int64_t key_bytes = 2 * nheads * D * elem_bytes(DT);
   const int64_t CH = chunk_keys(key_bytes);
-  const bool prefetch = DT != kF32 || key_bytes < 8192;
-  // Decode items run each pass in groups of 16 keys with a piece of the next chunk's prefetch
-  // before each, so memory requests keep flowing while the pass computes (prefill tiles keep
-  // whole passes: their many rows make a pass compute-bound, and splitting it costs).
+  const bool prefetch = prefetches(DT, key_bytes);
+  // Decode items run each pass in groups of 16 keys (prefill tiles keep whole passes: their
+  // many rows make a pass compute-bound, and splitting it costs).
   const int64_t group = prefetch && rph <= kDirectRows ? 16 : CH;
   const int64_t groups = (CH + group - 1) / group;
   // Decode items reading rows in place take the kv heads inside each group of keys, so a
   // group's K (then V) rows of all heads, adjacent in the block, are read together.
   // Others run head by head, each head's rows converted into one reused buffer. Both passes
-  // step (outer, inner) = (group, head) or (head, group); the prefetch piece before a step is
-  // its index in that order (V's after K's: pieces = 2 * nheads * groups).
+  // step (outer, inner) = (group, head) or (head, group).
   const bool heads_inner = group < CH && KT == DT && VT == DT;
   const int64_t n_outer = heads_inner ? groups : nheads;
   const int64_t n_inner = heads_inner ? nheads : groups;
@@ -473,8 +570,15 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
     const int64_t n = k_hi - k_lo;
     const int64_t k_next = k_hi + CH < it.k1 ? k_hi + CH : it.k1;
     if (k_next > k_hi) key_offsets(p, table, k_hi, k_next, koff + kChunk, soff + kChunk);
-    const int64_t next_keys = prefetch ? k_next - k_hi : 0;
-    const int64_t pieces = 2 * nheads * groups;  // one before each group of each pass
+    Pf pf{};
+    int64_t next_keys = 0;  // unpaced: the next chunk in pieces, one before each group
+    if constexpr (std::is_same_v<Pf, Cursor>) {
+      const int64_t loads = n * nheads * loads_per_key(rph, D, dot);  // this chunk's row loads
+      if (prefetch) pf = ahead<DT>(p, it, sc.following, k_hi, k_next, loads, sc);
+    } else {
+      next_keys = prefetch ? k_next - k_hi : 0;
+    }
+    const int64_t pieces = 2 * nheads * groups;
     const NextChunk<DT> next{p, data, koff + kChunk, next_keys, it.h0, it.h1, pieces};
     for (int64_t o = 0; o < n_outer; ++o) {
       for (int64_t i = 0; i < n_inner; ++i) {
@@ -488,11 +592,11 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
         if (i0 < n && dot) {
 #ifdef KVM_BF16_DOT
           scores_dot(sc.qb.data() + hh * rph * D, rph, kr + hh * run + i0,
-                     std::min(group, n - i0), D, sh + i0, sp, static_cast<float>(p.scale));
+                     std::min(group, n - i0), D, sh + i0, sp, static_cast<float>(p.scale), pf);
 #endif
         } else if (i0 < n) {
           scores<KT>(q + hh * rph * D, rph, kr + hh * run + i0, std::min(group, n - i0), D,
-                     sh + i0, sp);
+                     sh + i0, sp, pf);
         }
         if (quant && i0 + group >= CH) scale_keys(scales, soff, h * p.ss_head, n, rph, sp, sh);
       }
@@ -512,7 +616,7 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
         next.prefetch(nheads * groups + o * n_inner + i);
         if (i0 < n) {
           pv<VT>(acc + hh * rph * D, rph, sh + i0, sp, vr + hh * run + i0,
-                 std::min(group, n - i0), D);
+                 std::min(group, n - i0), D, pf);
         }
       }
     }
@@ -525,9 +629,10 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
   finish_item(p, it, sc, rows, rmax, part_acc, part_ml);
 }
 
-template <int DT>
-__attribute__((noinline)) void run_item_avx512(const Params& p, const Item& it, Scratch& sc,
-                                               int64_t rmax, float* part_acc, float* part_ml) {
+// The item's kinds of K and V rows (read in place or converted), with Pf pacing its prefetch.
+template <int DT, class Pf>
+KVM_INLINE void run_item_kinds(const Params& p, const Item& it, Scratch& sc, int64_t rmax,
+                               float* part_acc, float* part_ml) {
   if constexpr (DT != kF32) {
     const int64_t rph = (it.t1 - it.t0) * (p.num_q_heads / p.num_kv_heads);
     if (rph <= kDirectRows) {
@@ -536,22 +641,34 @@ __attribute__((noinline)) void run_item_avx512(const Params& p, const Item& it, 
       // always as they load
       if constexpr (DT == kFP8) {
         if (rph > 2 && rph % 4 != 0) {
-          run_item_as<DT, kF32, DT>(p, it, sc, rmax, part_acc, part_ml);
+          run_item_as<DT, kF32, DT, Pf>(p, it, sc, rmax, part_acc, part_ml);
           return;
         }
       }
-      run_item_as<DT, DT, DT>(p, it, sc, rmax, part_acc, part_ml);
+      run_item_as<DT, DT, DT, Pf>(p, it, sc, rmax, part_acc, part_ml);
       return;
     }
 #ifdef KVM_BF16_DOT
     if constexpr (DT == kBF16) {
       if (p.q_dtype == kBF16 && p.head_dim % 32 == 0) {  // K read in place, V converted
-        run_item_as<DT, DT, kF32>(p, it, sc, rmax, part_acc, part_ml);
+        run_item_as<DT, DT, kF32, Pf>(p, it, sc, rmax, part_acc, part_ml);
         return;
       }
     }
 #endif
   }
-  run_item_as<DT, kF32, kF32>(p, it, sc, rmax, part_acc, part_ml);
+  run_item_as<DT, kF32, kF32, Pf>(p, it, sc, rmax, part_acc, part_ml);
 }
 
+// Decode items that prefetch pace their requests with their loads (Cursor); prefill tiles
+// request their next chunk in pieces (NoCursor).
+template <int DT>
+__attribute__((noinline)) void run_item_avx512(const Params& p, const Item& it, Scratch& sc,
+                                               int64_t rmax, float* part_acc, float* part_ml) {
+  const int64_t rph = (it.t1 - it.t0) * (p.num_q_heads / p.num_kv_heads);
+  if (rph <= kDirectRows && prefetches(DT, 2 * (it.h1 - it.h0) * p.head_dim * elem_bytes(DT))) {
+    run_item_kinds<DT, Cursor>(p, it, sc, rmax, part_acc, part_ml);
+  } else {
+    run_item_kinds<DT, NoCursor>(p, it, sc, rmax, part_acc, part_ml);
+  }
+}

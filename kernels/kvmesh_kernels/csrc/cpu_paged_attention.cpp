@@ -25,12 +25,14 @@
 // it builds in seconds.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 
 #include <vector>
 
@@ -133,6 +135,7 @@ struct Scratch {
   Buf<const float*> kp, vp;
   Buf<const void*> kraw, vraw;  // key / value rows in the cache's element type
   Buf<int64_t> koff, soff;      // element offsets of keys (two chunks) and of their scales
+  const Item* following = nullptr;  // the item this thread runs next (null: none)
 };
 
 // An item's query rows, ordered [head][token][g] (row = (h - h0) * ntok * G + (t - t0) * G + g),
@@ -682,7 +685,9 @@ KVM_INLINE void run_item_portable(const Params& p, const Item& it, Scratch& sc, 
 //   softmax vectorized exp (Cephes polynomial + scalef), acc rescaled only when the max moved;
 //   P x V   tiles of 4 rows x 64 dims (1 x 128 for remainder rows) in registers over a step.
 // Decode items (few rows per kv head, rows read in place) run each pass in groups of 16 keys,
-// every kv head within a group, with a piece of the next step's prefetch before each.
+// every kv head within a group, and request the next step's lines (at their last step, the
+// first step of the item their thread runs next) a few at a time as they load their rows
+// (Cursor); prefill tiles request the next step in pieces, one before each pass.
 // bfloat16 / float16 / int8 / fp8 K and V rows are converted in registers as they are loaded
 // (zero-extend and shift; vcvtph2ps; sign-extend and convert; e4m3fn bit placement), with no
 // row buffer, when an item has few query rows per kv head (decode: G rows; quantized rows'
@@ -824,6 +829,7 @@ void run_items(const Params& p, const std::vector<Item>& items, int64_t rmax, fl
   const int64_t D = p.head_dim, bs = p.block_size;
   const int64_t count = static_cast<int64_t>(items.size());
   const Isa isa = choose_isa(p);
+  std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(static_cast<int>(p.num_threads))
   {
     Scratch sc;
@@ -843,9 +849,14 @@ void run_items(const Params& p, const std::vector<Item>& items, int64_t rmax, fl
     sc.m.resize(rmax);
     sc.l.resize(rmax);
     sc.pos.resize(rmax);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < count; ++i) {
+    // Dynamic scheduling, each thread claiming its next item before it runs the current
+    // one, so that the current item's last chunk can prefetch the next one's first keys.
+    int64_t i = next.fetch_add(1);
+    while (i < count) {
+      const int64_t j = next.fetch_add(1);
+      sc.following = j < count ? &items[j] : nullptr;
       run_item_isa<DT>(isa, p, items[i], sc, rmax, part_acc, part_ml);
+      i = j;
     }
   }
 }
