@@ -22,10 +22,11 @@ per `--isas` entry ("auto" = the best path this CPU runs; "avx2", "baseline" cap
 `csrc/cpu_paged_attention.cpp` (e.g. `git show REV:kernels/kvmesh_kernels/csrc/...`; headers
 next to that file are found first). That baseline is driven as the first versions' Python
 did (the query converted to a float32 contiguous copy, a float32 output converted back), or
-with `--baseline-same-call` exactly as this version calls its own build (for a baseline that
-takes this version's call parameters). Each ratio is taken within one repeat against the
-first variant (the baseline when given) and reported as the median with its min-max range;
-GB/s counts the K/V bytes the call reads. Outputs are checked against the first variant.
+with `--baseline-same-call` exactly as this version calls its own build, capped at the first
+`--isas` entry (for a baseline that takes this version's call parameters). Each ratio is taken
+within one repeat against the first variant (the baseline when given) and reported as the
+median with its min-max range; GB/s counts the K/V bytes the call reads. Outputs are checked
+against the first variant.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def variants(
     if baseline is not None and same_call:
         same = cpu_attention.FusedCall(*meta)
         same._entry = getattr(baseline, cpu_build.ENTRY)
-        fns["baseline" + suffix] = functools.partial(step, same, "auto")
+        fns["baseline" + suffix] = functools.partial(step, same, isas[0] if isas else "auto")
     elif baseline is not None:
         old = cpu_attention.FusedCall(*meta)
         old._entry = getattr(baseline, cpu_build.ENTRY)

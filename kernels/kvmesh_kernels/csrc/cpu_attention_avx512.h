@@ -4,49 +4,6 @@
 // vdpbf16ps). No include guard: each inclusion is a separate copy.
 
 
-// Element size in bytes of a cache element type.
-constexpr int64_t elem_bytes(int DT) { return DT == kF32 ? 4 : (DT == kI8 || DT == kFP8) ? 1 : 2; }
-
-// The K and V lines of the next keys an item reads (its next chunk, or at its last chunk the
-// first chunk of the item this thread runs next), requested into L1 evenly over the current
-// chunk's work: every vector load of a K or V row calls `issue(loads)`, which requests the
-// lines due by then (`per_load` lines per `loads_due` loads), so memory requests keep
-// flowing while the chunk computes. (Requests in bursts, even spread over the chunk in
-// pieces, stall on the core's few line-fill buffers while nothing computes, and so do not
-// overlap the compute; a standalone read of random 24 KiB blocks with compute between the
-// lines ran 1.4-1.5x faster with one request per line than with bursts or none.) Lines of
-// key i in order: K of heads [h0, h1), then V of those heads. n = 0: nothing to request.
-struct Cursor {
-  const char* data = nullptr;
-  const int64_t* koff = nullptr;  // element offsets of the keys (K of kv head 0)
-  int64_t n = 0, h0 = 0, h1 = 0;
-  int64_t s_head = 0, s_kv = 0, row_bytes = 0, eb = 0;  // strides in elements, sizes in bytes
-  int64_t per_load = 1, loads_due = 1, credit = 0;      // pace: lines per loads
-  int64_t i = 0, h = 0, half = 0, c = 0;                // the next line: key, head, K/V, byte
-
-  KVM_INLINE void issue(int64_t loads) {
-    if (i >= n) return;
-    credit += loads * per_load;
-    for (; credit >= loads_due && i < n; credit -= loads_due) {
-      const char* row = data + (koff[i] + h * s_head + half * s_kv) * eb;
-      _mm_prefetch(row + c, _MM_HINT_T0);
-      c += 64;
-      if (c < row_bytes) continue;
-      c = 0;
-      if (++h < h1) continue;
-      h = h0;
-      if (++half < 2) continue;
-      half = 0;
-      ++i;
-    }
-  }
-};
-
-// A cursor that requests nothing (items whose next keys are prefetched in pieces, or not).
-struct NoCursor {
-  KVM_INLINE void issue(int64_t) {}
-};
-
 // Sixteen float8 e4m3fn codes as float32, exactly, without the table: a normal code's exponent
 // and mantissa bits placed in a float's (exponent rebiased from 7 to 127), a subnormal one
 // (exponent 0) as m * 2^-9, 0x7F / 0xFF as NaN, the sign bit moved to bit 31.
@@ -330,29 +287,9 @@ KVM_INLINE int64_t loads_per_key(int64_t rph, int64_t D, bool dot) {
   return qk_groups * (dot ? D / 32 : D / 16) + pv_groups * (D / 16);
 }
 
-// A cursor over the lines of n keys at koff, kv heads [h0, h1), paced over `loads` row loads.
-template <int DT>
-KVM_INLINE Cursor lines_of(const Params& p, const char* data, const int64_t* koff, int64_t n,
-                           int64_t h0, int64_t h1, int64_t loads) {
-  Cursor pf;
-  pf.data = data;
-  pf.koff = koff;
-  pf.n = n;
-  pf.h0 = pf.h = h0;
-  pf.h1 = h1;
-  pf.s_head = p.s_head;
-  pf.s_kv = p.s_kv;
-  pf.eb = elem_bytes(DT);
-  pf.row_bytes = p.head_dim * pf.eb;
-  pf.per_load = n * (h1 - h0) * 2 * ((pf.row_bytes + 63) / 64);  // lines to request
-  pf.loads_due = std::max<int64_t>(1, loads);
-  return pf;
-}
-
 // Requests the K and V rows of kv heads [h0, h1) of the n keys at koff into L1: the next
 // step's rows load while this step computes (every line of a row: the rows sit in scattered
-// blocks the hardware prefetcher does not follow); skipped for float32 keys of 8 KiB or more
-// (8 kv heads x 128), whose long contiguous rows the hardware prefetcher streams by itself.
+// blocks the hardware prefetcher does not follow).
 template <int DT>
 KVM_INLINE void prefetch_keys(const Params& p, const char* data, const int64_t* koff, int64_t n,
                               int64_t h0, int64_t h1) {
@@ -383,11 +320,6 @@ struct NextChunk {
     prefetch_keys<DT>(p, data, koff + lo, hi - lo, h0, h1);
   }
 };
-
-// Whether an item reading key_bytes of K and V per key prefetches its next keys: not float32
-// keys of 8 KiB or more (8 kv heads x 128), whose long contiguous rows the hardware prefetcher
-// streams by itself.
-KVM_INLINE bool prefetches(int DT, int64_t key_bytes) { return DT != kF32 || key_bytes < 8192; }
 
 // Load pointers of the n rows at data + (koff[i] + shift) elements, padded to sp with row 0:
 // in place (LT == DT) or converted into buf (LT == kF32 != DT).
@@ -499,20 +431,15 @@ KVM_INLINE Cursor ahead(const Params& p, const Item& it, const Item* following, 
                         int64_t k_next, int64_t loads, Scratch& sc) {
   const char* data = reinterpret_cast<const char*>(p.data);
   int64_t* koff = sc.koff.data() + kChunk;
-  if (k_next > k_hi) return lines_of<DT>(p, data, koff, k_next - k_hi, it.h0, it.h1, loads);
+  if (k_next > k_hi) return lines_of(p, data, koff, k_next - k_hi, it.h0, it.h1, elem_bytes(DT), loads);
   if (following == nullptr || following->k1 <= following->k0) return Cursor{};
   const Item& f = *following;
   const int64_t keys = std::min(chunk_keys(2 * (f.h1 - f.h0) * p.head_dim * elem_bytes(DT)),
                                 f.k1 - f.k0);
   const int32_t* table = reinterpret_cast<const int32_t*>(p.block_tables) + f.b * p.max_blocks;
   key_offsets(p, table, f.k0, f.k0 + keys, koff, sc.soff.data() + kChunk);
-  return lines_of<DT>(p, data, koff, keys, f.h0, f.h1, loads);
+  return lines_of(p, data, koff, keys, f.h0, f.h1, elem_bytes(DT), loads);
 }
-
-// Query rows per kv head up to which 16- and 8-bit rows are converted in registers at every
-// load; above it each block's rows are converted once into float32 buffers and reused. Items
-// up to it (decode) also interleave the next chunk's prefetch with groups of 16 keys.
-constexpr int64_t kDirectRows = 8;
 
 // The item with K rows loaded as KT and V rows as VT (DT itself, read in place, or float32
 // from the conversion buffers).
