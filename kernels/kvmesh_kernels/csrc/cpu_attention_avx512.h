@@ -478,7 +478,7 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
 
   const int64_t key_bytes = 2 * nheads * D * elem_bytes(DT);
   const int64_t CH = chunk_keys(key_bytes);
-  const bool prefetch = prefetches(DT, key_bytes);
+  const bool prefetch = std::is_same_v<Pf, Cursor> || prefetches(DT, key_bytes);
   // Decode items run each pass in groups of 16 keys (prefill tiles keep whole passes: their
   // many rows make a pass compute-bound, and splitting it costs).
   const int64_t group = prefetch && rph <= kDirectRows ? 16 : CH;
@@ -587,13 +587,13 @@ KVM_INLINE void run_item_kinds(const Params& p, const Item& it, Scratch& sc, int
   run_item_as<DT, kF32, kF32, Pf>(p, it, sc, rmax, part_acc, part_ml);
 }
 
-// Decode items that prefetch pace their requests with their loads (Cursor); prefill tiles
+// Decode items pace their requests with their loads (Cursor); prefill tiles
 // request their next chunk in pieces (NoCursor).
 template <int DT>
 __attribute__((noinline)) void run_item_avx512(const Params& p, const Item& it, Scratch& sc,
                                                int64_t rmax, float* part_acc, float* part_ml) {
   const int64_t rph = (it.t1 - it.t0) * (p.num_q_heads / p.num_kv_heads);
-  if (rph <= kDirectRows && prefetches(DT, 2 * (it.h1 - it.h0) * p.head_dim * elem_bytes(DT))) {
+  if (rph <= kDirectRows) {
     run_item_kinds<DT, Cursor>(p, it, sc, rmax, part_acc, part_ml);
   } else {
     run_item_kinds<DT, NoCursor>(p, it, sc, rmax, part_acc, part_ml);
