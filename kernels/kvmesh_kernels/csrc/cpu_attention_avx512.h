@@ -307,8 +307,9 @@ KVM_INLINE void prefetch_keys(const Params& p, const char* data, const int64_t* 
 }
 
 // The next chunk's K/V rows, prefetched in `slices` pieces spread over this chunk's work
-// (piece j before the j-th group of keys of a pass), for items not paced by a Cursor (prefill
-// tiles, whose many rows make each pass compute-bound). n = 0: none.
+// (piece j before the j-th group of keys of a pass), for items not paced by a Cursor (more
+// than kDirectRows rows per kv head: prefill tiles, whose many rows make each pass
+// compute-bound). n = 0: none.
 template <int DT>
 struct NextChunk {
   const Params& p;
@@ -425,20 +426,22 @@ KVM_INLINE void scale_keys(const float* scales, const int64_t* soff,
 
 // The lines to request while a chunk computes: the item's next keys [k_hi, k_next), whose
 // offsets are in sc.koff + kChunk; at its last chunk (k_next == k_hi) the first chunk of the
-// item this thread runs next (`following`, may be null), its offsets computed there.
+// item this thread runs next (claimed here), its offsets computed into the same place.
 template <int DT>
-KVM_INLINE Cursor ahead(const Params& p, const Item& it, const Item* following, int64_t k_hi,
-                        int64_t k_next, int64_t loads, Scratch& sc) {
+KVM_INLINE Cursor ahead(const Params& p, const Item& it, int64_t k_hi, int64_t k_next,
+                        int64_t loads, Scratch& sc) {
   const char* data = reinterpret_cast<const char*>(p.data);
   int64_t* koff = sc.koff.data() + kChunk;
-  if (k_next > k_hi) return lines_of(p, data, koff, k_next - k_hi, it.h0, it.h1, elem_bytes(DT), loads);
+  const int64_t eb = elem_bytes(DT);
+  if (k_next > k_hi) return lines_of(p, data, koff, k_next - k_hi, it.h0, it.h1, eb, loads);
+  const Item* following = sc.following();
   if (following == nullptr || following->k1 <= following->k0) return Cursor{};
   const Item& f = *following;
   const int64_t keys = std::min(chunk_keys(2 * (f.h1 - f.h0) * p.head_dim * elem_bytes(DT)),
                                 f.k1 - f.k0);
   const int32_t* table = reinterpret_cast<const int32_t*>(p.block_tables) + f.b * p.max_blocks;
   key_offsets(p, table, f.k0, f.k0 + keys, koff, sc.soff.data() + kChunk);
-  return lines_of(p, data, koff, keys, f.h0, f.h1, elem_bytes(DT), loads);
+  return lines_of(p, data, koff, keys, f.h0, f.h1, eb, loads);
 }
 
 // The item with K rows loaded as KT and V rows as VT (DT itself, read in place, or float32
@@ -463,7 +466,7 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
   float* m = sc.m.data();
   float* l = sc.l.data();
   int64_t* pos = sc.pos.data();
-  int64_t* koff = sc.koff.data();  // this chunk's keys, then the next chunk's
+  int64_t* koff = sc.koff.data();  // this chunk's keys, then the next ones (see `ahead`)
   int64_t* soff = sc.soff.data();
   const void** kr = sc.kraw.data();
   const void** vr = sc.vraw.data();
@@ -501,7 +504,7 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
     int64_t next_keys = 0;  // unpaced: the next chunk in pieces, one before each group
     if constexpr (std::is_same_v<Pf, Cursor>) {
       const int64_t loads = n * nheads * loads_per_key(rph, D, dot);  // this chunk's row loads
-      if (prefetch) pf = ahead<DT>(p, it, sc.following, k_hi, k_next, loads, sc);
+      pf = ahead<DT>(p, it, k_hi, k_next, loads, sc);
     } else {
       next_keys = prefetch ? k_next - k_hi : 0;
     }
@@ -587,8 +590,8 @@ KVM_INLINE void run_item_kinds(const Params& p, const Item& it, Scratch& sc, int
   run_item_as<DT, kF32, kF32, Pf>(p, it, sc, rmax, part_acc, part_ml);
 }
 
-// Decode items pace their requests with their loads (Cursor); prefill tiles
-// request their next chunk in pieces (NoCursor).
+// Items with at most kDirectRows rows per kv head pace their requests with their loads
+// (Cursor); items with more request their next chunk in pieces (NoCursor).
 template <int DT>
 __attribute__((noinline)) void run_item_avx512(const Params& p, const Item& it, Scratch& sc,
                                                int64_t rmax, float* part_acc, float* part_ml) {

@@ -134,8 +134,19 @@ struct Scratch {
   Buf<int64_t> pos;
   Buf<const float*> kp, vp;
   Buf<const void*> kraw, vraw;  // key / value rows in the cache's element type
-  Buf<int64_t> koff, soff;      // element offsets of keys (two chunks) and of their scales
-  const Item* following = nullptr;  // the item this thread runs next (null: none)
+  Buf<int64_t> koff, soff;      // element offsets of keys and of their scales (two steps)
+  // Dynamic scheduling: the call's items, their shared counter, and the item this thread
+  // claimed to run next (-1: none yet). A decode item claims it at its last step, so that
+  // step can prefetch the next item's first keys; claiming earlier would tie items to a
+  // thread before another thread is free to take them.
+  const Item* items = nullptr;
+  std::atomic<int64_t>* counter = nullptr;
+  int64_t count = 0, claimed = -1;
+
+  const Item* following() {  // the next item this thread runs (claimed once), or null
+    if (claimed < 0) claimed = counter->fetch_add(1);
+    return claimed < count ? items + claimed : nullptr;
+  }
 };
 
 // Element size in bytes of a cache element type.
@@ -211,8 +222,11 @@ KVM_INLINE Cursor lines_of(const Params& p, const char* data, const int64_t* kof
   pf.s_kv = p.s_kv;
   pf.eb = eb;
   pf.row_bytes = p.head_dim * eb;
-  pf.per_load = n * (h1 - h0) * 2 * ((pf.row_bytes + 63) / 64);  // lines to request
+  const int64_t lines = n * (h1 - h0) * 2 * ((pf.row_bytes + 63) / 64);
   pf.loads_due = std::max<int64_t>(1, loads);
+  // At most one line per load: a short last step of one item does not burst the next item's
+  // first step out at once (the cursor then covers that step's first lines only).
+  pf.per_load = std::min(lines, pf.loads_due);
   return pf;
 }
 
@@ -544,10 +558,11 @@ KVM_INLINE BlockSpan block_span(const Params& p, const int32_t* table, int64_t k
 }
 
 // The lines of the block after [.., k_hi) of item `it` (at its last block, of the first block
-// of `following`, may be null), paced over `loads` row loads; their key offsets go to sc.koff.
-KVM_INLINE Cursor next_block(const Params& p, const Item& it, const Item* following,
-                             int64_t k_hi, int64_t eb, int64_t loads, Scratch& sc) {
-  const Item* owner = k_hi < it.k1 ? &it : following;
+// of the item this thread runs next, claimed here), paced over `loads` row loads; their key
+// offsets go to sc.koff.
+KVM_INLINE Cursor next_block(const Params& p, const Item& it, int64_t k_hi, int64_t eb,
+                             int64_t loads, Scratch& sc) {
+  const Item* owner = k_hi < it.k1 ? &it : sc.following();
   if (owner == nullptr || owner->k1 <= owner->k0) return Cursor{};
   const int32_t* table =
       reinterpret_cast<const int32_t*>(p.block_tables) + owner->b * p.max_blocks;
@@ -593,7 +608,7 @@ KVM_INLINE void run_item(const Params& p, const Item& it, Scratch& sc, int64_t r
     Pf pf{};
     if constexpr (std::is_same_v<Pf, Cursor>) {
       const int64_t loads = n * nheads * loads_per_key8(rph, D);  // this block's row loads
-      pf = next_block(p, it, sc.following, k_hi, elem_bytes(DT), loads, sc);
+      pf = next_block(p, it, k_hi, elem_bytes(DT), loads, sc);
     }
 
     // Scores s[r * sp + i]: per kv head, register tiles of query rows x keys.
@@ -801,10 +816,11 @@ KVM_INLINE void run_item_portable(const Params& p, const Item& it, Scratch& sc, 
 //           accumulators over head_dim reduced by one 16-way transpose-add per tile;
 //   softmax vectorized exp (Cephes polynomial + scalef), acc rescaled only when the max moved;
 //   P x V   tiles of 4 rows x 64 dims (1 x 128 for remainder rows) in registers over a step.
-// Decode items (few rows per kv head, rows read in place) run each pass in groups of 16 keys,
-// every kv head within a group, and request the next step's lines (at their last step, the
-// first step of the item their thread runs next) a few at a time as they load their rows
-// (Cursor); prefill tiles request the next step in pieces, one before each pass.
+// Items with at most kDirectRows query rows per kv head (decode, and short prefill tiles) run
+// each pass in groups of 16 keys, every kv head within a group, and request the next step's
+// lines (at their last step, the first step of the item their thread runs next) a few at a
+// time as they load their rows (Cursor); items with more rows request the next step in pieces,
+// one before each pass.
 // bfloat16 / float16 / int8 / fp8 K and V rows are converted in registers as they are loaded
 // (zero-extend and shift; vcvtph2ps; sign-extend and convert; e4m3fn bit placement), with no
 // row buffer, when an item has few query rows per kv head (decode: G rows; quantized rows'
@@ -971,14 +987,16 @@ void run_items(const Params& p, const std::vector<Item>& items, int64_t rmax, fl
     sc.m.resize(rmax);
     sc.l.resize(rmax);
     sc.pos.resize(rmax);
-    // Dynamic scheduling, each thread claiming its next item before it runs the current
-    // one, so that the current item's last chunk can prefetch the next one's first keys.
+    // Dynamic scheduling over a shared counter; an item may claim this thread's next one
+    // at its last step (Scratch::following) to prefetch it.
+    sc.items = items.data();
+    sc.counter = &next;
+    sc.count = count;
     int64_t i = next.fetch_add(1);
     while (i < count) {
-      const int64_t j = next.fetch_add(1);
-      sc.following = j < count ? &items[j] : nullptr;
+      sc.claimed = -1;
       run_item_isa<DT>(isa, p, items[i], sc, rmax, part_acc, part_ml);
-      i = j;
+      i = sc.claimed >= 0 ? sc.claimed : next.fetch_add(1);
     }
   }
 }
