@@ -104,11 +104,15 @@ def test_persistent_disk_tier_serves_hits_after_restart(
     assert tiers_of(again)["disk"].hits >= 1
 
 
-def test_swap_preemption_keeps_greedy_output(checkpoint: Path, expected: list[list[int]]) -> None:
-    """`auto` with measured rates: moving a few 16 KiB blocks is far cheaper than recomputing
-    their tokens, so it swaps (the path `swap` always takes)."""
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_swap_preemption_keeps_greedy_output(
+    checkpoint: Path, expected: list[list[int]], mode: str
+) -> None:
+    """Preempted sequences come back with the same greedy tokens. `swap` swaps every one (the
+    host has room); `auto` picks by the rates it measures on this machine, so which way it goes
+    depends on the load (the rule itself is tested on its own): every swapped block returns."""
     llm = LLM(
-        str(checkpoint), num_kv_blocks=9, host_kv_gib=gib(32), preemption="auto",
+        str(checkpoint), num_kv_blocks=9, host_kv_gib=gib(32), preemption=mode,
         max_num_batched_tokens=64,
     )  # fmt: skip
     outputs = llm.generate(make_prompts(), GREEDY)
@@ -116,9 +120,12 @@ def test_swap_preemption_keeps_greedy_output(checkpoint: Path, expected: list[li
     chooser = llm.engine.scheduler.state.chooser
     assert chooser is not None and llm.engine.scheduler.num_preemptions > 0
     assert chooser.num_swap + chooser.num_recompute == llm.engine.scheduler.num_preemptions
+    if mode == "swap":
+        assert chooser.num_swap > 0 and chooser.num_recompute == 0
     store = llm.engine.parts.tiers
     assert store is not None
-    assert chooser.num_swap > 0 and store.swap_stats.swapped_in == store.swap_stats.swapped_out
+    assert store.swap_stats.swapped_in == store.swap_stats.swapped_out
+    assert store.swap_stats.swapped_out > 0 or mode == "auto"
     llm.engine.scheduler.block_manager.check_integrity()
 
 
