@@ -178,7 +178,7 @@ KVM_INLINE bool prefetches(int64_t dt, int64_t key_bytes) {
 // lines ran 1.4-1.5x faster with one request per line than with bursts or none. Into L1, the
 // requests in flight are bounded by those buffers, so where memory is far (an AMD EPYC of
 // family 19h: decode attention at 18-21 GB/s of a 56 GB/s read) they bound the rate; into L2
-// they use the L2's own, more numerous miss slots: 0.56-0.80x the time there.) Lines of key
+// they use the L2's own, more numerous miss slots: 0.56-0.76x the time there.) Lines of key
 // i in order: K of heads [h0, h1), then V of those heads. n = 0: nothing to request.
 struct Cursor {
   const char* data = nullptr;
