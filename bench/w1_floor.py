@@ -10,9 +10,13 @@ time over it says how much goes elsewhere (attention, elementwise ops, Python).
 
 Attention cannot go below reading each scheduled sequence's K/V once per step: the script also
 counts those bytes (every sequence's context, every layer, K and V at the cache's dtype) and
-times reading that many bytes at the machine's streaming read rate (a dot product over a
-512 MiB buffer, best of three): `floor_with_kv_read_*` is the matmul floor plus that read,
-the floor of a step that does nothing but its GEMMs and one pass over its KV.
+times reading that many bytes two ways. `floor_with_kv_read_*` reads them at the machine's
+streaming read rate (a dot product over a 512 MiB buffer, best of three), which no paged
+cache reaches: its blocks lie scattered in memory. `floor_with_paged_kv_read_*` reads them at
+the rate this machine reads the engine's own cache through block tables
+(`kvmesh_kernels.cpu_kv_read`: W1-sized sequences of 32 blocks in random order, every layer in
+turn, the attention kernel's prefetch, best of three): the floor of a step that does nothing
+but its GEMMs and one pass over its paged KV.
 
 The replayed linears are the executor's: q, k, v, o, gate, up, down for transformers' modules,
 the merged qkv, o, gate_up, down for the native executor (fewer, larger GEMMs raise the floor).
@@ -34,6 +38,8 @@ from kvmesh.cli.main import apply_omp_defaults
 apply_omp_defaults()  # before torch loads OpenMP, as every kvmesh command
 
 import torch  # noqa: E402
+from kvmesh_kernels import cpu_kv_read  # noqa: E402
+from kvmesh_kernels.cache import PagedKVCache  # noqa: E402
 
 from kvmesh.cli.bench_throughput import WARMUP_PROMPT, run_all_at_once, w1_requests  # noqa: E402
 from kvmesh.engine.config import EngineConfig  # noqa: E402
@@ -84,6 +90,31 @@ def read_bytes_per_second(mib: int = 512) -> float:
         torch.dot(buffer, buffer)
         best = min(best, time.perf_counter() - start)
     return buffer.numel() * 4 / best
+
+
+def paged_read_bytes_per_second(
+    cache: PagedKVCache, blocks_per_seq: int = 32, max_seqs: int = 64
+) -> float | None:
+    """The rate of reading `cache` through block tables: up to max_seqs sequences of
+    blocks_per_seq whole blocks in random order (fewer when the cache is smaller), every layer
+    in turn, best of three; None where the CPU kernel library is unavailable."""
+    if not cpu_kv_read.available():
+        return None
+    spec = cache.spec
+    seqs = max(1, min(max_seqs, spec.num_blocks // blocks_per_seq))
+    width = min(blocks_per_seq, spec.num_blocks)
+    order = torch.randperm(spec.num_blocks, generator=torch.Generator().manual_seed(0))
+    tables = order[: seqs * width].to(torch.int32).reshape(seqs, width)  # [seqs, width]
+    lens = torch.full((seqs,), width * spec.block_size, dtype=torch.int32)
+    layers = [cache.layer(i) for i in range(spec.num_layers)]
+    read = seqs * width * spec.bytes_per_block  # every layer's K and V of those blocks
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for layer in layers:
+            cpu_kv_read.read_kv(layer, tables, lens)
+        times.append(time.perf_counter() - start)
+    return read / min(times)
 
 
 def replay(
@@ -146,6 +177,16 @@ def main() -> None:
     kv_bytes = sum(c for _, _, c in shapes) * (spec.bytes_per_block // spec.block_size)
     read_rate = read_bytes_per_second()
     with_kv = floor + kv_bytes / read_rate
+    paged_rate = paged_read_bytes_per_second(engine.runner.kv_cache)
+    paged: dict[str, float | None] = {"paged_read_gb_per_s": None}
+    if paged_rate is not None:
+        with_paged = floor + kv_bytes / paged_rate
+        paged = {
+            "paged_read_gb_per_s": round(paged_rate / 1e9, 2),
+            "floor_with_paged_kv_read_seconds": round(with_paged, 3),
+            "floor_with_paged_kv_read_tok_per_s": round(generated / with_paged, 1),
+            "engine_share_of_floor_with_paged_kv_read": round(with_paged / engine_seconds, 3),
+        }
     print(
         json.dumps(
             {
@@ -164,6 +205,7 @@ def main() -> None:
                 "floor_with_kv_read_seconds": round(with_kv, 3),
                 "floor_with_kv_read_tok_per_s": round(generated / with_kv, 1),
                 "engine_share_of_floor_with_kv_read": round(with_kv / engine_seconds, 3),
+                **paged,
             }
         )
     )

@@ -1,9 +1,10 @@
 """Fused CPU paged attention side by side: float32 / bfloat16 / float16 / int8 / fp8 caches.
 
 Run: `python -m kvmesh_kernels.cpu_bench [--repeats 9] [--threads N] [--isas auto avx2]
-[--baseline-source OLD.cpp [--baseline-same-call]] [--huge-pages] [--json]` (one thread is
-steadier on a shared machine). `--huge-pages` runs every variant on the cache in 4 KiB pages
-(`-4k`) and on the same contents in transparent huge pages (`-thp`, `kvmesh_kernels.hugepages`).
+[--baseline-source OLD.cpp [--baseline-same-call]] [--huge-pages] [--read-floor] [--json]`
+(one thread is steadier on a shared machine). `--huge-pages` runs every variant on the cache
+in 4 KiB pages (`-4k`) and on the same contents in transparent huge pages (`-thp`,
+`kvmesh_kernels.hugepages`).
 
 Cases (blocks in random physical order; a call is one model step: every layer in turn, as the
 engine runs them, over a block-major cache of that many layers):
@@ -26,7 +27,9 @@ with `--baseline-same-call` exactly as this version calls its own build, capped 
 `--isas` entry (for a baseline that takes this version's call parameters). Each ratio is taken
 within one repeat against the first variant (the baseline when given) and reported as the
 median with its min-max range; GB/s counts the K/V bytes the call reads. Outputs are checked
-against the first variant.
+against the first variant. `--read-floor` adds `kv-read`: the same layers' K/V rows read
+through the same tables and nothing else (`kvmesh_kernels.cpu_kv_read`), the floor of a
+decode step on this machine's paged reads; its ratio is its time over the first variant's.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from typing import Any
 
 import torch
 
-from kvmesh_kernels import cpu_attention, cpu_build
+from kvmesh_kernels import cpu_attention, cpu_build, cpu_kv_read
 from kvmesh_kernels.cache import KVCacheSpec, LayerKV, allocate_kv_cache
 from kvmesh_kernels.hugepages import thp_mode
 from kvmesh_kernels.quant import quantize
@@ -200,6 +203,18 @@ def variants(
     return fns
 
 
+def read_floor(batch: Batch) -> Callable[[], int]:
+    """One step's K/V read alone: every layer's rows of the batch's contexts, in table order."""
+
+    def run() -> int:
+        result = 0
+        for layer in batch.layers:
+            result ^= cpu_kv_read.read_kv(layer, batch.tables, batch.lens)
+        return result
+
+    return run
+
+
 def time_ms(fns: dict[str, Callable[[], Any]], repeats: int, inner: int) -> dict[str, list[float]]:
     """Interleaved repeats (one warm-up each): per variant, ms per call in each repeat."""
     for fn in fns.values():
@@ -222,10 +237,12 @@ def measure(
     repeats: int,
     compare_huge_pages: bool = False,
     same_call: bool = False,
+    with_read_floor: bool = False,
 ) -> dict[str, Any]:
     """One case in one dtype; with `compare_huge_pages` every variant runs on a cache advised
     against huge pages (`-4k`) and on the same contents in huge pages (`-thp`); `same_call`:
-    see `variants`."""
+    see `variants`; `with_read_floor` times `kv-read` (`read_floor`) too, on the huge-page
+    cache."""
     if compare_huge_pages:
         small = make_batch(case, dtype_name, huge_pages=False)
         batch = make_batch(case, dtype_name, huge_pages=True)
@@ -242,7 +259,10 @@ def measure(
     for name, fn in fns.items():
         err = (fn().float() - ref).abs().max().item()
         assert err <= tol, f"{case.name} {dtype_name}: {name} differs from {first} by {err}"
-    times = time_ms(fns, repeats, inner=1)
+    timed: dict[str, Callable[[], Any]] = dict(fns)
+    if with_read_floor:
+        timed["kv-read"] = read_floor(batch)
+    times = time_ms(timed, repeats, inner=1)
     row: dict[str, Any] = {"case": case.name, "dtype": dtype_name}
     for name, ts in times.items():
         ms = statistics.median(ts)
@@ -276,11 +296,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each variant on a cache in 4 KiB pages (-4k) and in transparent huge pages (-thp)",
     )
+    parser.add_argument(
+        "--read-floor",
+        action="store_true",
+        help="time the same K/V read alone beside the kernel (kv-read)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not cpu_build.available():
+    if not cpu_build.available() or (args.read_floor and not cpu_kv_read.available()):
         print("fused CPU kernel unavailable", file=sys.stderr)
         return 1
     baseline = load_baseline(args.baseline_source) if args.baseline_source else None
@@ -293,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             args.repeats,
             args.huge_pages,
             args.baseline_same_call,
+            args.read_floor,
         )
         for case in cases()
         if case.name in args.cases

@@ -1,8 +1,8 @@
 """Build, cache and load the fused CPU kernel library.
 
 The C++ sources (`csrc/*.cpp`: paged attention, KV write, RMSNorm, the native executor's fused
-elementwise ops and GEMM; plain C ABI + OpenMP, no torch headers) are compiled into
-one library with `torch.utils.cpp_extension.load` and published as
+elementwise ops and GEMM, and the benchmarks' paged K/V read; plain C ABI + OpenMP, no torch
+headers) are compiled into one library with `torch.utils.cpp_extension.load` and published as
 `$KVMESH_CACHE_DIR/torch_extensions/<key>/kvmesh_cpu.so` (default `~/.cache/kvmesh`). The key
 hashes the sources and headers, the compiler flags, the torch and Python versions and the
 machine architecture, which with the flags fixes the ISA the code is compiled for (the baseline
@@ -46,6 +46,7 @@ SOURCES = (
     SOURCE.with_name("cpu_fused_ops.cpp"),
     SOURCE.with_name("cpu_sampling.cpp"),
     SOURCE.with_name("cpu_gemm.cpp"),
+    SOURCE.with_name("cpu_kv_read.cpp"),
 )  # compiled into one library
 HEADERS = (
     SOURCE.with_name("dtype_convert.h"),
