@@ -13,8 +13,13 @@ the CPU's ISA.
 `--hot` runs every layer on the first layer's weights instead, which stay in cache: the
 difference is what streaming the weights costs each GEMM.
 
+`--silu` adds two steps of kvmesh's GEMM whose gate|up is followed by SiLU-and-mul:
+`kvmesh_then_silu` (the GEMM, then the `cpu_fused.silu_mul` kernel on its [M, 2I] output) and
+`kvmesh_silu_epilogue` (`cpu_gemm.gate_up_silu`: the activation in the GEMM's epilogue, what the
+native executor runs), and their ratio `silu_epilogue_over_then_silu`.
+
 Run: `.venv/bin/python bench/cpu_gemm.py [--dtype bfloat16|float32] [--rows 1 8 16 ...]
-[--threads 2] [--hot]`
+[--threads 2] [--hot] [--silu]`
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from kvmesh_kernels import cpu_gemm
+from kvmesh_kernels import cpu_fused, cpu_gemm
 from kvmesh_kernels.cpu_build import machine
 
 from kvmesh.engine.cpu_linear import PackedLinear
@@ -52,6 +57,26 @@ def step_ms(linears: list[list[Linear]], inputs: list[torch.Tensor]) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def gate_up_then_silu(x: torch.Tensor, weight: cpu_gemm.PackedWeight) -> torch.Tensor:
+    """The gate|up GEMM, then the SiLU-and-mul kernel on its [M, 2I] output."""
+    return cpu_fused.silu_mul(cpu_gemm.linear(x, weight, None))
+
+
+def silu_systems(
+    weights: list[list[torch.Tensor]], ours: list[list[cpu_gemm.PackedWeight]]
+) -> dict[str, list[list[Linear]]]:
+    """kvmesh's step with gate|up (the third linear) followed by SiLU-and-mul: as two calls,
+    and in the GEMM's epilogue."""
+    then: list[list[Linear]] = []
+    epilogue: list[list[Linear]] = []
+    for layer, packed in zip(weights, ours, strict=True):
+        plain = [partial(cpu_gemm.linear, weight=p, bias=None) for p in packed]
+        then.append([*plain[:2], partial(gate_up_then_silu, weight=packed[2]), plain[3]])
+        fused = cpu_gemm.pack_gate_up(layer[2])
+        epilogue.append([*plain[:2], partial(cpu_gemm.gate_up_silu, weight=fused), plain[3]])
+    return {"kvmesh_then_silu": then, "kvmesh_silu_epilogue": epilogue}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 512, 2048])
@@ -65,6 +90,7 @@ def main() -> None:
         "--hot", action="store_true", help="every layer on the first layer's weights (in cache)"
     )
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--silu", action="store_true", help="gate|up + SiLU-and-mul, two ways")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     if not cpu_gemm.gemm_supported(dtype):
@@ -90,6 +116,8 @@ def main() -> None:
     }
     if dtype == torch.float32:  # MKL's sgemm through F.linear: the float32 alternative
         systems["mkl"] = [[partial(F.linear, weight=w) for w in layer] for layer in weights]
+    if args.silu:
+        systems.update(silu_systems(weights, ours))
     flops_per_row = 2 * args.layers * sum(out * inp for out, inp in shapes)
     for rows in args.rows:
         inputs = [torch.randn(rows, inp, generator=generator).to(dtype) for _, inp in shapes]
@@ -110,6 +138,15 @@ def main() -> None:
                 for name, ms in times.items()
                 if name != "kvmesh"
             },
+            **(
+                {
+                    "silu_epilogue_over_then_silu": round(
+                        times["kvmesh_silu_epilogue"] / times["kvmesh_then_silu"], 3
+                    )
+                }
+                if args.silu
+                else {}
+            ),
             "threads": args.threads,
             "weights": "hot" if args.hot else "cold",
             "dtype": args.dtype,

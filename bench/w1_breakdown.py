@@ -2,11 +2,12 @@
 
 Runs W1 once on the engine (after a warm-up prompt) with wall-clock timers around the paged
 attention call (split into decode-only steps and steps with prompt tokens), the linears
-(packed or plain), SiLU-and-mul, the residual add + RMSNorm calls and the sampler (the logits'
-argmax or draw), and prints one JSON line: seconds per part, the run's seconds and tok/s, and
-`other` (rotary, embedding, Python and the host side). The timers wrap module-level calls, so
-they add a few microseconds per call; compare runs of this script with each other, not with
-`kvmesh bench throughput`.
+(packed or plain; with kvmesh's GEMM the gate|up linear includes SiLU-and-mul, its epilogue),
+SiLU-and-mul where it is a call of its own, the residual add + RMSNorm calls and the sampler
+(the logits' argmax or draw), and prints one JSON line: seconds per part, the run's seconds
+and tok/s, and `other` (rotary, embedding, Python and the host side). The timers wrap
+module-level calls, so they add a few microseconds per call; compare runs of this script with
+each other, not with `kvmesh bench throughput`.
 
 Run: `.venv/bin/python bench/w1_breakdown.py --model DIR --dtype float32 [--threads 2]
 [--fresh-attention auto|on|off]`
@@ -71,6 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     # The layers hold their linears' bound kernels from build time: wrap before building.
     timed(cpu_linear.CpuGemmLinear, "run", linears_part)
+    timed(cpu_linear.CpuGemmGateUpSilu, "run", linears_part)  # with SiLU-and-mul in it
     timed(cpu_linear.PackedLinear, "run", linears_part)
     timed(layers.PlainLinear, "forward", linears_part)
     engine = LLMEngine(

@@ -8,8 +8,15 @@ with AVX512_BF16) and float32 (AVX-512, or AVX2 + FMA).
     linear(x, packed, bias) -> y               x [..., in] (any strides) -> y [..., out] =
                                                x . w^T + bias in the weight's dtype, float32
                                                sums (bfloat16 rounded once at the end)
+    gate_up_fits(w) -> bool                    pack_gate_up takes w
+    pack_gate_up(w) -> PackedWeight            w [2 * I, in] (gate | up), interleaved + packed
+    gate_up_silu(x, packed) -> y               x [..., in] -> silu(x . gate^T) * (x . up^T)
+                                               [..., I]: the MLP's first half in one call
 
-The path is chosen at run time (`KVMESH_CPU_KERNEL_ISA` caps it). bfloat16 is oneDNN's
+The path is chosen at run time (`KVMESH_CPU_KERNEL_ISA` caps it). `gate_up_silu` applies
+SiLU-and-mul in the GEMM's epilogue, from the sums in registers, so the [..., 2 * I] product
+is never written or read back; it equals `linear` followed by `cpu_fused.silu_mul` bit for bit
+on the same path. bfloat16 is oneDNN's
 arithmetic on these CPUs (vdpbf16ps: pairs of exact products added into float32, subnormal
 inputs read as zero, round to nearest even at the end), float32 one FMA per k in order; the
 order of the float32 additions differs from oneDNN's and MKL's, so results match them to
@@ -88,6 +95,80 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(data, out_features, in_features)
 
 
+def silu_width() -> dict[torch.dtype, int]:
+    """Per dtype, the gate (then up) run width of `pack_gate_up`'s interleave on this CPU's
+    path (0: the GEMM does not run)."""
+    lib = library()
+    if lib is None:
+        return {dtype: 0 for dtype in _DTYPE_CODES}
+    width = lib.kvmesh_cpu_gemm_silu_width
+    return {dtype: int(width(code)) for dtype, code in _DTYPE_CODES.items()}
+
+
+def gate_up_fits(weight: torch.Tensor) -> bool:
+    """Whether `pack_gate_up` takes this gate|up weight [2 * I, in]: `weight_fits`, I a
+    multiple of 16 and the GEMM of its dtype running here."""
+    rows = int(weight.shape[0]) if weight.dim() == 2 else 0
+    return weight_fits(weight) and rows % (2 * 16) == 0 and silu_width().get(weight.dtype, 0) > 0
+
+
+def gate_up_order(intermediate: int, width: int) -> torch.Tensor:
+    """The row order of the interleaved gate|up weight [2 * I]: packed column c holds row
+    order[c] of the plain weight (gate rows 0..I-1, up rows I..2I-1); per 16 output columns,
+    runs of `width` gate rows, each followed by the same up rows."""
+    j = torch.arange(intermediate)  # [I] output columns
+    within = j % 16
+    gate_col = (j // 16) * 32 + (within // width) * 2 * width + within % width  # [I]
+    order = torch.empty(2 * intermediate, dtype=torch.int64)  # [2I]
+    order[gate_col] = j
+    order[gate_col + width] = j + intermediate
+    return order
+
+
+def pack_gate_up(weight: torch.Tensor) -> PackedWeight:
+    """weight [2 * I, in] (gate rows, then up rows; `gate_up_fits`) -> packed for
+    `gate_up_silu`, its rows interleaved for this CPU's path; out_features is 2 * I."""
+    assert gate_up_fits(weight), "pack_gate_up takes a gate|up weight with I a multiple of 16"
+    order = gate_up_order(weight.shape[0] // 2, silu_width()[weight.dtype])
+    return pack_weight(weight.detach().index_select(0, order).contiguous())
+
+
+def gate_up_silu(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """x [..., in] in the weight's dtype (any strides), weight from `pack_gate_up` ->
+    silu(gate) * up [..., I] in that dtype. ValueError for operands the kernel cannot take."""
+    _check_operands(x, weight, None)
+    rows_x = _rows_of(x)  # [rows, in]
+    rows, in_features = rows_x.shape
+    half = weight.out_features // 2
+    out = torch.empty((rows, half), dtype=x.dtype)  # [rows, I]
+    lib = library()
+    assert lib is not None
+    rc = lib.kvmesh_cpu_gemm_silu_mul(
+        ctypes.c_int(_DTYPE_CODES[x.dtype]),
+        _P(rows_x.data_ptr()),
+        _I(rows_x.stride(0) if rows > 1 else in_features),
+        _P(weight.data.data_ptr()),
+        _P(out.data_ptr()),
+        _I(half),
+        _I(rows),
+        _I(weight.out_features),
+        _I(in_features),
+        _I(torch.get_num_threads()),
+    )
+    if rc != 0:
+        raise RuntimeError(f"kvmesh_cpu_gemm_silu_mul rejected its arguments (code {rc})")
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], half)
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, in] with unit column stride and rows apart by at least `in`."""
+    rows_x = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [rows, in]
+    rows, in_features = rows_x.shape
+    if rows_x.stride(-1) != 1 or (rows > 1 and rows_x.stride(0) < in_features):
+        rows_x = rows_x.contiguous()  # strided columns, or an expanded row
+    return rows_x
+
+
 def pack_bias(bias: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """bias [out] (any float dtype) -> float32 [weight.padded_out], zeros past out."""
     assert bias.shape == (weight.out_features,)
@@ -103,10 +184,8 @@ def linear(
     [..., out] in that dtype. ValueError for operands the kernel cannot take.
     `prefetch=False` turns the weight prefetch off (only to measure what it gains)."""
     _check_operands(x, weight, bias)
-    rows_x = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [rows, in]
+    rows_x = _rows_of(x)  # [rows, in]
     rows, in_features = rows_x.shape
-    if rows_x.stride(-1) != 1 or (rows > 1 and rows_x.stride(0) < in_features):
-        rows_x = rows_x.contiguous()  # strided columns, or an expanded row
     out = torch.empty((rows, weight.out_features), dtype=x.dtype)  # [rows, out]
     lib = library()
     assert lib is not None

@@ -103,6 +103,32 @@ class CpuGemmLinear(PackedLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=kvmesh"
 
 
+class CpuGemmGateUpSilu(CpuGemmLinear):
+    """The MLP's merged gate|up linear with SiLU-and-mul in kvmesh's GEMM epilogue: x [..., in]
+    -> silu(x . gate^T) * (x . up^T) [..., I] (`cpu_gemm.gate_up_silu`), bit for bit the
+    plain linear followed by `cpu_fused.silu_mul`, without writing and reading back the
+    [..., 2 * I] product. `out_features` is I; no bias (`cpu_gemm.gate_up_fits` says which
+    weights it takes)."""
+
+    activates = True  # its output is the MLP's activation, not gate|up
+
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        assert bias is None, "the fused gate|up linear takes no bias"
+        self.packed_weight = cpu_gemm.pack_gate_up(weight.detach().contiguous())
+        self.out_features = self.packed_weight.out_features // 2
+        self.bias = None
+        self._register()
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.gate_up_silu(x, self.packed_weight)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            "packed=kvmesh, epilogue=silu_mul"
+        )
+
+
 @torch.library.custom_op("kvmesh::packed_linear", mutates_args=())
 def packed_linear(
     x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int

@@ -73,6 +73,15 @@ def hf_greedy(path: Path, prompt: list[int], new_tokens: int) -> list[int]:
     return list(out[0, len(prompt) :].tolist())
 
 
+def runner_logits(loaded: Any, prompt: list[int]) -> torch.Tensor:
+    """A fresh runner's logits over `loaded` for the last prompt token (one prefill chunk)."""
+    runner = ModelRunner(loaded, 64, 4, "auto")
+    table = tuple(range(-(-len(prompt) // 4)))
+    chunk = ScheduledChunk("0", tuple(prompt), 0, table, (), ("0",))
+    plan = plan_of_chunks((chunk,), block_size=4, new_seqs=(NewSeq("0", table),))
+    return runner.execute(plan)[0]  # [vocab] in the model dtype
+
+
 def native_last_logits(
     path: Path, prompt: list[int], dtype: str, fresh_attention: str = "auto", gemm: str = "auto"
 ) -> torch.Tensor:
@@ -233,6 +242,39 @@ def test_silu_and_mul_takes_the_fused_kernel_on_cpu(monkeypatch: pytest.MonkeyPa
             assert torch.allclose(got.float(), expected.float(), rtol=1e-6, atol=0)
     assert FUSED_SILU_MIN_OUTPUTS == 16 * 1024  # the first shape is the smallest fused one
     assert fused == ([torch.float32, torch.bfloat16] if cpu_build.available() else [])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gate_up_applies_silu_in_the_gemm_where_kvmeshs_gemm_runs(
+    checkpoint: Path, dtype: str
+) -> None:
+    """With kvmesh's GEMM every layer's gate|up linear carries SiLU-and-mul in its epilogue
+    (output [T, I]) and the model's logits equal the same model on the plain gate|up GEMM
+    followed by the SiLU-and-mul kernel, bit for bit; torch's GEMM keeps gate|up [T, 2I]."""
+    from kvmesh_kernels import cpu_gemm
+    from transformers import AutoModelForCausalLM
+
+    from kvmesh.engine.cpu_linear import CpuGemmGateUpSilu, CpuGemmLinear
+
+    if not cpu_gemm.gemm_supported(getattr(torch, dtype)):
+        pytest.skip(f"no {dtype} GEMM of kvmesh's on this CPU")
+    loaded = load_model(EngineConfig(model=str(checkpoint), dtype=dtype, executor="native"))
+    model: Any = loaded.model
+    assert all(isinstance(layer.gate_up, CpuGemmGateUpSilu) for layer in model.layers)
+    assert all(layer.gate_up_activates for layer in model.layers)
+    rows_outputs = len(PROMPT) * model.layers[0].gate_up.out_features  # T * I
+    assert rows_outputs >= FUSED_SILU_MIN_OUTPUTS  # so the unfused path takes the kernel
+    fused = runner_logits(loaded, PROMPT)
+    hf: Any = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=getattr(torch, dtype))
+    for layer, hf_layer in zip(model.layers, hf.model.layers, strict=True):
+        mlp = hf_layer.mlp  # the same weights, unfused: plain GEMM, then the SiLU kernel
+        weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()  # [2I, in]
+        layer.gate_up = CpuGemmLinear.from_weight(weight, None)
+        layer.gate_up_activates = False
+        layer.call_linears_directly(True)
+    assert torch.equal(runner_logits(loaded, PROMPT), fused)
+    plain = load_model(EngineConfig(model=str(checkpoint), dtype=dtype, cpu_gemm="torch")).model
+    assert not any(layer.gate_up_activates for layer in plain.layers)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -92,11 +92,8 @@ inline __attribute__((always_inline)) void silu_mul_row(const typename D::T* g,
                                                         const typename D::T* u, typename D::T* y,
                                                         int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = D::load(g[i]);
-    const float act = D::round(v / (1.f + exp_f32<kFma>(-v)));
-    y[i] = D::store(act * D::load(u[i]));
-  }
+  for (int64_t i = 0; i < n; ++i)
+    y[i] = D::store(silu_mul_elem<D, kFma>(D::load(g[i]), D::load(u[i])));
 }
 
 template <class D>

@@ -18,6 +18,14 @@
 //   output  bias (float32, padded to whole panels) added to the sums; bfloat16 rounds to
 //           nearest even (vcvtneps2bf16) once; row stride ldy; a last partial panel goes
 //           through a scratch block, so nothing past N is written.
+//   silu    kvmesh_cpu_gemm_silu_mul: a gate|up weight packed with its rows interleaved
+//           (each tile's first vector of columns gate rows, its second the same up rows:
+//           kvmesh_cpu_gemm_silu_width), so that a tile holds gate and up of the same output
+//           columns and writes silu(gate) * up [M, N / 2] straight from its registers: the
+//           [M, N] gate|up product is never stored. Per element the arithmetic of
+//           kvmesh_cpu_silu_mul on the same ISA (fused_common.h's silu_mul_elem, with FMA),
+//           after gate and up are rounded to the dtype as a stored product would be, so the
+//           result equals the GEMM followed by that kernel bit for bit.
 //
 // The path is chosen at run time by the CPU's features; KVMESH_CPU_KERNEL_ISA (baseline |
 // avx2) caps it as it caps the attention kernel's (baseline: no path; avx2: float32 only).
@@ -33,6 +41,9 @@
 #include <cstring>
 #include <string>
 #include <utility>
+
+// Only its FMA paths are used here, whose arithmetic does not depend on contraction.
+#include "fused_common.h"
 
 namespace {
 
@@ -71,7 +82,9 @@ struct Bf16 {
   using T = uint16_t;
   using Acc = __m512;
   using B = __m512bh;
+  using D = kvmesh_fused::BF16;
   static constexpr int64_t kStep = 2, kCols = 16;
+  static void spill(float* p, Acc a) { _mm512_storeu_ps(p, a); }
   static Acc zero() { return _mm512_setzero_ps(); }
   static B load(const T* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
   static B broadcast(const T* x) {
@@ -91,7 +104,9 @@ struct F32 {
   using T = float;
   using Acc = __m512;
   using B = __m512;
+  using D = kvmesh_fused::F32;
   static constexpr int64_t kStep = 1, kCols = 16;
+  static void spill(float* p, Acc a) { _mm512_storeu_ps(p, a); }
   static Acc zero() { return _mm512_setzero_ps(); }
   static B load(const T* p) { return _mm512_loadu_ps(p); }
   static B broadcast(const T* x) { return _mm512_set1_ps(*x); }
@@ -117,7 +132,9 @@ struct F32 {
   using T = float;
   using Acc = __m256;
   using B = __m256;
+  using D = kvmesh_fused::F32;
   static constexpr int64_t kStep = 1, kCols = 8;
+  static void spill(float* p, Acc a) { _mm256_storeu_ps(p, a); }
   static Acc zero() { return _mm256_setzero_ps(); }
   static B load(const T* p) { return _mm256_loadu_ps(p); }
   static B broadcast(const T* x) { return _mm256_broadcast_ss(x); }
@@ -205,12 +222,25 @@ extern "C" int kvmesh_cpu_gemm_pack(int dtype, const void* w, int64_t ldw, int64
   return 0;
 }
 
-// y [m, n] (row stride ldy) = x [m, k] (row stride ldx) . W^T + bias (float32, padded to
-// whole panels, or null); prefetch 0 turns the weight prefetch off (benchmarks only).
-extern "C" int kvmesh_cpu_gemm(int dtype, const void* x, int64_t ldx, const void* packed,
-                               const float* bias, void* y, int64_t ldy, int64_t m, int64_t n,
-                               int64_t k, int64_t threads, int prefetch) {
-  if (m < 0 || n <= 0 || k <= 0 || ldx < k || ldy < n || threads < 1) return 1;
+// Columns per gate (then up) run of a gate|up weight interleaved for kvmesh_cpu_gemm_silu_mul
+// on this CPU's path (the path's vector width: 16 on AVX-512, 8 on AVX2), 0 where the GEMM of
+// dtype does not run. Row j of the intermediate's gate (and up) goes to packed column
+// (j / 16) * 32 + ((j % 16) / w) * 2w + j % w (up: + w).
+extern "C" int kvmesh_cpu_gemm_silu_width(int dtype) {
+  const Path path = path_for(dtype);
+  if (path == Path::kAvx512) return 16;
+  if (path == Path::kAvx2) return 8;
+  return 0;
+}
+
+namespace {
+
+// The checks both entries share, then the GEMM (kSilu: with SiLU-and-mul in its epilogue) on
+// this CPU's path: 0, or the entries' error code.
+template <bool kSilu>
+int run_gemm(int dtype, const void* x, int64_t ldx, const void* packed, const float* bias,
+             void* y, int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t threads,
+             bool prefetch) {
   if (dtype == 1 && k % 2 != 0) return 1;
   if (dtype != 0 && dtype != 1) return 3;
   const Path path = path_for(dtype);
@@ -220,19 +250,41 @@ extern "C" int kvmesh_cpu_gemm(int dtype, const void* x, int64_t ldx, const void
   if (dtype == 1) {
     const Gemm<uint16_t> g{static_cast<const uint16_t*>(x), ldx,
                            static_cast<const uint16_t*>(packed), bias,
-                           static_cast<uint16_t*>(y), ldy, m, n, k, prefetch != 0};
-    avx512::gemm<avx512::Bf16>(g, threads);
+                           static_cast<uint16_t*>(y), ldy, m, n, k, prefetch};
+    avx512::gemm<avx512::Bf16, kSilu>(g, threads);
     return 0;
   }
   const Gemm<float> g{static_cast<const float*>(x), ldx, static_cast<const float*>(packed), bias,
-                      static_cast<float*>(y), ldy, m, n, k, prefetch != 0};
+                      static_cast<float*>(y), ldy, m, n, k, prefetch};
   if (path == Path::kAvx512) {
-    avx512::gemm<avx512::F32>(g, threads);
+    avx512::gemm<avx512::F32, kSilu>(g, threads);
   } else {
-    avx2::gemm<avx2::F32>(g, threads);
+    avx2::gemm<avx2::F32, kSilu>(g, threads);
   }
 #else
-  (void)x, (void)packed, (void)bias, (void)y;
+  (void)x, (void)packed, (void)bias, (void)y, (void)ldx, (void)ldy, (void)n, (void)threads;
+  (void)prefetch;
 #endif
   return 0;
+}
+
+}  // namespace
+
+// y [m, n / 2] (row stride ldy) = silu(x . Wg^T) * (x . Wu^T) from a gate|up weight [n, k]
+// interleaved (kvmesh_cpu_gemm_silu_width) and packed; n a multiple of 32, no bias.
+extern "C" int kvmesh_cpu_gemm_silu_mul(int dtype, const void* x, int64_t ldx, const void* packed,
+                                        void* y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+                                        int64_t threads) {
+  if (m < 0 || n <= 0 || n % kPanel != 0 || k <= 0 || ldx < k || ldy < n / 2 || threads < 1)
+    return 1;
+  return run_gemm<true>(dtype, x, ldx, packed, nullptr, y, ldy, m, n, k, threads, true);
+}
+
+// y [m, n] (row stride ldy) = x [m, k] (row stride ldx) . W^T + bias (float32, padded to
+// whole panels, or null); prefetch 0 turns the weight prefetch off (benchmarks only).
+extern "C" int kvmesh_cpu_gemm(int dtype, const void* x, int64_t ldx, const void* packed,
+                               const float* bias, void* y, int64_t ldy, int64_t m, int64_t n,
+                               int64_t k, int64_t threads, int prefetch) {
+  if (m < 0 || n <= 0 || k <= 0 || ldx < k || ldy < n || threads < 1) return 1;
+  return run_gemm<false>(dtype, x, ldx, packed, bias, y, ldy, m, n, k, threads, prefetch != 0);
 }

@@ -3,10 +3,26 @@
 // kCols, the vector types and load / broadcast / madd / store) and kMaxRows. Uses the file's
 // Gemm<T>, kPanel, kLine, kChunkBytes and panels_of.
 
+// silu(g) * u of one row's kCols columns into y (E::T), the sums g and u first rounded to the
+// dtype as a stored gate|up product would be (cpu_gemm.cpp, "silu").
+template <class E>
+inline __attribute__((always_inline)) void store_silu(typename E::T* y, typename E::Acc g,
+                                                      typename E::Acc u) {
+  using D = typename E::D;
+  alignas(64) float gv[E::kCols], uv[E::kCols];
+  E::spill(gv, g);
+  E::spill(uv, u);
+#pragma omp simd
+  for (int64_t i = 0; i < E::kCols; ++i)
+    y[i] = D::store(kvmesh_fused::silu_mul_elem<D, true>(D::round(gv[i]), D::round(uv[i])));
+}
+
 // rows x 32 columns of y from the panel (k / kStep steps), in parts of two vectors of kCols
 // output columns; while the first part runs, `lines_per_step` cache lines of `next` per step
 // are prefetched (none when next is null). bias: the panel's 32 float32 values or null.
-template <class E, int R>
+// kSilu: each part's two vectors are gate and up of the same kCols columns, and the tile
+// writes silu(gate) * up of them (kCols per part, 16 per panel; no bias).
+template <class E, int R, bool kSilu>
 inline __attribute__((always_inline)) void tile(const Gemm<typename E::T>& g,
                                                 const typename E::T* x,
                                                 const typename E::T* panel, typename E::T* y,
@@ -33,6 +49,11 @@ inline __attribute__((always_inline)) void tile(const Gemm<typename E::T>& g,
       }
     }
     next = nullptr;
+    if constexpr (kSilu) {
+      typename E::T* out = y + part * E::kCols;
+      for (int r = 0; r < R; ++r) store_silu<E>(out + r * ldy, lo[r], hi[r]);
+      continue;
+    }
     const float* part_bias = bias != nullptr ? bias + part * 2 * E::kCols : nullptr;
     typename E::T* out = y + part * 2 * E::kCols;
     for (int r = 0; r < R; ++r) {
@@ -46,25 +67,26 @@ template <class E>
 using TileFn = void (*)(const Gemm<typename E::T>&, const typename E::T*, const typename E::T*,
                         typename E::T*, int64_t, const float*, const char*, int64_t);
 
-template <class E, int R>
+template <class E, int R, bool kSilu>
 void tile_fn(const Gemm<typename E::T>& g, const typename E::T* x, const typename E::T* panel,
              typename E::T* y, int64_t ldy, const float* bias, const char* next,
              int64_t lines_per_step) {
-  tile<E, R>(g, x, panel, y, ldy, bias, next, lines_per_step);
+  tile<E, R, kSilu>(g, x, panel, y, ldy, bias, next, lines_per_step);
 }
 
-template <class E, int... R>
+template <class E, bool kSilu, int... R>
 constexpr std::array<TileFn<E>, sizeof...(R) + 1> tiles_of(std::integer_sequence<int, R...>) {
-  return {nullptr, &tile_fn<E, R + 1>...};
+  return {nullptr, &tile_fn<E, R + 1, kSilu>...};
 }
 
-template <class E>
-constexpr auto kTiles = tiles_of<E>(std::make_integer_sequence<int, kMaxRows>{});
+template <class E, bool kSilu>
+constexpr auto kTiles = tiles_of<E, kSilu>(std::make_integer_sequence<int, kMaxRows>{});
 
 // Rows [m0, m1) of panels [p0, p1): per panel every tile of the rows, the next panel of the
 // range prefetched during the first. The last panel's columns past N go to a scratch row
-// block and only the real ones are copied out.
-template <class E>
+// block and only the real ones are copied out. kSilu: a panel's output is its 16 columns of
+// silu(gate) * up (N a multiple of 32: every panel whole).
+template <class E, bool kSilu>
 void run_panels(const Gemm<typename E::T>& g, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
   using T = typename E::T;
   const int64_t panel_elems = g.k * kPanel;
@@ -80,10 +102,10 @@ void run_panels(const Gemm<typename E::T>& g, int64_t m0, int64_t m1, int64_t p0
     const float* bias = g.bias != nullptr ? g.bias + p * kPanel : nullptr;
     for (int64_t m = m0; m < m1; m += kMaxRows) {
       const int64_t rows = std::min<int64_t>(kMaxRows, m1 - m);
-      T* y = g.y + m * g.ldy + p * kPanel;
+      T* y = g.y + m * g.ldy + p * (kSilu ? kPanel / 2 : kPanel);
       T* target = cols == kPanel ? y : scratch;
-      kTiles<E>[rows](g, g.x + m * g.ldx, panel, target, cols == kPanel ? g.ldy : kPanel, bias,
-                      next, lines_per_step);
+      kTiles<E, kSilu>[rows](g, g.x + m * g.ldx, panel, target, cols == kPanel ? g.ldy : kPanel,
+                             bias, next, lines_per_step);
       next = nullptr;
       if (cols != kPanel)
         for (int64_t r = 0; r < rows; ++r)
@@ -92,7 +114,7 @@ void run_panels(const Gemm<typename E::T>& g, int64_t m0, int64_t m1, int64_t p0
   }
 }
 
-template <class E>
+template <class E, bool kSilu = false>
 void gemm(const Gemm<typename E::T>& g, int64_t threads) {
   const int64_t panels = panels_of(g.n);
   const int64_t row_bytes = g.k * static_cast<int64_t>(sizeof(typename E::T));
@@ -104,6 +126,6 @@ void gemm(const Gemm<typename E::T>& g, int64_t threads) {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
     for (int64_t m = 0; m < g.m; m += chunk)
-      run_panels<E>(g, m, std::min(g.m, m + chunk), p0, p1);
+      run_panels<E, kSilu>(g, m, std::min(g.m, m + chunk), p0, p1);
   }
 }

@@ -1,5 +1,6 @@
 // Shared by the fused CPU kernels (cpu_fused_ops.cpp, cpu_sampling.cpp, cpu_cache_ops.cpp):
-// float32 / bfloat16 / float16 traits, the target clones macro and a vectorizable float32 exp, all inline or templates.
+// float32 / bfloat16 / float16 traits, the target clones macro, a vectorizable float32 exp and
+// SiLU-and-mul's element (also cpu_gemm.cpp's fused epilogue), all inline or templates.
 // Include it after `#pragma GCC optimize("-ffp-contract=off")`: the exp's non-FMA path must
 // not be contracted.
 #pragma once
@@ -74,6 +75,13 @@ inline __attribute__((always_inline)) float exp_f32(float x) {
   const uint32_t half = static_cast<uint32_t>(static_cast<int32_t>(ni) >> 1);
   return p * kvmesh_cvt::bits_to_f32((half + 127u) << 23) *
          kvmesh_cvt::bits_to_f32((ni - half + 127u) << 23);
+}
+
+// silu(g) * u as torch's F.silu(g) * up computes it in D, from g and u already D's values:
+// the quotient rounded to D, then the product (the caller rounds it when it stores).
+template <class D, bool kFma>
+inline __attribute__((always_inline)) float silu_mul_elem(float g, float u) {
+  return D::round(g / (1.f + exp_f32<kFma>(-g))) * u;
 }
 
 }  // namespace kvmesh_fused

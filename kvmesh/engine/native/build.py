@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kvmesh.engine.errors import UnsupportedModelError
-from kvmesh.engine.native.layers import RMSNorm, make_linear, merged_linear
+from kvmesh.engine.native.layers import RMSNorm, gate_up_linear, make_linear, merged_linear
 from kvmesh.engine.native.llama import AttentionShape, NativeCausalLM, NativeDecoderLayer
 from kvmesh.engine.native.rope import RotaryTable, check_rope
 
@@ -73,7 +73,7 @@ def convert_layer(index: int, layer: Any, hf_config: Any, linears: str) -> Nativ
         (norm_of(layer.input_layernorm), norm_of(layer.post_attention_layernorm)),
         qkv=merged_linear([attn.q_proj, attn.k_proj, attn.v_proj], linears),
         o=make_linear(attn.o_proj.weight, getattr(attn.o_proj, "bias", None), linears),
-        gate_up=merged_linear([mlp.gate_proj, mlp.up_proj], linears),
+        gate_up=gate_up_linear([mlp.gate_proj, mlp.up_proj], linears),
         down=make_linear(mlp.down_proj.weight, getattr(mlp.down_proj, "bias", None), linears),
         qk_norms=(norm_of(q_norm), norm_of(k_norm)) if q_norm is not None else None,
     )

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kvmesh_kernels import cpu_fused, cpu_gemm
 from torch import nn
 
-from kvmesh.engine.cpu_linear import CpuGemmLinear, PackedLinear
+from kvmesh.engine.cpu_linear import CpuGemmGateUpSilu, CpuGemmLinear, PackedLinear
 
 LINEAR_KINDS = ("kvmesh", "onednn", "plain")  # make_linear's kinds
 
@@ -62,6 +62,23 @@ def merged_linear(parts: list[nn.Module], kind: str) -> nn.Module:
         ]
     )  # [sum out], zeros where a part has no bias, on the weight's device
     return make_linear(weight, bias, kind)
+
+
+def gate_up_linear(parts: list[nn.Module], kind: str) -> nn.Module:
+    """The MLP's merged gate|up linear (`merged_linear` of gate_proj, up_proj), or, for kvmesh's
+    GEMM where it takes the weight (no biases, I a multiple of 16), the same GEMM with
+    SiLU-and-mul in its epilogue (`CpuGemmGateUpSilu`: `activates(module)` is true, its output
+    is the activation [T, I] instead of gate|up [T, 2 * I])."""
+    if kind == "kvmesh" and all(getattr(p, "bias", None) is None for p in parts):
+        weight = torch.cat([p.get_parameter("weight").detach() for p in parts])  # [2I, in]
+        if cpu_gemm.gate_up_fits(weight):
+            return CpuGemmGateUpSilu.from_weight(weight, None)
+    return merged_linear(parts, kind)
+
+
+def activates(gate_up: nn.Module) -> bool:
+    """Whether a gate|up linear already applies SiLU-and-mul (`gate_up_linear`)."""
+    return bool(getattr(gate_up, "activates", False))
 
 
 class RMSNorm(nn.Module):

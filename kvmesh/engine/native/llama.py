@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kvmesh.engine.attention import ForwardContext, attend
-from kvmesh.engine.native.layers import RMSNorm, direct_call, silu_and_mul
+from kvmesh.engine.native.layers import RMSNorm, activates, direct_call, silu_and_mul
 from kvmesh.engine.native.rope import RotaryTable, StepRotary
 
 
@@ -56,6 +56,7 @@ class NativeDecoderLayer(nn.Module):
         self.shape = shape
         self.input_norm, self.post_attention_norm = norms
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.gate_up_activates = activates(gate_up)  # SiLU-and-mul in its GEMM's epilogue
         self.q_norm: RMSNorm | None = qk_norms[0] if qk_norms else None
         self.k_norm: RMSNorm | None = qk_norms[1] if qk_norms else None
         self.split = (
@@ -115,7 +116,10 @@ class NativeDecoderLayer(nn.Module):
         _, o, gate_up, down = self.linears
         x = o(out.reshape(out.shape[0], -1))  # [T, hidden]
         h, residual = self.post_attention_norm.add_forward(x, residual)
-        return down(silu_and_mul(gate_up(h))), residual
+        mlp = gate_up(h)  # [T, I] where it activates, else [T, 2I]
+        if not self.gate_up_activates:
+            mlp = silu_and_mul(mlp)
+        return down(mlp), residual
 
 
 class NativeCausalLM(nn.Module):
