@@ -66,6 +66,7 @@ class PackedWeight:
     data: torch.Tensor  # [ceil(out / 32) * 32 * in] in the weight's dtype, the packed panels
     out_features: int
     in_features: int
+    interleave: int = 0  # pack_gate_up's run width (gate_up_silu's weights), 0: a plain weight
 
     @property
     def padded_out(self) -> int:
@@ -129,14 +130,19 @@ def pack_gate_up(weight: torch.Tensor) -> PackedWeight:
     """weight [2 * I, in] (gate rows, then up rows; `gate_up_fits`) -> packed for
     `gate_up_silu`, its rows interleaved for this CPU's path; out_features is 2 * I."""
     assert gate_up_fits(weight), "pack_gate_up takes a gate|up weight with I a multiple of 16"
-    order = gate_up_order(weight.shape[0] // 2, silu_width()[weight.dtype])
-    return pack_weight(weight.detach().index_select(0, order).contiguous())
+    width = silu_width()[weight.dtype]
+    order = gate_up_order(weight.shape[0] // 2, width)
+    packed = pack_weight(weight.detach().index_select(0, order).contiguous())
+    return PackedWeight(packed.data, packed.out_features, packed.in_features, width)
 
 
 def gate_up_silu(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """x [..., in] in the weight's dtype (any strides), weight from `pack_gate_up` ->
-    silu(gate) * up [..., I] in that dtype. ValueError for operands the kernel cannot take."""
+    silu(gate) * up [..., I] in that dtype. ValueError for operands the kernel cannot take,
+    and for a weight not packed by `pack_gate_up` for this CPU's path."""
     _check_operands(x, weight, None)
+    if weight.interleave != silu_width().get(x.dtype) or weight.out_features % (2 * 16):
+        raise ValueError("weight: a gate|up weight from pack_gate_up on this CPU's path")
     rows_x = _rows_of(x)  # [rows, in]
     rows, in_features = rows_x.shape
     half = weight.out_features // 2
@@ -184,6 +190,8 @@ def linear(
     [..., out] in that dtype. ValueError for operands the kernel cannot take.
     `prefetch=False` turns the weight prefetch off (only to measure what it gains)."""
     _check_operands(x, weight, bias)
+    if weight.interleave:
+        raise ValueError("weight: interleaved by pack_gate_up, for gate_up_silu only")
     rows_x = _rows_of(x)  # [rows, in]
     rows, in_features = rows_x.shape
     out = torch.empty((rows, weight.out_features), dtype=x.dtype)  # [rows, out]

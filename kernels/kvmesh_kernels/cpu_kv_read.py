@@ -10,6 +10,8 @@ memory), where a streaming read of one buffer would overstate the rate.
 from __future__ import annotations
 
 import ctypes
+import functools
+from typing import Any
 
 import torch
 
@@ -41,16 +43,12 @@ def read_kv(
     num_threads: int | None = None,
 ) -> int:
     """Read the K and V rows of seq_lens[b] tokens of every sequence b of one layer (block ids
-    in block_tables [batch, max_blocks], clamped into the cache); returns the xor of the 64-bit
-    words read (a run's last bytes short of a 64-byte line one by one). Raises ValueError for a
-    layer that is not a CPU cache contiguous within each block half, or for tables and lengths
-    that are not int32 of matching batch."""
-    data = layer.data  # [num_blocks, 2, block_size, Hkv, D]
-    if data.device.type != "cpu":
-        raise ValueError("read_kv: layer must be on the CPU")
-    token_elems = layer.num_kv_heads * layer.head_dim
-    if data.stride(-1) != 1 or data.stride(-2) != layer.head_dim or data.stride(-3) != token_elems:
-        raise ValueError("read_kv: layer must be contiguous within each block half")
+    in block_tables [batch, max_blocks], clamped into the cache; at most max_blocks blocks a
+    sequence, nothing for a negative length) on num_threads threads (default torch's); returns
+    the xor of the 64-bit words read (a run's last bytes short of a 64-byte line one by one).
+    Raises ValueError for a layer that is not a CPU cache contiguous within each block half,
+    for tables and lengths that are not int32 of matching batch, or for num_threads below 1."""
+    data = _checked_layer(layer)  # [num_blocks, 2, block_size, Hkv, D]
     tables = _int32(block_tables, "block_tables", 2)
     lens = _int32(seq_lens, "seq_lens", 1)
     if lens.shape[0] != tables.shape[0] or tables.shape[1] < 1:
@@ -58,9 +56,9 @@ def read_kv(
             f"read_kv: seq_lens {tuple(lens.shape)} must match block_tables "
             f"{tuple(tables.shape)} in batch, with at least one block column"
         )
-    lib = library()
-    if lib is None or not hasattr(lib, READ_ENTRY):
-        raise RuntimeError("read_kv: the CPU kernel library is unavailable")
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    if threads < 1:
+        raise ValueError(f"read_kv: num_threads must be at least 1, got {threads}")
     params = _ReadParams(
         data=data.data_ptr(),
         tables=tables.data_ptr(),
@@ -70,21 +68,42 @@ def read_kv(
         num_blocks=data.shape[0],
         block_size=layer.block_size,
         elem_bytes=data.element_size(),
-        token_bytes=token_elems * data.element_size(),
+        token_bytes=layer.num_kv_heads * layer.head_dim * data.element_size(),
         s_block=data.stride(0),
         s_kv=data.stride(1),
-        num_threads=num_threads or torch.get_num_threads(),
+        num_threads=threads,
     )
-    entry = getattr(lib, READ_ENTRY)
-    entry.argtypes = [ctypes.POINTER(_ReadParams)]
-    entry.restype = ctypes.c_int64
-    result = int(entry(ctypes.byref(params)))
+    result = int(_entry()(ctypes.byref(params)))
     if result < 0:
         raise ValueError("read_kv: the library refused the arguments")
     return result
 
 
+def _checked_layer(layer: LayerKV) -> torch.Tensor:
+    """The layer's data [num_blocks, 2, block_size, Hkv, D], if the read can take it."""
+    data = layer.data
+    if data.device.type != "cpu":
+        raise ValueError("read_kv: layer must be on the CPU")
+    token_elems = layer.num_kv_heads * layer.head_dim
+    if data.stride(-1) != 1 or data.stride(-2) != layer.head_dim or data.stride(-3) != token_elems:
+        raise ValueError("read_kv: layer must be contiguous within each block half")
+    return data
+
+
+@functools.cache
+def _entry() -> Any:
+    """The C entry with its signature set (once)."""
+    lib = library()
+    if lib is None or not hasattr(lib, READ_ENTRY):
+        raise RuntimeError("read_kv: the CPU kernel library is unavailable")
+    entry = getattr(lib, READ_ENTRY)
+    entry.argtypes = [ctypes.POINTER(_ReadParams)]
+    entry.restype = ctypes.c_int64
+    return entry
+
+
 def _int32(x: torch.Tensor, name: str, ndim: int) -> torch.Tensor:
+    """x as a contiguous CPU int32 tensor of ndim dims; ValueError naming `name` otherwise."""
     if x.dtype != torch.int32 or x.dim() != ndim or x.device.type != "cpu":
         raise ValueError(f"read_kv: {name} must be a CPU int32 tensor of {ndim} dims")
     return x.contiguous()

@@ -258,7 +258,8 @@ def test_gate_up_applies_silu_in_the_gemm_where_kvmeshs_gemm_runs(
 
     if not cpu_gemm.gemm_supported(getattr(torch, dtype)):
         pytest.skip(f"no {dtype} GEMM of kvmesh's on this CPU")
-    loaded = load_model(EngineConfig(model=str(checkpoint), dtype=dtype, executor="native"))
+    config = EngineConfig(model=str(checkpoint), dtype=dtype, executor="native", cpu_gemm="kvmesh")
+    loaded = load_model(config)
     model: Any = loaded.model
     assert all(isinstance(layer.gate_up, CpuGemmGateUpSilu) for layer in model.layers)
     assert all(layer.gate_up_activates for layer in model.layers)
@@ -270,10 +271,12 @@ def test_gate_up_applies_silu_in_the_gemm_where_kvmeshs_gemm_runs(
         mlp = hf_layer.mlp  # the same weights, unfused: plain GEMM, then the SiLU kernel
         weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()  # [2I, in]
         layer.gate_up = CpuGemmLinear.from_weight(weight, None)
-        layer.gate_up_activates = False
         layer.call_linears_directly(True)
     assert torch.equal(runner_logits(loaded, PROMPT), fused)
-    plain = load_model(EngineConfig(model=str(checkpoint), dtype=dtype, cpu_gemm="torch")).model
+    torch_gemm = EngineConfig(
+        model=str(checkpoint), dtype=dtype, executor="native", cpu_gemm="torch"
+    )
+    plain = load_model(torch_gemm).model
     assert not any(layer.gate_up_activates for layer in plain.layers)
 
 

@@ -9,7 +9,7 @@ import operator
 import numpy as np
 import pytest
 import torch
-from kvmesh_kernels import KVCacheSpec, allocate_kv_cache, cpu_build
+from kvmesh_kernels import KVCacheSpec, allocate_kv_cache, cpu_build, cpu_kv_read
 from kvmesh_kernels.cache import LayerKV
 from kvmesh_kernels.cpu_kv_read import available, read_kv
 
@@ -80,3 +80,49 @@ def test_read_refuses_bad_arguments() -> None:
     strided = LayerKV(layer.data.transpose(2, 3), None, "auto", torch.float32)
     with pytest.raises(ValueError, match="contiguous"):
         read_kv(strided, tables, torch.ones(2, dtype=torch.int32))
+
+
+def test_ids_clamp_lengths_cap_and_negative_lengths_read_nothing() -> None:
+    spec = KVCacheSpec(6, 1, 16, 2, 64, torch.float32)
+    cache = allocate_kv_cache(spec)
+    cache.data.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(5))
+    layer = cache.layer(0)
+    lens = torch.tensor([20], dtype=torch.int32)
+    inside = torch.tensor([[2, spec.num_blocks - 1]], dtype=torch.int32)
+    beyond = torch.tensor([[2, spec.num_blocks + 7]], dtype=torch.int32)  # clamped to the last
+    assert read_kv(layer, beyond, lens) == read_kv(layer, inside, lens)
+    two_blocks = torch.tensor([32], dtype=torch.int32)
+    assert read_kv(layer, inside, torch.tensor([900], dtype=torch.int32)) == read_kv(
+        layer, inside, two_blocks
+    )  # capped at the table's two blocks
+    both = torch.tensor([[2, 3], [4, 5]], dtype=torch.int32)
+    assert read_kv(layer, both, torch.tensor([20, -5], dtype=torch.int32)) == read_kv(
+        layer, both[:1], lens
+    )
+    with pytest.raises(ValueError, match="num_threads"):
+        read_kv(layer, inside, lens, num_threads=0)
+
+
+def test_the_c_entry_refuses_what_the_wrapper_would() -> None:
+    """The C contract on its own: -1 for a null pointer or a block half too short."""
+    spec = KVCacheSpec(2, 1, 16, 2, 64, torch.float32)
+    data = allocate_kv_cache(spec).layer(0).data
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    fields = dict(
+        data=data.data_ptr(),
+        tables=tables.data_ptr(),
+        lens=lens.data_ptr(),
+        batch=1,
+        max_blocks=1,
+        num_blocks=2,
+        block_size=16,
+        elem_bytes=4,
+        token_bytes=2 * 64 * 4,
+        s_block=data.stride(0),
+        s_kv=data.stride(1),
+        num_threads=1,
+    )
+    entry = cpu_kv_read._entry()
+    assert entry(cpu_kv_read._ReadParams(**fields)) >= 0
+    assert entry(cpu_kv_read._ReadParams(**{**fields, "tables": 0})) == -1
+    assert entry(cpu_kv_read._ReadParams(**{**fields, "token_bytes": 4 * 64 * 4})) == -1

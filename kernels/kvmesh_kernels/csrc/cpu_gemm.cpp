@@ -24,8 +24,8 @@
 //           columns and writes silu(gate) * up [M, N / 2] straight from its registers: the
 //           [M, N] gate|up product is never stored. Per element the arithmetic of
 //           kvmesh_cpu_silu_mul on the same ISA (fused_common.h's silu_mul_elem, with FMA),
-//           after gate and up are rounded to the dtype as a stored product would be, so the
-//           result equals the GEMM followed by that kernel bit for bit.
+//           after gate and up are rounded to the dtype by the store's own instruction (spill),
+//           so the result equals the GEMM followed by that kernel bit for bit.
 //
 // The path is chosen at run time by the CPU's features; KVMESH_CPU_KERNEL_ISA (baseline |
 // avx2) caps it as it caps the attention kernel's (baseline: no path; avx2: float32 only).
@@ -42,7 +42,10 @@
 #include <string>
 #include <utility>
 
-// Only its FMA paths are used here, whose arithmetic does not depend on contraction.
+// The SiLU epilogue's arithmetic must not be contracted (fused_common.h); the GEMM's own
+// multiply-adds are explicit FMA intrinsics, which this does not touch.
+#pragma GCC optimize("-ffp-contract=off")
+
 #include "fused_common.h"
 
 namespace {
@@ -84,7 +87,11 @@ struct Bf16 {
   using B = __m512bh;
   using D = kvmesh_fused::BF16;
   static constexpr int64_t kStep = 2, kCols = 16;
-  static void spill(float* p, Acc a) { _mm512_storeu_ps(p, a); }
+  // the sums as `store` would round them (vcvtneps2bf16), back in float32
+  static void spill(float* p, Acc a) {
+    const __m256i bf = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(a));
+    _mm512_storeu_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf), 16)));
+  }
   static Acc zero() { return _mm512_setzero_ps(); }
   static B load(const T* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
   static B broadcast(const T* x) {
@@ -106,7 +113,7 @@ struct F32 {
   using B = __m512;
   using D = kvmesh_fused::F32;
   static constexpr int64_t kStep = 1, kCols = 16;
-  static void spill(float* p, Acc a) { _mm512_storeu_ps(p, a); }
+  static void spill(float* p, Acc a) { _mm512_storeu_ps(p, a); }  // float32: as stored
   static Acc zero() { return _mm512_setzero_ps(); }
   static B load(const T* p) { return _mm512_loadu_ps(p); }
   static B broadcast(const T* x) { return _mm512_set1_ps(*x); }

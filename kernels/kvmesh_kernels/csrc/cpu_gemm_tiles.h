@@ -1,11 +1,11 @@
 // The ISA-generic part of cpu_gemm.cpp: tiles, panels and threads, included once per ISA
 // section inside its namespace, after that section's element types (each with T, kStep,
-// kCols, the vector types, load / broadcast / madd / store, spill (a sum vector to floats) and
-// D, the dtype's traits in fused_common.h) and kMaxRows. Uses the file's Gemm<T>, kPanel,
+// kCols, the vector types, load / broadcast / madd / store, spill (a sum vector to floats,
+// rounded as store rounds) and D, the dtype's traits in fused_common.h) and kMaxRows. Uses the file's Gemm<T>, kPanel,
 // kLine, kChunkBytes and panels_of.
 
 // silu(g) * u of one row's kCols columns into y (E::T), the sums g and u first rounded to the
-// dtype as a stored gate|up product would be (cpu_gemm.cpp, "silu").
+// dtype as a stored gate|up product would be (E::spill; cpu_gemm.cpp, "silu").
 template <class E>
 inline __attribute__((always_inline)) void store_silu(typename E::T* y, typename E::Acc g,
                                                       typename E::Acc u) {
@@ -15,7 +15,7 @@ inline __attribute__((always_inline)) void store_silu(typename E::T* y, typename
   E::spill(uv, u);
 #pragma omp simd
   for (int64_t i = 0; i < E::kCols; ++i)
-    y[i] = D::store(kvmesh_fused::silu_mul_elem<D, true>(D::round(gv[i]), D::round(uv[i])));
+    y[i] = D::store(kvmesh_fused::silu_mul_elem<D, true>(gv[i], uv[i]));
 }
 
 // rows x 32 columns of y from the panel (k / kStep steps), in parts of two vectors of kCols

@@ -101,11 +101,17 @@ struct Reader {
 
 }  // namespace
 
-// Returns the xor of every 64-bit word read (0 with nothing to read); -1 on bad arguments.
+// Returns the xor of every 64-bit word read (0 with nothing to read); -1 on bad arguments (a
+// null pointer, a size below 1, or a block half shorter than block_size tokens). A sequence
+// reads at most max_blocks blocks (longer lengths are cut there); a negative length reads
+// nothing; table ids are clamped into [0, num_blocks).
 extern "C" int64_t kvmesh_cpu_kv_read(const ReadParams* params) {
+  if (params == nullptr) return -1;
   const ReadParams& p = *params;
-  if (p.batch < 0 || p.max_blocks < 1 || p.num_blocks < 1 || p.block_size < 1 ||
-      p.elem_bytes < 1 || p.token_bytes < 1 || p.num_threads < 1)
+  if (p.data == 0 || p.tables == 0 || p.lens == 0 || p.batch < 0 || p.max_blocks < 1 ||
+      p.num_blocks < 1 || p.block_size < 1 || p.elem_bytes < 1 || p.token_bytes < 1 ||
+      p.num_threads < 1 || p.block_size * p.token_bytes > p.s_kv * p.elem_bytes ||
+      2 * p.s_kv > p.s_block)
     return -1;
   const Reader r{p, reinterpret_cast<const char*>(p.data),
                  reinterpret_cast<const int32_t*>(p.tables),

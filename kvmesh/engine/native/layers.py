@@ -69,11 +69,12 @@ def gate_up_linear(parts: list[nn.Module], kind: str) -> nn.Module:
     GEMM where it takes the weight (no biases, I a multiple of 16), the same GEMM with
     SiLU-and-mul in its epilogue (`CpuGemmGateUpSilu`: `activates(module)` is true, its output
     is the activation [T, I] instead of gate|up [T, 2 * I])."""
-    if kind == "kvmesh" and all(getattr(p, "bias", None) is None for p in parts):
-        weight = torch.cat([p.get_parameter("weight").detach() for p in parts])  # [2I, in]
-        if cpu_gemm.gate_up_fits(weight):
-            return CpuGemmGateUpSilu.from_weight(weight, None)
-    return merged_linear(parts, kind)
+    if kind != "kvmesh" or any(getattr(p, "bias", None) is not None for p in parts):
+        return merged_linear(parts, kind)
+    weight = torch.cat([p.get_parameter("weight").detach() for p in parts])  # [2I, in]
+    if cpu_gemm.gate_up_fits(weight):
+        return CpuGemmGateUpSilu.from_weight(weight, None)
+    return make_linear(weight, None, kind)
 
 
 def activates(gate_up: nn.Module) -> bool:

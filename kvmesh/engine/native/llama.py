@@ -56,7 +56,6 @@ class NativeDecoderLayer(nn.Module):
         self.shape = shape
         self.input_norm, self.post_attention_norm = norms
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
-        self.gate_up_activates = activates(gate_up)  # SiLU-and-mul in its GEMM's epilogue
         self.q_norm: RMSNorm | None = qk_norms[0] if qk_norms else None
         self.k_norm: RMSNorm | None = qk_norms[1] if qk_norms else None
         self.split = (
@@ -65,6 +64,11 @@ class NativeDecoderLayer(nn.Module):
             shape.num_kv_heads * shape.head_dim,
         )
         self.call_linears_directly(True)
+
+    @property
+    def gate_up_activates(self) -> bool:
+        """Whether gate_up applies SiLU-and-mul itself (in its GEMM's epilogue): [T, I]."""
+        return activates(self.gate_up)
 
     def call_linears_directly(self, direct: bool) -> None:
         """Call the four linears' kernels directly (eager: skips nn.Module's call machinery
