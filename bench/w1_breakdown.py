@@ -10,7 +10,7 @@ module-level calls, so they add a few microseconds per call; compare runs of thi
 each other, not with `kvmesh bench throughput`.
 
 Run: `.venv/bin/python bench/w1_breakdown.py --model DIR --dtype float32 [--threads 2]
-[--fresh-attention auto|on|off]`
+[--fresh-attention auto|on|off] [--silu-epilogue on|off]`
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from typing import Any
 from kvmesh.cli.main import apply_omp_defaults
 
 apply_omp_defaults()  # before torch loads OpenMP, as every kvmesh command
+
+from kvmesh_kernels import cpu_gemm  # noqa: E402
 
 from kvmesh.cli.bench_throughput import WARMUP_PROMPT, run_all_at_once, w1_requests  # noqa: E402
 from kvmesh.engine import cpu_linear  # noqa: E402
@@ -69,7 +71,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fresh-attention", default="auto", choices=FRESH_ATTENTION_MODES)
     parser.add_argument("--cpu-gemm", default="auto", choices=CPU_GEMMS)
+    parser.add_argument(
+        "--silu-epilogue",
+        default="on",
+        choices=("on", "off"),
+        help="off: gate|up as a plain GEMM, then the SiLU-and-mul kernel (the A/B baseline)",
+    )
     args = parser.parse_args()
+    if args.silu_epilogue == "off":
+        cpu_gemm.gate_up_fits = lambda weight: False  # type: ignore[assignment]
     # The layers hold their linears' bound kernels from build time: wrap before building.
     timed(cpu_linear.CpuGemmLinear, "run", linears_part)
     timed(cpu_linear.CpuGemmGateUpSilu, "run", linears_part)  # with SiLU-and-mul in it
@@ -98,6 +108,7 @@ def main() -> None:
         "dtype": args.dtype,
         "fresh_rule": engine.runner.fresh_rule.describe(),
         "linears": engine.runner.loaded.linears,
+        "silu_epilogue": args.silu_epilogue,
         "seconds": round(seconds, 2),
         "tok_per_s": round(generated / seconds, 1),
     }

@@ -28,6 +28,7 @@ the current one (docs/BENCHMARKS.md "kvmesh's CPU GEMM").
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -96,9 +97,10 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(data, out_features, in_features)
 
 
+@functools.cache
 def silu_width() -> dict[torch.dtype, int]:
     """Per dtype, the gate (then up) run width of `pack_gate_up`'s interleave on this CPU's
-    path (0: the GEMM does not run)."""
+    path (0: the GEMM does not run); asked once (the path is fixed per process)."""
     lib = library()
     if lib is None:
         return {dtype: 0 for dtype in _DTYPE_CODES}

@@ -48,10 +48,15 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> n
     return PlainLinear(weight, bias)
 
 
+def merged_weight(parts: list[nn.Module]) -> torch.Tensor:
+    """The parts' weights stacked: [sum of their out, in]."""
+    return torch.cat([p.get_parameter("weight").detach() for p in parts])
+
+
 def merged_linear(parts: list[nn.Module], kind: str) -> nn.Module:
     """One linear of `kind` whose output is the concatenation of `parts`' outputs (q|k|v,
     gate|up)."""
-    weight = torch.cat([p.get_parameter("weight").detach() for p in parts])  # [sum out, in]
+    weight = merged_weight(parts)  # [sum out, in]
     biases = [getattr(p, "bias", None) for p in parts]
     if all(b is None for b in biases):
         return make_linear(weight, None, kind)
@@ -71,7 +76,7 @@ def gate_up_linear(parts: list[nn.Module], kind: str) -> nn.Module:
     is the activation [T, I] instead of gate|up [T, 2 * I])."""
     if kind != "kvmesh" or any(getattr(p, "bias", None) is not None for p in parts):
         return merged_linear(parts, kind)
-    weight = torch.cat([p.get_parameter("weight").detach() for p in parts])  # [2I, in]
+    weight = merged_weight(parts)  # [2I, in]
     if cpu_gemm.gate_up_fits(weight):
         return CpuGemmGateUpSilu.from_weight(weight, None)
     return make_linear(weight, None, kind)
