@@ -159,3 +159,22 @@ def test_preemption_choice_by_estimated_cost() -> None:
     assert not PreemptionChooser("recompute", 1, rates).prefers_swap(1, 10**9)
     with pytest.raises(ValueError, match="preemption must be one of"):
         PreemptionChooser("never", 1, rates)
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_block_evicted_before_its_reload_lands_keeps_the_right_kv(
+    tmp_path: Path, disk: bool
+) -> None:
+    """A lookup claims a device block for a host reload, its sequence is then refused (no
+    room), and the next lookup evicts that block before any step ran the reload: the host
+    copy must come back, not the block's stale bytes under the reloaded hash."""
+    rig = TieredRig(5, 3, tmp_path if disk else None, 6)
+    push_down(rig, [7] * 5, [0, 1, 2, 3, 4])  # both first blocks cached on the device
+    assert rig.run_prompt("big", [5, 6] * 6 + [5]) == 0  # 4 of 5 blocks: evicts [0..3]
+    assert rig.run_prompt("refused-a", [0, 1, 2, 3, 4]) is None  # reload claimed, then no room
+    assert rig.run_prompt("refused-b", [7] * 5) is None  # evicts the claimed block
+    rig.manager.check_integrity()
+    rig.manager.free("big")
+    assert rig.run_prompt("zero", [0, 1, 2, 3, 4]) == 4  # verified: its own KV
+    assert rig.run_prompt("sevens", [7] * 5) == 4
+    rig.manager.check_integrity()

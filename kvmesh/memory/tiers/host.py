@@ -97,6 +97,13 @@ class HostTier:
         assert meta.block_hash not in self._index, "a hash has one host copy"
         self._index[meta.block_hash] = HostEntry(meta, slot)
 
+    def restore(self, meta: BlockMeta, slot: int) -> None:
+        """An in-flight slot whose copy to the device was cancelled before it ran: it holds
+        exactly `meta`'s KV, and becomes that hash's cached copy again."""
+        assert slot in self._inflight, "only an in-flight slot is restored"
+        self._inflight.discard(slot)
+        self.add(meta, slot)
+
     def get(self, block_hash: int) -> HostEntry | None:
         """The entry of `block_hash` (now most recently used), or None."""
         entry = self._index.get(block_hash)

@@ -10,9 +10,12 @@ Rules (one authoritative copy of each block hash):
   manager hands the block to anyone); a full host demotes its least recently used block to
   disk, a full disk drops its oldest. Above a tier's high watermark it sheds to its low one.
 - A reload claimed by a lookup (`take`) is copied into its device block by `prepare_step`,
-  which the engine runs before the step that reads it. Disk reads run on a background thread:
-  `prefetch` starts them when a request arrives, so admission finds the block on the host;
-  a lookup waits for a started read at most `reload_deadline_s`, then counts a miss.
+  which the engine runs before the step that reads it. A device block evicted before its
+  reload ran holds stale bytes: the reload is cancelled and its host slot, which holds the
+  block's KV, is the hash's host copy again (never a spill of the stale bytes). Disk reads
+  run on a background thread: `prefetch` starts them when a request arrives, so admission
+  finds the block on the host; a lookup waits for a started read at most
+  `reload_deadline_s`, then counts a miss.
 - A disk file that fails verification is a miss and is deleted: it is never fed to attention.
 - Swapped-out sequences hold host slots of their own until swapped in or dropped.
 """
@@ -84,10 +87,13 @@ class TieredStore:
 
     # -- spill (device -> host -> disk) ------------------------------------------------------
     def spill(self, block_id: int, meta: BlockMeta) -> None:
-        """A device block holding `meta` is being evicted: queue its copy down."""
+        """A device block holding `meta` is being evicted: queue its copy down (or, where its
+        reload has not run yet, cancel that instead: `_cancel_reload`)."""
         assert meta.block_hash not in self.host and not self._on_disk(meta.block_hash), (
             "an evicted device block's hash already has a lower copy"
         )
+        if self._cancel_reload(block_id, meta):
+            return
         if not self.host.num_free and not self.host.num_cached:
             self.flush_spills()  # queued spills become demotable host blocks
         slot = self._free_host_slot()
@@ -95,6 +101,18 @@ class TieredStore:
             self.host_stats.dropped += 1
             return
         self._spills.append((block_id, slot, meta))
+
+    def _cancel_reload(self, block_id: int, meta: BlockMeta) -> bool:
+        """Drop the queued reload into `block_id` (evicted before it landed, so the block holds
+        stale bytes) and give its host slot back to the host's cache as `meta`'s copy; whether
+        one was queued. A block is the target of at most one queued reload: the first one's
+        block is evicted (and so cancelled here) before it can be claimed again."""
+        for index, (slot, target) in enumerate(self._reloads):
+            if target == block_id:
+                del self._reloads[index]
+                self.host.restore(meta, slot)
+                return True
+        return False
 
     def flush_spills(self) -> None:
         """Copy the queued spills out of their device blocks (before anyone reuses them)."""
