@@ -11,6 +11,10 @@ engine runs them, over a block-major cache of that many layers):
   w1-decode    the W1 serving shape: 8 layers, batch 64, contexts uniform in [300, 700]
                (seeded), one query token each, 8 query heads, 2 kv heads, head dim 64, block
                size 16 (131 MB of bfloat16 K/V per step)
+  w1-decode-g3 w1-decode with SmolLM2's 9 query / 3 kv heads
+  l3-decode-g3 1 layer, batch 48, context 160, SmolLM2's heads: 5.9 MB of bfloat16 K/V (11.8
+               MB float32) that stay in L3 between calls, so the step's arithmetic shows with
+               the memory mostly out of the way
   big-decode   1 layer, batch 32, context 2048, 32 query heads, 8 kv heads, head dim 128
   w1-extend    8 layers, 4 chunks of 128 tokens after 384 cached (q_len 128, context 512)
   w1-prompt-g3 8 layers, 8 whole prompts of 272 tokens (W1's mean), SmolLM2's 9 / 3 heads
@@ -85,6 +89,7 @@ def cases() -> list[Case]:
     return [
         Case("w1-decode", w1, (1,) * 64, 8, 2, 64, layers=8),
         Case("w1-decode-g3", w1, (1,) * 64, 9, 3, 64, layers=8),  # SmolLM2's heads
+        Case("l3-decode-g3", (160,) * 48, (1,) * 48, 9, 3, 64),  # K/V stays in L3
         Case("big-decode", (2048,) * 32, (1,) * 32, 32, 8, 128),
         Case("w1-extend", (512,) * 4, (128,) * 4, 8, 2, 64, layers=8),
         Case("w1-prompt-g3", (272,) * 8, (272,) * 8, 9, 3, 64, layers=8),

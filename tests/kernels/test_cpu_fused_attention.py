@@ -235,7 +235,7 @@ ISAS = ["avx512bf16", "avx512", "avx2", "baseline"]  # caps: a CPU without one r
 @pytest.mark.parametrize(
     ("hkv", "group", "head_dim", "block_size"),
     [(2, 4, 64, 16), (1, 8, 128, 8), (8, 4, 128, 16), (2, 1, 80, 32), (3, 3, 64, 16),
-     (1, 7, 96, 16)],
+     (1, 7, 96, 16), (2, 1, 128, 16)],
 )  # fmt: skip
 def test_every_isa_matches_dense(
     isa: str, dtype: torch.dtype, hkv: int, group: int, head_dim: int, block_size: int
@@ -243,7 +243,8 @@ def test_every_isa_matches_dense(
     """Decode and extend rows over contexts around the 16/64-key steps of the AVX-512 path,
     with and without a window (8 kv heads x 128 takes shorter steps and, below float32,
     prefetches; groups of 3 and 7 take the three-row P x V tiles, a group of 1 the single-row
-    ones)."""
+    ones, 8 vectors wide at 128; bfloat16 V rows of 80 and 96 take the 32-element unpacked
+    tiles beside the 16-element ones)."""
     lens = [1, 15, 16, 17, 63, 64, 65, 130, 200]
     q_lens = [1, 1, 16, 1, 9, 64, 1, 70, 1]
     pc = random_paged_cache(

@@ -73,12 +73,22 @@ KVM_INLINE __m512 reduce16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
 }
 
-// Row r of a tile: lanes r * KB .. r * KB + KB - 1 of t to s[r * sp ..].
+// Row r of a tile: lanes r * KB .. r * KB + KB - 1 of t to s[r * sp ..], straight from the
+// register (a spill reloaded in quarters or halves waits on store forwarding).
 template <int R, int KB>
 KVM_INLINE void store_scores(__m512 t, float* s, int64_t sp) {
-  alignas(64) float tmp[16];
-  _mm512_store_ps(tmp, t);
-  for (int r = 0; r < R; ++r) std::memcpy(s + r * sp, tmp + r * KB, sizeof(float) * KB);
+  static_assert(R * KB == 16 && (KB == 4 || KB == 8 || KB == 16), "a tile's 16 scores");
+  if constexpr (KB == 16) {
+    _mm512_storeu_ps(s, t);
+  } else if constexpr (KB == 8) {
+    _mm256_storeu_ps(s, _mm512_castps512_ps256(t));
+    _mm256_storeu_ps(s + sp, _mm512_extractf32x8_ps(t, 1));
+  } else {
+    _mm_storeu_ps(s, _mm512_castps512_ps128(t));
+    _mm_storeu_ps(s + sp, _mm512_extractf32x4_ps(t, 1));
+    _mm_storeu_ps(s + 2 * sp, _mm512_extractf32x4_ps(t, 2));
+    _mm_storeu_ps(s + 3 * sp, _mm512_extractf32x4_ps(t, 3));
+  }
 }
 
 // Scores of R query rows (stride D) against KB key rows: s[r * sp + j].
@@ -174,7 +184,17 @@ KVM_INLINE void scores_dot(const uint16_t* q, int64_t nrows, const void* const* 
 }
 #endif
 
-// acc[r][d0 .. d0 + 16 DV) += sum_i p[r * sp + i] * v_i[d0 ..], accumulators in registers.
+// bfloat16 V rows are widened by unpacking: one load of 32 elements, its words interleaved with
+// zeros per 128-bit lane (vpunpcklwd / vpunpckhwd: the float32 of each bfloat16), two in-lane
+// shuffles in place of two widening loads and two shifts. The two vectors hold each lane's
+// first four elements, then its last four ("unpacked order"), so the accumulators of a full
+// group of 32 output elements hold them in that order: every such group of a row, and only
+// those, goes through this path (pv_rows), and `natural_order` restores the order once per
+// item. Each element still sums the same products in the same key order: same results.
+constexpr bool unpacks(int LT, int DV) { return LT == kBF16 && DV % 2 == 0; }
+
+// acc[r][d0 .. d0 + 16 DV) += sum_i p[r * sp + i] * v_i[d0 ..], accumulators in registers
+// (in unpacked order where `unpacks`).
 template <int LT, int R, int DV, class Pf>
 KVM_INLINE void pv_tile(float* acc, int64_t D, const float* p, int64_t sp,
                         const void* const* vr, int64_t n, int64_t d0, Pf& pf) {
@@ -183,7 +203,16 @@ KVM_INLINE void pv_tile(float* acc, int64_t D, const float* p, int64_t sp,
     for (int j = 0; j < DV; ++j) a[r * DV + j] = _mm512_loadu_ps(acc + r * D + d0 + 16 * j);
   for (int64_t i = 0; i < n; ++i) {
     __m512 vv[DV];
-    for (int j = 0; j < DV; ++j) vv[j] = ld16<LT>(vr[i], d0 + 16 * j);
+    if constexpr (unpacks(LT, DV)) {
+      const __m512i zero = _mm512_setzero_si512();
+      for (int j = 0; j < DV; j += 2) {
+        const __m512i w = _mm512_loadu_si512(static_cast<const uint16_t*>(vr[i]) + d0 + 16 * j);
+        vv[j] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w));
+        vv[j + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w));
+      }
+    } else {
+      for (int j = 0; j < DV; ++j) vv[j] = ld16<LT>(vr[i], d0 + 16 * j);
+    }
     pf.issue(DV);
     for (int r = 0; r < R; ++r) {
       const __m512 w = _mm512_set1_ps(p[r * sp + i]);
@@ -194,12 +223,34 @@ KVM_INLINE void pv_tile(float* acc, int64_t D, const float* p, int64_t sp,
     for (int j = 0; j < DV; ++j) _mm512_storeu_ps(acc + r * D + d0 + 16 * j, a[r * DV + j]);
 }
 
+// Tiles of 16 DV elements, then (bfloat16) every remaining full group of 32, then the rest in
+// tiles of 16: each full group of 32 of a bfloat16 row is unpacked, whatever DV.
 template <int LT, int R, int DV, class Pf>
 KVM_INLINE void pv_rows(float* acc, int64_t D, const float* p, int64_t sp,
                         const void* const* vr, int64_t n, Pf& pf) {
   int64_t d0 = 0;
   for (; d0 + 16 * DV <= D; d0 += 16 * DV) pv_tile<LT, R, DV>(acc, D, p, sp, vr, n, d0, pf);
+  if constexpr (LT == kBF16)
+    for (; d0 + 32 <= D; d0 += 32) pv_tile<LT, R, 2>(acc, D, p, sp, vr, n, d0, pf);
   for (; d0 < D; d0 += 16) pv_tile<LT, R, 1>(acc, D, p, sp, vr, n, d0, pf);
+}
+
+// Rows [rows, D] of acc from unpacked order back to natural order, every full group of 32:
+// lane L (of 4) of a group's first 16 holds its elements 8L .. 8L + 3, of its last 16 its
+// elements 8L + 4 .. 8L + 7.
+KVM_INLINE void natural_order(float* acc, int64_t rows, int64_t D) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g + 32 <= D; g += 32) {
+      float* x = acc + r * D + g;
+      alignas(64) float t[32];
+      for (int L = 0; L < 4; ++L)
+        for (int e = 0; e < 4; ++e) {
+          t[8 * L + e] = x[4 * L + e];
+          t[8 * L + 4 + e] = x[16 + 4 * L + e];
+        }
+      std::memcpy(x, t, sizeof(t));
+    }
+  }
 }
 
 // Three remaining rows (3 query heads per kv head) share one pass over V; a single remaining
@@ -556,6 +607,7 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
     k_hi = k_next;
   }
 
+  if constexpr (VT == kBF16) natural_order(acc, rows, D);  // see `unpacks`
   finish_item(p, it, sc, rows, rmax, part_acc, part_ml);
 }
 

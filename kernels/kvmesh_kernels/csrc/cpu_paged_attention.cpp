@@ -179,29 +179,38 @@ KVM_INLINE bool prefetches(int64_t dt, int64_t key_bytes) {
 // requests in flight are bounded by those buffers, so where memory is far (an AMD EPYC of
 // family 19h: decode attention at 18-21 GB/s of a 56 GB/s read) they bound the rate; into L2
 // they use the L2's own, more numerous miss slots: 0.56-0.76x the time there.) Lines of key
-// i in order: K of heads [h0, h1), then V of those heads. n = 0: nothing to request.
+// i in order: K of heads [h0, h1), then V of those heads, each half one run of bytes from head
+// h0's row to the end of head h1 - 1's (adjacent rows in the cache's layout; with a wider head
+// stride the run spans the gaps too), so a line costs an add and a compare and a run's address
+// is computed once. n = 0: nothing to request.
 struct Cursor {
   const char* data = nullptr;
   const int64_t* koff = nullptr;  // element offsets of the keys (K of kv head 0)
-  int64_t n = 0, h0 = 0, h1 = 0;
-  int64_t s_head = 0, s_kv = 0, row_bytes = 0, eb = 0;  // strides in elements, sizes in bytes
-  int64_t per_load = 1, loads_due = 1, credit = 0;      // pace: lines per loads
-  int64_t i = 0, h = 0, half = 0, c = 0;                // the next line: key, head, K/V, byte
+  int64_t n = 0, h0 = 0;
+  int64_t s_head = 0, s_kv = 0, eb = 0;             // strides in elements, size in bytes
+  int64_t run_bytes = 0;                            // a key's heads [h0, h1), one half
+  int64_t per_load = 1, loads_due = 1, credit = 0;  // pace: lines per loads
+  int64_t i = 0, half = 0;                          // the run: key i's K (0) or V (1) rows
+  const char* line = nullptr;                       // the run's next line
+  const char* end = nullptr;                        // one past the run's last byte
+
+  // Points line / end at the current run (key i, half), from the line holding its first byte.
+  KVM_INLINE void start_run() {
+    const char* row = data + (koff[i] + h0 * s_head + half * s_kv) * eb;
+    line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63});
+    end = row + run_bytes;
+  }
 
   KVM_INLINE void issue(int64_t loads) {
     if (i >= n) return;
     credit += loads * per_load;
-    for (; credit >= loads_due && i < n; credit -= loads_due) {
-      const char* row = data + (koff[i] + h * s_head + half * s_kv) * eb;
-      __builtin_prefetch(row + c, 0, 2);  // prefetcht1 on x86
-      c += 64;
-      if (c < row_bytes) continue;
-      c = 0;
-      if (++h < h1) continue;
-      h = h0;
-      if (++half < 2) continue;
-      half = 0;
-      ++i;
+    for (; credit >= loads_due; credit -= loads_due) {
+      __builtin_prefetch(line, 0, 2);  // prefetcht1 on x86
+      line += 64;
+      if (line < end) continue;
+      half ^= 1;
+      if (half == 0 && ++i >= n) return;
+      start_run();
     }
   }
 };
@@ -219,17 +228,18 @@ KVM_INLINE Cursor lines_of(const Params& p, const char* data, const int64_t* kof
   pf.data = data;
   pf.koff = koff;
   pf.n = n;
-  pf.h0 = pf.h = h0;
-  pf.h1 = h1;
+  pf.h0 = h0;
   pf.s_head = p.s_head;
   pf.s_kv = p.s_kv;
   pf.eb = eb;
-  pf.row_bytes = p.head_dim * eb;
-  const int64_t lines = n * (h1 - h0) * 2 * ((pf.row_bytes + 63) / 64);
+  const int64_t row_bytes = p.head_dim * eb;
+  const int64_t lines = n * (h1 - h0) * 2 * ((row_bytes + 63) / 64);
   pf.loads_due = std::max<int64_t>(1, loads);
   // At most one line per load: a short last step of one item does not burst the next item's
   // first step out at once (the cursor then covers that step's first lines only).
   pf.per_load = std::min(lines, pf.loads_due);
+  pf.run_bytes = (h1 - h0 - 1) * p.s_head * eb + row_bytes;
+  if (n > 0) pf.start_run();
   return pf;
 }
 
