@@ -22,7 +22,8 @@ inputs read as zero, round to nearest even at the end), float32 one FMA per k in
 order of the float32 additions differs from oneDNN's and MKL's, so results match them to
 rounding, not bit for bit. The gain is in decode-sized steps, where every step streams the
 weights from memory: the kernel prefetches each thread's next weight panel while it computes
-the current one (docs/BENCHMARKS.md "kvmesh's CPU GEMM").
+the current one, from 5 rows on (docs/BENCHMARKS.md "kvmesh's CPU GEMM"; below that the
+multiply-adds are too short to hide the requests: "The GEMM's weight prefetch at a few rows").
 """
 
 from __future__ import annotations
@@ -190,7 +191,8 @@ def linear(
 ) -> torch.Tensor:
     """x [..., in] in the weight's dtype (any strides), bias from `pack_bias` or None ->
     [..., out] in that dtype. ValueError for operands the kernel cannot take.
-    `prefetch=False` turns the weight prefetch off (only to measure what it gains)."""
+    `prefetch=False` turns the weight prefetch off (only to measure what it gains; it is off
+    below 5 rows either way)."""
     _check_operands(x, weight, bias)
     if weight.interleave:
         raise ValueError("weight: interleaved by pack_gate_up, for gate_up_silu only")

@@ -12,9 +12,10 @@
 //           GEMM on these CPUs uses the same instruction); float32: one FMA per k, k in order.
 //   threads each takes a contiguous range of 32-column panels (an even split to one panel),
 //           rows in chunks that keep the chunk of x in L2. While a panel's first tile runs,
-//           the thread prefetches its next panel from memory (prefetcht1): a decode step's
-//           weights stream from DRAM once per step, and the prefetch overlaps that stream
-//           with the multiply-adds instead of stalling on it (docs/BENCHMARKS.md).
+//           the thread prefetches its next panel from memory (prefetcht1; from
+//           kPrefetchMinRows rows on): a decode step's weights stream from DRAM once per
+//           step, and the prefetch overlaps that stream with the multiply-adds instead of
+//           stalling on it (docs/BENCHMARKS.md).
 //   output  bias (float32, padded to whole panels) added to the sums; bfloat16 rounds to
 //           nearest even (vcvtneps2bf16) once; row stride ldy; a last partial panel goes
 //           through a scratch block, so nothing past N is written.
@@ -53,6 +54,11 @@ namespace {
 constexpr int64_t kPanel = 32;              // columns per packed panel (every ISA)
 constexpr int64_t kChunkBytes = 256 << 10;  // the rows of x one chunk keeps in L2
 constexpr int64_t kLine = 64;               // bytes per cache line
+// Fewer rows than this run without the weight prefetch: a panel's multiply-adds are then too
+// short to hide the requests, which only add to the hardware prefetcher's stream of the panel
+// (AMD EPYC family 19h: a decode step's linears 0.71-0.99x the time without it at 1-4 rows,
+// 0.95-1.09x at 8; docs/BENCHMARKS.md "The GEMM's weight prefetch at a few rows").
+constexpr int64_t kPrefetchMinRows = 5;
 // (rows per tile, kMaxRows, are per ISA section below)
 
 int64_t panels_of(int64_t n) { return (n + kPanel - 1) / kPanel; }
@@ -253,6 +259,7 @@ int run_gemm(int dtype, const void* x, int64_t ldx, const void* packed, const fl
   const Path path = path_for(dtype);
   if (path == Path::kNone) return 2;
   if (m == 0) return 0;
+  prefetch = prefetch && m >= kPrefetchMinRows;
 #ifdef KVG_BUILT
   if (dtype == 1) {
     const Gemm<uint16_t> g{static_cast<const uint16_t*>(x), ldx,
