@@ -342,6 +342,11 @@ class BlockManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise UnknownSequenceError(f"seq_id {seq_id!r} is not tracked")
+        if self.tiers is not None:  # a copy still queued into a block going free is dead
+            pool = self._pool
+            self.tiers.drop_reloads(
+                [b for b in seq.blocks if pool.ref_count(b) == 1 and not pool.is_cached(b)]
+            )
         for block in reversed(seq.blocks):
             self._pool.decref(block)
 

@@ -31,14 +31,16 @@ def roomy(checkpoint: Path) -> LLM:
 
 
 def workload(rng: random.Random) -> list[Request]:
-    """3-9 requests cut from 1-3 shared prefixes (whole and partial blocks), with own tails."""
+    """3-9 requests cut from 3 shared prefixes (whole and partial blocks), with own tails,
+    generating 4-40 tokens each (no more than the smallest pool, 6 blocks of 16, holds)."""
     sizes = (16, 32, 40, 48, 64)
     prefixes = [[rng.randrange(10, 1000) for _ in range(rng.choice(sizes))] for _ in range(3)]
     requests = []
     for _ in range(rng.randint(3, 9)):
         head = rng.choice(prefixes)[: rng.choice((16, 17, 31, 32, 48, 64))]
         tail = [rng.randrange(10, 1000) for _ in range(rng.randint(1, 12))]
-        requests.append((head + tail, rng.randint(1, 10)))
+        fits = 6 * 16 - len(head + tail)  # the smallest pool holds the whole sequence
+        requests.append((head + tail, min(rng.randint(4, 40), fits)))
     return requests
 
 
@@ -55,6 +57,7 @@ def squeezed(rng: random.Random, disk_dir: Path) -> dict[str, Any]:
         config["preemption"] = rng.choice(("recompute", "swap", "auto"))
         if rng.random() < 0.5:
             config["disk_kv_dir"] = str(disk_dir)
+            config["disk_kv_gib"] = rng.choice((4, 8)) * BLOCK_BYTES / 2**30
     return config
 
 

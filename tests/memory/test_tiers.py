@@ -178,3 +178,24 @@ def test_block_evicted_before_its_reload_lands_keeps_the_right_kv(
     assert rig.run_prompt("zero", [0, 1, 2, 3, 4]) == 4  # verified: its own KV
     assert rig.run_prompt("sevens", [7] * 5) == 4
     rig.manager.check_integrity()
+
+
+def test_swapped_in_sequence_freed_before_the_step_drops_its_copies() -> None:
+    """A swapped-out sequence gets fresh blocks (its copies queued) and is then refused its
+    first chunk and freed, as the scheduler does, before any step: a lookup that claims one of
+    those blocks for a reload must read its own KV, not the swapped sequence's."""
+    rig = TieredRig(4, 8)
+    manager, store = rig.manager, rig.store
+    prompt = [1, 2, 3, 4, 9]
+    push_down(rig, prompt, list(range(20, 33)))  # the prompt's full block spills to the host
+    assert rig.run_prompt("swapped", list(range(40, 47))) == 0
+    assert manager.swap_out("swapped")
+    assert manager.swap_in("swapped")  # two fresh blocks, their copies queued
+    manager.free("swapped")  # refused its first chunk
+    manager.check_integrity()
+    cached = manager.lookup_prefix("again", prompt)
+    assert cached == 4 and manager.allocate("again", len(prompt)) is not None
+    store.prepare_step()
+    rig.write("again", prompt, cached)
+    rig.verify("again", prompt)
+    manager.check_integrity()

@@ -1,7 +1,7 @@
-"""Random allocate / free / evict-spill / hit-reload / swap / corrupt-file / restart sequences
-over a device pool with host and disk tiers: after every step the cross-tier integrity check
-holds (one copy per block hash, every slot in one state, index == files) and every sequence
-reads back exactly the KV of its own context."""
+"""Random allocate / free / evict-spill / hit-reload / swap (and swap-in refused) / corrupt-file
+/ restart sequences over a device pool with host and disk tiers: after every step the
+cross-tier integrity check holds (one copy per block hash, every slot in one state, index ==
+files) and every sequence reads back exactly the KV of its own context."""
 
 from __future__ import annotations
 
@@ -71,6 +71,16 @@ class TieredMachine(RuleBasedStateMachine):
             self.live[seq_id] = self.swapped.pop(seq_id)
             self.rig.verify(seq_id, self.live[seq_id])
 
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in_refused(self, data: st.DataObject) -> None:
+        """Swapped in, then refused its first chunk and freed before any step (the scheduler's
+        admission does this): the copies queued into its fresh blocks are dropped."""
+        seq_id = data.draw(st.sampled_from(sorted(self.swapped)))
+        if self.rig.manager.swap_in(seq_id):
+            self.rig.manager.free(seq_id)
+            del self.swapped[seq_id]
+
     @rule(data=st.data(), truncate=st.booleans())
     def damage_file(self, data: st.DataObject, truncate: bool) -> None:
         files = sorted(self.folder.glob("*.kvblock"))
@@ -78,10 +88,12 @@ class TieredMachine(RuleBasedStateMachine):
             return
         path = data.draw(st.sampled_from(files))
         raw = bytearray(path.read_bytes())
+        if not raw:
+            return
         if truncate:
             raw = raw[: len(raw) // 2]
-        else:
-            raw[-1 - data.draw(st.integers(0, 100))] ^= 0x40
+        else:  # a file truncated again and again gets short
+            raw[-1 - data.draw(st.integers(0, min(100, len(raw) - 1)))] ^= 0x40
         path.write_bytes(bytes(raw))
 
     @rule(tokens=prompts)

@@ -12,7 +12,9 @@ Rules (one authoritative copy of each block hash):
 - A reload claimed by a lookup (`take`) is copied into its device block by `prepare_step`,
   which the engine runs before the step that reads it. A device block evicted before its
   reload ran holds stale bytes: the reload is cancelled and its host slot, which holds the
-  block's KV, is the hash's host copy again (never a spill of the stale bytes). Disk reads
+  block's KV, is the hash's host copy again (never a spill of the stale bytes). A block freed
+  before its reload ran (a swapped-in sequence refused its first chunk) drops the reload and
+  its slot (`drop_reloads`), so a block is the target of at most one queued copy. Disk reads
   run on a background thread: `prefetch` starts them when a request arrives, so admission
   finds the block on the host; a lookup waits for a started read at most
   `reload_deadline_s`, then counts a miss.
@@ -105,14 +107,25 @@ class TieredStore:
     def _cancel_reload(self, block_id: int, meta: BlockMeta) -> bool:
         """Drop the queued reload into `block_id` (evicted before it landed, so the block holds
         stale bytes) and give its host slot back to the host's cache as `meta`'s copy; whether
-        one was queued. A block is the target of at most one queued reload: the first one's
-        block is evicted (and so cancelled here) before it can be claimed again."""
+        one was queued (at most one is: `_queue_reload`)."""
         for index, (slot, target) in enumerate(self._reloads):
             if target == block_id:
                 del self._reloads[index]
                 self.host.restore(meta, slot)
                 return True
         return False
+
+    def drop_reloads(self, block_ids: Sequence[int]) -> None:
+        """Blocks going back to the free list (their sequence freed before the step ran): drop
+        the copies still queued into them and free those host slots. Their KV is given up (a
+        swapped-in sequence refused its first chunk recomputes); a copy left queued would land
+        in whatever the block holds next, possibly after another copy into it."""
+        gone = set(block_ids)
+        if not gone or not self._reloads:
+            return
+        dropped = [slot for slot, block in self._reloads if block in gone]
+        self._reloads = [(slot, block) for slot, block in self._reloads if block not in gone]
+        self.host.release(dropped)
 
     def flush_spills(self) -> None:
         """Copy the queued spills out of their device blocks (before anyone reuses them)."""
@@ -224,6 +237,8 @@ class TieredStore:
         return self.disk.verify(block_hash, data)
 
     def _queue_reload(self, slot: int, block_id: int) -> None:
+        # Two queued copies into one block would land in slot order, not queue order.
+        assert all(block != block_id for _, block in self._reloads), "block already reloading"
         if not self._reloads:
             self._reload_started = time.perf_counter()
         self._reloads.append((slot, block_id))
@@ -320,6 +335,9 @@ class TieredStore:
         count = len(block_ids)
         if count > self.host.num_free + self.host.num_cached:
             return False
+        if any(block in block_ids for _, block in self._reloads):
+            self._run_reloads()  # copies still queued into these blocks land first
+            self._release_done()
         self._shed_host(max(0, count - self.host.num_free))
         slots = self.host.take_free(count)
         if slots is None:
@@ -358,6 +376,8 @@ class TieredStore:
         """AssertionError unless every hash has one copy, each tier is consistent and the
         host holds exactly the `swapped` sequences."""
         assert not self._spills, "spills queued outside an allocation"
+        targets = [block for _, block in self._reloads]
+        assert len(targets) == len(set(targets)), "two queued copies into one device block"
         self.host.check_integrity()
         assert self.host.parked_ids() == swapped, "swapped sequences differ from the host's"
         host = self.host.hashes()
