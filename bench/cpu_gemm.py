@@ -7,8 +7,8 @@ from memory rather than cache: SmolLM2-135M's shapes by default (30 layers, hidd
 intermediate 1536, 9 / 3 heads of 64: 212 MB of bfloat16 weights, 424 MB in float32). The
 GEMMs run in this process, alternating, best of `--repeats`; prints one JSON line per M with
 milliseconds per step, GFLOP/s and each other GEMM's time over kvmesh's (above 1: kvmesh
-faster; `kvmesh_no_prefetch` is kvmesh's kernel with its weight prefetch off), the dtype and
-the CPU's ISA.
+faster; `kvmesh_no_prefetch` is kvmesh's kernel with its weight prefetch off, the same as
+`kvmesh` below 5 rows, where the kernel no longer prefetches), the dtype and the CPU's ISA.
 
 `--hot` runs every layer on the first layer's weights instead, which stay in cache: the
 difference is what streaming the weights costs each GEMM.

@@ -72,7 +72,7 @@ struct Gemm {
   T* y;
   int64_t ldy;
   int64_t m, n, k;
-  bool prefetch;  // the next panel while the current one runs (off only to measure its gain)
+  bool prefetch;  // the next panel while the current one runs (off below kPrefetchMinRows)
 };
 
 }  // namespace
