@@ -1,8 +1,8 @@
 // The ISA-generic part of cpu_gemm.cpp: tiles, panels and threads, included once per ISA
 // section inside its namespace, after that section's element types (each with T, kStep,
 // kCols, the vector types, load / broadcast / madd / store, spill (a sum vector to floats,
-// rounded as store rounds) and D, the dtype's traits in fused_common.h) and kMaxRows. Uses the file's Gemm<T>, kPanel,
-// kLine, kChunkBytes and panels_of.
+// rounded as store rounds) and D, the dtype's traits in fused_common.h) and kMaxRows. Uses
+// the file's Gemm<T>, kPanel, kLine, kChunkBytes and panels_of.
 
 // silu(g) * u of one row's kCols columns into y (E::T), the sums g and u first rounded to the
 // dtype as a stored gate|up product would be (E::spill; cpu_gemm.cpp, "silu").

@@ -58,7 +58,7 @@ class TieredStore:
         if disk is not None:
             self.disk_stats.corrupt = disk.num_corrupt
         self._spills: list[tuple[int, int, BlockMeta]] = []  # (device block, host slot, meta)
-        self._reloads: list[tuple[int, int]] = []  # (host slot, device block)
+        self._reloads: dict[int, int] = {}  # device block -> host slot: one copy per block
         self._reload_started: float | None = None
         self._in_flight: list[tuple[torch.cuda.Event | None, list[int], float]] = []
         self._reads: dict[int, Future[bytes | None]] = {}
@@ -107,24 +107,19 @@ class TieredStore:
     def _cancel_reload(self, block_id: int, meta: BlockMeta) -> bool:
         """Drop the queued reload into `block_id` (evicted before it landed, so the block holds
         stale bytes) and give its host slot back to the host's cache as `meta`'s copy; whether
-        one was queued (at most one is: `_queue_reload`)."""
-        for index, (slot, target) in enumerate(self._reloads):
-            if target == block_id:
-                del self._reloads[index]
-                self.host.restore(meta, slot)
-                return True
-        return False
+        one was queued."""
+        slot = self._reloads.pop(block_id, None)
+        if slot is None:
+            return False
+        self.host.restore(meta, slot)
+        return True
 
     def drop_reloads(self, block_ids: Sequence[int]) -> None:
         """Blocks going back to the free list (their sequence freed before the step ran): drop
         the copies still queued into them and free those host slots. Their KV is given up (a
         swapped-in sequence refused its first chunk recomputes); a copy left queued would land
         in whatever the block holds next, possibly after another copy into it."""
-        gone = set(block_ids)
-        if not gone or not self._reloads:
-            return
-        dropped = [slot for slot, block in self._reloads if block in gone]
-        self._reloads = [(slot, block) for slot, block in self._reloads if block not in gone]
+        dropped = [self._reloads.pop(b) for b in block_ids if b in self._reloads]
         self.host.release(dropped)
 
     def flush_spills(self) -> None:
@@ -238,10 +233,10 @@ class TieredStore:
 
     def _queue_reload(self, slot: int, block_id: int) -> None:
         # Two queued copies into one block would land in slot order, not queue order.
-        assert all(block != block_id for _, block in self._reloads), "block already reloading"
+        assert block_id not in self._reloads, "block already reloading"
         if not self._reloads:
             self._reload_started = time.perf_counter()
-        self._reloads.append((slot, block_id))
+        self._reloads[block_id] = slot
 
     def discard(self, block_hash: int) -> None:
         """The device published `block_hash`: free any lower copy."""
@@ -303,8 +298,8 @@ class TieredStore:
     def _run_reloads(self) -> None:
         if not self._reloads:
             return
-        reloads, self._reloads = self._reloads, []
-        slots, blocks = [r[0] for r in reloads], [r[1] for r in reloads]
+        reloads, self._reloads = self._reloads, {}
+        blocks, slots = list(reloads), list(reloads.values())
         copy_started = time.perf_counter()
         event = self.device.from_host(self.host, slots, blocks)
         if event is None:  # on CUDA the copy is asynchronous: its time is in the latency
@@ -335,7 +330,7 @@ class TieredStore:
         count = len(block_ids)
         if count > self.host.num_free + self.host.num_cached:
             return False
-        if any(block in block_ids for _, block in self._reloads):
+        if any(block in self._reloads for block in block_ids):
             self._run_reloads()  # copies still queued into these blocks land first
             self._release_done()
         self._shed_host(max(0, count - self.host.num_free))
@@ -376,8 +371,6 @@ class TieredStore:
         """AssertionError unless every hash has one copy, each tier is consistent and the
         host holds exactly the `swapped` sequences."""
         assert not self._spills, "spills queued outside an allocation"
-        targets = [block for _, block in self._reloads]
-        assert len(targets) == len(set(targets)), "two queued copies into one device block"
         self.host.check_integrity()
         assert self.host.parked_ids() == swapped, "swapped sequences differ from the host's"
         host = self.host.hashes()
