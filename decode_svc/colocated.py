@@ -125,8 +125,8 @@ class ColocatedRole:
     def held(self) -> list[worker_pb2.HeldBlockSet]:
         return []
 
-    async def release(self, request_id: str, reason: str) -> bool:
-        return await self.runtime.engine.abort(request_id)
+    async def release(self, request_id: str, reason: str, generation: int = 0) -> bool:
+        return await self.runtime.engine.abort(request_id)  # holds no generations
 
     async def close(self) -> None:
         return None

@@ -34,8 +34,8 @@ class DecodeRole:
     def held(self) -> list[worker_pb2.HeldBlockSet]:
         return self.table.held()
 
-    async def release(self, request_id: str, reason: str) -> bool:
-        return self.servicer.release(request_id, reason=reason)
+    async def release(self, request_id: str, reason: str, generation: int = 0) -> bool:
+        return self.servicer.release(request_id, generation, reason)
 
     async def close(self) -> None:
         await self.table.close()

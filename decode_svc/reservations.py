@@ -6,6 +6,12 @@ Reserve ──▶ RESERVED ──(KV lands)──▶ TRANSFERRED ──Decode─
 ```
 A reservation names (request id, generation, transfer id); the receiver accepts frames only
 for that transfer id and `epoch == generation`, so a stale prefill can never write here.
+
+A reservation dropped while a sender holds a write window into its blocks (registered memory:
+the sender copies straight into this cache, and a cancel only asks it to stop) is fenced: the
+engine keeps its prompt blocks out of the pool until the sender is known to have stopped
+(`ReceiveHandle.when_quiet`: its END, CANCEL or closed connection) or the lease plus a grace
+ran out, so a late copy can never land in blocks another request holds.
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ class ReservationTable:
         self.receivers = receivers
         self._core = next(iter(receivers.values())).core if receivers else None
         self._by_request: dict[str, Reservation] = {}
+        self._fenced: dict[str, ReceiveHandle] = {}  # fence id -> handle of the open window
         self._reaper: asyncio.Task[None] | None = None
         self.on_expire: Callable[[Reservation], None] = lambda res: None
 
@@ -146,8 +153,22 @@ class ReservationTable:
             return False
         del self._by_request[res.request_id]
         res.handle.cancel()
-        self.engine.submit(disagg.release, res.request_id)
+        fence = None if res.handle.quiet else f"#fence:{res.transfer_id.hex()}"  # no request id
+        self.engine.submit(disagg.release, res.request_id, fence)
+        if fence is not None:
+            self._fenced[fence] = res.handle
+            res.handle.when_quiet(lambda: self._unfence(fence))
         return True
+
+    @property
+    def fenced(self) -> int:
+        """Dropped reservations whose blocks wait for their sender to stop writing."""
+        return len(self._fenced)
+
+    def _unfence(self, fence: str) -> None:
+        """The window behind `fence` closed (any thread): its blocks go back to the pool."""
+        if self._fenced.pop(fence, None) is not None:
+            self.engine.submit(disagg.unfence, fence)
 
     def start_reaper(self) -> None:
         self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
@@ -168,6 +189,8 @@ class ReservationTable:
         while True:
             await asyncio.sleep(REAP_INTERVAL_SECONDS)
             now = time.monotonic()
+            for handle in list(self._fenced.values()):
+                handle.close_window_if_due(now)  # the sender stopped by then
             for res in list(self._by_request.values()):
                 if now < res.deadline:
                     continue

@@ -78,7 +78,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                     FAILED_PRECONDITION,
                     f"generation: {rid!r} is held under generation {held.generation}",
                 )
-            self.table.drop(held)  # a newer generation supersedes a stale reservation
+            # a newer generation supersedes a stale reservation (its open Decode call ends)
+            self.release(rid, held.generation, f"superseded by generation {message.generation}")
         res = await self.table.reserve(
             engine_request, message.generation, self._lease(message, context)
         )
@@ -239,8 +240,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             return False
         if res.task is not None and res.task is not asyncio.current_task():
             res.released = reason
-            if res.stream is not None:
-                res.stream.fail(released_error(res))
+            if res.stream is not None:  # ends now; its request id is free for a newer one
+                res.stream.detach(released_error(res))
         return self.table.drop(res)
 
 

@@ -14,6 +14,13 @@ answered with a write window over exactly the reserved blocks (their byte offset
 the transfer id, epoch and lease); the sender writes the blocks in place and commits each
 frame. A commit for another epoch, after the lease, outside the window or over blocks already
 committed is refused and changes nothing; END completes only when every block was committed.
+
+A granted window stays open until the sender is known to have stopped writing: its END, its
+CANCEL, its connection closing (`window_closed`), or the reservation's deadline plus
+`WINDOW_GRACE_SECONDS` (`ReceiveHandle.close_window_if_due`: a sender never starts a copy
+after its grant's lease). Cancelling a transfer only asks the sender to stop (a copy under way
+finishes), so blocks whose window is open must not be reused: `ReceiveHandle.quiet` and
+`when_quiet` say when they can be.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from kv_transfer.blocks import BlockStore, as_ids
 from kv_transfer.errors import (
     ChecksumError,
     FrameError,
+    PeerError,
     StaleEpochError,
     TransferCancelledError,
     TransferError,
@@ -41,6 +49,7 @@ from kv_transfer.registered import Grant, rows_checksum
 from kv_transfer.state import TransferRecord, TransferRequest, TransferResult, TransferState
 
 _RECENT = 1024  # ended transfers remembered, so late frames get the real reason
+WINDOW_GRACE_SECONDS = 1.0  # after a grant's deadline, beyond any copy it let start
 
 
 @dataclasses.dataclass
@@ -52,6 +61,8 @@ class _Reservation:
     blocks_written: int = 0
     written: torch.Tensor | None = None  # bool [n]: destination blocks already written
     revoke: Callable[[], None] | None = None  # tells a sender holding a window to stop
+    window_open: bool = False  # a sender was granted a window and may still write into it
+    on_quiet: list[Callable[[], object]] = dataclasses.field(default_factory=list)
 
 
 class ReceiveHandle:
@@ -95,8 +106,40 @@ class ReceiveHandle:
             self._forget_and_revoke()
         return terminal
 
+    @property
+    def quiet(self) -> bool:
+        """No write into the reserved blocks can come any more: the transfer ended and no
+        sender holds an open window into them."""
+        with self._res.record.lock:
+            return self._res.record.state.is_terminal and not self._res.window_open
+
+    def when_quiet(self, callback: Callable[[], object]) -> None:
+        """Call `callback()` once `quiet`: now when it is, else on the thread that ends the
+        transfer or closes its window (a receiver's connection thread, a cancel, or
+        `close_window_if_due`'s caller); it must be quick (queue a command, post to a loop)."""
+        res = self._res
+
+        def settle() -> None:  # terminal now (under the record's lock)
+            if res.window_open:
+                res.on_quiet.append(callback)
+            else:
+                callback()
+
+        res.record.when_terminal(settle)
+
+    def close_window_if_due(self, now: float | None = None) -> bool:
+        """Close an open window once the reservation's deadline plus WINDOW_GRACE_SECONDS
+        passed (the sender stopped by then: it never starts a copy after its grant's lease);
+        True when the handle is (now) quiet."""
+        now = time.monotonic() if now is None else now
+        if self._res.window_open and now >= self._res.record.deadline + WINDOW_GRACE_SECONDS:
+            self._core.close_window(self._res)
+        return self.quiet
+
     def cancel(self) -> bool:
-        """End as CANCELLED unless already terminal; an in-progress write finishes first."""
+        """End as CANCELLED unless already terminal; an in-progress write finishes first.
+        A sender holding a window (registered memory) is told to stop; until it has (`quiet`)
+        the blocks may still change."""
         ended = self._res.record.end(TransferState.CANCELLED)
         self._forget_and_revoke()
         return ended
@@ -113,6 +156,7 @@ class ReceiverCore:
         self._lock = threading.Lock()
         self._reservations: dict[bytes, _Reservation] = {}
         self._recent: collections.OrderedDict[bytes, TransferRecord] = collections.OrderedDict()
+        self._windows: dict[bytes, _Reservation] = {}  # open windows by transfer id
 
     def expect(
         self, request: TransferRequest, dst_block_ids: object, deadline: float
@@ -187,9 +231,36 @@ class ReceiverCore:
             if res.record.state is not TransferState.IN_FLIGHT:
                 raise TransferStateError(f"BEGIN ended in state {res.record.state.name}")
             res.revoke = revoke
+            res.window_open = True
+            with self._lock:
+                self._windows[header.transfer_id] = res
         kv, scales = self.store.region_offsets(res.dst)
         left = res.record.deadline - time.monotonic()
         return Grant(kv, scales, res.record.deadline).encode(left)
+
+    def window_closed(self, transfer_id: bytes) -> None:
+        """The sender of `transfer_id` stopped writing into its window (its END or CANCEL,
+        or its connection closed); a no-op when no window is open for it."""
+        with self._lock:
+            res = self._windows.get(transfer_id)
+        if res is not None:
+            self.close_window(res)
+
+    def close_window(self, res: _Reservation) -> None:
+        """Mark `res`'s window closed and run its `when_quiet` callbacks (once). A transfer
+        still live when its sender stopped (its connection closed) ends FAILED first."""
+        if not res.record.expire_if_due():
+            self._fail(res, PeerError("the sender stopped writing before END"))
+        with res.record.lock:
+            if not res.window_open:
+                return
+            res.window_open = False
+            callbacks, res.on_quiet = res.on_quiet, []
+        with self._lock:
+            if self._windows.get(res.record.request.transfer_id) is res:
+                del self._windows[res.record.request.transfer_id]
+        for callback in callbacks:
+            callback()
 
     def on_written(self, header: FrameHeader) -> None:
         """A sender committed blocks it wrote in place; refused (nothing changes) unless the
@@ -290,6 +361,7 @@ class ReceiverCore:
             res.record.kv_complete = not no_kv
             res.record.move(TransferState.COMPLETED)
         self.forget(res)
+        self.close_window(res)  # END follows the sender's last write
         return res.record.result()
 
     def on_cancel(self, header: FrameHeader) -> None:

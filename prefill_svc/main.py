@@ -34,8 +34,8 @@ class PrefillRole:
     def held(self) -> list[worker_pb2.HeldBlockSet]:
         return self.servicer.held()
 
-    async def release(self, request_id: str, reason: str) -> bool:
-        return self.servicer.release(request_id)
+    async def release(self, request_id: str, reason: str, generation: int = 0) -> bool:
+        return self.servicer.release(request_id, generation)
 
     async def close(self, timeout: float = 2.0) -> None:
         """Cancel prefills in progress (each releases its blocks) and close the senders, all

@@ -203,7 +203,13 @@ class Sender(shm.Sender):
         if slot.device != self.store.cache.device:
             torch.cuda.synchronize(self.store.cache.device)
 
+    def _landed(self, window: torch.Tensor) -> None:
+        """A piece's device copy lands before the write lock is let go: a sender stopped
+        (cancelled, closed) leaves no copy queued behind it."""
+        torch.cuda.synchronize(window.device)
+
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        self._conn = self._ring = self._window = None
+        with self._write_lock:  # after the piece being written, if any
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = self._ring = self._window = None

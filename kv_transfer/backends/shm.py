@@ -116,6 +116,9 @@ class Sender(KVSender):
         self._opened: bytes | None = None  # transfer whose BEGIN `_open` sent on this connection
         self._slot_bytes = self.max_frame_bytes
         self._close_lock = threading.Lock()  # close() runs on the caller's and transfer threads
+        # held while a copy into the receiver's window runs: close() waits for it, so once the
+        # connection is closed (the receiver's sign that writes ended) nothing more is written
+        self._write_lock = threading.Lock()
         self._connect(time.monotonic() + HANDSHAKE_SECONDS)
 
     @property
@@ -208,7 +211,7 @@ class Sender(KVSender):
     def close(self) -> None:
         """Idempotent and safe from two threads at once (a transfer aborting on its deadline
         while the owner closes): each resource is taken under the lock, closed once."""
-        with self._close_lock:
+        with self._write_lock, self._close_lock:
             conn, segment = self._conn, self._segment
             self._conn = self._segment = self._ring = self._window = None
             self._opened = None
@@ -284,7 +287,7 @@ class Sender(KVSender):
             for a, m in self._pieces(lo, n):
                 conn.settimeout(waiter.check())  # a commit blocked on a full socket ends in time
                 self._poll_refusal(tid)
-                digest = write_granted(rows, window, grant, plan.src[a : a + m], a, self.checksum)
+                digest = self._write(rows, window, grant, plan.src[a : a + m], a)
             self._publish(window)  # the writes are visible before their commit goes out
             header = FrameHeader(
                 MsgType.FRAME, tid, epoch, index, plan.frame_count, lo, n,
@@ -297,6 +300,25 @@ class Sender(KVSender):
         last = b"" if unsent is None else unsent.encode()
         send_msg(conn, *plan.end_frame(), after=last)  # the producer's trailer rides the END
         self._expect(MsgType.DONE, waiter)
+
+    def _write(
+        self,
+        rows: tuple[torch.Tensor, torch.Tensor | None],
+        window: torch.Tensor,
+        grant: Grant,
+        src: torch.Tensor,
+        lo: int,
+    ) -> int:
+        """One piece into the window, unless the connection was closed meanwhile."""
+        with self._write_lock:
+            if self._conn is None:
+                raise TransferCancelledError("the sender was closed")
+            digest = write_granted(rows, window, grant, src, lo, self.checksum)
+            self._landed(window)
+            return digest
+
+    def _landed(self, window: torch.Tensor) -> None:
+        """The piece just written is in the window when this returns (host copies are)."""
 
     def _pieces(self, lo: int, n: int) -> list[tuple[int, int]]:
         """A commit's blocks `lo .. lo+n` in copies of at most `piece_bytes`, the lease and a

@@ -111,6 +111,8 @@ class Receiver(KVReceiver):
             while True:
                 header, payload = recv_msg(conn, time.monotonic() + IDLE_SECONDS)
                 reply = self._dispatch(header, payload, ring, slot_bytes, begun)
+                if header.msg_type in (MsgType.END, MsgType.CANCEL):  # no write follows
+                    self.core.window_closed(header.transfer_id)
                 if reply is not None and can_reply:
                     try:
                         begun.send(*reply)
@@ -119,6 +121,9 @@ class Receiver(KVReceiver):
         except TransferError as exc:
             self.core.fail_ids(begun, PeerError(f"sender connection lost: {exc}"))
             raise
+        finally:  # the sender's connection is gone: so are its writes
+            for tid in list(begun):
+                self.core.window_closed(tid)
 
     def _dispatch(
         self,

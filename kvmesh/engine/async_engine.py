@@ -91,7 +91,7 @@ class RequestStream:
         self.finished = False
         self._owner = owner
         self._sink = sink
-        self._cleanup = cleanup
+        self._cleanup: Cleanup | None = cleanup
         self._closed = False
 
     def __aiter__(self) -> RequestStream:
@@ -117,6 +117,16 @@ class RequestStream:
         it. Call on the stream's event loop."""
         if not self._closed:
             self._sink.put_nowait(error)
+
+    def detach(self, error: BaseException) -> None:
+        """End the stream with `error` and give up its request id at once (a new stream may
+        open under it): no output reaches this stream any more, and closing it later cleans
+        nothing up (the caller drops the request itself). Call on the stream's event loop."""
+        if self._closed:
+            return
+        self._sink.put_nowait(error)
+        self._cleanup = None
+        self._owner._unsubscribe(self.request_id, self._sink)
 
     def close(self) -> None:
         """Stop listening; an unfinished request is cleaned up on the engine thread. Returns at
@@ -419,12 +429,17 @@ class AsyncLLMEngine:
     def _drop_stream(
         self, engine: LLMEngine, request_id: str, sink: asyncio.Queue[Any], cleanup: Cleanup | None
     ) -> object:
+        self._unsubscribe(request_id, sink)
+        return None if cleanup is None else cleanup(engine, request_id)
+
+    def _unsubscribe(self, request_id: str, sink: asyncio.Queue[Any]) -> None:
+        """Stop routing `request_id`'s outputs to `sink` (any thread; a newer stream under the
+        same id is left alone)."""
         with self._streams_lock:
             target = self._streams.get(request_id)
             if target is not None and target[1] is sink:
                 del self._streams[request_id]
                 self._hooks.pop(request_id, None)
-        return None if cleanup is None else cleanup(engine, request_id)
 
     def _refresh_load(self) -> None:
         scheduler = self.engine.scheduler

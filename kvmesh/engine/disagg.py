@@ -106,17 +106,32 @@ def parked_sequence(request: Request) -> Sequence | None:
     return next((s for s in request.seqs if s.status is SequenceStatus.PREFILLED), None)
 
 
-def release(engine: LLMEngine, request_id: str) -> bool:
+def release(engine: LLMEngine, request_id: str, fence: str | None = None) -> bool:
     """Drop a prefill-only request in any state (its blocks go back to the pool or the prefix
-    cache); True when it was held."""
+    cache); True when it was held. With `fence`, a request still waiting for its KV keeps
+    its prompt blocks out of the pool under that id until `unfence(fence)`: a sender may
+    still be writing into them."""
     request = engine.scheduler.get_request(request_id)
     held = request is not None
+    if fence is not None and request is not None and _waits_for_kv(request):
+        engine.scheduler.block_manager.fork(request.seqs[0].seq_id, fence)
     if request is not None and is_prefilled(request):
         engine.scheduler.release_prefilled(request_id)
     else:
         engine.scheduler.abort_request(request_id)
     engine.forget_request(request_id)
     return held
+
+
+def _waits_for_kv(request: Request) -> bool:
+    return request.seqs[0].status is SequenceStatus.WAITING_FOR_REMOTE_KV
+
+
+def unfence(engine: LLMEngine, fence: str) -> None:
+    """Give back the blocks `release` kept under `fence` (a no-op when it kept none)."""
+    block_manager = engine.scheduler.block_manager
+    if block_manager.has(fence):
+        block_manager.free(fence)
 
 
 def spare_blocks(n: int) -> int:

@@ -2,10 +2,12 @@
 
 Register (retried with capped exponential backoff until it succeeds), then Heartbeat every
 interval the control plane asked for, with load and held block sets. `registered=false`
-(the control plane restarted) → register again, reporting what is held; the request ids in
-`release_request_ids` are released locally. Every RPC has a deadline; failures back off and
-retry, so a worker survives control-plane restarts. Every call carries the cluster token (over
-TLS when configured): the control plane's internal port refuses any other.
+(the control plane restarted) → register again, reporting what is held. The reply's
+`release_request_ids` name ids by their reported generation: each is released locally only if
+the role still holds exactly the generation this heartbeat reported for it (a set reserved
+since, under a newer generation or a reused id, is kept). Every RPC has a deadline; failures
+back off and retry, so a worker survives control-plane restarts. Every call carries the
+cluster token (over TLS when configured): the control plane's internal port refuses any other.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ RPC_TIMEOUT_SECONDS = 2.0
 BACKOFF_MIN_SECONDS = 0.1
 BACKOFF_MAX_SECONDS = 2.0
 DEFAULT_INTERVAL_SECONDS = 1.0
+RELEASE_REASON = "control plane released it"
 
 
 class ControlAgent:
@@ -87,15 +90,31 @@ class ControlAgent:
         LOG.info("registered %s with control plane %s", self.info.worker_id, self.target)
 
     async def _heartbeat(self, stub: worker_pb2_grpc.ControlServiceStub) -> None:
+        """Report load and held sets; release each id the reply names at the generation this
+        heartbeat reported for it (the control plane names only reported ids)."""
+        held = self.services.held()
         request = worker_pb2.HeartbeatRequest(
             worker_id=self.info.worker_id,
             epoch=self.info.epoch,
             load=self.runtime.load_proto(),
-            held=self.services.held(),
+            held=held,
         )
         response = await stub.Heartbeat(request, timeout=RPC_TIMEOUT_SECONDS)
         if not response.registered:
             self.registered.clear()
             return
+        reported = generations(held)
         for request_id in response.release_request_ids:
-            await self.services.release(request_id, "control plane released it")
+            generation = reported.get(request_id)
+            if generation is not None:
+                await self._release(request_id, generation)
+
+    async def _release(self, request_id: str, generation: int) -> bool:
+        """Release `request_id` only at `generation` (the role frees an exact match only); a
+        set reserved while the heartbeat was on the way is never the one freed."""
+        return await self.services.release(request_id, RELEASE_REASON, generation)
+
+
+def generations(held: list[worker_pb2.HeldBlockSet]) -> dict[str, int]:
+    """The generation held for each request id."""
+    return {h.request_id: h.generation for h in held}

@@ -7,6 +7,7 @@ receiver over a real Unix socket, the sender's transfer thread held back."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -27,7 +28,7 @@ from kv_transfer.errors import (
 )
 from kv_transfer.header import FLAG_IN_PLACE, FLAG_NO_CHECKSUM, FrameHeader, MsgType, frame_header
 from kv_transfer.interface import StreamSendHandle
-from kv_transfer.receiver_core import ReceiveHandle, ReceiverCore
+from kv_transfer.receiver_core import WINDOW_GRACE_SECONDS, ReceiveHandle, ReceiverCore
 from kv_transfer.registered import Grant, shared_tensors, write_granted
 from kv_transfer.state import TransferRequest, TransferState
 
@@ -306,3 +307,84 @@ def test_a_dead_connection_falls_back_to_begin_from_the_transfer_thread() -> Non
     finally:
         sender.close()
         first.close()
+
+
+def test_a_cancelled_window_stays_open_until_its_sender_stops() -> None:
+    """Cancelling a granted transfer only asks its sender to stop: the handle is not `quiet`
+    (its blocks may still change) until the sender's END, CANCEL or closed connection, or the
+    lease plus the grace; a transfer never granted, or completed, is quiet at once."""
+    receiver, _ = stores()
+    core = ReceiverCore(receiver)
+    woken: list[str] = []
+
+    def granted(name: str, seconds: float = 10) -> tuple[bytes, ReceiveHandle]:
+        tid = os.urandom(16)
+        handle = core.expect(TransferRequest(tid, 5), [3], time.monotonic() + seconds)
+        begin(core, tid, 5, [3])
+        handle.when_quiet(lambda: woken.append(name))
+        return tid, handle
+
+    tid, handle = granted("stopped")
+    assert not handle.quiet and handle.cancel() and not handle.quiet and woken == []
+    core.window_closed(tid)  # the sender's CANCEL (or its connection closing) arrived
+    assert handle.quiet and woken == ["stopped"]
+    _, lapsed = granted("lapsed", seconds=0.5)
+    lapsed.cancel()
+    deadline = time.monotonic() + 0.5
+    assert not lapsed.close_window_if_due(deadline + WINDOW_GRACE_SECONDS - 0.01)
+    assert lapsed.close_window_if_due(deadline + WINDOW_GRACE_SECONDS + 0.01)
+    assert woken == ["stopped", "lapsed"]
+    tid, done = granted("completed")
+    core.on_written(commit(tid, 5, 0, 1))
+    core.on_end(frame_header(MsgType.END, tid, 5))
+    assert done.quiet and woken[-1] == "completed"
+    never = core.expect(TransferRequest(os.urandom(16), 5), [4], time.monotonic() + 10)
+    never.cancel()
+    assert never.quiet
+
+
+def test_no_write_lands_after_a_cancelled_window_closes() -> None:
+    """A sender process stopped in the middle of a copy into its window is cancelled: the
+    window stays open while it cannot know, and once it closes (the sender read the revoke,
+    finished the copy under way and stopped) no byte of the blocks changes any more."""
+    shape = (96, 16, 2, 16, 8, 128)  # 1 MiB bfloat16 blocks: a copy spans many of them
+    cache, _, region = shared_tensors(shape, torch.bfloat16)
+    receiver = shm.Receiver(BlockStore(cache, None, model_id="test-model", region=region))
+    spec = {"num_blocks": 96, "layers": 16, "block_size": 16, "heads": 8, "head_dim": 128}
+    sender = Peer("shm", {**spec, "seed": 3, "shared": False, "dtype": "bfloat16"})
+    rows = cache.view(96, -1)
+    caught_open = 0
+    try:
+        for _ in range(4):
+            caught_open += _cancel_mid_copy(receiver, sender, rows)
+    finally:
+        sender.close()
+        receiver.close()
+    assert caught_open  # the sender was stopped inside its window at least once
+
+
+def _cancel_mid_copy(receiver: shm.Receiver, sender: Peer, rows: torch.Tensor) -> int:
+    """One transfer cancelled with its sender paused as its copy began; 1 when the window was
+    still open at the cancel. Asserts that nothing changes once the window closed."""
+    sender.call("connect", address=receiver.address, options={"mode": "registered"})
+    rows.zero_()
+    tid = os.urandom(16)
+    got = receiver.expect(TransferRequest(tid, 7), list(range(96)), time.monotonic() + 60)
+    quiet = threading.Event()
+    got.when_quiet(quiet.set)
+    src = list(reversed(range(96)))  # not one run: a gathered copy, the slower kind
+    sender.call("start", tid=tid.hex(), epoch=7, src=src, dst=list(range(96)), seconds=60)
+    limit = time.monotonic() + 10
+    while not bool(rows[0].any()) and time.monotonic() < limit:  # the first copy began
+        pass
+    os.kill(sender.proc.pid, signal.SIGSTOP)
+    try:
+        got.cancel()
+        was_open = not got.quiet
+    finally:
+        os.kill(sender.proc.pid, signal.SIGCONT)
+    assert quiet.wait(10)  # the sender stopped (and said so) well within its lease
+    snapshot = rows.clone()
+    time.sleep(0.3)
+    assert torch.equal(rows, snapshot)
+    return int(was_open)

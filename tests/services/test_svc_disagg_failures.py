@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from svc_harness import NUM_BLOCKS, engine_config, start_worker, svc_loop, svc_model_dir, wait_until
 from test_svc_disagg import ControlDriver, backends_here
 
 from decode_svc.main import install as install_decode
+from kv_transfer.header import MsgType, frame_header
+from kv_transfer.receiver_core import WINDOW_GRACE_SECONDS
+from kvmesh.v1 import worker_pb2
 from prefill_svc.main import install as install_prefill
 
 __all__ = ["svc_loop", "svc_model_dir"]
@@ -158,3 +163,65 @@ def test_reserve_beyond_free_blocks_is_resource_exhausted(driver: ControlDriver)
     for i in range(3):
         driver.d.Release(worker_pb2.ReleaseRequest(request_id=f"big-{i}"), timeout=5)
     wait_until(lambda: all_free(driver), 1.0, "released reservations freed")
+
+
+def _grant(driver: ControlDriver, reservation: Any, generation: int) -> bytes:
+    """What a registered-memory sender's BEGIN does: a write window over the reserved blocks
+    is granted to it (the receiver's core, as its connection thread calls it)."""
+    core = next(iter(driver.decode.role.table.receivers.values())).core
+    tid = bytes.fromhex(reservation.transfer_id)
+    payload = np.asarray(reservation.block_ids, dtype=np.int32).tobytes()
+    core.grant(frame_header(MsgType.BEGIN, tid, generation, payload), payload)
+    return tid
+
+
+def test_released_blocks_a_sender_may_write_stay_out_of_the_pool_until_it_stops(
+    driver: ControlDriver,
+) -> None:
+    """A reservation released while a sender holds a write window into its blocks (a cancel
+    only asks it to stop) keeps its prompt blocks out of the pool until the sender is known
+    to have stopped; then they all come back."""
+    request = driver.prepare("fence", list(range(1, 40)), max_tokens=4)
+    reservation = driver.reserve(request, generation=4)
+    tid = _grant(driver, reservation, 4)
+    release = worker_pb2.ReleaseRequest(request_id="fence", generation=4)
+    assert driver.d.Release(release, timeout=10).released
+    table = driver.decode.role.table
+    assert table.fenced == 1 and not driver.decode.role.held()
+    time.sleep(0.3)  # long enough for the engine to have freed them, were they not fenced
+    assert driver.decode.free_blocks() == NUM_BLOCKS - len(reservation.block_ids)
+    next(iter(table.receivers.values())).core.window_closed(tid)  # the sender's CANCEL
+    wait_until(lambda: all_free(driver) and table.fenced == 0, 1.0, "blocks back once stopped")
+
+
+def test_a_fenced_reservation_comes_back_after_its_lease_and_the_grace(
+    driver: ControlDriver,
+) -> None:
+    """A sender that never says it stopped: its window closes at the lease plus the grace
+    (it never starts a copy after its grant's lease), and the blocks come back then."""
+    request = driver.prepare("lapse", list(range(1, 40)), max_tokens=4)
+    reservation = driver.reserve(request, generation=5, lease=0.3)
+    _grant(driver, reservation, 5)
+    wait_until(lambda: driver.decode.role.table.fenced == 1, 1.0, "expired and fenced")
+    assert driver.decode.free_blocks() < NUM_BLOCKS
+    wait_until(lambda: all_free(driver), WINDOW_GRACE_SECONDS + 1.5, "back after the grace")
+
+
+def test_a_newer_generation_supersedes_an_open_decode_call(driver: ControlDriver) -> None:
+    """Reserve under a newer generation while the older one decodes: the old Decode call ends
+    at once with ABORTED naming the supersession, and the new generation is prefilled and
+    decoded in full under the same request id."""
+    request = driver.prepare("sup", list(range(10, 26)), max_tokens=64, ignore_eos=True)
+    first = driver.reserve(request, generation=3)
+    old = driver.decode_call("sup", first, 3)
+    driver.prefill(request, driver.target(first, 3))
+    next(old)  # the old generation is decoding
+    second = driver.reserve(request, generation=4)
+    with pytest.raises(grpc.RpcError) as ended:
+        list(old)
+    assert ended.value.code() == grpc.StatusCode.ABORTED
+    assert "superseded by generation 4" in (ended.value.details() or "")
+    new = driver.decode_call("sup", second, 4)
+    driver.prefill(request, driver.target(second, 4))
+    assert sum(len(response.token_ids) for response in new) == 64
+    wait_until(lambda: all_free(driver), 1.0, "every block freed")
