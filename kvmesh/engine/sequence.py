@@ -127,9 +127,14 @@ class Sequence:
         return child
 
 
+CHILD_SEPARATOR = "#"
+"""Joins a request id and a child index into the child's sequence id. No request id contains
+it (`add_request` refuses one that does), so no request id can name another's child."""
+
+
 def child_seq_id(request_id: str, index: int) -> str:
     """Sequence id of child `index` of a request (child 0 keeps the request id)."""
-    return request_id if index == 0 else f"{request_id}#{index}"
+    return request_id if index == 0 else f"{request_id}{CHILD_SEPARATOR}{index}"
 
 
 @dataclass(eq=False)

@@ -7,6 +7,8 @@ blocks are committed to the prefix cache. Every call costs O(blocks it changes).
 Contracts:
 - `lookup_prefix` (optional) comes first for a new sequence; `allocate` grows tables, which
   never shrink; `free` releases a table tail first, so tails are evicted first.
+- A swapped-out sequence keeps its id until `swap_in` (or `free`): `lookup_prefix`,
+  `allocate` and `fork` refuse to create a table under it (SequenceExistsError).
 - `num_tokens` counts the slots the sequence has written or writes in the step being planned.
   `allocate` beyond a partly filled last block with ref count > 1 (after `fork`) moves the
   sequence onto a private copy and reports `(src, dst)`; the runner copies before writing.
@@ -142,6 +144,7 @@ class BlockManager:
         """
         if seq_id in self._seqs:
             raise SequenceExistsError(f"seq_id {seq_id!r} already exists (lookup_prefix is first)")
+        self._check_not_swapped(seq_id)
         seq = self._seqs[seq_id] = _Seq()
         extra_key = extra_key or None
         self._queries += 1
@@ -190,6 +193,7 @@ class BlockManager:
         bs = self._bs
         blocks_needed = -(-num_tokens // bs)
         if seq is None:
+            self._check_not_swapped(seq_id)
             self._check_capacity(num_tokens, blocks_needed)
             new = self._take_blocks(blocks_needed)
             if new is None:
@@ -225,6 +229,14 @@ class BlockManager:
         if self.tiers is not None:
             self.tiers.flush_spills()
         return new
+
+    def _check_not_swapped(self, seq_id: str) -> None:
+        """SequenceExistsError when `seq_id` is swapped out: a second table under its id would
+        outlive `free` (which drops the swapped copy) and hold its blocks forever."""
+        if seq_id in self._swapped:
+            raise SequenceExistsError(
+                f"seq_id {seq_id!r} is swapped out; swap_in brings its table back"
+            )
 
     def _check_capacity(self, num_tokens: int, blocks_needed: int) -> None:
         if not isinstance(num_tokens, int) or num_tokens < 0:
@@ -293,7 +305,7 @@ class BlockManager:
     def fork(self, parent_id: str, child_id: str) -> None:
         """`child_id` shares every block of `parent_id` (ref +1 each); writes then copy on write."""
         parent = self._get(parent_id)
-        if child_id in self._seqs:
+        if child_id in self._seqs or child_id in self._swapped:
             raise SequenceExistsError(f"child_id {child_id!r} already exists")
         for block in parent.blocks:
             self._pool.incref(block)
@@ -379,6 +391,8 @@ class BlockManager:
 
     def check_integrity(self) -> None:
         """AssertionError naming the broken invariant (tables, ref counts, queues, hash index)."""
+        both = self._seqs.keys() & self._swapped.keys()
+        assert not both, f"{sorted(both)}: a live table and a swapped-out copy under one id"
         refs: list[int] = []
         for seq_id, seq in self._seqs.items():
             assert len(seq.blocks) == -(-seq.num_tokens // self._bs), (

@@ -107,3 +107,28 @@ def test_request_waiting_for_remote_kv_holds_blocks_unscheduled_until_imported()
     assert [s.seq_id for s in sched.abort_request("dropped")] == ["dropped"]
     assert bm.num_free_blocks == 16 and sched.get_request("dropped") is None
     bm.check_integrity()
+
+
+def test_every_entry_refuses_a_request_id_naming_a_child() -> None:
+    """A request id holding "#" could equal a child's sequence id ("r#1" of "r", n = 2):
+    add_request, add_remote_request and add_prefilled_request refuse it, naming request_id,
+    and change nothing; "r" then runs both its samples to the end."""
+    sched, bm = make_scheduler(num_blocks=16)
+    pair = request("r", 6, n=2, max_tokens=4)
+    sched.add_request(pair)
+    step(sched)  # the whole prompt: forked into "r" and "r#1"
+    before = (sched.num_running, sched.num_waiting, bm.metrics())
+    for add in (
+        lambda: sched.add_request(request("r#1", 6)),
+        lambda: sched.add_remote_request(request("r#1", 6), spare_blocks=1),
+        lambda: sched.add_prefilled_request(request("r#1", 6), 6, first_tokens=[50]),
+    ):
+        with pytest.raises(InvalidParameterError) as refused:
+            add()
+        assert refused.value.field == "request_id"
+        assert sched.get_request("r#1") is None
+        assert (sched.num_running, sched.num_waiting, bm.metrics()) == before
+    run_to_completion(sched)
+    assert [(s.seq_id, len(s.output_ids)) for s in pair.seqs] == [("r", 4), ("r#1", 4)]
+    assert bm.num_free_blocks == 16
+    bm.check_integrity()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.memory.errors import SequenceExistsError
 from kvmesh.memory.tiers import blockfile
 from kvmesh.memory.tiers.blockfile import BlockMeta
 from tests.memory.tiers_harness import TieredRig
@@ -107,6 +108,40 @@ def test_swap_out_refused_when_the_host_is_full() -> None:
     assert not rig.manager.swap_out("victim")  # 4 blocks, 2 host slots: nothing changed
     rig.verify("victim", A)
     rig.manager.check_integrity()
+
+
+def test_swapped_out_id_refuses_a_second_table() -> None:
+    """While a sequence is swapped out, lookup_prefix, allocate and fork refuse its id and
+    change nothing; swap_in then brings its own table and KV back."""
+    rig = TieredRig(8, 8)
+    manager = rig.manager
+    assert rig.run_prompt("victim", A) == 0
+    assert rig.run_prompt("other", B) == 0
+    assert manager.swap_out("victim")
+    free = manager.num_free_blocks
+    for create in (
+        lambda: manager.lookup_prefix("victim", A),
+        lambda: manager.allocate("victim", len(A)),
+        lambda: manager.fork("other", "victim"),
+    ):
+        with pytest.raises(SequenceExistsError, match="'victim'"):
+            create()
+        assert manager.num_free_blocks == free and not manager.has("victim")
+        manager.check_integrity()
+    assert manager.swap_in("victim")
+    rig.store.prepare_step()
+    rig.verify("victim", A)
+    manager.check_integrity()
+
+
+def test_integrity_check_detects_a_live_table_beside_its_swapped_copy() -> None:
+    """check_integrity names an id held both as a device table and as swapped out."""
+    rig = TieredRig(8, 8)
+    assert rig.run_prompt("victim", A) == 0
+    assert rig.manager.swap_out("victim")
+    rig.manager._seqs["victim"] = rig.manager._swapped["victim"]
+    with pytest.raises(AssertionError, match=r"\['victim'\]: a live table and a swapped"):
+        rig.manager.check_integrity()
 
 
 def test_block_file_round_trip_and_rejections() -> None:

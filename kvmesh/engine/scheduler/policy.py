@@ -50,17 +50,17 @@ def admit_waiting(state: SchedulerState, config: SchedulerConfig, budget: int) -
 
 
 def enroll_static_batch(state: SchedulerState, config: SchedulerConfig) -> None:
-    """Static batching: admit a whole batch (prompt blocks allocated) when nothing runs."""
-    bm, waiting = state.block_manager, state.waiting
+    """Static batching: admit a whole batch (prompt blocks allocated) when nothing runs.
+
+    Each sequence is admitted as `admit_waiting` admits it (a swapped-out one swapped back
+    in); enrollment stops at the first that does not fit, holding nothing for it."""
+    waiting = state.waiting
     while waiting and len(state.running) < config.max_num_seqs:
         seq = waiting[0]
-        _lookup(state, config, seq)
-        target = seq.num_tokens
-        if config.allocation == "contiguous":
-            target = _reservation(seq, config)
-        if bm.allocate(seq.seq_id, target) is None:
-            bm.free(seq.seq_id)
-            seq.num_computed_tokens = 0
+        if not _open_table(state, config, seq):
+            break
+        if not _grow_table(state, config, seq, seq.num_tokens):
+            _drop_table(state, seq)
             break
         waiting.popleft()
         seq.status = RUNNING
@@ -79,21 +79,41 @@ def newest_unplanned(state: SchedulerState, seq: Sequence) -> Sequence:
 def _start(state: SchedulerState, config: SchedulerConfig, seq: Sequence, budget: int) -> int:
     """Look up the prefix and allocate a first chunk; its size, or 0 (nothing held; a
     swapped-out sequence stays swapped out)."""
+    if not _open_table(state, config, seq):
+        return 0
+    size = chunk_size(seq, budget, config)
+    if size and _grow_table(state, config, seq, seq.num_computed_tokens + size):
+        return size
+    _drop_table(state, seq)
+    return 0
+
+
+def _open_table(state: SchedulerState, config: SchedulerConfig, seq: Sequence) -> bool:
+    """Give a waiting sequence a table: a swapped-out one is swapped back in (its KV lands
+    before the step; progress is kept), any other gets the prefix lookup. False (nothing
+    changed: it stays swapped out) when the swap-in finds too few blocks."""
     bm = state.block_manager
     if bm.is_swapped(seq.seq_id):
-        if not bm.swap_in(seq.seq_id):  # its KV lands before the step; progress is kept
-            return 0
-    else:
-        _lookup(state, config, seq)
-    size = chunk_size(seq, budget, config)
-    target = seq.num_computed_tokens + size
+        return bm.swap_in(seq.seq_id)
+    _lookup(state, config, seq)
+    return True
+
+
+def _grow_table(
+    state: SchedulerState, config: SchedulerConfig, seq: Sequence, num_tokens: int
+) -> bool:
+    """Cover `num_tokens` slots (`allocation="contiguous"`: the whole reservation); False
+    (the table unchanged) when blocks run out."""
     if config.allocation == "contiguous":
-        target = _reservation(seq, config)
-    if size and state.block_manager.allocate(seq.seq_id, target) is not None:
-        return size
+        num_tokens = _reservation(seq, config)
+    return state.block_manager.allocate(seq.seq_id, num_tokens) is not None
+
+
+def _drop_table(state: SchedulerState, seq: Sequence) -> None:
+    """Free the table `_open_table` gave a sequence that was not admitted after all; it
+    restarts from token 0 (a swapped-in one gives up its KV)."""
     state.block_manager.free(seq.seq_id)
     seq.num_computed_tokens = 0
-    return 0
 
 
 def _lookup(state: SchedulerState, config: SchedulerConfig, seq: Sequence) -> None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from kvmesh.engine.errors import EmptyPromptError, InvalidParameterError, PromptTooLongError
 from kvmesh.engine.scheduler.config import SchedulerConfig
-from kvmesh.engine.sequence import Request, Sequence
+from kvmesh.engine.sequence import CHILD_SEPARATOR, Request, Sequence
 
 if TYPE_CHECKING:
     from kvmesh.engine.sampling_params import SamplingParams
@@ -26,6 +26,7 @@ def validate_request(
     request: Request, config: SchedulerConfig, num_blocks: int, block_size: int
 ) -> None:
     """Raise InvalidParameterError (naming the field) for a request that can never run."""
+    check_request_id(request.request_id)
     if len(request.seqs) != 1:
         raise InvalidParameterError(
             "seqs", f"a new request has one sequence, got {len(request.seqs)}"
@@ -50,6 +51,17 @@ def validate_request(
         )
     if request.params.n > 1 and config.allocation == "contiguous":
         raise InvalidParameterError("n", "parallel sampling needs allocation='paged'")
+
+
+def check_request_id(request_id: str) -> None:
+    """InvalidParameterError naming request_id when it contains the child separator: such an
+    id could equal a sequence id of another request's n > 1 children."""
+    if CHILD_SEPARATOR in request_id:
+        raise InvalidParameterError(
+            "request_id",
+            f"{request_id!r} contains {CHILD_SEPARATOR!r}, reserved for the ids of a request's"
+            " parallel samples",
+        )
 
 
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 17
