@@ -5,7 +5,10 @@ HELLO (layout + largest frame) under a random link id; the receiver answers with
 a refusal, and both build a two-rank process group (receiver rank 0, sender rank 1) over a
 `PrefixStore` of that link. Groups are expensive, so a link is pooled per peer and reused by
 every later transfer; a link whose wait failed or timed out is aborted and rebuilt on the next
-transfer.
+transfer. A link whose receiver stopped since it was built (a worker restarted at the same
+address) is rebuilt before use when the pool already saw the receiver go (`Link.gone`, also
+`Sender.stale`); when BEGIN finds it first (it cannot be sent, or its answer cannot be read), the
+transfer builds one new link and sends BEGIN again, within its deadline (`Sender._open_link`).
 
 Messages on a link (in order): header `[80]` uint8, then payload `[payload_len]` uint8 when
 `payload_len > 0` (never unpickled). Sender → receiver: BEGIN (destination ids), FRAME, END,
@@ -380,6 +383,14 @@ class Sender(KVSender):
         self._close_lock = threading.Lock()
         self._link: Link | None = POOL.take(address, self.layout, self.device, self._max_frame)
 
+    @property
+    def stale(self) -> bool:
+        """Never blocks. True when this idle sender has no link it could use: closed, its link
+        broken, or the receiver its link was built with has stopped (a receiver restarted at
+        the same address is a new peer)."""
+        link = self._link
+        return link is None or link.gone
+
     def close(self) -> None:
         """Idempotent and thread-safe. The link goes back to the pool only when no transfer of
         this sender is still running on it; otherwise its state is unknown and it is aborted."""
@@ -393,27 +404,77 @@ class Sender(KVSender):
             POOL.give(self.address, self.layout, link)
 
     def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
+        link, inflight = self._open_link(plan, waiter)
+        try:
+            self._run(inflight, plan, waiter)
+        except TransferError:
+            self._drop_broken(link)
+            raise
+
+    def _open_link(self, plan: SendPlan, waiter: Waiter) -> tuple[Link, _InFlight]:
+        """A link on which the receiver accepted BEGIN, and its messages in flight.
+
+        A link built before this transfer began may reach a receiver that has stopped since
+        (restarted at the same address). When its BEGIN cannot be sent or its answer cannot be
+        read (a PeerError that breaks the link: not the receiver's refusal, not the deadline),
+        the link is aborted, the pool forgets the store client and idle links it was built
+        with, and BEGIN goes once more over a new link, within the transfer's deadline. No
+        retry can duplicate a write: nothing but BEGIN went out on the old link, and no block
+        is written before ACCEPT. A live receiver that did accept the first BEGIN refuses the
+        second (its transfer is no longer pending), so the transfer fails instead."""
+        began = time.monotonic()
+        link = self._ready_link(waiter.deadline)
+        try:
+            return link, self._begin(link, plan, waiter)
+        except TransferError as exc:
+            again = isinstance(exc, PeerError) and link.broken and link.born < began
+            self._drop_broken(link)
+            if not again:
+                raise
+            POOL.forget(self.address, link.rendezvous)
+            waiter.check()
+        link = self._link = POOL.connect(
+            self.address, self.layout, self.device, self._max_frame, waiter.deadline
+        )
+        try:
+            return link, self._begin(link, plan, waiter)
+        except TransferError:
+            self._drop_broken(link)
+            raise
+
+    def _ready_link(self, deadline: float) -> Link:
+        """This sender's link, replaced first (from the pool, or built until `deadline`) when
+        it is broken, its receiver is gone, or it was idle for half the receiver's limit."""
         link = self._link
-        if link is None or link.broken or time.monotonic() - link.last_used > IDLE_SECONDS / 2:
+        if link is None or link.gone or time.monotonic() - link.last_used > IDLE_SECONDS / 2:
             if link is not None:
                 link.abort()
             self._link = None
-            link = self._link = POOL.take(self.address, self.layout, self.device, self._max_frame)
-        try:
-            self._run(link, plan, waiter)
-        except TransferError:
-            if link.broken:
-                link.abort()
-                self._link = None
-            raise
+            link = self._link = POOL.take(
+                self.address, self.layout, self.device, self._max_frame, deadline
+            )
+        return link
 
-    def _run(self, link: Link, plan: SendPlan, waiter: Waiter) -> None:
+    def _drop_broken(self, link: Link) -> None:
+        """Abort `link` when it is broken (out of step, or its peer gone): never reused."""
+        if link.broken:
+            link.abort()
+            if self._link is link:
+                self._link = None
+
+    def _begin(self, link: Link, plan: SendPlan, waiter: Waiter) -> _InFlight:
+        """Send BEGIN and wait for ACCEPT (an ERROR answer raises the receiver's error)."""
         tid, epoch = plan.request.transfer_id, plan.request.epoch
         begin = plan.begin_payload()
         body = torch.frombuffer(bytearray(begin), dtype=torch.uint8).to(self.device)
         inflight = _InFlight(link)
         inflight.post(frame_header(MsgType.BEGIN, tid, epoch, begin), body, MsgType.ACCEPT)
         inflight.answer(waiter.deadline)
+        return inflight
+
+    def _run(self, inflight: _InFlight, plan: SendPlan, waiter: Waiter) -> None:
+        """After ACCEPT: the frames (up to `window` in flight), then END, until DONE."""
+        link = inflight.link
         ended = False
         try:
             for index in plan.iter_frames(waiter):

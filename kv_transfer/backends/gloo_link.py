@@ -6,6 +6,14 @@ HELLO: 2 when both sides support it on a host link, else 1). Every wait has a ti
 that fails or times out marks the link broken, and a broken link is closed (`abort`) rather
 than reused. Closing a link ends every wait on it at once, on both sides: a receiver's close or
 a sender's abort ends the peer's link thread, whoever still holds the link.
+
+A receiver may stop and a new one start at the same address (a restarted worker with a fixed
+port). Links and the store client built with the old one are then useless. The pool connects
+to a receiver through a `Rendezvous`: the store client and an idle watch connection to the same
+store server. A receiver that stopped closes that connection, so `Rendezvous.gone` sees it
+without blocking. The pool then drops the store client and every link built through it
+(`Link.gone`). A death not yet seen (the close still on its way) shows up as a failed send or
+receive instead; `LinkPool.forget` then drops them.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import contextlib
 import datetime
 import json
 import os
+import select
 import socket
 import threading
 import time
@@ -23,7 +32,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kv_transfer.errors import DeadlineExpiredError, FrameError, PeerError, parse_wire_error
+from kv_transfer.errors import (
+    DeadlineExpiredError,
+    FrameError,
+    PeerError,
+    TransferError,
+    parse_wire_error,
+)
 from kv_transfer.header import HEADER_SIZE, FrameHeader, decode_header
 from kv_transfer.layout import KVLayout
 
@@ -102,16 +117,29 @@ class Link:
     `window` is how many frames the sender may have in flight (1 or `WINDOW`)."""
 
     def __init__(
-        self, group: Any, peer: int, device: torch.device, max_frame: int, window: int = 1
+        self,
+        group: Any,
+        peer: int,
+        device: torch.device,
+        max_frame: int,
+        window: int = 1,
+        rendezvous: Rendezvous | None = None,
     ) -> None:
         self.group = group
         self.peer = peer
         self.device = device
         self.max_frame = max_frame
         self.window = window
-        self.last_used = time.monotonic()
+        self.rendezvous = rendezvous  # a sender's: how it reached the receiver
+        self.born = self.last_used = time.monotonic()
         self.broken = False
         self.closed = False
+
+    @property
+    def gone(self) -> bool:
+        """Never blocks. True when the link is broken or closed, or when the receiver that
+        served its handshake has stopped (`Rendezvous.gone`). A sender's check only."""
+        return self.broken or (self.rendezvous is not None and self.rendezvous.gone)
 
     def _wait(self, work: Any, deadline: float, what: str) -> None:
         left = deadline - time.monotonic()
@@ -199,28 +227,74 @@ class Link:
             self.group.recv([spare], self.peer, _ABORT_TAG).wait(td(0.001))
 
 
+class Rendezvous:
+    """A sender's way to one receiver: a store client, and an idle watch connection to the same
+    store server. The watch never sends, and a store server never writes first. So the watch
+    is readable only once the server closed it: the receiver stopped, or its process died."""
+
+    def __init__(self, address: str, timeout: float) -> None:
+        """Connect both; PeerError when the receiver cannot be reached. A plain connect comes
+        first: the store client would retry a refused connection for its whole timeout."""
+        host, port = split_host_port(address)
+        self.address = address
+        try:
+            self.watch = socket.create_connection((host, port), timeout=max(0.001, timeout))
+        except OSError as exc:
+            raise PeerError(f"cannot reach gloo receiver {address}: {exc}") from None
+        try:
+            self.store: Any = dist.TCPStore(
+                host, port, None, False, td(HANDSHAKE_SECONDS), wait_for_workers=False
+            )
+        except Exception as exc:
+            self.watch.close()
+            raise PeerError(f"cannot reach gloo receiver {address}: {exc}") from None
+
+    @property
+    def gone(self) -> bool:
+        """Never blocks: has the store server closed the watch connection?"""
+        try:
+            return bool(select.select([self.watch], [], [], 0)[0])
+        except (OSError, ValueError):  # closed here
+            return True
+
+    def __del__(self) -> None:
+        # Links keep their rendezvous: the watch closes with the last of them.
+        watch = getattr(self, "watch", None)
+        if watch is not None:
+            watch.close()
+
+
 class LinkPool:
-    """Idle links per (receiver address, layout); a link is built only when none is idle."""
+    """Idle links per (receiver address, layout); a link is built only when none is idle.
+    Idle links and rendezvous of a receiver that is gone are dropped, never handed out."""
 
     def __init__(self) -> None:
         self._idle: dict[tuple[str, bytes], list[Link]] = {}
-        self._stores: dict[str, Any] = {}
+        self._stores: dict[str, Rendezvous] = {}
         self._lock = threading.Lock()
 
-    def take(self, address: str, layout: KVLayout, device: torch.device, max_frame: int) -> Link:
+    def take(
+        self,
+        address: str,
+        layout: KVLayout,
+        device: torch.device,
+        max_frame: int,
+        deadline: float | None = None,
+    ) -> Link:
+        """An idle link to `address`, or a new one (`connect`)."""
         key = (address, layout.to_bytes())
         with self._lock:
             idle = self._idle.get(key, [])
             while idle:
                 link = idle.pop()
                 fresh = time.monotonic() - link.last_used < IDLE_SECONDS / 2
-                if fresh and not link.broken and link.max_frame >= max_frame:
+                if fresh and not link.gone and link.max_frame >= max_frame:
                     return link
                 link.abort()
-        return self._connect(address, layout, device, max_frame)
+        return self.connect(address, layout, device, max_frame, deadline)
 
     def give(self, address: str, layout: KVLayout, link: Link) -> None:
-        if link.broken:
+        if link.gone:
             link.abort()
             return
         with self._lock:
@@ -239,26 +313,81 @@ class LinkPool:
         for link in links:
             link.abort()
 
-    def _store(self, address: str) -> Any:
+    def forget(self, address: str, rendezvous: Rendezvous | None) -> None:
+        """A link built through `rendezvous` failed in a way a stopped receiver explains:
+        drop that store client and abort the idle links built through it (the next ones are
+        built through a new rendezvous). Those of a newer rendezvous are kept."""
+        if rendezvous is None:
+            return
+        doomed: list[Link] = []
         with self._lock:
-            store = self._stores.get(address)
-        if store is None:
-            host, port = split_host_port(address)
-            try:  # a plain connect first: the store client would retry a refusal for its timeout
-                socket.create_connection((host, port), timeout=HANDSHAKE_SECONDS).close()
-                store = dist.TCPStore(
-                    host, port, None, False, td(HANDSHAKE_SECONDS), wait_for_workers=False
-                )
-            except Exception as exc:
-                raise PeerError(f"cannot reach gloo receiver {address}: {exc}") from None
-            with self._lock:
-                self._stores[address] = store
-        return store
+            if self._stores.get(address) is rendezvous:
+                del self._stores[address]
+            for (peer, _), idle in self._idle.items():
+                if peer == address:
+                    doomed += [link for link in idle if link.rendezvous is rendezvous]
+                    idle[:] = [link for link in idle if link.rendezvous is not rendezvous]
+        for link in doomed:
+            link.abort()
 
-    def _connect(
-        self, address: str, layout: KVLayout, device: torch.device, max_frame: int
+    def connect(
+        self,
+        address: str,
+        layout: KVLayout,
+        device: torch.device,
+        max_frame: int,
+        deadline: float | None = None,
     ) -> Link:
-        store = self._store(address)
+        """A new link to `address` (the idle ones are left alone). The receiver's answer is
+        awaited until `deadline` (at most `HANDSHAKE_SECONDS`). A store client kept from an
+        earlier handshake that fails before that (a receiver that restarted since) is dropped,
+        and the handshake is tried once more with a new one: it only names a new link id."""
+        end = time.monotonic() + HANDSHAKE_SECONDS
+        end = end if deadline is None else min(end, deadline)
+        rendezvous, kept = self._rendezvous(address, end)
+        try:
+            return self._handshake(rendezvous, layout, device, max_frame, end)
+        except _HandshakeError as exc:
+            with self._lock:
+                if self._stores.get(address) is rendezvous:
+                    del self._stores[address]
+            if not kept or exc.expired:
+                raise exc.final(deadline) from None
+        rendezvous, _ = self._rendezvous(address, end)
+        try:
+            return self._handshake(rendezvous, layout, device, max_frame, end)
+        except _HandshakeError as exc:
+            raise exc.final(deadline) from None
+
+    def _rendezvous(self, address: str, end: float) -> tuple[Rendezvous, bool]:
+        """The kept rendezvous with `address` unless its receiver is gone, else a new one;
+        and whether it was kept."""
+        with self._lock:
+            kept = self._stores.get(address)
+            if kept is not None and kept.gone:
+                del self._stores[address]
+                kept = None
+        if kept is not None:
+            return kept, True
+        left = end - time.monotonic()
+        if left <= 0:
+            raise DeadlineExpiredError(f"deadline passed before reaching {address}")
+        rendezvous = Rendezvous(address, min(left, HANDSHAKE_SECONDS))
+        with self._lock:
+            self._stores[address] = rendezvous
+        return rendezvous, False
+
+    def _handshake(
+        self,
+        rendezvous: Rendezvous,
+        layout: KVLayout,
+        device: torch.device,
+        max_frame: int,
+        end: float,
+    ) -> Link:
+        """HELLO under a new link id, the receiver's ack (awaited until `end`), then the
+        group. A failed store operation raises `_HandshakeError`."""
+        address, store = rendezvous.address, rendezvous.store
         link_id = os.urandom(12).hex()
         scope = f"kvmesh/link/{link_id}/"
         extras = {"max_frame": max_frame, "window": window_for(device)}
@@ -266,11 +395,11 @@ class LinkPool:
         try:
             store.set(scope + "hello", hello)
             store.queue_push(QUEUE, link_id)
+            store.wait([scope + "ack"], td(end - time.monotonic()))
             ack = json.loads(store.get(scope + "ack"))
         except Exception as exc:
-            with self._lock:
-                self._stores.pop(address, None)  # the receiver may have restarted
-            raise PeerError(f"gloo handshake with {address} failed: {exc}") from None
+            expired = time.monotonic() >= end - 0.001
+            raise _HandshakeError(address, str(exc)[:300], expired) from None
         layout.check_compatible(KVLayout.from_bytes(str(ack.get("layout", "")).encode()))
         if "error" in ack:
             raise parse_wire_error(str(ack["error"]).encode())
@@ -282,7 +411,25 @@ class LinkPool:
         except Exception as exc:
             raise PeerError(f"gloo group with {address} failed: {exc}") from None
         window = agreed_window(ack.get("window"), device)  # 1 when the receiver names none
-        return Link(group, RECEIVER_RANK, device, max_frame, window)
+        return Link(group, RECEIVER_RANK, device, max_frame, window, rendezvous)
+
+
+class _HandshakeError(Exception):
+    """A store operation of a handshake with `address` failed (`cause`); `expired`: the time
+    for the receiver's answer ran out (then a retry could only wait longer)."""
+
+    def __init__(self, address: str, cause: str, expired: bool) -> None:
+        super().__init__(cause)
+        self.address = address
+        self.cause = cause
+        self.expired = expired
+
+    def final(self, deadline: float | None) -> TransferError:
+        """What the caller sees: DeadlineExpiredError when its own `deadline` ran out, else
+        PeerError."""
+        if self.expired and deadline is not None and time.monotonic() >= deadline - 0.001:
+            return DeadlineExpiredError(f"deadline passed in the handshake with {self.address}")
+        return PeerError(f"gloo handshake with {self.address} failed: {self.cause}")
 
 
 POOL = LinkPool()
