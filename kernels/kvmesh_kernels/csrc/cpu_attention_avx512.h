@@ -310,6 +310,136 @@ KVM_INLINE int64_t chunk_keys(int64_t key_bytes) {
   return keys;
 }
 
+// Prefill items (more than kDirectRows rows per kv head, float32 K rows) score against K
+// transposed: kt[d * kChunk + i] is element d of key i, so one vector holds 16 keys' element d
+// and each score accumulates in its own lane, its D products in order of d, with no 16-way
+// reduction (which took about a fifth of a prefill item's time). The transposition costs about
+// as much as six rows' reductions per key; a prefill item has up to 64 rows per kv head.
+
+// kt[(d0 + k) * ld + j] = rows[j][d0 + k] for j, k < 16.
+KVM_INLINE void transpose16(const void* const* rows, int64_t d0, float* kt, int64_t ld) {
+  __m512 r[16], t[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(static_cast<const float*>(rows[j]) + d0);
+  for (int j = 0; j < 16; j += 2) {  // per 128-bit lane: pairs of rows interleaved
+    t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+    t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < 16; j += 4) {  // per lane: 4 rows' element k in one quarter
+    r[j] = _mm512_shuffle_ps(t[j], t[j + 2], 0x44);
+    r[j + 1] = _mm512_shuffle_ps(t[j], t[j + 2], 0xEE);
+    r[j + 2] = _mm512_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+    r[j + 3] = _mm512_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {  // lanes regrouped across groups of four rows
+    t[j] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88);
+    t[j + 4] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xDD);
+    t[j + 8] = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0x88);
+    t[j + 12] = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0xDD);
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+  }
+  for (int k = 0; k < 16; ++k) _mm512_storeu_ps(kt + (d0 + k) * ld, r[k]);
+}
+
+// kt from the first round_up(n, 16) key rows (padding rows included) of `units` 32-bit units
+// each: float32 elements, or pairs of bfloat16 elements (moved as bits).
+KVM_INLINE void transpose_keys(const void* const* kr, int64_t n, int64_t units, float* kt) {
+  for (int64_t i = 0; i < n; i += 16)
+    for (int64_t d0 = 0; d0 < units; d0 += 16) transpose16(kr + i, d0, kt + i, kChunk);
+}
+
+// Scores of R query rows (stride D, scaled) against NG groups of 16 transposed keys:
+// s[r * sp + 16 g + j].
+template <int R, int NG>
+KVM_INLINE void qk_tile_t(const float* q, int64_t D, const float* kt, float* s, int64_t sp) {
+  __m512 acc[R * NG];
+  for (int j = 0; j < R * NG; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 kv[NG];
+    for (int g = 0; g < NG; ++g) kv[g] = _mm512_loadu_ps(kt + d * kChunk + 16 * g);
+    for (int r = 0; r < R; ++r) {
+      const __m512 qv = _mm512_set1_ps(q[r * D + d]);
+      for (int g = 0; g < NG; ++g) acc[r * NG + g] = _mm512_fmadd_ps(qv, kv[g], acc[r * NG + g]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(s + r * sp + 16 * g, acc[r * NG + g]);
+}
+
+template <int NG>
+KVM_INLINE void scores_t_keys(const float* q, int64_t nrows, const float* kt, int64_t D,
+                              float* s, int64_t sp) {
+  int64_t r = 0;
+  for (; r + 4 <= nrows; r += 4) qk_tile_t<4, NG>(q + r * D, D, kt, s + r * sp, sp);
+  if (nrows - r == 3) qk_tile_t<3, NG>(q + r * D, D, kt, s + r * sp, sp);
+  if (nrows - r == 2) qk_tile_t<2, NG>(q + r * D, D, kt, s + r * sp, sp);
+  if (nrows - r == 1) qk_tile_t<1, NG>(q + r * D, D, kt, s + r * sp, sp);
+}
+
+// s[r * sp + i] = q_r . k_i for rows < nrows, keys < round_up(n, 16) <= kChunk (kr padded to
+// that), through K transposed into kt [D, kChunk].
+KVM_INLINE void scores_transposed(const float* q, int64_t nrows, const void* const* kr,
+                                  int64_t n, int64_t D, float* kt, float* s, int64_t sp) {
+  transpose_keys(kr, n, D, kt);
+  switch ((n + 15) / 16) {
+    case 1: scores_t_keys<1>(q, nrows, kt, D, s, sp); break;
+    case 2: scores_t_keys<2>(q, nrows, kt, D, s, sp); break;
+    case 3: scores_t_keys<3>(q, nrows, kt, D, s, sp); break;
+    default: scores_t_keys<4>(q, nrows, kt, D, s, sp); break;
+  }
+}
+
+#ifdef KVM_BF16_DOT
+// Scores of R bfloat16 query rows (stride D, unscaled) against NG groups of 16 transposed
+// bfloat16 keys (kt[e * kChunk + i]: elements 2e and 2e + 1 of key i), times scale; each lane
+// sums pairs of exact products (vdpbf16ps) in order of e: s[r * sp + 16 g + j].
+template <int R, int NG>
+KVM_INLINE void qk_tile_dot_t(const uint16_t* q, int64_t D, const float* kt, float* s,
+                              int64_t sp, __m512 scale) {
+  __m512 acc[R * NG];
+  for (int j = 0; j < R * NG; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < D / 2; ++e) {
+    __m512bh kv[NG];
+    for (int g = 0; g < NG; ++g) kv[g] = (__m512bh)_mm512_loadu_ps(kt + e * kChunk + 16 * g);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, q + r * D + 2 * e, sizeof(pair));
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int g = 0; g < NG; ++g) acc[r * NG + g] = _mm512_dpbf16_ps(acc[r * NG + g], qv, kv[g]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < NG; ++g)
+      _mm512_storeu_ps(s + r * sp + 16 * g, _mm512_mul_ps(acc[r * NG + g], scale));
+}
+
+template <int NG>
+KVM_INLINE void scores_dot_t_keys(const uint16_t* q, int64_t nrows, const float* kt, int64_t D,
+                                  float* s, int64_t sp, __m512 scale) {
+  int64_t r = 0;
+  for (; r + 4 <= nrows; r += 4) qk_tile_dot_t<4, NG>(q + r * D, D, kt, s + r * sp, sp, scale);
+  if (nrows - r == 3) qk_tile_dot_t<3, NG>(q + r * D, D, kt, s + r * sp, sp, scale);
+  if (nrows - r == 2) qk_tile_dot_t<2, NG>(q + r * D, D, kt, s + r * sp, sp, scale);
+  if (nrows - r == 1) qk_tile_dot_t<1, NG>(q + r * D, D, kt, s + r * sp, sp, scale);
+}
+
+// scores_dot through K transposed into kt [D / 2, kChunk] (pairs of bfloat16 elements).
+KVM_INLINE void scores_dot_transposed(const uint16_t* q, int64_t nrows, const void* const* kr,
+                                      int64_t n, int64_t D, float* kt, float* s, int64_t sp,
+                                      float scale) {
+  transpose_keys(kr, n, D / 2, kt);
+  const __m512 sv = _mm512_set1_ps(scale);
+  switch ((n + 15) / 16) {
+    case 1: scores_dot_t_keys<1>(q, nrows, kt, D, s, sp, sv); break;
+    case 2: scores_dot_t_keys<2>(q, nrows, kt, D, s, sp, sv); break;
+    case 3: scores_dot_t_keys<3>(q, nrows, kt, D, s, sp, sv); break;
+    default: scores_dot_t_keys<4>(q, nrows, kt, D, s, sp, sv); break;
+  }
+}
+#endif
+
 // Element offsets of keys [k_lo, k_hi) (K of kv head 0; V at + s_kv) through the block table
 // into koff, and of their scales (quantized caches) into soff.
 KVM_INLINE void key_offsets(const Params& p, const int32_t* table, int64_t k_lo, int64_t k_hi,
@@ -542,6 +672,9 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
   // Others run head by head, each head's rows converted into one reused buffer. Both passes
   // step (outer, inner) = (group, head) or (head, group).
   const bool heads_inner = group < CH && KT == DT && VT == DT;
+  // Prefill items (whole passes; float32 K rows, or bfloat16 ones by vdpbf16ps) score against K
+  // transposed.
+  const bool transposed = (KT == kF32 || dot) && rph > kDirectRows && group == CH;
   const int64_t n_outer = heads_inner ? groups : nheads;
   const int64_t n_inner = heads_inner ? nheads : groups;
   const int64_t run = heads_inner ? sp : 0;  // kv head hh's row pointers: kr / vr + hh * run
@@ -570,11 +703,18 @@ KVM_INLINE void run_item_as(const Params& p, const Item& it, Scratch& sc, int64_
           row_pointers<DT, KT>(data, koff, h * p.s_head, n, sp, D, sc.kbuf.data(),
                                kr + hh * run);
         next.prefetch(o * n_inner + i);
-        if (i0 < n && dot) {
+        if (i0 < n && dot && transposed) {
+#ifdef KVM_BF16_DOT
+          scores_dot_transposed(sc.qb.data() + hh * rph * D, rph, kr + hh * run, n, D,
+                                sc.kt.data(), sh, sp, static_cast<float>(p.scale));
+#endif
+        } else if (i0 < n && dot) {
 #ifdef KVM_BF16_DOT
           scores_dot(sc.qb.data() + hh * rph * D, rph, kr + hh * run + i0,
                      std::min(group, n - i0), D, sh + i0, sp, static_cast<float>(p.scale), pf);
 #endif
+        } else if (i0 < n && transposed) {
+          scores_transposed(q + hh * rph * D, rph, kr + hh * run, n, D, sc.kt.data(), sh, sp);
         } else if (i0 < n) {
           scores<KT>(q + hh * rph * D, rph, kr + hh * run + i0, std::min(group, n - i0), D,
                      sh + i0, sp, pf);

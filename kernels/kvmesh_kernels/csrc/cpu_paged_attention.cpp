@@ -129,7 +129,7 @@ struct Buf {
 };
 
 struct Scratch {
-  Buf<float> q, acc, s, kbuf, vbuf, m, l;
+  Buf<float> q, acc, s, kbuf, vbuf, kt, m, l;  // kt: K transposed [D, 64] (AVX-512 prefill)
   Buf<uint16_t> qb;  // bfloat16 query rows as given, unscaled (the vdpbf16ps scores' operand)
   Buf<int64_t> pos;
   Buf<const float*> kp, vp;
@@ -826,7 +826,8 @@ KVM_INLINE void run_item_portable(const Params& p, const Item& it, Scratch& sc, 
 //   steps   up to 64 keys (several blocks: key offsets through the block table) per online-
 //           softmax step, fewer when a key's K/V are large (chunk_keys);
 //   scores  register tiles of 4 rows x 4 keys (2 x 8, 1 x 16 for remainder rows), 16
-//           accumulators over head_dim reduced by one 16-way transpose-add per tile;
+//           accumulators over head_dim reduced by one 16-way transpose-add per tile; prefill
+//           items score 4 rows x 64 keys against the step's K transposed, no reduction;
 //   softmax vectorized exp (Cephes polynomial + scalef), acc rescaled only when the max moved;
 //   P x V   tiles of 4 rows x 64 dims (1 x 128 for remainder rows) in registers over a step.
 // Items with at most kDirectRows query rows per kv head (decode, and short prefill tiles) run
@@ -993,6 +994,7 @@ void run_items(const Params& p, const std::vector<Item>& items, int64_t rmax, fl
     sc.soff.resize(2 * sp);
     sc.kbuf.resize(sp * D);
     sc.vbuf.resize(sp * D);
+    sc.kt.resize(64 * D);
     sc.kp.resize(sp);
     sc.vp.resize(sp);
     sc.kraw.resize(sp * p.num_kv_heads);  // one row-pointer run per kv head of an item
