@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     from control_plane.request_span import RequestSpan
 
 DEFAULT_MAX_TOKENS = 16  # what a worker generates when the request leaves max_tokens unset
+# sampling.max_tokens -1: no bound but the model's context (the HTTP door's chat default). The
+# front door does not know the prompt's room in the context, so such a run is estimated at
+# this many tokens: routing prefers the decode worker with the most free blocks, and a drain
+# waits for it up to its cap.
+MAX_TOKENS_UP_TO_CONTEXT = -1
+UP_TO_CONTEXT_ESTIMATE = 1 << 20
 
 
 class RpcFailure(Failure):
@@ -202,8 +208,14 @@ class Run:
         )
 
     def max_tokens(self) -> int:
+        """Tokens each completion may generate: max_tokens, the workers' default when unset,
+        UP_TO_CONTEXT_ESTIMATE when bounded by the context alone."""
         sampling = self.request.sampling
-        return sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        if not sampling.HasField("max_tokens"):
+            return DEFAULT_MAX_TOKENS
+        if sampling.max_tokens == MAX_TOKENS_UP_TO_CONTEXT:
+            return UP_TO_CONTEXT_ESTIMATE
+        return sampling.max_tokens
 
     def drain_estimate(self, token_seconds: float) -> float:
         """Seconds this run still needs: its tokens left (max_tokens of every completion less

@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 
 from control_plane.limits import RequestLimits
+from control_plane.run import MAX_TOKENS_UP_TO_CONTEXT
 from kvmesh.v1 import generation_pb2
 
 MAX_REQUEST_ID_CHARS = 128
@@ -95,8 +96,14 @@ def check_prompt(request: generation_pb2.GenerateRequest, limits: RequestLimits)
 
 
 def check_sampling(sampling: generation_pb2.SamplingParams, limits: RequestLimits) -> None:
-    if sampling.HasField("max_tokens") and not 1 <= sampling.max_tokens <= limits.max_tokens:
-        raise FieldError("sampling.max_tokens", f"must be in [1, {limits.max_tokens}]")
+    """Counts and sizes of the sampling fields; max_tokens is in [1, limits.max_tokens] or
+    -1 (no bound but the model's context)."""
+    max_tokens = sampling.max_tokens
+    in_range = 1 <= max_tokens <= limits.max_tokens or max_tokens == MAX_TOKENS_UP_TO_CONTEXT
+    if sampling.HasField("max_tokens") and not in_range:
+        raise FieldError(
+            "sampling.max_tokens", f"must be in [1, {limits.max_tokens}] or -1 (the context)"
+        )
     if sampling.HasField("n") and not 1 <= sampling.n <= limits.max_n:
         raise FieldError("sampling.n", f"must be in [1, {limits.max_n}]")
     if len(sampling.stop) > limits.max_stop_strings:

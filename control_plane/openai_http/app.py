@@ -1,10 +1,11 @@
 """The Starlette app of the HTTP door: an adapter over the FrontDoor's request path.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health (200 while
-a usable worker set is registered, else 503), GET /metrics (the control plane's Prometheus
-registry). A request's id ("cmpl-…", "chatcmpl-…") is its front-door request id. Failures
-before the first token are HTTP errors in OpenAI's shape; a failure after it ends the stream
-with an `error` event. A client that goes away, streaming or not, cancels the run, which
+Routes: GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST
+/v1/chat/completions, GET /health (200 while a usable worker set is registered, else 503),
+GET /metrics (the control plane's Prometheus registry). A request's id ("cmpl-…",
+"chatcmpl-…") is its front-door request id. Failures before the first token are HTTP errors
+in OpenAI's shape (an unexpected exception a 500 server_error); a failure after it ends the
+stream with an `error` event. A client that goes away, streaming or not, cancels the run, which
 releases its blocks on every worker as a gRPC cancel does.
 """
 
@@ -68,12 +69,13 @@ class OpenAIApp:
     def asgi(self) -> Starlette:
         routes = [
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        handlers = {ApiError: api_error, HTTPException: http_error}
+        handlers = {ApiError: api_error, HTTPException: http_error, Exception: server_error}
         middleware = (
             [Middleware(ApiKeyMiddleware, keys=self.api_keys, on_refused=self.on_refused)]
             if self.api_keys
@@ -95,10 +97,20 @@ class OpenAIApp:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
-        info = self.model_info()
-        model = {"id": info.model_name, "object": "model", "created": self.created,
-                 "owned_by": "kvmesh", "max_model_len": info.max_model_len}  # fmt: skip
-        return JSONResponse({"object": "list", "data": [model]})
+        """The served model, as OpenAI's list of models."""
+        return JSONResponse({"object": "list", "data": [self.model_object(self.model_info())]})
+
+    async def model(self, request: Request) -> Response:
+        """The served model by its id (404 model_not_found for any other id)."""
+        info, wanted = self.model_info(), request.path_params["model"]
+        if wanted != info.model_name:
+            raise ApiError(404, f"model {wanted!r} is not served (serving {info.model_name!r})",
+                           param="model", code="model_not_found")  # fmt: skip
+        return JSONResponse(self.model_object(info))
+
+    def model_object(self, info: generation_pb2.ModelInfo) -> dict[str, object]:
+        return {"id": info.model_name, "object": "model", "created": self.created,
+                "owned_by": "kvmesh", "max_model_len": info.max_model_len}  # fmt: skip
 
     def model_info(self) -> generation_pb2.ModelInfo:
         try:
@@ -134,7 +146,7 @@ class OpenAIApp:
             await until_disconnect(request, keep_all(answer, firsts, responses))
             return JSONResponse(answer.final())
         except PromptFailure as failed:
-            return failed.answer(len(runs), prompt_param).response()
+            return failed.answer(parsed, prompt_param).response()
         except ClientGone:
             return Response(status_code=499)
         except StopAsyncIteration:
@@ -247,16 +259,30 @@ class PromptFailure(Exception):
         super().__init__(failure.message)
         self.index, self.failure = index, failure
 
-    def answer(self, prompts: int, prompt_param: str) -> ApiError:
+    def answer(self, parsed: ParsedRequest, prompt_param: str) -> ApiError:
         """The HTTP error; in a batch its message starts with `prompt[index]` (also its param
-        when the prompt itself was refused)."""
-        if prompts == 1:
-            return from_failure(self.failure, prompt_param)
+        when the prompt itself was refused). A refused length names the body's field for it
+        (chat's max_completion_tokens)."""
+        if len(parsed.requests) == 1:
+            return renamed_length(from_failure(self.failure, prompt_param), parsed)
         where = f"prompt[{self.index}]"
-        error = from_failure(self.failure, where)
+        error = renamed_length(from_failure(self.failure, where), parsed)
         if not error.message.startswith(where):
             error.message = f"{where}: {error.message}"
         return error
+
+
+def renamed_length(error: ApiError, parsed: ParsedRequest) -> ApiError:
+    """`error` with its param `max_tokens` (and the field at the start of its message) named
+    as the body named it."""
+    name = parsed.max_tokens_param
+    if error.param == "max_tokens" and name != "max_tokens":
+        error.param = name
+        for prefix in ("sampling.max_tokens", "max_tokens"):
+            if error.message.startswith(prefix):
+                error.message = name + error.message[len(prefix) :]
+                break
+    return error
 
 
 async def numbered(responses: Responses, offset: int, prompt: int) -> Responses:
@@ -354,7 +380,7 @@ async def stream_events(
             async for response in responses:
                 yield sse({**answer.chunk(response), **extra})
         except PromptFailure as failed:
-            yield sse(failed.answer(len(parsed.requests), prompt_param).body())
+            yield sse(failed.answer(parsed, prompt_param).body())
     if parsed.include_usage:
         yield sse(answer.usage_chunk())
     yield DONE
@@ -392,6 +418,13 @@ def http_error(request: Request, error: Exception) -> Response:
     """Routing errors (unknown path, wrong method) in OpenAI's error shape."""
     assert isinstance(error, HTTPException)
     return ApiError(error.status_code, str(error.detail), code=str(error.status_code)).response()
+
+
+def server_error(request: Request, error: Exception) -> Response:
+    """Any other exception: a 500 in OpenAI's error shape (Starlette raises it on to the
+    server, which logs it with its traceback)."""
+    return ApiError(500, "internal server error", type="server_error",
+                    code="internal_error").response()  # fmt: skip
 
 
 def openai_app(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from control_plane.openai_http.errors import ApiError, bad_param
+from control_plane.run import MAX_TOKENS_UP_TO_CONTEXT
 from kvmesh.v1 import generation_pb2
 
 Kind = Literal["completion", "chat"]
@@ -39,7 +40,10 @@ _SAMPLING: dict[str, tuple[str, Callable[[Any], bool] | None, str]] = {
     "repetition_penalty": ("number", lambda v: v > 0, "> 0"),
     "min_tokens": ("integer", lambda v: v >= 0, ">= 0"),
     "ignore_eos": ("boolean", None, ""),
+    "include_stop_str_in_output": ("boolean", None, ""),
+    "skip_special_tokens": ("boolean", None, ""),
 }
+TOKEN_ID_LIMIT = 2**31  # token ids travel as int32
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class ParsedRequest:
     echo: bool = False  # completions: each choice starts with its prompt (and its logprobs)
     prompt_only: bool = False  # echo with max_tokens 0: the prompt alone, nothing generated
     prompt_logprobs: int | None = None  # vLLM's field: the prompt's logprobs in the answer
+    max_tokens_param: str = "max_tokens"  # the body's name for it (chat: max_completion_tokens)
 
     @property
     def request(self) -> generation_pb2.GenerateRequest:
@@ -112,14 +117,24 @@ def parse(body: Any, kind: Kind) -> ParsedRequest:
     return ParsedRequest(
         kind, field(body, "model", "string"), requests, stream, include_usage, logprobs,
         field(body, "user", "string"), echo, prompt_only, prompt_logprobs,
+        max_tokens_name(body, kind),
     )  # fmt: skip
+
+
+def max_tokens_name(body: dict[str, Any], kind: Kind) -> str:
+    """The body's field for the completion length: chat's max_completion_tokens when given
+    (it wins over the older max_tokens), else max_tokens."""
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
 
 
 def sampling(
     body: dict[str, Any], kind: Kind, prompt_only: bool = False
 ) -> generation_pb2.SamplingParams:
     """The sampling fields; `prompt_only` (echo with max_tokens 0) generates one token, which
-    the answer leaves out."""
+    the answer leaves out. Without a length, completions generate OpenAI's default of 16
+    tokens (the workers' default), chat up to the model's context (max_tokens -1)."""
     params = generation_pb2.SamplingParams()
     for name, (json_type, check, what) in _SAMPLING.items():
         value = field(body, name, json_type)
@@ -131,27 +146,46 @@ def sampling(
             setattr(params, name, value)
         except ValueError:  # beyond the wire type (int32)
             raise bad_param(name, f"is out of range: {value}") from None
-    max_name = "max_tokens"
-    if kind == "chat" and body.get("max_completion_tokens") is not None:
-        max_name = "max_completion_tokens"
-    max_tokens = field(body, max_name, "integer")
-    if prompt_only:
-        max_tokens = 1
-    if max_tokens is not None:
-        if max_tokens < 1:
-            why = " (0 only with echo)" if kind == "completion" else ""
-            raise bad_param(max_name, f"must be >= 1{why}, got {max_tokens}")
-        try:
-            params.max_tokens = max_tokens
-        except ValueError:  # beyond int32
-            raise bad_param(max_name, f"is out of range: {max_tokens}") from None
+    max_length(body, kind, prompt_only, params)
     n = field(body, "n", "integer", 1)
     if not 1 <= n <= MAX_N:
         raise bad_param("n", f"must be in [1, {MAX_N}], got {n}")
     params.n = n
     params.stop.extend(stop_strings(body))
+    params.stop_token_ids.extend(stop_token_ids(body))
     params.logit_bias.update(logit_bias(body))
     return params
+
+
+def max_length(
+    body: dict[str, Any], kind: Kind, prompt_only: bool, params: generation_pb2.SamplingParams
+) -> None:
+    """params.max_tokens from the body's max_tokens (chat: max_completion_tokens), 400 naming
+    the field the body used; unset for a completion without one, -1 for such a chat."""
+    name = max_tokens_name(body, kind)
+    max_tokens = field(body, name, "integer")
+    if prompt_only:
+        max_tokens = 1
+    if max_tokens is None:
+        if kind == "chat":
+            params.max_tokens = MAX_TOKENS_UP_TO_CONTEXT
+        return
+    if max_tokens < 1:
+        why = " (0 only with echo)" if kind == "completion" else ""
+        raise bad_param(name, f"must be >= 1{why}, got {max_tokens}")
+    try:
+        params.max_tokens = max_tokens
+    except ValueError:  # beyond int32
+        raise bad_param(name, f"is out of range: {max_tokens}") from None
+
+
+def stop_token_ids(body: dict[str, Any]) -> list[int]:
+    """vLLM's `stop_token_ids`: token ids in [0, 2**31) that end a completion (the vocabulary
+    and how many are the workers' and the front door's bounds)."""
+    ids = field(body, "stop_token_ids", "array", [])
+    if not all(is_token_id(t) for t in ids):
+        raise bad_param("stop_token_ids", f"expected token ids in [0, {TOKEN_ID_LIMIT})")
+    return ids  # type: ignore[no-any-return]
 
 
 def logit_bias(body: dict[str, Any]) -> dict[int, float]:
@@ -210,16 +244,18 @@ def completion_requests(
 
 def prompt_batch(prompt: Any) -> list[str | list[int]]:
     """`prompt` as a list of prompts: one string or token list, or a batch (a list of
-    strings or of token lists); ApiError naming `prompt` or the bad `prompt[i]`."""
+    strings or of token lists); token ids are ints in [0, 2**31). ApiError naming `prompt` or
+    the bad `prompt[i]`."""
     if (isinstance(prompt, str) and prompt) or is_token_list(prompt):
         return [prompt]
     batch = isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt)
     if not batch:
-        raise bad_param("prompt", "expected a non-empty string, a list of token ids, or a "
-                        "list of either")  # fmt: skip
+        raise bad_param("prompt", "expected a non-empty string, a list of token ids (each "
+                        f"in [0, {TOKEN_ID_LIMIT})), or a list of either")  # fmt: skip
     for i, each in enumerate(prompt):
         if not ((isinstance(each, str) and each) or is_token_list(each)):
-            raise bad_param(f"prompt[{i}]", "expected a non-empty string or list of token ids")
+            raise bad_param(f"prompt[{i}]", "expected a non-empty string or list of token ids "
+                            f"(each in [0, {TOKEN_ID_LIMIT}))")  # fmt: skip
     return list(prompt)
 
 
@@ -232,12 +268,14 @@ def completion_only(body: dict[str, Any], request: generation_pb2.GenerateReques
         raise bad_param("best_of", "must equal n (or be omitted)")
 
 
+def is_token_id(value: Any) -> bool:
+    """An int (not a bool) in [0, 2**31): what the wire's int32 token ids can carry."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < TOKEN_ID_LIMIT
+
+
 def is_token_list(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
-    )
+    """A non-empty list of token ids (each `is_token_id`)."""
+    return isinstance(value, list) and bool(value) and all(is_token_id(t) for t in value)
 
 
 def chat_messages(body: dict[str, Any]) -> generation_pb2.ChatMessages:

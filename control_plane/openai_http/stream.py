@@ -9,6 +9,7 @@ named `token_id:<id>`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -24,6 +25,7 @@ FINISH_REASONS = {
     generation_pb2.FINISH_REASON_ABORT: "abort",
 }
 DONE = "data: [DONE]\n\n"
+REPLACEMENT = "\ufffd"  # a token that is part of a character, decoded alone
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -49,16 +51,21 @@ def chat_logprobs(items: list[generation_pb2.TokenLogprobs]) -> dict[str, Any]:
 
 
 def completion_logprobs(
-    items: list[generation_pb2.TokenLogprobs], offset: int, top: int | None = None
+    items: list[generation_pb2.TokenLogprobs],
+    offset: int,
+    top: int | None = None,
+    text: str | None = None,
 ) -> dict[str, Any]:
     """Logprobs of consecutive tokens whose text starts at `offset` in the choice's text (at
     most `top` alternatives each); a prompt's first token (logprob NaN: nothing precedes it)
-    has null logprob and alternatives."""
-    tokens, offsets = [], []
-    for lp in items:
-        tokens.append(token_text(lp.token, lp.token_id))
-        offsets.append(offset)
-        offset += len(lp.token)
+    has null logprob and alternatives. Given the choice's `text`, the offsets are where the
+    tokens are found in it (`text_offsets`), else their lengths added up."""
+    tokens = [token_text(lp.token, lp.token_id) for lp in items]
+    if text is None:
+        lengths = itertools.accumulate((len(lp.token) for lp in items), initial=offset)
+        offsets = list(lengths)[: len(items)]
+    else:
+        offsets = text_offsets([lp.token for lp in items], text, offset)
     scored = [not math.isnan(lp.logprob) for lp in items]
     return {
         "tokens": tokens,
@@ -71,6 +78,26 @@ def completion_logprobs(
         ],
         "text_offset": offsets,
     }
+
+
+def text_offsets(tokens: list[str], text: str, start: int = 0) -> list[int]:
+    """Where each token starts in `text`, from `start` on, never decreasing. A token found at
+    the current position moves it past itself. One that is not there (a special token the text
+    leaves out, or a piece of a multi-byte character, U+FFFD when decoded alone) starts at the
+    current position; the characters such pieces stood for (one per U+FFFD) are passed over
+    when the next token is found within that many characters further on."""
+    offsets, pos, pieces = [], start, 0
+    for token in tokens:
+        if token and not text.startswith(token, pos) and pieces:
+            found = text.find(token, pos, pos + pieces + len(token))
+            pos = pos if found < 0 else found
+        if token and text.startswith(token, pos):
+            offsets.append(pos)
+            pos, pieces = pos + len(token), 0
+        else:
+            offsets.append(min(pos, len(text)))
+            pieces += token.count(REPLACEMENT)
+    return offsets
 
 
 def joined_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
@@ -235,7 +262,7 @@ class Answer:
             text = "".join(c.text)
             entry: dict[str, Any] = {"index": index}
             if self.kind == "completion":
-                entry.update(self._completion_fields(index, text, c.logprobs, 0, True)[0])
+                entry.update(self._completion_fields(index, text, c.logprobs, 0, True, True)[0])
                 self._with_prompt_logprobs(entry, index)
             else:
                 entry["message"] = {"role": "assistant", "content": text}
@@ -254,20 +281,22 @@ class Answer:
         items: list[generation_pb2.TokenLogprobs],
         offset: int,
         first: bool,
+        whole: bool = False,
     ) -> tuple[dict[str, Any], int]:
         """A completion choice's `text` and `logprobs` (its tokens' text starting at `offset`);
         in its `first` part (a stream's first chunk, or the whole answer), with echo, preceded
-        by the prompt's; and the echoed prompt's length (0 without)."""
+        by the prompt's; and the echoed prompt's length (0 without). The echoed prompt's
+        offsets, and those of the whole answer (`whole`), are found in the returned text; a
+        stream's later tokens add up their lengths (their text may come in a later chunk)."""
         prefix, prompt_lp = self._echo_of(index) if first else ("", [])
-        logprobs = self._completion_lp(items, offset + len(prefix))
-        if logprobs is not None and prompt_lp:  # at most `logprobs` alternatives, as the rest
-            logprobs = joined_logprobs(completion_logprobs(prompt_lp, 0, self.logprobs), logprobs)
-        return {"text": prefix + text, "logprobs": logprobs}, len(prefix)
-
-    def _completion_lp(
-        self, items: list[generation_pb2.TokenLogprobs], offset: int
-    ) -> dict[str, Any] | None:
-        return None if self.logprobs is None else completion_logprobs(items, offset)
+        if self.logprobs is None:
+            return {"text": prefix + text, "logprobs": None}, len(prefix)
+        full = prefix + text
+        logprobs = completion_logprobs(items, offset + len(prefix), text=full if whole else None)
+        if prompt_lp:  # at most `logprobs` alternatives, as the rest
+            echoed = completion_logprobs(prompt_lp, 0, self.logprobs, text=prefix)
+            logprobs = joined_logprobs(echoed, logprobs)
+        return {"text": full, "logprobs": logprobs}, len(prefix)
 
     def _echo_of(self, index: int) -> tuple[str, list[generation_pb2.TokenLogprobs]]:
         """With echo, the prompt text and logprobs choice `index` starts with."""

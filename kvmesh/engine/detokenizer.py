@@ -21,7 +21,12 @@ class SequenceText:
 
     `append(new_ids)` returns the newly visible text; `flush()` the held rest once no more ids
     come. After a stop string matched, `stopped_by` holds it and `text` ends right before it
-    (or after it with include_stop_str_in_output).
+    (or after it with include_stop_str_in_output). `text` is everything decoded so far; what
+    `append` returns may lag it: while stop strings are set (and not included in the output),
+    the last (longest stop string - 1) characters are held back, since a stop string starting
+    there would cut them; a match returns only the text before it, `flush()` the held rest.
+    Stop strings are looked for only once `min_tokens` ids were appended (a match must end in
+    text decoded from then on). The returned pieces always join to the final `text`.
     """
 
     def __init__(
@@ -31,6 +36,7 @@ class SequenceText:
         stop: Sequence[str] = (),
         include_stop_str: bool = False,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
@@ -39,6 +45,11 @@ class SequenceText:
         self._stop = tuple(s for s in stop if s)
         self._include_stop = include_stop_str
         self._skip_special = skip_special_tokens
+        self._min_tokens = min_tokens
+        self._generated = 0  # ids appended so far
+        self._longest = max((len(s) for s in self._stop), default=0)
+        self._hold = 0 if include_stop_str else max(0, self._longest - 1)
+        self._sent = 0  # characters of `text` returned so far
         self.text = ""
         self.stopped_by: str | None = None
 
@@ -47,39 +58,50 @@ class SequenceText:
         if self._tokenizer is None or self.stopped_by is not None:
             return ""
         self._ids.extend(new_ids)
-        return self._advance(final=False)
+        self._generated += len(new_ids)
+        self._advance(final=False)
+        return self._release(final=False)
 
     def flush(self) -> str:
         """The text still held at the end of the sequence (an incomplete character shows as
-        U+FFFD); afterwards `text` is the full decode (up to a stop string)."""
+        U+FFFD, held-back characters come out); afterwards `text` is the full decode (up to a
+        stop string) and every piece returned joins to it."""
         if self._tokenizer is None or self.stopped_by is not None:
             return ""
-        return self._advance(final=True)
+        self._advance(final=True)
+        return self._release(final=True)
 
-    def _advance(self, final: bool) -> str:
+    def _advance(self, final: bool) -> None:
+        """Decode what the new ids complete into `text`, then look for stop strings."""
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
         if len(after) <= len(before) or (after.endswith(_REPLACEMENT) and not final):
-            return ""
-        delta = after[len(before) :]
+            return
         self._prefix, self._read = self._read, len(self._ids)
-        return self._add_text(delta)
-
-    def _add_text(self, delta: str) -> str:
         start = len(self.text)
-        self.text += delta
-        if not self._stop:
-            return delta
-        longest = max(len(s) for s in self._stop)
-        search_from = max(0, start - longest + 1)
+        self.text += after[len(before) :]
+        if self._stop and self._generated >= self._min_tokens:
+            self._find_stop(max(0, start - self._longest + 1))
+
+    def _find_stop(self, search_from: int) -> None:
+        """The earliest stop string found from `search_from` ends `text` (before it, or after
+        it when included)."""
         hits = [(self.text.find(s, search_from), s) for s in self._stop]
         hits = [(pos, s) for pos, s in hits if pos >= 0]
         if not hits:
-            return delta
+            return
         pos, stop = min(hits)
         self.stopped_by = stop
         self.text = self.text[: pos + len(stop)] if self._include_stop else self.text[:pos]
-        return self.text[start:]
+
+    def _release(self, final: bool) -> str:
+        """The text not returned yet, less the held-back tail unless `final` or stopped."""
+        end = len(self.text)
+        if not final and self.stopped_by is None:
+            end = max(self._sent, end - self._hold)
+        piece = self.text[self._sent : end]
+        self._sent = end
+        return piece
 
     def _decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=self._skip_special))

@@ -290,6 +290,7 @@ class LLMEngine:
             stops,
             params.include_stop_str_in_output,
             params.skip_special_tokens,
+            params.min_tokens,
         )
         out = CompletionOutput(index=tracked.request.seqs.index(seq), text="", token_ids=[])
         tracked.outputs[seq.seq_id] = out
@@ -308,6 +309,9 @@ class LLMEngine:
         request = tracked.request
         for seq in request.seqs:
             out = tracked.outputs.get(seq.seq_id) or self._new_completion(tracked, seq)
+            text = tracked.texts[seq.seq_id]
+            out.new_text += text.flush()  # an aborted sequence's held-back text too
+            out.text = text.text
             if out.finish_reason is None:
                 out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
         tracked.metrics.finished_time = time.monotonic()

@@ -33,6 +33,7 @@ _OPTIONAL_SAMPLING = (
     "skip_special_tokens",
     "prompt_logprobs",
 )
+MAX_TOKENS_UP_TO_CONTEXT = -1  # sampling.max_tokens: no bound but the model's context
 FINISH_REASONS = {
     None: generation_pb2.FINISH_REASON_UNSPECIFIED,
     "stop": generation_pb2.FINISH_REASON_STOP,
@@ -42,10 +43,13 @@ FINISH_REASONS = {
 
 
 def sampling_from_proto(message: generation_pb2.SamplingParams) -> SamplingParams:
-    """Engine SamplingParams from the proto; raises InvalidParameterError naming the field."""
+    """Engine SamplingParams from the proto; raises InvalidParameterError naming the field.
+    max_tokens -1 is the engine's None: generate until the model's maximum length."""
     kwargs: dict[str, Any] = {
         name: getattr(message, name) for name in _OPTIONAL_SAMPLING if message.HasField(name)
     }
+    if kwargs.get("max_tokens") == MAX_TOKENS_UP_TO_CONTEXT:
+        kwargs["max_tokens"] = None
     if message.stop_token_ids:
         kwargs["stop_token_ids"] = tuple(message.stop_token_ids)
     if message.stop:

@@ -7,11 +7,20 @@ import time
 
 import grpc
 import pytest
-from cp_harness import TEST_TOKEN, Harness, control_plane, run_async, status_of, text_request
+from cp_harness import (
+    TEST_TOKEN,
+    Harness,
+    collect,
+    control_plane,
+    run_async,
+    status_of,
+    text_request,
+)
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from control_plane.limits import RequestLimits
+from control_plane.run import UP_TO_CONTEXT_ESTIMATE, Run
 from kvmesh.security import Security
 from kvmesh.v1 import generation_pb2, worker_pb2
 
@@ -170,7 +179,9 @@ def chat(count: int, content: str = "hi", role: str = "user") -> generation_pb2.
         ({"chat": chat(3, "y" * 400)}, "prompt.chat.messages[2].content"),
         ({"chat": chat(1, role="r" * 65)}, "prompt.chat.messages[0].role"),
         ({"text": "x", "sampling": generation_pb2.SamplingParams(n=5)}, "sampling.n"),
-        ({"text": "x", "sampling": generation_pb2.SamplingParams(max_tokens=-1)},
+        ({"text": "x", "sampling": generation_pb2.SamplingParams(max_tokens=-2)},
+         "sampling.max_tokens"),  # -1 is no bound but the context
+        ({"text": "x", "sampling": generation_pb2.SamplingParams(max_tokens=0)},
          "sampling.max_tokens"),
         ({"text": "x", "sampling": generation_pb2.SamplingParams(stop=["a", "b", "c"])},
          "sampling.stop"),
@@ -200,6 +211,19 @@ def test_size_bounds_are_invalid_argument_with_bad_request_details(
             assert_nothing_started(cp)
 
     run_async(scenario)()
+
+
+@run_async
+async def test_max_tokens_minus_one_is_bounded_by_the_context_alone() -> None:
+    """max_tokens -1 (no bound but the model's context) is admitted; the front door, not
+    knowing the prompt's room, estimates the run at UP_TO_CONTEXT_ESTIMATE tokens."""
+    async with control_plane(limits=SMALL) as cp:
+        await pair(cp)
+        sampling = generation_pb2.SamplingParams(max_tokens=-1)
+        responses = await collect(cp.generation.Generate(text_request(sampling=sampling)))
+        assert responses[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    run = Run("r", generation_pb2.GenerateRequest(sampling=sampling), 0.0, 1.0)
+    assert run.max_tokens() == UP_TO_CONTEXT_ESTIMATE
 
 
 @run_async

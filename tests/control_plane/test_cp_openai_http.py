@@ -126,6 +126,8 @@ async def test_chat_completion_and_chat_stream() -> None:
         ({"prompt": ["a", ""]}, "prompt[1]"),
         ({"prompt": [1, 999]}, "prompt"),  # the worker's check, named as the request's param
         ({"prompt": [[1, 2], [1, 999]]}, "prompt[1]"),  # the same, for a batch's prompt
+        ({"prompt": [1, 2**31]}, "prompt"),  # beyond the wire's int32 token ids
+        ({"prompt": [[1, 2], [3, 2**32]]}, "prompt[1]"),
         ({"prompt": ["a"] * 9, "n": 30}, "prompt"),  # 270 choices in all
         (
             {"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}},
@@ -166,6 +168,52 @@ async def test_chat_errors_unknown_model_and_no_workers() -> None:
                 model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2
             )
         assert bad.value.param == "top_logprobs"
+
+
+@run_async
+async def test_models_retrieve_answers_the_served_model_and_404s_others() -> None:
+    """GET /v1/models/{model}: the served model's object; any other id is 404
+    model_not_found in OpenAI's error shape."""
+    async with control_plane(http_port=0) as cp:
+        await cp.add("c0", "colocated")
+        api = client(cp)
+        model = await api.models.retrieve(MODEL)
+        assert (model.id, model.object, model.owned_by) == (MODEL, "model", "kvmesh")
+        with pytest.raises(openai.NotFoundError) as missing:
+            await api.models.retrieve("org/gpt-9")
+        assert (missing.value.code, missing.value.param) == ("model_not_found", "model")
+
+
+@run_async
+async def test_an_unexpected_exception_is_a_500_in_openai_shape() -> None:
+    """An exception no handler expects answers 500 with OpenAI's JSON error body."""
+    async with control_plane(http_port=0) as cp:
+        await cp.add("c0", "colocated")
+
+        def broken() -> generation_pb2.ModelInfo:
+            raise RuntimeError("boom")
+
+        cp.server.front_door.model_info = broken  # type: ignore[method-assign]
+        status, content_type, body = await asyncio.to_thread(get, cp, "/v1/models")
+        assert (status, content_type) == (500, "application/json")
+        assert json.loads(body)["error"]["type"] == "server_error"
+        assert "boom" not in body
+
+
+@run_async
+async def test_a_refused_max_completion_tokens_is_named_as_sent() -> None:
+    """Chat's max_completion_tokens refused (here by the front door's bound) is the error's
+    param, not the max_tokens it travels as."""
+    async with control_plane(http_port=0) as cp:
+        await cp.add("c0", "colocated")
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client(cp).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}],
+                max_completion_tokens=2**21,
+            )  # fmt: skip
+        assert caught.value.param == "max_completion_tokens"
+        assert "400 - max_completion_tokens: must be in" in caught.value.message
+        await idle(cp)
 
 
 @run_async

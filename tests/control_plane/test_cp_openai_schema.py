@@ -49,6 +49,40 @@ def test_token_prompts_and_chat_messages() -> None:
     assert parse({"messages": body["messages"]}, "chat").logprobs is None
 
 
+def test_chat_without_a_length_generates_up_to_the_context() -> None:
+    """Chat without max_tokens or max_completion_tokens asks for max_tokens -1 (no bound but
+    the model's context, OpenAI's chat default); completions keep the workers' 16."""
+    messages = [{"role": "user", "content": "x"}]
+    assert parse({"messages": messages}, "chat").request.sampling.max_tokens == -1
+    assert parse({"messages": messages, "max_tokens": 5}, "chat").request.sampling.max_tokens == 5
+    assert not parse({"prompt": "x"}, "completion").request.sampling.HasField("max_tokens")
+
+
+def test_the_length_param_is_the_one_the_body_used() -> None:
+    """A refused length is named by the field the body set: max_completion_tokens wins."""
+    messages = [{"role": "user", "content": "x"}]
+    both = {"messages": messages, "max_tokens": 3, "max_completion_tokens": 4}
+    assert parse(both, "chat").max_tokens_param == "max_completion_tokens"
+    assert parse({"messages": messages, "max_tokens": 3}, "chat").max_tokens_param == "max_tokens"
+    body = {"prompt": "x", "max_completion_tokens": 4}  # not a completions field
+    assert parse(body, "completion").max_tokens_param == "max_tokens"
+
+
+def test_vllm_stop_fields_reach_the_sampling_params() -> None:
+    """vLLM's stop_token_ids, include_stop_str_in_output, skip_special_tokens and min_tokens
+    (sent by the openai client as extra_body) are kept, not dropped."""
+    body = {
+        "prompt": "x", "stop_token_ids": [65, 2], "include_stop_str_in_output": True,
+        "skip_special_tokens": False, "min_tokens": 3,
+    }  # fmt: skip
+    s = parse(body, "completion").request.sampling
+    assert list(s.stop_token_ids) == [65, 2] and s.min_tokens == 3
+    assert s.include_stop_str_in_output and not s.skip_special_tokens
+    unset = parse({"prompt": "x"}, "completion").request.sampling
+    assert not unset.HasField("include_stop_str_in_output")
+    assert not unset.HasField("skip_special_tokens") and not unset.stop_token_ids
+
+
 def test_logit_bias_becomes_the_proto_map() -> None:
     body = {"prompt": "x", "logit_bias": {"17": -100, "3": 2.5, "0": 100}}
     assert dict(parse(body, "completion").request.sampling.logit_bias) == {17: -100, 3: 2.5, 0: 100}
@@ -62,6 +96,11 @@ def test_logit_bias_becomes_the_proto_map() -> None:
         ("completion", {}, "prompt"),
         ("completion", {"prompt": ""}, "prompt"),
         ("completion", {"prompt": [1, -2]}, "prompt"),
+        ("completion", {"prompt": [1, 2**31]}, "prompt"),  # token ids travel as int32
+        ("completion", {"prompt": [[1, 2], [3, 2**32]]}, "prompt[1]"),
+        ("completion", {"prompt": "x", "stop_token_ids": [2**31]}, "stop_token_ids"),
+        ("completion", {"prompt": "x", "stop_token_ids": 5}, "stop_token_ids"),
+        ("completion", {"prompt": "x", "skip_special_tokens": 0}, "skip_special_tokens"),
         ("completion", {"prompt": "x", "top_p": 0}, "top_p"),
         ("completion", {"prompt": "x", "seed": -1}, "seed"),
         ("completion", {"prompt": "x", "max_tokens": 2**40}, "max_tokens"),
@@ -235,6 +274,29 @@ def test_echo_starts_each_choice_with_its_prompt_and_its_logprobs() -> None:
     assert (choice["text"], choice["finish_reason"]) == ("Hello", "length")
     assert choice["logprobs"]["tokens"] == ["He", "llo"]
     assert only.final()["usage"]["completion_tokens"] == 0
+
+
+def test_echo_text_offsets_point_into_the_returned_text() -> None:
+    """With echo, text_offset is where each token starts in the returned text and never
+    decreases: a special token the echoed prompt lacks takes no room, the pieces of a
+    character split over tokens start where the character does."""
+    prompt_lp = [
+        generation_pb2.TokenLogprobs(token_id=1, logprob=float("nan"), token="<bos>"),
+        logprob(72, "H", -0.5), logprob(105, "i", -0.25),
+    ]  # fmt: skip
+    generated = [logprob(195, "\ufffd", -1.0), logprob(169, "\ufffd", -1.5), logprob(33, "!", -2)]
+    done = generation_pb2.GenerateResponse(
+        index=0, text="é!", token_ids=[195, 169, 33], logprobs=generated,
+        finish_reason=generation_pb2.FINISH_REASON_LENGTH, prompt_logprobs=prompt_lp,
+    )  # fmt: skip
+    answer = Answer("completion", "cmpl-1", "m", logprobs=0, echo=Echo(["Hi"]))
+    answer.keep(done)
+    (choice,) = answer.final()["choices"]
+    assert choice["text"] == "Hié!"
+    assert choice["logprobs"]["text_offset"] == [0, 0, 1, 2, 2, 3]
+    streamed = Answer("completion", "cmpl-1", "m", logprobs=0, echo=Echo(["Hi"]))
+    offsets = streamed.chunk(done)["choices"][0]["logprobs"]["text_offset"]
+    assert offsets[:3] == [0, 0, 1] and offsets == sorted(offsets)
 
 
 def test_vllm_prompt_logprobs_per_choice_and_at_the_top_of_chat() -> None:

@@ -1,6 +1,10 @@
-"""`SamplingParams.detokenize=False`: the same token ids, no text (vLLM's option)."""
+"""Engine text: `SamplingParams.detokenize=False` gives the same token ids and no text (vLLM's
+option); streamed pieces join to the final text; stop strings over several tokens and with
+min_tokens."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -43,3 +47,44 @@ def test_streamed_text_joins_to_the_full_decode(llm: LLM) -> None:
         completion = last.outputs[0]
         assert "".join(pieces) == completion.text
         assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def streamed(llm: LLM, request_id: str, prompt: str, params: SamplingParams) -> tuple[str, Any]:
+    """The joined new_text of every step's output, and the final output."""
+    engine, pieces, last = llm.engine, [], None
+    engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished():
+        for output in engine.step():
+            pieces.append(output.outputs[0].new_text)
+            last = output
+    assert last is not None and last.finished
+    return "".join(pieces), last.outputs[0]
+
+
+def test_a_stop_string_over_two_tokens_is_cut_whole_streamed_or_not(llm: LLM) -> None:
+    """Every 2-character stop string of a greedy completion (two byte tokens) ends it right
+    before its first occurrence: in the final text and in the joined stream alike."""
+    greedy = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+    full = llm.generate(["The quick"], SamplingParams(**greedy))[0].outputs[0].text
+    stops = {full[i : i + 2] for i in range(1, len(full) - 1) if "\ufffd" not in full[i : i + 2]}
+    assert stops
+    for i, stop in enumerate(sorted(stops)):
+        joined, out = streamed(llm, f"stop-{i}", "The quick", SamplingParams(stop=stop, **greedy))
+        assert joined == out.text == full[: full.index(stop)], (full, stop)
+        assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+def test_min_tokens_defers_stop_strings(llm: LLM) -> None:
+    """A stop string ending within the first min_tokens tokens does not stop the completion;
+    the first one ending after them does."""
+    greedy = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+    done = llm.generate(["The quick"], SamplingParams(**greedy))[0].outputs[0]
+    full, stop = done.text, done.text[1]
+    assert stop != "\ufffd"
+    deferred = len(llm.get_tokenizer().decode(done.token_ids[:10]).rstrip("\ufffd"))
+    assert full.index(stop) < deferred  # an early match the deferral skips
+    later = full.find(stop, deferred)
+    params = SamplingParams(stop=stop, min_tokens=10, **greedy)
+    joined, out = streamed(llm, "min", "The quick", params)
+    assert joined == out.text == (full if later < 0 else full[:later])
+    assert len(out.token_ids) >= 10

@@ -105,3 +105,49 @@ def test_flush_releases_an_unfinished_character(byte_tokenizer: Any) -> None:
     ids = byte_tokenizer.encode("ok世", add_special_tokens=False)[:-1]  # last byte missing
     assert "".join(seq.append([i]) for i in ids) == "ok"
     assert seq.flush() == REPLACEMENT and seq.text == byte_tokenizer.decode(ids)
+
+
+def stop_stream(
+    tokenizer: Any, text: str, stop: str, **options: Any
+) -> tuple[list[str], SequenceText]:
+    """Deltas of `text` appended one token at a time with stop string `stop`, then flushed."""
+    seq = SequenceText(tokenizer, [], (stop,), **options)
+    deltas = [seq.append([token]) for token in tokenizer.encode(text, add_special_tokens=False)]
+    deltas.append(seq.flush())
+    return deltas, seq
+
+
+@SETTINGS
+@given(text=TEXTS, data=st.data())
+def test_a_stop_string_over_several_tokens_shows_none_of_itself(
+    byte_tokenizer: Any, text: str, data: st.DataObject
+) -> None:
+    """Streamed pieces join to the text before the first stop string, however many tokens
+    the stop string spans: none of its characters is ever sent."""
+    if len(text) < 2:
+        return
+    start = data.draw(st.integers(0, len(text) - 2))
+    stop = text[start : data.draw(st.integers(start + 2, len(text)))]
+    deltas, seq = stop_stream(byte_tokenizer, text, stop)
+    assert seq.stopped_by == stop
+    assert "".join(deltas) == seq.text == text[: text.index(stop)]
+
+
+def test_a_split_stop_string_holds_back_only_what_it_could_cut(byte_tokenizer: Any) -> None:
+    """A piece is sent once no stop string can start in it; text that ends without a stop
+    comes out on flush; include_stop_str_in_output sends the stop string too."""
+    deltas, seq = stop_stream(byte_tokenizer, "abcXYZd", "XYZ")
+    assert deltas == ["", "", "a", "b", "c", "", "", ""] and seq.text == "abc"
+    deltas, seq = stop_stream(byte_tokenizer, "abcd", "XYZ")
+    assert "".join(deltas[:-1]) == "ab" and deltas[-1] == "cd" and seq.stopped_by is None
+    deltas, seq = stop_stream(byte_tokenizer, "abXYZd", "XYZ", include_stop_str=True)
+    assert deltas == ["a", "b", "X", "Y", "Z", "", ""] and seq.text == "abXYZ"
+
+
+def test_stop_strings_count_only_after_min_tokens(byte_tokenizer: Any) -> None:
+    """With min_tokens, a stop string ending within the first min_tokens tokens is text like
+    any other; the first one ending after them stops the sequence."""
+    deltas, seq = stop_stream(byte_tokenizer, "xyaxyb", "xy", min_tokens=3)
+    assert seq.stopped_by == "xy" and "".join(deltas) == seq.text == "xya"
+    deltas, seq = stop_stream(byte_tokenizer, "xyab", "xy", min_tokens=3)
+    assert seq.stopped_by is None and "".join(deltas) == seq.text == "xyab"

@@ -142,3 +142,16 @@ def test_logit_bias_is_kept_as_sorted_pairs_and_checked_against_the_vocabulary()
     with pytest.raises(InvalidParameterError, match=r"^logit_bias:") as info:
         params.validate_for_model(9)
     assert "outside the vocabulary" in str(info.value)
+
+
+def test_the_wire_max_tokens_minus_one_is_no_bound_but_the_context() -> None:
+    """The proto's max_tokens -1 converts to None (until the model's maximum length); unset
+    keeps the default of 16."""
+    from kvmesh.service.convert import sampling_from_proto
+    from kvmesh.v1 import generation_pb2
+
+    assert sampling_from_proto(generation_pb2.SamplingParams(max_tokens=-1)).max_tokens is None
+    assert sampling_from_proto(generation_pb2.SamplingParams()).max_tokens == 16
+    with pytest.raises(InvalidParameterError) as caught:
+        sampling_from_proto(generation_pb2.SamplingParams(max_tokens=-2))
+    assert caught.value.field == "max_tokens"
