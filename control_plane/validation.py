@@ -13,6 +13,7 @@ from control_plane.run import MAX_TOKENS_UP_TO_CONTEXT
 from kvmesh.v1 import generation_pb2
 
 MAX_REQUEST_ID_CHARS = 128
+CHILD_SEPARATOR = "#"  # workers name a request's extra completions "{request_id}#{i}"
 DEFAULT_LIMITS = RequestLimits()
 
 
@@ -31,6 +32,11 @@ def check_request_id(request_id: str) -> None:
         raise FieldError("request_id", f"is longer than {MAX_REQUEST_ID_CHARS} characters")
     if not all(" " <= ch <= "~" for ch in request_id):
         raise FieldError("request_id", "must be printable ASCII")
+    if CHILD_SEPARATOR in request_id:
+        raise FieldError(
+            "request_id",
+            f"must not contain {CHILD_SEPARATOR!r} (it names a request's extra completions)",
+        )
 
 
 def utf8_size(text: str) -> int:

@@ -48,8 +48,10 @@ class Security:
         return [BearerAuth(self.api_keys, "API key", on_refused=on_refused)]
 
     def add_port(self, server: grpc.aio.Server, address: str, *, public: bool = False) -> int:
-        """Bind `address` on `server`, with TLS when certificates are set; the port (0: failed)."""
-        if self.tls is not None and self.tls.cert is not None:
+        """Bind `address` on `server`, with TLS whenever TLS is configured; the port (0:
+        failed). CredentialError when TLS is configured without a certificate to serve it (a CA
+        alone only verifies the servers this process calls): never plaintext instead."""
+        if self.tls is not None:
             return server.add_secure_port(address, self.tls.server_credentials(public=public))
         return server.add_insecure_port(address)
 

@@ -47,7 +47,10 @@ class TlsConfig:
         CA is set (on the public one only with `public_client_auth`)."""
         cert, key = _read(self.cert, "--tls-cert"), _read(self.key, "--tls-key")
         if cert is None or key is None:
-            raise CredentialError("serving TLS needs --tls-cert and --tls-key")
+            raise CredentialError(
+                "serving TLS needs --tls-cert and --tls-key (--tls-ca alone only verifies the"
+                " servers this process calls)"
+            )
         require = self.ca is not None and (self.public_client_auth or not public)
         return grpc.ssl_server_credentials(
             [(key, cert)],

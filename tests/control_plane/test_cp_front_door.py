@@ -102,6 +102,7 @@ CHAT_NO_ROLE = generation_pb2.ChatMessages(
         ({"chat": CHAT_NO_ROLE}, "prompt.chat.messages[1].role"),
         ({"text": "x", "request_id": "bad\nid"}, "request_id"),
         ({"text": "x", "request_id": "r" * 129}, "request_id"),
+        ({"text": "x", "request_id": "a#1"}, "request_id"),  # could name another's completion
         ({"text": "x", "sampling": generation_pb2.SamplingParams(max_tokens=0)}, "max_tokens"),
         ({"text": "x", "cache_salt": b"s" * 257}, "cache_salt"),
     ],
@@ -139,10 +140,11 @@ async def test_abort_unknown_is_not_found_and_empty_is_invalid() -> None:
             await cp.generation.Abort(generation_pb2.AbortRequest(request_id="nope"), timeout=5)
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
         assert "nope" in (caught.value.details() or "")
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await cp.generation.Abort(generation_pb2.AbortRequest(), timeout=5)
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "request_id" in (caught.value.details() or "")
+        for bad in ("", "a#1"):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await cp.generation.Abort(generation_pb2.AbortRequest(request_id=bad), timeout=5)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "request_id" in (caught.value.details() or "")
 
 
 async def started_blocked_request(cp: Harness, request_id: str) -> tuple:  # type: ignore[type-arg]

@@ -136,3 +136,18 @@ def test_tls_config_names_the_flag_of_a_bad_file(tmp_path: Path, pki: Pki) -> No
         TlsConfig(pki.cert, pki.key, str(tmp_path / "missing.pem"))
     with pytest.raises(CredentialError, match="--tls-public-client-auth needs --tls-ca"):
         TlsConfig(pki.cert, pki.key, None, True)
+
+
+def test_a_server_with_a_ca_but_no_certificate_refuses_to_start(pki: Pki) -> None:
+    """TLS asked for (a CA, client certificates required) without a certificate to serve it:
+    the door does not start, naming the flags, instead of serving plaintext."""
+    from kvmesh.security import CredentialError
+
+    security = Security(token=TOKEN, tls=TlsConfig(ca=pki.ca, public_client_auth=True))
+
+    async def scenario() -> None:
+        with pytest.raises(CredentialError, match="--tls-cert and --tls-key"):
+            async with control_plane(security=security):
+                pass
+
+    asyncio.run(scenario())
