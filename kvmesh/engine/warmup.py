@@ -71,10 +71,12 @@ def load_kernels(device_type: str) -> str:
 
 def run_step(engine: LLMEngine) -> None:
     """A prompt chunk at positions 0.. and one decode token after it, in the first blocks; the
-    runner then forgets the warm-up sequence."""
+    runner then forgets the warm-up sequence. Never longer than a sequence may be
+    (`max_model_len`, within the model's positions) nor than the pool."""
     runner = engine.runner
     block_size = runner.block_size
-    total = min(WARMUP_TOKENS, block_size * runner.num_blocks)
+    longest = engine.scheduler.config.max_model_len
+    total = min(WARMUP_TOKENS, block_size * runner.num_blocks, longest)
     ids = tuple(i % runner.vocab_size for i in range(total))
     table = tuple(range(-(-total // block_size)))
     prompt = max(1, total - 1)

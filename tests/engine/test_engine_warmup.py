@@ -49,3 +49,23 @@ def test_warm_up_mode_from_the_environment(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv(WARMUP_ENV, "later")
     with pytest.raises(ValueError, match="KVMESH_WARMUP='later': must be one of full"):
         warm_up(engine)
+
+
+@pytest.mark.parametrize(("max_model_len", "block_size"), [(6, 2), (4, 1), (1, 4)])
+def test_warm_up_stays_within_max_model_len(
+    tmp_path: Path, max_model_len: int, block_size: int
+) -> None:
+    """An engine whose sequences are shorter than the warm-up's 8 tokens (its block tables, or
+    the model's positions, end sooner) still warms up, then serves what fits."""
+    model = str(build_tiny_model(tmp_path, "llama", "test", seed=0))
+    config = EngineConfig(
+        model=model, max_model_len=max_model_len, block_size=block_size, num_kv_blocks=64
+    )
+    engine = LLMEngine(config)
+    warm_up(engine, "full")
+    if max_model_len > 1:  # a one-token prompt and the rest of the room
+        params = SamplingParams(max_tokens=max_model_len - 1, temperature=0.0, ignore_eos=True)
+        engine.add_request("fits", [5], params)
+        while engine.has_unfinished():
+            engine.step()
+    engine.scheduler.block_manager.check_integrity()
