@@ -39,14 +39,15 @@ class SenderPool:
         self._lock = threading.Lock()
 
     def take_idle(self, backend: str, endpoint: str) -> KVSender | None:
-        """An idle sender to `endpoint`, or None (never blocks: safe on the event loop)."""
+        """An idle sender to `endpoint`, or None (never blocks: safe on the event loop). Idle
+        senders whose peer is gone are closed first (`prune`), so none is handed out."""
+        self.prune()
         with self._lock:
             idle = self._idle[(backend, endpoint)]
             return idle.pop() if idle else None
 
     def acquire(self, backend: str, endpoint: str) -> KVSender:
         """A sender to `endpoint` (blocking: may connect; LayoutMismatchError on mismatch)."""
-        self.prune()
         idle = self.take_idle(backend, endpoint)
         if idle is not None:
             return idle

@@ -388,3 +388,16 @@ def _cancel_mid_copy(receiver: shm.Receiver, sender: Peer, rows: torch.Tensor) -
     time.sleep(0.3)
     assert torch.equal(rows, snapshot)
     return int(was_open)
+
+
+def test_a_begin_of_a_partial_id_is_refused_and_ends_the_transfer() -> None:
+    """A BEGIN whose destination ids are not whole int32 values is refused naming the field
+    (a FrameError the connection answers, not a crash of its thread) and the transfer ends."""
+    receiver, _ = stores()
+    core = ReceiverCore(receiver)
+    tid = os.urandom(16)
+    handle = core.expect(TransferRequest(tid, 5), [3], time.monotonic() + 10)
+    payload = b"\x03\x00\x00"
+    with pytest.raises(FrameError, match="dst_block_ids"):
+        core.grant(frame_header(MsgType.BEGIN, tid, 5, payload), payload)
+    assert handle.state is TransferState.FAILED and handle.quiet

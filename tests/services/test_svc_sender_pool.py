@@ -32,3 +32,23 @@ def test_prune_closes_senders_of_a_vanished_receiver() -> None:
     finally:
         pool.close()
         receiver.close()
+
+
+def test_take_idle_never_hands_out_a_sender_of_a_vanished_receiver() -> None:
+    """The fast path (an idle sender, without connecting) closes stale senders too: a dead
+    decode worker's cache stays mapped no longer than the next transfer."""
+    cache, _, region = shared_tensors(SHAPE, torch.float32)
+    receiver = shm.Receiver(BlockStore(cache, region=region))
+    pool = SenderPool(BlockStore(torch.zeros(SHAPE)), ["shm"])
+    try:
+        sender = pool.acquire("shm", receiver.address)
+        pool.release("shm", receiver.address, sender)
+        receiver.close()
+        limit = time.monotonic() + 5
+        while sender.stale is False and time.monotonic() < limit:
+            time.sleep(0.01)
+        assert pool.take_idle("shm", receiver.address) is None
+        assert not isinstance(sender, shm.Sender) or not sender.registered  # closed
+    finally:
+        pool.close()
+        receiver.close()
