@@ -113,6 +113,8 @@ def parse(body: Any, kind: Kind) -> ParsedRequest:
             each.sampling.prompt_logprobs = max(prompt_logprobs, each.sampling.prompt_logprobs)
     stream = field(body, "stream", "boolean", False)
     options = field(body, "stream_options", "object", {})
+    if options and not stream:  # as OpenAI and vLLM answer
+        raise bad_param("stream_options", "is allowed only when stream is true")
     include_usage = field(options, "include_usage", "boolean", False)
     return ParsedRequest(
         kind, field(body, "model", "string"), requests, stream, include_usage, logprobs,

@@ -105,6 +105,8 @@ def test_logit_bias_becomes_the_proto_map() -> None:
         ("completion", {"prompt": "x", "seed": -1}, "seed"),
         ("completion", {"prompt": "x", "max_tokens": 2**40}, "max_tokens"),
         ("completion", {"prompt": "x", "stream": "yes"}, "stream"),
+        ("completion", {"prompt": "x", "stream_options": {"include_usage": True}},
+         "stream_options"),  # only with stream: true
         ("completion", {"prompt": "x", "echo": 1}, "echo"),
         ("completion", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
         ("chat", {"messages": [{"role": "u", "content": "x"}], "prompt_logprobs": -1},
