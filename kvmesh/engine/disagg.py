@@ -167,7 +167,9 @@ def import_prefilled(
             "first_tokens", "no KV came with them, yet they do not end every completion"
         )
     num_prompt = len(request.seqs[0].prompt_ids)
-    engine.scheduler.add_prefilled_request(request, num_prompt, first_tokens)
+    engine.scheduler.add_prefilled_request(
+        request, num_prompt, first_tokens, kv_written=kv_complete
+    )
     return engine.emit_imported(request, first_logprobs)
 
 
@@ -197,6 +199,7 @@ def _first_token_finishes(engine: LLMEngine, request: Request, first_token: int)
         stops,
         params.include_stop_str_in_output,
         params.skip_special_tokens,
+        params.min_tokens,
     )
     text.append([first_token])
     return text.stopped_by is not None

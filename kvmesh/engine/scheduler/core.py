@@ -316,7 +316,12 @@ class Scheduler:
         return remote.hold_for_remote_kv(self.state, self.config, request, spare_blocks)
 
     def add_prefilled_request(
-        self, request: Request, num_computed_tokens: int, first_tokens: Seq[int]
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        first_tokens: Seq[int],
+        *,
+        kv_written: bool = True,
     ) -> list[Sequence]:
         """Join a request whose prompt KV was computed elsewhere directly as decodes.
 
@@ -326,10 +331,12 @@ class Scheduler:
         with n > 1 the sequence is forked into n children sharing the prompt blocks copy on
         write, as a local request forks at its final prefill chunk (its spares are freed
         first: the forks' first writes take them back). Returns the sequences whose first
-        token already ends them (their blocks freed).
+        token already ends them (their blocks freed). `kv_written=False` (no KV came: the first
+        tokens end every completion) publishes none of the blocks to the prefix cache: they
+        hold no KV of this prompt.
         """
         return remote.join_prefilled(
-            self.state, self.config, request, num_computed_tokens, first_tokens
+            self.state, self.config, request, num_computed_tokens, first_tokens, kv_written
         )
 
     def release_prefilled(self, request_id: str) -> list[Sequence]:

@@ -46,9 +46,11 @@ def join_prefilled(
     request: Request,
     num_computed_tokens: int,
     first_tokens: Seq[int],
+    kv_written: bool = True,
 ) -> list[Sequence]:
     """Join the request as `len(first_tokens)` running decodes (see
-    `Scheduler.add_prefilled_request`); the sequences its first tokens already end."""
+    `Scheduler.add_prefilled_request`); the sequences its first tokens already end. Blocks
+    are published to the prefix cache only when their KV was written (`kv_written`)."""
     bm = state.block_manager
     rid, seq = request.request_id, request.seqs[0]
     remote = state.requests.get(rid) is request and seq.status is REMOTE_KV
@@ -61,7 +63,7 @@ def join_prefilled(
         del state.seqs[seq.seq_id]
     free_spares(state, rid)
     prepare_stop_check(seq, config)
-    commit = config.enable_prefix_caching
+    commit = config.enable_prefix_caching and kv_written
     state.join_prefilled(request, num_computed_tokens, len(first_tokens), commit=commit)
     ended = []
     for child, token in zip(list(request.seqs), first_tokens, strict=True):
