@@ -271,7 +271,8 @@ class Driver:
         colocated: bool = False,
     ) -> None:
         """Relay a worker's token stream into the run's queue until every completion ended;
-        `first` is the stream's first read, when it was started earlier."""
+        `first` is the stream's first read, when it was started earlier. While the queue is
+        full the worker's stream is not read (flow control holds the worker back)."""
         try:
             response = await (call.read() if first is None else first)
             while response is not grpc.aio.EOF:  # type: ignore[attr-defined]
@@ -280,7 +281,7 @@ class Driver:
                     run.timings.prefill = response.prefill_seconds
                     run.timings.prompt_tokens = response.prompt_tokens
                 run.streamed |= bool(response.token_ids)
-                run.queue.put_nowait(run.response(response))
+                await run.push(run.response(response))  # waits while the client is behind
                 response = await call.read()
         except grpc.aio.AioRpcError as error:
             raise map_error(error, worker, what) from None

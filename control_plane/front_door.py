@@ -3,7 +3,9 @@
 Each request is a Run: admission (bounded in-flight count), structural checks, then up to
 two attempts (a retry only when a worker was lost before any token reached the client). Every
 exit path — success, failure, client cancel, deadline, Abort, worker death — closes the ledger
-entry and sends Release to every (possible) holder, each bounded by a short timeout.
+entry and sends Release to every (possible) holder, each bounded by a short timeout. `serve`
+also bounds the writes to the client by the run's deadline: a client that stops reading holds
+back the worker's stream (a bounded relay buffer), never the run past its deadline.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -100,6 +102,7 @@ class FrontDoor:
             run.cut = reason
             if run.attempt is not None:
                 run.attempt.cancel()
+            run.interrupt()
 
     # -- one request ---------------------------------------------------------------------
 
@@ -117,9 +120,66 @@ class FrontDoor:
             async for response in self.stream(run):
                 yield response
         finally:
-            await asyncio.shield(self.finish(run))
+            await self.settle(run)
 
-    async def stream(self, run: Run) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def serve(
+        self,
+        request: generation_pb2.GenerateRequest,
+        write: Callable[[generation_pb2.GenerateResponse], Awaitable[None]],
+        timeout: float | None = None,
+    ) -> None:
+        """Admit, run and finish one request, handing each response to `write` (the client's
+        write, which waits while the client is not reading); `timeout` is the client's
+        remaining time.
+
+        The whole call, writes included, ends by the run's deadline (RpcFailure
+        DEADLINE_EXCEEDED), or sooner on Abort (ABORTED) or a drain's cut (UNAVAILABLE).
+        Returns or raises only once the run is finished (its blocks released, its outcome on
+        its span), also when cancelled (a client cancel: the run ends CANCELLED).
+        """
+        run = self.open_run(request, timeout)
+        try:
+            async with contextlib.aclosing(self.stream(run)) as responses:
+                async for response in responses:
+                    await self._deliver(run, write(response))
+        finally:
+            await self.settle(run)
+
+    async def _deliver(self, run: Run, write: Awaitable[None]) -> None:
+        """Await one write to the client within the run's deadline, or until `Run.interrupt`;
+        RpcFailure naming why when it did not complete in time."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(loop.time() + max(run.remaining(), 0.0)) as bound:
+                run.delivery = bound
+                await write
+        except TimeoutError:
+            raise self._failed(run, self._interrupted(run)) from None
+        finally:
+            run.delivery = None
+
+    def _interrupted(self, run: Run) -> RpcFailure:
+        """Why a write to the client was cut short: Abort, a drain's cut, else the deadline."""
+        if run.aborted:
+            return RpcFailure(grpc.StatusCode.ABORTED, f"request {run.request_id!r} was aborted")
+        if run.cut is not None:
+            return RpcFailure(
+                grpc.StatusCode.UNAVAILABLE, run.cut, self._cluster.config.retry_after_ms
+            )
+        return RpcFailure(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"request {run.request_id!r} timed out writing to the client (is it reading?)",
+        )
+
+    @staticmethod
+    def _failed(run: Run, failure: RpcFailure) -> RpcFailure:
+        """Record `failure` as the run's outcome (status, span description); returns it."""
+        assert run.request_span is not None
+        run.status = failure.code
+        run.request_span.failure = failure.message
+        return failure
+
+    async def stream(self, run: Run) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """The run's responses; on failure the run is finished first, then RpcFailure raised."""
         assert run.request_span is not None
         try:
@@ -128,9 +188,8 @@ class FrontDoor:
                 yield response
             run.status = grpc.StatusCode.OK
         except RpcFailure as failure:
-            run.status = failure.code
-            run.request_span.failure = failure.message
-            await asyncio.shield(self.finish(run))  # released before the client sees the end
+            self._failed(run, failure)
+            await self.settle(run)  # released before the client sees the end
             raise
 
     def open_run(
@@ -217,6 +276,7 @@ class FrontDoor:
             try:
                 async with asyncio.timeout_at(loop.time() + max(run.remaining(), 0.0) + 1.0):
                     response = await run.queue.get()
+                run.take(response)
             except TimeoutError:
                 run.attempt.cancel()
                 raise RpcFailure(
@@ -249,6 +309,21 @@ class FrontDoor:
         if failure.code == grpc.StatusCode.INTERNAL:
             LOG.error("request %s failed", run.request_id, exc_info=error)
         raise failure
+
+    async def settle(self, run: Run) -> None:
+        """`finish` the run, to its end even when the caller is cancelled meanwhile (a client
+        cancel that follows a failed write): its span is complete before the transport's own
+        ends. The cancel is raised once the run is finished."""
+        finishing = asyncio.ensure_future(self.finish(run))
+        cancelled = False
+        while not finishing.done():
+            try:
+                await asyncio.shield(finishing)
+            except asyncio.CancelledError:
+                cancelled = True
+        await finishing
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def finish(self, run: Run) -> None:
         """Stop the attempt, close the ledger entry, release every holder (once)."""
@@ -322,6 +397,7 @@ class FrontDoor:
             run.aborted = True
             if run.attempt is not None:
                 run.attempt.cancel()
+            run.interrupt()  # a write blocked on a client that is not reading ends too
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.done.wait(), ABORT_WAIT_SECONDS)
             return True

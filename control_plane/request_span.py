@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from control_plane.run import DEFAULT_MAX_TOKENS
+from control_plane.run import DEFAULT_MAX_TOKENS, MAX_TOKENS_UP_TO_CONTEXT
 from kvmesh.telemetry.tracing import mark_failed
 from kvmesh.v1 import generation_pb2
 
@@ -49,19 +49,20 @@ def operation(request: generation_pb2.GenerateRequest) -> str:
 def request_attributes(
     request: generation_pb2.GenerateRequest, request_id: str, model: str
 ) -> dict[str, Any]:
-    """`gen_ai.request.*` (effective values: unset fields are the engine defaults)."""
+    """`gen_ai.request.*` (effective values: unset fields are the engine defaults; no
+    `max_tokens` when only the model's context bounds the output)."""
     s = request.sampling
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": operation(request),
         "gen_ai.request.model": model,
-        "gen_ai.request.max_tokens": s.max_tokens
-        if s.HasField("max_tokens")
-        else DEFAULT_MAX_TOKENS,
         "gen_ai.request.temperature": round(s.temperature, 6) if s.HasField("temperature") else 1.0,
         "gen_ai.request.top_p": round(s.top_p, 6) if s.HasField("top_p") else 1.0,
         "gen_ai.response.id": request_id,
         "kvmesh.request_id": request_id,
     }
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if max_tokens != MAX_TOKENS_UP_TO_CONTEXT:  # bounded by the model's context alone: omitted
+        attributes["gen_ai.request.max_tokens"] = max_tokens
     if s.HasField("top_k"):
         attributes["gen_ai.request.top_k"] = s.top_k
     if s.HasField("seed"):

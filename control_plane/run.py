@@ -27,6 +27,13 @@ DEFAULT_MAX_TOKENS = 16  # what a worker generates when the request leaves max_t
 # waits for it up to its cap.
 MAX_TOKENS_UP_TO_CONTEXT = -1
 UP_TO_CONTEXT_ESTIMATE = 1 << 20
+# Responses relayed from the worker but not yet taken by the client's write, at most: past it
+# the relay stops reading the worker's stream, so a client that reads slowly (or not at all)
+# pushes back on the worker instead of filling the control plane's memory.
+RELAY_BUFFER = 64
+# A write to the client still waiting this long after an Abort or a drain's cut is taken as
+# stuck (the client is not reading) and cut short; one in progress completes first.
+STUCK_WRITE_SECONDS = 0.2
 
 
 class RpcFailure(Failure):
@@ -89,10 +96,14 @@ class Run:
     arrival: float
     deadline: float
     clock: Callable[[], float] = time.monotonic
-    # Responses of the current attempt, then None once the attempt ended.
+    # Responses of the current attempt, then None once the attempt ended; `room` admits at
+    # most RELAY_BUFFER responses waiting (`push` waits for room, `take` makes it).
     queue: asyncio.Queue[generation_pb2.GenerateResponse | None] = field(
         default_factory=asyncio.Queue
     )
+    room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(RELAY_BUFFER))
+    # The bound of the write to the client in progress, if any (`interrupt` ends it early).
+    delivery: asyncio.Timeout | None = None
     attempt: asyncio.Task[None] | None = None
     tries: int = 0
     generation: int | None = None
@@ -133,6 +144,27 @@ class Run:
             self.calls[worker] -= 1
             if self.calls[worker] <= 0:
                 del self.calls[worker]
+
+    async def push(self, response: generation_pb2.GenerateResponse) -> None:
+        """Queue a response for the client, first waiting while RELAY_BUFFER are waiting."""
+        await self.room.acquire()
+        self.queue.put_nowait(response)
+
+    def take(self, response: generation_pb2.GenerateResponse | None) -> None:
+        """Account a response taken off the queue (None, the attempt's end, takes no room)."""
+        if response is not None:
+            self.room.release()
+
+    def interrupt(self) -> None:
+        """Bound the write to the client in progress, if any, to STUCK_WRITE_SECONDS from now
+        (Abort, a drain's cut): past it the writer sees its bound expire and names the reason
+        (`aborted`, `cut`)."""
+        bound = self.delivery
+        if bound is None or bound.expired():
+            return
+        soon = asyncio.get_running_loop().time() + STUCK_WRITE_SECONDS
+        when = bound.when()
+        bound.reschedule(soon if when is None else min(when, soon))
 
     def remaining(self) -> float:
         return self.deadline - self.clock()
@@ -186,6 +218,9 @@ class Run:
         if worker.finish_reason == generation_pb2.FINISH_REASON_ABORT:
             self.worker_aborted = True
         if worker.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+            # A colocated worker counts the cached prompt tokens on a completion's last
+            # response (a prefill worker on its PrefillResponse): the span and log read it here.
+            self.timings.cached_tokens = max(self.timings.cached_tokens, worker.cached_tokens)
             self.finished_indexes.add(worker.index)
             self.tokens.finish_reasons[worker.index] = worker.finish_reason
             out.usage.CopyFrom(self.usage(worker, now))
@@ -196,7 +231,7 @@ class Run:
         return generation_pb2.Usage(
             prompt_tokens=t.prompt_tokens,
             completion_tokens=worker.completion_tokens,
-            cached_tokens=max(t.cached_tokens, worker.cached_tokens),
+            cached_tokens=t.cached_tokens,
             ttft_seconds=t.ttft if t.ttft is not None else now - self.arrival,
             ttft_breakdown=generation_pb2.TtftBreakdown(
                 queue_seconds=t.queue,

@@ -4,8 +4,9 @@ It keeps block sets in a dict, so tests can see exactly what a worker holds and 
 plane released. Blocks are freed only by Release or by finishing a stream, never by a cancelled
 call, so tests observe the control plane's own cleanup. Knobs: `gate` (Decode/Generate wait for
 it before their first response), `after_first_gate`, `prefill_gate`, `reserve_error`, `tokens`
-(responses after the first token), `pace` (seconds between them), `jitter` (each call first
-sleeps up to this many seconds, drawn from `rng`, so cancels land at random points).
+(responses after the first token), `pace` (seconds between them), `text` (of each of them),
+`cached_tokens` (on the last one), `jitter` (each call first sleeps up to this many seconds,
+drawn from `rng`, so cancels land at random points); `sent` counts the responses streamed.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class FakeWorker(
         self.tokens = 3
         self.finish_reason = LENGTH  # of the last response
         self.pace = 0.0  # seconds between the responses after the first
+        self.text = "b"  # of each response after the first
+        self.cached_tokens = 0  # on the last response
+        self.sent = 0  # responses streamed (Decode and Generate)
         self.jitter = 0.0
         self.rng = random.Random(0)
         self.address = ""
@@ -307,6 +311,7 @@ class FakeWorker(
         self.stream_started.set()
         if self.gate is not None:
             await self.gate.wait()
+        self.sent += 1
         yield worker_pb2.DecodeResponse(
             index=0, token_ids=first, text="a", first_decode_seconds=0.01
         )
@@ -317,9 +322,11 @@ class FakeWorker(
             if self.pace:
                 await asyncio.sleep(self.pace)
             last = i == self.tokens - 1
+            self.sent += 1
             yield worker_pb2.DecodeResponse(
-                index=0, token_ids=[i], text="b",
+                index=0, token_ids=[i], text=self.text,
                 finish_reason=self.finish_reason if last else UNFINISHED,
                 completion_tokens=self.tokens + 1 if last else 0,
+                cached_tokens=self.cached_tokens if last else 0,
             )  # fmt: skip
         self._free(request_id, generation)

@@ -1,6 +1,6 @@
 """The front door's request span over real gRPC (fake workers): a child of the caller's
 `traceparent`, GenAI attributes, prompt and output text only when capture is enabled, ERROR
-on a refused request."""
+on a refused request, complete before it ends whatever ended the request."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from cp_harness import control_plane, status_of, text_request
+from cp_harness import Harness, control_plane, status_of, text_request
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from control_plane.run import RELAY_BUFFER
 from kvmesh.v1 import generation_pb2
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -118,3 +119,90 @@ def test_refused_request_marks_the_span_error(exporter: InMemorySpanExporter) ->
     (span,) = request_spans(exporter)
     assert span.status.status_code is trace.StatusCode.ERROR
     assert dict(span.attributes or {})["error.type"] == "INVALID_ARGUMENT"
+
+
+def traced_colocated(
+    exporter: InMemorySpanExporter, request: generation_pb2.GenerateRequest, cached: int = 0
+) -> tuple[dict[str, object], generation_pb2.Usage]:
+    """One request through a colocated worker that reports `cached` prompt tokens cached: the
+    request span's attributes and the usage the client was told."""
+    exporter.clear()
+
+    async def run() -> generation_pb2.Usage:
+        async with control_plane() as cp:
+            worker = await cp.add("c0", "colocated")
+            worker.cached_tokens = cached
+            call = cp.generation.Generate(request, timeout=5, metadata=METADATA)
+            code, _, responses = await status_of(call)
+            assert code == grpc.StatusCode.OK
+            return responses[-1].usage
+
+    usage = asyncio.run(run())
+    (span,) = request_spans(exporter)
+    return dict(span.attributes or {}), usage
+
+
+def test_colocated_cached_tokens_reach_the_span_and_the_log(
+    exporter: InMemorySpanExporter, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A colocated worker reports cached prompt tokens on its last response: the span's
+    `kvmesh.usage.cached_tokens` and the request's finish log line say what the client is told."""
+    caplog.set_level("INFO", logger="kvmesh.control_plane")
+    attributes, usage = traced_colocated(exporter, text_request(request_id="cached-1"), 32)
+    assert usage.cached_tokens == 32
+    assert attributes["kvmesh.usage.cached_tokens"] == 32
+    finished = [r.getMessage() for r in caplog.records if "finished" in r.getMessage()]
+    assert any("cached-1 finished OK" in m and "(32 cached)" in m for m in finished), finished
+
+
+@pytest.mark.parametrize(("max_tokens", "reported"), [(None, 16), (5, 5), (-1, None)])
+def test_max_tokens_attribute_is_the_effective_bound_and_omitted_up_to_context(
+    exporter: InMemorySpanExporter, max_tokens: int | None, reported: int | None
+) -> None:
+    """`gen_ai.request.max_tokens`: the request's bound, 16 when unset, absent for -1 (bounded
+    by the model's context alone)."""
+    sampling = generation_pb2.SamplingParams(max_tokens=max_tokens)
+    request = text_request(request_id="bounded-1", sampling=sampling)
+    attributes, _ = traced_colocated(exporter, request)
+    assert attributes.get("gen_ai.request.max_tokens") == reported
+
+
+async def blocked_then_cancelled(cp: Harness) -> None:
+    """Read the first response, stop reading until the server's write blocks (the relay
+    buffer full), then cancel; returns once the run finished."""
+    await cp.add("p0", "prefill")
+    decode = await cp.add("d0", "decode")
+    decode.tokens, decode.text = 2000, "x" * 10_000  # 20 MB: more than any window
+    call = cp.generation.Generate(text_request(request_id="gone-1"), timeout=20, metadata=METADATA)
+    assert (await asyncio.wait_for(call.read(), 5)).token_ids
+    door = cp.server.front_door
+
+    async def blocked() -> None:
+        while (run := door._runs.get("gone-1")) is None or run.queue.qsize() < RELAY_BUFFER:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(blocked(), 10)
+    call.cancel()
+    await asyncio.wait_for(door.wait_idle(5.0), 6)
+    await decode.wait_empty(1.0)
+
+
+def test_a_cancel_while_the_write_is_blocked_still_completes_the_span(
+    exporter: InMemorySpanExporter,
+) -> None:
+    """A client that stops reading and then cancels (the server blocked writing to it): the
+    request span ends CANCELLED (status ERROR, `error.type`) with its usage attributes."""
+    exporter.clear()
+
+    async def run() -> None:
+        async with control_plane() as cp:
+            await blocked_then_cancelled(cp)
+
+    asyncio.run(run())
+    (span,) = request_spans(exporter)
+    attributes = dict(span.attributes or {})
+    assert span.status.status_code is trace.StatusCode.ERROR
+    assert attributes["error.type"] == "CANCELLED"
+    assert attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert attributes["gen_ai.usage.input_tokens"] == 11  # "hello world"
+    assert "gen_ai.usage.output_tokens" in attributes
