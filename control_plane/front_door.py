@@ -421,6 +421,11 @@ class FrontDoor:
         return info
 
     @property
+    def request_seconds(self) -> float:
+        """The longest any request may run (`--max-request-seconds`), writes included."""
+        return self._cluster.config.max_request_seconds
+
+    @property
     def serving(self) -> bool:
         """True while a usable worker set is registered and the door is not draining."""
         return self._cluster.serving and not self.draining

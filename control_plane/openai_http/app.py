@@ -28,7 +28,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from control_plane.front_door import FrontDoor
 from control_plane.openai_http.auth import ApiKeyMiddleware
@@ -133,6 +133,7 @@ class OpenAIApp:
             self.door.count_rejected(grpc_code(error))
             raise
         n = parsed.n
+        deadline = asyncio.get_running_loop().time() + self.door.request_seconds
         runs = [
             numbered(self.door.generate(each), i * n, i) for i, each in enumerate(parsed.requests)
         ]
@@ -142,7 +143,7 @@ class OpenAIApp:
             responses = runs[0] if len(runs) == 1 else merged(runs)
             if parsed.stream:
                 events = stream_events(answer, parsed, firsts, responses, prompt_param)
-                return RunStream(events, responses, runs)
+                return RunStream(events, responses, runs, deadline)
             await until_disconnect(request, keep_all(answer, firsts, responses))
             return JSONResponse(answer.final())
         except PromptFailure as failed:
@@ -233,18 +234,29 @@ def not_unicode(body: object) -> ApiError:
 
 class RunStream(StreamingResponse):
     """An SSE response that closes its events (and so its run) however the response ends,
-    even when the client left before the first byte was sent."""
+    even when the client left before the first byte was sent. Its writes end by `deadline`
+    (event-loop time): a client that stops reading cannot hold its runs past the request's
+    time, the connection is dropped then."""
 
     def __init__(
-        self, events: AsyncGenerator[str, None], responses: Responses, runs: list[Responses]
+        self,
+        events: AsyncGenerator[str, None],
+        responses: Responses,
+        runs: list[Responses],
+        deadline: float,
     ) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})  # fmt: skip
         self.events, self.responses, self.runs = events, responses, runs
+        self.deadline = deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def bounded(message: Message) -> None:
+            async with asyncio.timeout_at(self.deadline):
+                await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, bounded)
         finally:  # closing an unstarted generator runs none of its code: close every run too
             await self.events.aclose()
             await self.responses.aclose()

@@ -353,7 +353,8 @@ def test_a_batch_stream_that_never_sent_a_byte_closes_every_run() -> None:
         runs = [numbered(run(i), i, i) for i in range(3)]
         await first_responses(runs)
         responses = merged(runs)
-        stream = RunStream(events(responses), responses, runs)
+        deadline = asyncio.get_running_loop().time() + 60
+        stream = RunStream(events(responses), responses, runs, deadline)
         with contextlib.suppress(Exception):  # the failed send, however the server wraps it
             await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
         assert sorted(closed) == [0, 1, 2]

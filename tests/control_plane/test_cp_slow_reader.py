@@ -114,3 +114,28 @@ async def test_a_drain_cuts_a_run_whose_client_stopped_reading() -> None:
         assert finished_everywhere(cp, decode)
         assert cp.server.cluster.ledger.closed_outcome("cut") == "UNAVAILABLE"
         call.cancel()
+
+
+@run_async
+async def test_an_unread_http_stream_ends_by_max_request_seconds() -> None:
+    """The HTTP door the same way: a client that sends a streamed completion and never reads
+    loses its connection by --max-request-seconds, and the run ends with every holder
+    released."""
+    async with control_plane(max_request_seconds=1.5, http_port=0) as cp:
+        decode = await flooding_pair(cp)
+        assert cp.server.http is not None
+        host, port = cp.server.http.url.removeprefix("http://").rsplit(":", 1)
+        body = b'{"prompt": "hello", "stream": true, "max_tokens": 2000}'
+        _unread, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()  # then never read
+        await until(lambda: cp.server.front_door.inflight == 1, 10)
+        started = cp.server.cluster.clock()
+        await until(lambda: finished_everywhere(cp, decode), 1.5 + 3)
+        assert cp.server.cluster.clock() - started < 1.5 + 3 and decode.sent < TOKENS
+        assert len(cp.server.cluster.ledger) == 0
+        writer.close()
