@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvmesh_kernels.cache import KVCacheSpec, PagedKVCache, allocate_kv_cache
+from kvmesh_kernels.cache import KVCacheSpec, PagedKVCache, allocate_kv_cache, raw_view
 from kvmesh_kernels.plan import AttentionPlan
 
 from kvmesh.engine.attention import ForwardContext
@@ -111,11 +111,13 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(old.spec, data, scales)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy whole blocks src -> dst (all layers, K and V) before a step writes into dst."""
+        """Copy whole blocks src -> dst (all layers, K and V, and their scales in a quantized
+        cache) before a step writes into dst; fp8 moves as bytes (torch has no fp8 index_copy_
+        on CPU)."""
         if not pairs:
             return
         index = torch.tensor(pairs, dtype=torch.int64, device=self.device)  # [N, 2]
-        data = self.kv_cache.data
+        data = raw_view(self.kv_cache.data)
         data.index_copy_(0, index[:, 1], data.index_select(0, index[:, 0]))
         scales = self.kv_cache.scales
         if scales is not None:
