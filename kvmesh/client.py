@@ -367,7 +367,9 @@ def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str
 class Stream:
     """Iterator of Chunks of one Generate call; `cancel()` cancels the request. The call is
     started by `start(timeout)`, again (bounded by `retry`) when it is refused before any
-    response arrived."""
+    response arrived. A cancel from another thread is never lost to a retry: during the wait
+    the iteration raises Cancelled, and a retried call started around the cancel is cancelled
+    too (the swap of the current call and the cancel are serialised)."""
 
     def __init__(
         self,
@@ -380,6 +382,7 @@ class Stream:
         self._retries = retry.start(timeout)
         self._start = start
         self._cancelled = threading.Event()
+        self._lock = threading.Lock()  # orders cancel() against the swap to a retried call
         self._call = start(timeout)
 
     def __iter__(self) -> Iterator[Chunk]:
@@ -392,13 +395,32 @@ class Stream:
                 return
             except grpc.RpcError as error:
                 delay = None if received else self._retries.delay(error)
-                if delay is None or self._cancelled.wait(delay):
+                if delay is None:
                     raise error_from_rpc(error) from None
-            self._call = self._start(self._retries.timeout())
+                if self._cancelled.wait(delay):
+                    raise self._cancelled_error() from None
+            self._retry()
+
+    def _retry(self) -> None:
+        """Start the next attempt and make it the current call; one that a cancel() reached
+        first is cancelled (its iteration then raises Cancelled)."""
+        if self._cancelled.is_set():
+            raise self._cancelled_error()
+        call = self._start(self._retries.timeout())
+        with self._lock:
+            self._call = call
+            cancelled = self._cancelled.is_set()
+        if cancelled:
+            call.cancel()
+
+    def _cancelled_error(self) -> Cancelled:
+        return Cancelled(grpc.StatusCode.CANCELLED, "cancelled by the client while retrying")
 
     def cancel(self) -> None:
-        self._cancelled.set()
-        self._call.cancel()
+        with self._lock:
+            self._cancelled.set()
+            call = self._call
+        call.cancel()
 
 
 def _retrying(

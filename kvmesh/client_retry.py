@@ -3,10 +3,11 @@
 A call is retried only when nothing of it reached the client and the server said a retry may help:
 RESOURCE_EXHAUSTED that carries a retry delay (the `grpc-retry-pushback-ms` trailer, a
 `google.rpc.RetryInfo` detail, or the older `retry-after-ms` trailer: the server's admission was
-full), or UNAVAILABLE (no usable worker at that moment, the server restarting or draining), after a
-short exponential backoff, or the server's retry delay when it sent a longer one. Retries are
-bounded three ways: their number, their total waiting time, and the call's own deadline (a retry
-that could not start before it is not made; each retry gets only the time left).
+full; a negative delay in any of them means "do not retry"), or UNAVAILABLE (no usable worker at
+that moment, the server restarting or draining), after a short exponential backoff, or the
+server's retry delay when it sent a longer one. Retries are bounded three ways: their number,
+their total waiting time, and the call's own deadline (a retry that could not start before it is
+not made; each retry gets only the time left).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ class RetryPolicy:
     unavailable_backoff_seconds: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.max_retries < 0 or self.max_wait_seconds < 0:
-            raise ValueError("max_retries and max_wait_seconds must be non-negative")
+        if min(self.max_retries, self.max_wait_seconds, self.unavailable_backoff_seconds) < 0:
+            raise ValueError("retries, waiting time and backoff must be non-negative")
 
     def start(self, timeout: float | None) -> Retries:
         """The retry state of one call with this deadline (seconds from now, None: none)."""

@@ -4,7 +4,10 @@
 with the model's chat template.
 
 The request is built from the arguments once (`request_from_args`) and run on an in-process
-engine; with `--target HOST:PORT` it goes to a running system instead (`generate_remote`).
+engine; with `--target HOST:PORT` it goes to a running system instead (`generate_remote`). Both
+read the same sampling flags (`generate_remote.sampling_from_args`): offline, every one of them
+(--n, the penalties, --min-tokens, --logprobs, --stop-token-ids, ...) reaches the engine's
+`SamplingParams`, and an invalid value exits 2 naming the field.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import argparse
 import json
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvmesh.engine.sampling_params import SamplingParams
 
 
 def register(subparsers: Any) -> None:
@@ -64,7 +70,6 @@ def chat_from_args(args: argparse.Namespace) -> list[dict[str, str]] | None:
 def request_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     """(prompt: str | list[int] | conversation, SamplingParams) from the command line."""
     from kvmesh.engine.errors import InvalidParameterError
-    from kvmesh.engine.sampling_params import SamplingParams
 
     chat = chat_from_args(args)
     given = [x is not None for x in (args.prompt, args.prompt_ids, chat)]
@@ -76,17 +81,17 @@ def request_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
             prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError:
             raise InvalidParameterError("prompt_ids", "expected integers like 1,2,3") from None
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
-    return prompt, params
+    return prompt, sampling_params_from_args(args)
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The offline SamplingParams of every sampling flag, read as `--target` reads them
+    (`sampling_from_args`: the flags set, this command's defaults for the others); an invalid
+    value raises InvalidParameterError naming the field."""
+    from kvmesh.cli.generate_remote import sampling_from_args
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    return SamplingParams(**sampling_from_args(args))
 
 
 def stream_local(args: argparse.Namespace, prompt: Any, params: Any) -> Iterator[Any]:
@@ -126,17 +131,28 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     sys.stdout.write("\n")
     if args.json and final is not None:
-        completion = final.outputs[0]
-        print(
-            json.dumps(
-                {
-                    "token_ids": completion.token_ids,
-                    "text": completion.text,
-                    "finish_reason": completion.finish_reason,
-                    "prompt_tokens": len(final.prompt_token_ids),
-                    "completion_tokens": len(completion.token_ids),
-                    "ttft_s": final.metrics.ttft,
-                }
-            )
-        )
+        print(json.dumps(result_json(final)))
     return 0
+
+
+def result_json(final: Any) -> dict[str, Any]:
+    """The --json line: the first completion's fields at top level, every completion (n > 1)
+    under completions."""
+    completions = [
+        {
+            "index": c.index, "text": c.text, "token_ids": c.token_ids,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+        }
+        for c in final.outputs
+    ]  # fmt: skip
+    first = final.outputs[0]
+    return {
+        "token_ids": first.token_ids,
+        "text": first.text,
+        "finish_reason": first.finish_reason,
+        "stop_reason": first.stop_reason,
+        "prompt_tokens": len(final.prompt_token_ids),
+        "completion_tokens": len(first.token_ids),
+        "ttft_s": final.metrics.ttft,
+        "completions": completions,
+    }

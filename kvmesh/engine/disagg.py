@@ -187,7 +187,7 @@ def _first_token_finishes(engine: LLMEngine, request: Request, first_token: int)
     seq = Request.from_prompt("probe", request.seqs[0].prompt_ids, request.params).seqs[0]
     seq.append_token(first_token)
     config = engine.scheduler.config
-    if stop_status(seq, config.eos_token_id, config.max_model_len) is not None:
+    if stop_status(seq, config.eos_token_ids, config.max_model_len) is not None:
         return True
     params = request.params
     stops = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop)

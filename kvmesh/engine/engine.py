@@ -249,7 +249,7 @@ class LLMEngine:
             chunk_row += 1
         if len(row_of_chunk) != chunk_row:
             logits = logits[torch.tensor(row_of_chunk)]  # [sampled sequences, vocab]
-        batch = SamplingBatch.build(rows, self.parts.eos_token_id)
+        batch = SamplingBatch.build(rows, self.parts.eos_token_ids)
         result = self.sampler(logits, batch)
         for seq_id, logprobs in zip(seq_ids, result.logprobs, strict=True):
             if logprobs is not None:

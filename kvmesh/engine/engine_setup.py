@@ -33,8 +33,9 @@ class EngineParts:
     scheduler: Scheduler
     sampler: Sampler
     max_model_len: int
-    eos_token_id: int | None
+    eos_token_id: int | None  # the first of eos_token_ids (ModelInfo's one id)
     tiers: TieredStore | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every EOS id: each stops and is masked by min_tokens
 
     def capacity_line(self) -> str:
         """Start-up summary: blocks, tokens, max concurrency at max model length."""
@@ -61,7 +62,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
     if config.cuda_graphs and loaded.device.type == "cuda" and loaded.executor == "native":
         runner.enable_decode_graphs(config.max_num_seqs)
-    eos = eos_token_id(loaded)
+    eos = eos_token_ids(loaded, runner.vocab_size)
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
@@ -74,7 +75,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         scheduling_policy=config.scheduling_policy,
         max_decode_stall_tokens=config.max_decode_stall_tokens,
         preemption=config.preemption,
-        eos_token_id=eos,
+        eos_token_ids=eos,
     )
     tiers = build_tiers(config, runner, str(loaded.path))
     block_manager = BlockManager(
@@ -85,7 +86,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         tiers=tiers,
     )
     scheduler = Scheduler(scheduler_config, block_manager)
-    return EngineParts(loaded, runner, scheduler, Sampler(), max_model_len, eos, tiers)
+    first = eos[0] if eos else None
+    return EngineParts(loaded, runner, scheduler, Sampler(), max_model_len, first, tiers, eos)
 
 
 def build_tiers(config: EngineConfig, runner: ModelRunner, model_id: str) -> TieredStore | None:
@@ -147,12 +149,15 @@ def plan_num_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: in
     return plan.num_blocks
 
 
-def eos_token_id(loaded: LoadedModel) -> int | None:
-    """The model's end-of-sequence id (first one when it lists several)."""
+def eos_token_ids(loaded: LoadedModel, vocab_size: int) -> tuple[int, ...]:
+    """Every end-of-sequence id of the model, as vLLM honours them: generation_config's (one id
+    or a list, e.g. Llama-3 Instruct's end of text, of message and of turn), then config.json's
+    not already named; ids outside the vocabulary are left out. () when neither names one."""
     generation = getattr(loaded.model, "generation_config", None)
-    eos = getattr(generation, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(loaded.hf_config, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    return None if eos is None else int(eos)
+    found: list[int] = []
+    for source in (generation, loaded.hf_config):
+        eos = getattr(source, "eos_token_id", None)
+        for token in eos if isinstance(eos, (list, tuple)) else (eos,):
+            if token is not None and 0 <= int(token) < vocab_size and int(token) not in found:
+                found.append(int(token))
+    return tuple(found)

@@ -6,7 +6,8 @@ Order of operations (vLLM v1's):
    taken after the draw from the rows as the model gave them (on CPU one kernel,
    `cpu_fused.logprob_rows`: the sampled token's logprob and rank and the top-n without a
    float32 copy of the rows);
-2. min_tokens: EOS (unless ignore_eos) and stop_token_ids masked while output is too short;
+2. min_tokens: every EOS id (unless ignore_eos) and stop_token_ids masked while output is too
+   short;
    then logit_bias added to its tokens' logits;
 3. penalties: repetition (divide positive / multiply negative logits of tokens seen in prompt or
    output), then frequency (minus count in output) and presence (minus 1 if in output);
@@ -21,13 +22,15 @@ and a sort of the one bucket holding each cut, not a sort of the vocabulary), be
 race skips values. A seeded row's key is
 `mix(seed + sample_index, step)`, so its tokens depend only on its own seed, child index and
 step, never on the batch it shares; unseeded rows' keys come from the sampler's generator.
-Elsewhere (CUDA, float16) the race runs in torch, with per-row generators for seeded rows.
+Elsewhere (CUDA, float16) the race runs in torch, with per-row generators for seeded rows; the
+path follows the model's logits, not the batch (float16 rows widened to float32 because another
+row has a penalty or a logit_bias still race in torch).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +64,7 @@ class SamplingRow:
     step_seed_offset: the step a seeded row's draw is keyed on (default: len(output_ids), which
     stays right across preemption and recompute). sample_index: child number for n > 1, so each
     child of a seeded request draws like a request with seed `seed + sample_index` (vLLM).
-    eos_token_id: overrides the batch-wide EOS id for this row.
+    eos_token_id: overrides the batch-wide EOS ids for this row.
     """
 
     params: SamplingParams
@@ -96,9 +99,13 @@ class SamplingBatch:
     max_logprobs: int | None  # largest top-n asked for, None if no row wants logprobs
 
     @classmethod
-    def build(cls, rows: Sequence[SamplingRow], eos_token_id: int | None = None) -> SamplingBatch:
-        """Collect the per-row parameters of `rows` (in order) into batch tensors."""
+    def build(
+        cls, rows: Sequence[SamplingRow], eos_token_id: int | Collection[int] | None = None
+    ) -> SamplingBatch:
+        """Collect the per-row parameters of `rows` (in order) into batch tensors.
+        eos_token_id: the model's EOS id, or all of them (each masked until min_tokens)."""
         rows = tuple(rows)
+        eos = () if eos_token_id is None else _as_ids(eos_token_id)
         params = [row.params for row in rows]
         greedy = [p.greedy for p in params]
         asked = [p.logprobs for p in params if p.logprobs is not None]
@@ -112,7 +119,7 @@ class SamplingBatch:
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
             greedy=torch.tensor(greedy, dtype=torch.bool),
-            stop_masks=tuple(_stop_mask(row, eos_token_id) for row in rows),
+            stop_masks=tuple(_stop_mask(row, eos) for row in rows),
             all_greedy=all(greedy),
             any_penalties=any(p.has_penalties for p in params),
             any_logit_bias=any(p.logit_bias for p in params),
@@ -138,14 +145,19 @@ class SamplingBatch:
         )
 
 
-def _stop_mask(row: SamplingRow, default_eos: int | None) -> tuple[int, ...]:
+def _as_ids(eos: int | Collection[int]) -> tuple[int, ...]:
+    return (eos,) if isinstance(eos, int) else tuple(eos)
+
+
+def _stop_mask(row: SamplingRow, default_eos: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids a row masks while it has fewer than min_tokens outputs: its stop_token_ids, then
+    every EOS id (the row's own, else the batch's) unless ignore_eos."""
     params = row.params
     if len(row.output_ids) >= params.min_tokens:
         return ()
-    eos = row.eos_token_id if row.eos_token_id is not None else default_eos
     ids = list(params.stop_token_ids)
-    if eos is not None and not params.ignore_eos:
-        ids.append(eos)
+    if not params.ignore_eos:
+        ids.extend(default_eos if row.eos_token_id is None else (row.eos_token_id,))
     return tuple(ids)
 
 
@@ -184,7 +196,10 @@ class Sampler:
         if batch.plain_greedy:
             return SamplerOutput(token_ids=greedy_ids(logits), logprobs=[None] * len(batch))
         processed = self._process(logits, batch)  # a copy where anything applies
-        token_ids = greedy_ids(processed) if batch.all_greedy else self._sample(processed, batch)
+        if batch.all_greedy:
+            token_ids = greedy_ids(processed)
+        else:  # the draw path follows the model's logits, never what the batch widened them to
+            token_ids = self._sample(processed, batch, fused=fused_supported(logits))
         if batch.max_logprobs is None:
             return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(batch))
         asked = [i for i, row in enumerate(batch.rows) if row.params.logprobs is not None]
@@ -227,25 +242,31 @@ class Sampler:
         out.copy_(logits)
         return out
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, fused: bool) -> torch.Tensor:
+        """One token per row of the processed logits. `fused`: race in the CPU kernel (decided
+        from the model's logits by the caller: a float16 batch widened to float32 because one
+        row has a penalty still races in torch, so a seeded row draws the same whatever its
+        batch holds); else the torch race. A top_k beyond the vocabulary is off (0)."""
         untempered = logits  # the greedy rows' argmax reads these
         device = logits.device
         temperature = batch.temperature.to(device)  # [rows], 1.0 for greedy rows
         filtered = batch.any_min_p or batch.any_top_k or batch.any_top_p
-        if fused_supported(logits):  # filters and draw in two passes over the raw logits
+        top_k = batch.top_k.masked_fill(batch.top_k > logits.shape[1], 0)  # [rows], 0 = off
+        if fused:  # filters and draw in two passes over the raw logits
             inv_temp = temperature.reciprocal()
             floors = None
             if filtered:
-                floors = top_cut(logits, inv_temp, batch.top_k, batch.top_p, batch.min_p)
+                floors = top_cut(logits, inv_temp, top_k, batch.top_p, batch.min_p)
             sampled = race_rows(logits, inv_temp, self._keys(batch), floors)  # [rows]
         else:
             logits = logits.float() / temperature.unsqueeze(1)
             if batch.any_min_p:
                 logits = apply_min_p(logits, batch.min_p.to(device))
             if batch.any_top_k or batch.any_top_p:
-                top_k = batch.top_k.to(device) if batch.any_top_k else None
                 top_p = batch.top_p.to(device) if batch.any_top_p else None
-                logits = apply_top_k_top_p(logits, top_k, top_p)
+                logits = apply_top_k_top_p(
+                    logits, top_k.to(device) if batch.any_top_k else None, top_p
+                )
             probs = logits.softmax(dim=-1)  # [rows, vocab]
             sampled = greedy_ids(probs.div_(self._exponentials(probs, batch)))  # [rows]
         if not bool(batch.greedy.any()):

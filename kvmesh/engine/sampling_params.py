@@ -2,6 +2,8 @@
 
 Validation here is independent of the model (`__post_init__`); `validate_for_model` adds the
 checks that need the vocabulary. Every failure is an `InvalidParameterError` naming the field.
+Integer fields are bounded (`MAX_COUNT`, `MAX_SEED`, `MAX_LOGPROBS`), so each fits the int32 or
+int64 it is packed into on the wire and in the sampler's tensors.
 Sequences (`stop`, `stop_token_ids`) and `logit_bias` are normalised to tuples so the object
 stays hashable.
 """
@@ -21,6 +23,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63
+MAX_COUNT = 2**31 - 1  # largest n, top_k, max_tokens, min_tokens: the wire's int32 fields
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize")
@@ -85,14 +88,10 @@ class SamplingParams:
         object.__setattr__(self, name, value)
 
     def _check_counts(self) -> None:
-        if _int("n", self.n) < 1:
-            raise InvalidParameterError("n", f"must be at least 1, got {self.n}")
-        if self.max_tokens is not None and _int("max_tokens", self.max_tokens) < 1:
-            raise InvalidParameterError("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        if _int("min_tokens", self.min_tokens) < 0:
-            raise InvalidParameterError(
-                "min_tokens", f"must be non-negative, got {self.min_tokens}"
-            )
+        _bounded("n", self.n, 1)
+        if self.max_tokens is not None:
+            _bounded("max_tokens", self.max_tokens, 1)
+        _bounded("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidParameterError(
                 "min_tokens",
@@ -112,9 +111,10 @@ class SamplingParams:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidParameterError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if _int("top_k", self.top_k) < -1:
+        if not -1 <= _int("top_k", self.top_k) <= MAX_COUNT:
             raise InvalidParameterError(
-                "top_k", f"must be -1 or 0 (off) or a positive int, got {self.top_k}"
+                "top_k",
+                f"must be -1 or 0 (off) or a positive int up to {MAX_COUNT}, got {self.top_k}",
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidParameterError("min_p", f"must be in [0, 1], got {self.min_p}")
@@ -168,6 +168,13 @@ def _int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidParameterError(name, f"expected an int, got {value!r}")
     return value
+
+
+def _bounded(name: str, value: object, low: int) -> None:
+    """InvalidParameterError naming `name` unless `value` is an int in [low, MAX_COUNT]."""
+    if not low <= _int(name, value) <= MAX_COUNT:
+        bound = "at least 1" if low == 1 else "non-negative"
+        raise InvalidParameterError(name, f"must be {bound} and at most {MAX_COUNT}, got {value}")
 
 
 def _float(name: str, value: object) -> float:

@@ -93,8 +93,8 @@ def field_of(error: grpc.RpcError) -> str | None:
 
 def retry_delay_ms(error: grpc.RpcError) -> int | None:
     """The server's retry delay of a failed call: the pushback trailer, else `RetryInfo`,
-    else the `retry-after-ms` trailer; None when it gave none (a negative pushback means
-    "do not retry", also None)."""
+    else the `retry-after-ms` trailer; None when it gave none (a negative delay, from any of
+    them, means "do not retry", also None)."""
     metadata: Any = error.trailing_metadata() or ()  # type: ignore[attr-defined]
     found: dict[str, str] = {}
     for key, value in metadata:
@@ -106,7 +106,10 @@ def retry_delay_ms(error: grpc.RpcError) -> int | None:
         if holder.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             info = error_details_pb2.RetryInfo()
             holder.Unpack(info)
-            return int(info.retry_delay.ToMilliseconds())
+            delay = info.retry_delay
+            if delay.seconds < 0 or delay.nanos < 0:
+                return None
+            return int(delay.ToMilliseconds())
     return _non_negative(found[RETRY_AFTER_KEY]) if RETRY_AFTER_KEY in found else None
 
 

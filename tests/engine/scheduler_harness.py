@@ -24,7 +24,7 @@ def make_scheduler(
     num_blocks: int = 64, block_size: int = BLOCK_SIZE, **config: Any
 ) -> tuple[Scheduler, BlockManager]:
     config.setdefault("max_model_len", 256)
-    config.setdefault("eos_token_id", EOS)
+    config.setdefault("eos_token_ids", (EOS,))
     bm = BlockManager(num_blocks, block_size, hash_seed=b"test")
     return Scheduler(SchedulerConfig(**config), bm), bm
 

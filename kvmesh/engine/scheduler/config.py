@@ -24,6 +24,8 @@ class SchedulerConfig:
     continue prompt work holds only prompt chunks, until the prompt tokens computed while
     running decodes wait reach `max_decode_stall_tokens`;
     the next step is then decode-first. See `kvmesh.engine.scheduler`.
+    eos_token_ids: every end-of-sequence id of the model (generation_config may list several);
+    each ends a sequence with finish_reason "stop" once min_tokens are out, unless ignore_eos.
     """
 
     max_model_len: int
@@ -37,7 +39,7 @@ class SchedulerConfig:
     scheduling_policy: str = "decode-first"
     preemption: str = "recompute"  # or "swap" / "auto" (with a host KV tier)
     max_decode_stall_tokens: int = 512  # prefill-first only
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens")
@@ -45,6 +47,11 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InvalidParameterError(name, f"must be a positive int, got {value!r}")
+        eos = self.eos_token_ids
+        if not isinstance(eos, tuple) or not all(_is_id(token) for token in eos):
+            raise InvalidParameterError(
+                "eos_token_ids", f"must be a tuple of non-negative ints, got {eos!r}"
+            )
         threshold = self.long_prefill_token_threshold
         if threshold is not None and (not isinstance(threshold, int) or threshold <= 0):
             raise InvalidParameterError(
@@ -67,3 +74,7 @@ class SchedulerConfig:
                 f"must be >= max_model_len={self.max_model_len} without chunked prefill,"
                 f" got {self.max_num_batched_tokens}",
             )
+
+
+def _is_id(token: object) -> bool:
+    return isinstance(token, int) and not isinstance(token, bool) and token >= 0

@@ -176,7 +176,7 @@ class SchedulerState:
 
     def finish_if_stopped(self, seq: Sequence, config: SchedulerConfig) -> bool:
         """Finish `seq` (freeing its blocks) if a stop rule fires; True if it finished."""
-        stop = stop_status(seq, config.eos_token_id, config.max_model_len)
+        stop = stop_status(seq, config.eos_token_ids, config.max_model_len)
         if stop is None:
             return False
         self.finish(seq, *stop)

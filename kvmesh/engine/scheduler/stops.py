@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -105,24 +106,25 @@ def prepare_stop_check(seq: Sequence, config: SchedulerConfig) -> None:
     params = seq.params
     seq.token_limit = max_total_tokens(params, seq.num_prompt_tokens, config.max_model_len)
     stops = set(params.stop_token_ids or ())
-    if config.eos_token_id is not None and not params.ignore_eos:
-        stops.add(config.eos_token_id)
+    if not params.ignore_eos:
+        stops.update(config.eos_token_ids)
     seq.stop_token_set = frozenset(stops)
 
 
 def stop_status(
-    seq: Sequence, eos_token_id: int | None, max_model_len: int
+    seq: Sequence, eos_token_ids: Collection[int], max_model_len: int
 ) -> tuple[str, int | None] | None:
     """(finish_reason, stop_reason) if `seq`'s last token ends it, else None.
 
-    EOS (unless ignore_eos) and stop_token_ids count only after min_tokens outputs;
-    max_tokens and max_model_len end with "length".
+    Any of the model's EOS ids (stop_reason None; not with ignore_eos) and stop_token_ids
+    (stop_reason the id) count only after min_tokens outputs; max_tokens and max_model_len end
+    with "length".
     """
     params = seq.params
     num_output = len(seq.output_ids)
     token = seq.last_token_id
     if num_output >= (params.min_tokens or 0):
-        if token == eos_token_id and not params.ignore_eos:
+        if token in eos_token_ids and not params.ignore_eos:
             return "stop", None
         stop_ids = params.stop_token_ids
         if stop_ids and token in stop_ids:
