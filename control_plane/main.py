@@ -138,6 +138,19 @@ def run(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:  # TracingConfigError too
         print(f"kvmesh serve control: {error}", file=sys.stderr)
         return 2
-    with asyncio.Runner(loop_factory=_loop_factory) as runner:
-        runner.run(serve(config))
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory) as runner:
+            runner.run(serve(config))
+    except OSError as error:  # a port that cannot be bound: before anything serves
+        print(f"kvmesh serve control: {flag_named(str(error))}", file=sys.stderr)
+        return 2
     return 0
+
+
+def flag_named(message: str) -> str:
+    """`message` with a leading ControlConfig field ("internal_port: ...") named as its flag
+    ("--internal-port: ...")."""
+    field, sep, rest = message.partition(": ")
+    if sep and field in ControlConfig.__dataclass_fields__:
+        return f"--{field.replace('_', '-')}: {rest}"
+    return message

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -48,6 +49,7 @@ def server_options(config: ControlConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.so_reuseport", 0),  # a busy port fails to bind, never shared with its holder
     ]
 
 
@@ -94,10 +96,7 @@ class ControlServer:
         return f"{self.config.internal_host or self.config.host}:{self.internal_port}"
 
     def _bind(self, server: grpc.aio.Server, host: str, port: int, field: str, public: bool) -> int:
-        bound = self.config.security.add_port(server, f"{host}:{port}", public=public)
-        if bound == 0:
-            raise OSError(f"{field}: cannot bind {host}:{port}")
-        return bound
+        return self.config.security.add_port(server, f"{host}:{port}", public=public, field=field)
 
     def _add_services(self) -> None:
         public, internal = self._server, self._internal
@@ -117,37 +116,65 @@ class ControlServer:
                 reflection.enable_server_reflection(names, server)
 
     async def start(self) -> None:
-        c = self.config
+        """Bind every port, then serve. A port that cannot be bound is OSError "FIELD: cannot
+        bind HOST:PORT: reason" (FIELD: port, internal_port, http_port or metrics_port), raised
+        before anything serves and with every port bound so far closed."""
         self._add_services()
-        self.port = self._bind(self._server, c.host, c.port, "port", True)
-        internal_host = c.internal_host or c.host
-        self.internal_port = self._bind(
-            self._internal, internal_host, c.internal_port, "internal_port", False
-        )
-        if c.metrics_port is not None:
-            registry = self.cluster.metrics.registry
-            self._metrics_http, _ = start_http_server(c.metrics_port, c.host, registry)
-            self.metrics_address = f"{c.host}:{self._metrics_http.server_port}"
+        try:
+            self._bind_ports()
+        except OSError:
+            await self._close_ports()
+            raise
         await self.health.set("", SERVING)
         await self.health.set(CONTROL_SERVICE, SERVING)
         await self.health.set(GENERATION_SERVICE, NOT_SERVING)
         await self._internal.start()
         await self._server.start()
         self._reaper.start()
-        if c.http_port is not None:
-            metrics = self.cluster.metrics
-            refused = metrics.auth_refused.labels("http").inc
-            app = openai_app(
-                self.front_door,
-                metrics.registry,
-                c.security.api_keys,
-                refused,
-                max_body_bytes=c.max_http_body_bytes,
-            )
-            self.http = HttpServer(app, c.host, c.http_port, tls=c.security.tls)
+        if self.http is not None:
             self.http.start()
             LOG.info("OpenAI-compatible API on %s/v1", self.http.url)
         LOG.info("control plane serving on %s (internal %s)", self.address, self.internal_address)
+
+    def _bind_ports(self) -> None:
+        """Bind the two gRPC doors, the HTTP door's socket and the metrics endpoint (the only
+        one that serves at once, so bound last)."""
+        c = self.config
+        self.port = self._bind(self._server, c.host, c.port, "port", True)
+        internal_host = c.internal_host or c.host
+        self.internal_port = self._bind(
+            self._internal, internal_host, c.internal_port, "internal_port", False
+        )
+        if c.http_port is not None:
+            self.http = HttpServer(self._openai_app(), c.host, c.http_port, tls=c.security.tls)
+        if c.metrics_port is not None:
+            try:
+                registry = self.cluster.metrics.registry
+                self._metrics_http, _ = start_http_server(c.metrics_port, c.host, registry)
+            except OSError as error:
+                reason = error.strerror or str(error)
+                raise OSError(
+                    f"metrics_port: cannot bind {c.host}:{c.metrics_port}: {reason}"
+                ) from None
+            self.metrics_address = f"{c.host}:{self._metrics_http.server_port}"
+
+    async def _close_ports(self) -> None:
+        """Close what `_bind_ports` bound before it failed (nothing serves yet)."""
+        if self.http is not None:
+            await self.http.stop()
+            self.http = None
+        await self._server.stop(None)
+        await self._internal.stop(None)
+
+    def _openai_app(self) -> Any:
+        c, metrics = self.config, self.cluster.metrics
+        return openai_app(
+            self.front_door,
+            metrics.registry,
+            c.security.api_keys,
+            metrics.auth_refused.labels("http").inc,
+            max_body_bytes=c.max_http_body_bytes,
+        )
 
     async def _serving_changed(self, serving: bool) -> None:
         if not self.front_door.draining:

@@ -24,6 +24,11 @@ if TYPE_CHECKING:  # the engine loads with the runtime, not with `kvmesh serve c
 
 COLOCATED_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["ColocatedService"].full_name
 PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+# The calls a draining colocated worker refuses (UNAVAILABLE "draining").
+NEW_WORK = {
+    COLOCATED_SERVICE: ("Generate",),
+    PREFILL_SERVICE: ("Prepare", "Prefill", "PrefillAhead"),
+}
 
 
 class ColocatedServicer(worker_pb2_grpc.ColocatedServiceServicer):
@@ -140,11 +145,13 @@ async def install(
         worker_pb2_grpc.add_ColocatedServiceServicer_to_server,
         ColocatedServicer(runtime, metrics or WorkerMetrics("colocated")),
         COLOCATED_SERVICE,
+        NEW_WORK[COLOCATED_SERVICE],
     )
     server.add(
         worker_pb2_grpc.add_PrefillServiceServicer_to_server,
         ColocatedPrefillServicer(runtime),
         PREFILL_SERVICE,
+        NEW_WORK[PREFILL_SERVICE],
     )
     return ColocatedRole(runtime)
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from kvmesh.telemetry.metrics import WorkerMetrics
 
 DECODE_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
+NEW_WORK = ("Reserve",)  # the calls a draining decode worker refuses (UNAVAILABLE "draining")
 
 
 class DecodeRole:
@@ -64,7 +65,9 @@ async def install(
     table = ReservationTable(runtime.engine, receivers)
     table.start_reaper()
     servicer = DecodeServicer(runtime, table, metrics or WorkerMetrics("decode"))
-    server.add(worker_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, DECODE_SERVICE)
+    server.add(  # a draining worker takes no new reservation; Decode of a held one still runs
+        worker_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, DECODE_SERVICE, NEW_WORK
+    )
     return DecodeRole(servicer, table)
 
 

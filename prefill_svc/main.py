@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from prefill_svc.service import PrefillServicer
 
 PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+# The calls a draining prefill worker refuses (UNAVAILABLE "draining"); Release still runs.
+NEW_WORK = ("Prepare", "Prefill", "PrefillAhead")
 
 
 class PrefillRole:
@@ -72,7 +74,9 @@ async def install(
         metrics or WorkerMetrics("prefill"),
         transfer_overlap=bool(getattr(args, "transfer_overlap", True)),
     )
-    server.add(worker_pb2_grpc.add_PrefillServiceServicer_to_server, servicer, PREFILL_SERVICE)
+    server.add(
+        worker_pb2_grpc.add_PrefillServiceServicer_to_server, servicer, PREFILL_SERVICE, NEW_WORK
+    )
     return PrefillRole(servicer, senders)
 
 

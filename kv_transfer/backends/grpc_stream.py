@@ -205,12 +205,13 @@ class Receiver(KVReceiver):
         self.security = security or Security()
         self._loop = new_event_loop()
         self._server: grpc.aio.Server | None = None
+        self._port, self._bind_error = 0, ""
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(bind, max_message_bytes, ready))
         self._thread.daemon = True
         self._thread.start()
         if not ready.wait(HANDSHAKE_SECONDS) or self._port <= 0:
-            raise PeerError(f"gRPC receiver could not bind {bind}")
+            raise PeerError(self._bind_error or f"gRPC receiver could not bind {bind}")
         host = bind.rsplit(":", 1)[0]
         self._host = socket.getfqdn() if host in ("0.0.0.0", "[::]") else host
 
@@ -220,8 +221,9 @@ class Receiver(KVReceiver):
         # The token check first (a refused call is never parsed), then the unary requests'
         # decode check (INVALID_ARGUMENT, not UNKNOWN); PushFrames is raw bytes either way.
         interceptors = [*self.auth, wire.DecodeCheck()]
-        self._server = grpc.aio.server(
-            options=message_options(max_bytes), interceptors=interceptors
+        self._server = grpc.aio.server(  # no SO_REUSEPORT: a busy port is an error, not shared
+            options=[*message_options(max_bytes), ("grpc.so_reuseport", 0)],
+            interceptors=interceptors,
         )
         servicer = _Servicer(self)
         pb_grpc.add_KVTransferServiceServicer_to_server(servicer, self._server)
@@ -231,7 +233,13 @@ class Receiver(KVReceiver):
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {"PushFrames": raw}),)
         )
-        self._port = self.security.add_port(self._server, bind)
+        try:
+            self._port = self.security.add_port(self._server, bind, field="--transfer-port")
+        except OSError as error:  # reported by __init__ at once, not after the handshake wait
+            self._port, self._bind_error = -1, str(error)
+            self._loop.close()
+            ready.set()
+            return
         self._loop.run_until_complete(self._server.start())
         ready.set()
         self._loop.run_forever()

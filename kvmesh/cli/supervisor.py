@@ -80,7 +80,7 @@ class Supervisor:
         )  # fmt: skip
         child = Child(name, process)
         self.children.append(child)
-        os.write(self._watch_fd, f"+{process.pid}\n".encode())
+        self._tell_watchdog(f"+{process.pid}")
         threading.Thread(target=self._read, args=(child,), daemon=True).start()
         return child
 
@@ -141,8 +141,13 @@ class Supervisor:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.process.wait(timeout=KILL_WAIT_SECONDS)  # a D-state child cannot hang us
         _signal_group(child.pid, signal.SIGKILL)  # leftovers of the group, if any
-        os.write(self._watch_fd, f"-{child.pid}\n".encode())
+        self._tell_watchdog(f"-{child.pid}")
         return child.process.returncode
+
+    def _tell_watchdog(self, line: str) -> None:
+        """Send the watchdog one line (nothing once `close`d: it has exited)."""
+        if self._watch_fd >= 0:
+            os.write(self._watch_fd, f"{line}\n".encode())
 
     def kill(self, child: Child) -> None:
         """SIGKILL the child's group now (failure injection)."""
@@ -159,9 +164,12 @@ class Supervisor:
             self.stop(child, grace=max(0.0, end - time.monotonic()))
 
     def close(self) -> None:
-        """Stop all children, then let the watchdog exit."""
+        """Stop all children, then let the watchdog exit; idempotent (the watchdog's pipe is
+        closed once, never a descriptor that reused its number)."""
         self.stop_all()
-        os.close(self._watch_fd)
+        fd, self._watch_fd = self._watch_fd, -1
+        if fd >= 0:
+            os.close(fd)
         self._watchdog.wait(timeout=self.grace + 5)
 
 

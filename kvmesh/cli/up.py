@@ -35,6 +35,7 @@ import grpc
 
 from kvmesh.cli.restarts import POLL_SECONDS, Keeper, RestartPolicy
 from kvmesh.cli.supervisor import Child, ChildFailed, Supervisor
+from kvmesh.client import KvmeshError
 from kvmesh.security.credentials import new_token
 from kvmesh.security.tls import TlsConfig
 from kvmesh.service.engine_flags import (
@@ -94,12 +95,12 @@ class UpConfig:
         return [word for flag, value in pairs if value for word in (flag, value)]
 
     def client_options(self) -> dict[str, Any]:
-        """Client keywords that reach this system's front door (TLS, the first API key)."""
-        key = None
-        if self.api_key_file:
-            from kvmesh.security.credentials import read_secret_lines
+        """Client keywords that reach this system's front door (TLS, the first API key): the
+        keys are resolved as the control plane resolves them (`api_key_file`, else
+        KVMESH_API_KEY_FILE, else KVMESH_API_KEY; it inherits this environment)."""
+        from kvmesh.security.credentials import api_keys
 
-            key = read_secret_lines(self.api_key_file, "--api-key-file")[0]
+        key = next(iter(api_keys(self.api_key_file, os.environ)), None)
         tls = self.tls_cert is not None
         return {"tls": tls, "ca": self.tls_ca, "cert": self.tls_cert if self.tls_ca else None,
                 "key": self.tls_key if self.tls_ca else None, "api_key": key}  # fmt: skip
@@ -345,15 +346,16 @@ def register(subparsers: Any) -> None:
     add("--transfer-backend", choices=WORKER_BACKENDS, default=DEFAULT_BACKEND,
         help="KV transfer backend between prefill and decode (default %(default)s)")  # fmt: skip
     add("--threads", "--num-threads", type=int, default=None,
-        help="torch (and OpenMP) threads per worker process (default: the usable cores "
-             "shared among the workers)")  # fmt: skip
+        help="torch (and OpenMP) threads per worker process (default: KVMESH_NUM_THREADS, "
+             "else the usable cores shared among the workers)")  # fmt: skip
     add("--startup-timeout", type=float, default=180.0, help="seconds (default %(default)s)")
     add("--tls-cert", default=None, metavar="PEM", help="TLS on every port (with --tls-key)")
     add("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
     add("--tls-ca", default=None, metavar="PEM",
         help="CA of every certificate: mutual TLS on the internal ports")  # fmt: skip
     add("--api-key-file", default=None, metavar="PATH",
-        help="API keys the front door requires, one a line (default: open)")  # fmt: skip
+        help="API keys the front door requires, one a line (default: KVMESH_API_KEY_FILE, "
+             "else KVMESH_API_KEY, else open)")  # fmt: skip
     add("--drain-seconds", type=float, default=30.0,
         help="at most this long for in-flight requests at Ctrl-C; the wait is sized from the "
              "longest of them (default %(default)s)")  # fmt: skip
@@ -378,7 +380,7 @@ def run_up(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         # Resolved once here: a bad --model fails in one line before any child starts.
         config = dataclasses.replace(config, model=resolve_model(config.model))
-        config.client_options()  # an unreadable --api-key-file fails here, in one line
+        config.client_options()  # an unusable API key (flag or environment) fails here
     except ValueError as error:
         print(f"kvmesh up: {error}", file=sys.stderr)
         return 2
@@ -394,6 +396,9 @@ def run_up(args: argparse.Namespace) -> int:
         return serve_until_stopped(system)
     except ChildFailed as error:
         print(f"kvmesh up: {error}", file=sys.stderr)
+        return 1
+    except KvmeshError as error:  # the --demo request (or its model info) was refused
+        print(f"kvmesh up --demo: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
@@ -420,12 +425,25 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
         colocated=args.colocated, host=args.host,
         port=(0 if args.demo else 50051) if args.port is None else args.port,
         http_port=http_port(args),
-        transfer_backend=args.transfer_backend, threads=args.threads,
+        transfer_backend=args.transfer_backend, threads=threads_from(args, os.environ),
         startup_timeout=args.startup_timeout, drain_seconds=args.drain_seconds,
         restart=restart, worker_args=worker_argv(engine, args.served_model_name),
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         api_key_file=args.api_key_file,
     )  # fmt: skip
+
+
+def threads_from(args: argparse.Namespace, environ: Mapping[str, str]) -> int | None:
+    """Threads per worker: --threads, else KVMESH_NUM_THREADS (the variable of the workers'
+    --num-threads), else None (shared out by `UpConfig.worker_threads`). ValueError names the
+    variable of a bad value."""
+    if args.threads is not None:
+        return int(args.threads)
+    flags = [flag for flag in engine_flags() if flag.field in UP_OWN_FIELDS]
+    values = env_values(flags, environ)
+    validate(values, flags)
+    threads = values.get("num_threads")
+    return None if threads is None else int(threads)
 
 
 def worker_engine_values(args: argparse.Namespace) -> dict[str, Any]:

@@ -47,13 +47,26 @@ class Security:
             return []
         return [BearerAuth(self.api_keys, "API key", on_refused=on_refused)]
 
-    def add_port(self, server: grpc.aio.Server, address: str, *, public: bool = False) -> int:
-        """Bind `address` on `server`, with TLS whenever TLS is configured; the port (0:
-        failed). CredentialError when TLS is configured without a certificate to serve it (a CA
-        alone only verifies the servers this process calls): never plaintext instead."""
-        if self.tls is not None:
-            return server.add_secure_port(address, self.tls.server_credentials(public=public))
-        return server.add_insecure_port(address)
+    def add_port(
+        self, server: grpc.aio.Server, address: str, *, public: bool = False, field: str = "port"
+    ) -> int:
+        """Bind `address` on `server`, with TLS whenever TLS is configured; the port bound.
+        OSError "FIELD: cannot bind ADDRESS: reason" when it cannot be bound (in use, a bad
+        host): `field` names the flag or setting that chose it. CredentialError when TLS is
+        configured without a certificate to serve it (a CA alone only verifies the servers this
+        process calls): never plaintext instead."""
+        try:
+            if self.tls is not None:
+                port = server.add_secure_port(address, self.tls.server_credentials(public=public))
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as error:  # grpcio: "Failed to bind to address ..."
+            raise OSError(
+                f"{field}: cannot bind {address}: {bind_reason(address, error)}"
+            ) from None
+        if port == 0:  # older grpcio reported a failed bind as port 0
+            raise OSError(f"{field}: cannot bind {address}: {bind_reason(address, None)}")
+        return port
 
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
         """Metadata that authenticates an internal call."""
@@ -77,6 +90,23 @@ class Security:
         if self.tls is not None:
             return grpc.secure_channel(target, self.tls.channel_credentials(), options=options)
         return grpc.insecure_channel(target, options=options)
+
+
+def bind_reason(address: str, error: BaseException | None) -> str:
+    """Why `address` could not be bound, in words: grpcio's message names no cause, so a plain
+    socket bind of the same address tells (in use, not an address of this host)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        family, kind, _, _, where = infos[0]
+        with socket.socket(family, kind) as probe:
+            probe.bind(where)
+    except (OSError, ValueError) as cause:
+        return getattr(cause, "strerror", None) or str(cause)
+    return str(error) if error is not None else "the address could not be bound"
 
 
 INSECURE = Security()

@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -69,17 +70,7 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
         return 2
 
     async def main(stop: asyncio.Event) -> None:
-        runtime = build_runtime(config, role, args.worker_id, args.served_model_name)
-        try:
-            await serve(runtime, stop)
-        finally:
-            runtime.prepare_pool.close()
-            await runtime.engine.shutdown()
-
-    async def serve(runtime: WorkerRuntime, stop: asyncio.Event) -> None:
         metrics = WorkerMetrics(role)
-        bind_engine_metrics(metrics, runtime)
-        register_tier_metrics(metrics.registry, lambda: runtime.engine.engine)
         server = WorkerServer(
             args.host,
             args.port,
@@ -88,11 +79,46 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
             security=security,
             on_refused=metrics.auth_refused.inc,
         )
+        server.bind("--port")  # a busy port fails before the model loads
+        check_port(args.host, args.metrics_port, "--metrics-port")
+        # Loaded off the loop thread, so that a stop signal meanwhile is seen when it ends.
+        runtime = await asyncio.to_thread(
+            build_runtime, config, role, args.worker_id, args.served_model_name
+        )
+        try:
+            if not stopped(stop, "loading the model"):
+                await serve(runtime, server, metrics, stop)
+        finally:
+            await server.stop()
+            runtime.prepare_pool.close()
+            await runtime.engine.shutdown()
+
+    async def serve(
+        runtime: WorkerRuntime, server: WorkerServer, metrics: WorkerMetrics, stop: asyncio.Event
+    ) -> None:
+        bind_engine_metrics(metrics, runtime)
+        register_tier_metrics(metrics.registry, lambda: runtime.engine.engine)
         services = await install(runtime, server, args, metrics)
+        try:  # whatever fails from here on, the role's receivers and senders are closed
+            if not stopped(stop, "installing the role"):
+                await serve_installed(runtime, server, metrics, services, stop)
+        finally:
+            await services.close()
+
+    async def serve_installed(
+        runtime: WorkerRuntime,
+        server: WorkerServer,
+        metrics: WorkerMetrics,
+        services: RoleServices,
+        stop: asyncio.Event,
+    ) -> None:
         await server.start()
         metrics_address = ""
         if args.metrics_port is not None:
-            metrics_address = f"{args.host}:{serve_metrics(metrics, args.metrics_port, args.host)}"
+            port = serve_metrics_on(metrics, args.host, args.metrics_port, "--metrics-port")
+            metrics_address = f"{args.host}:{port}"
+        if stopped(stop, "starting the server"):
+            return
         info = worker_info(runtime, role, server.address, services, metrics_address)
         agent = None
         if args.control:
@@ -115,15 +141,46 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
         await server.drain(args.drain_seconds)
         if agent is not None:
             await agent.stop()
-        await services.close()
         LOG.info("%s %s drained in %.2f s", role, runtime.worker_id, time.monotonic() - started)
 
     try:
-        code = run_until_signal(main)
+        code = run_until_signal(main, f"kvmesh serve {role}")
     except UnsupportedModelError as error:  # raised while loading, before the ready line
         print(f"kvmesh serve {role}: model: {error}", file=sys.stderr)
         code = 2
     return exit_process(code)
+
+
+def stopped(stop: asyncio.Event, what: str) -> bool:
+    """Whether a stop signal came (while `what`): the worker then ends without serving, with
+    no ready line and no registration."""
+    if stop.is_set():
+        LOG.info("stop signal while %s: exiting without serving", what)
+    return stop.is_set()
+
+
+def check_port(host: str, port: int | None, flag: str) -> None:
+    """OSError "FLAG: cannot bind HOST:PORT: reason" when `port` is taken (None and 0: nothing
+    to check). The port is bound again for real later: this only fails early."""
+    if not port:
+        return
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            probe.bind((host, port))
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise OSError(f"{flag}: cannot bind {host}:{port}: {reason}") from None
+
+
+def serve_metrics_on(metrics: WorkerMetrics, host: str, port: int, flag: str) -> int:
+    """Serve `metrics` on host:port; the port bound (OSError naming `flag` if it cannot be)."""
+    try:
+        return serve_metrics(metrics, port, host)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise OSError(f"{flag}: cannot bind {host}:{port}: {reason}") from None
 
 
 def exit_process(code: int) -> NoReturn:

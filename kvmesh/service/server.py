@@ -5,8 +5,13 @@ that is not UTF-8) is INVALID_ARGUMENT naming the field, never UNKNOWN. With a c
 the token check runs first: an unauthenticated call is refused before its bytes are parsed.
 
 Health: "" and every added service are SERVING once started and NOT_SERVING while draining.
-`serve_until_signal` runs a worker on uvloop until SIGTERM/SIGINT, then drains: health goes
-NOT_SERVING, in-flight calls get `drain_seconds` to finish, the rest are cancelled.
+`serve_until_signal` runs a worker on uvloop until SIGTERM/SIGINT, then drains: the port stays
+open, health answers NOT_SERVING, the calls that start new work (named by each role when it adds
+its service) are refused UNAVAILABLE "draining", in-flight calls (and those that continue them:
+Decode of a held reservation, Release) get `drain_seconds` to finish, the rest are cancelled.
+
+Every gRPC port binds without SO_REUSEPORT: a port another process holds is an error (naming the
+flag), never a port silently shared.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from typing import Any
 
 import grpc
@@ -32,7 +37,10 @@ from kvmesh.v1 import wire
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a worker port's largest message (prepared prompts)
 SERVING = health_pb2.HealthCheckResponse.SERVING
+DRAINING = "draining: this worker is shutting down; retry on another worker"
+STOP_GRACE_SECONDS = 0.5  # after the drain: lets finished calls flush, then cancels the rest
 READY_PREFIX = "KVMESH_READY "
+UNGATED = (f"/{health.SERVICE_NAME}/", "/grpc.reflection.")  # neither counted nor refused
 LOG = logging.getLogger("kvmesh.service")
 
 
@@ -44,7 +52,77 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.so_reuseport", 0),  # a busy port fails to bind, never shared with its holder
     ]
+
+
+class DrainGate(grpc.aio.ServerInterceptor):
+    """Counts the calls in flight and, once `close`d, refuses the methods in `new_work` (full
+    names, "/pkg.Service/Method") with UNAVAILABLE "draining"; other calls (health, Release,
+    Decode of a held reservation) still run. Place it after authentication."""
+
+    def __init__(self) -> None:
+        self.new_work: set[str] = set()
+        self.draining = False
+        self.in_flight = 0
+
+    def close(self) -> None:
+        """Refuse new work from now on."""
+        self.draining = True
+
+    async def idle(self, timeout: float) -> bool:
+        """Wait until no call is in flight, at most `timeout` s; whether none is."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return not self.in_flight
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(UNGATED):
+            return handler
+        refuse = self.draining and handler_call_details.method in self.new_work
+        kind = _kind(handler)
+        behaviour = getattr(handler, kind)
+        if handler.response_streaming:
+            return handler._replace(**{kind: self._streaming(behaviour, refuse)})
+        return handler._replace(**{kind: self._unary(behaviour, refuse)})
+
+    def _unary(self, behaviour: Callable[..., Any], refuse: bool) -> Callable[..., Any]:
+        async def counted(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if refuse:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+            self.in_flight += 1
+            try:
+                return await behaviour(request, context)
+            finally:
+                self.in_flight -= 1
+
+        return counted
+
+    def _streaming(self, behaviour: Callable[..., Any], refuse: bool) -> Callable[..., Any]:
+        async def counted(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if refuse:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+            self.in_flight += 1
+            try:
+                async for response in wire.responses_of(behaviour(request, context)):
+                    yield response
+            finally:
+                self.in_flight -= 1
+
+        return counted
+
+
+def _kind(handler: grpc.RpcMethodHandler) -> str:
+    """The handler field that holds its behaviour (unary_unary, unary_stream, ...)."""
+    request = "stream" if handler.request_streaming else "unary"
+    response = "stream" if handler.response_streaming else "unary"
+    return f"{request}_{response}"
 
 
 class WorkerServer:
@@ -67,11 +145,14 @@ class WorkerServer:
         self.reflection = reflection
         self.security = security or Security()
         self.auth = self.security.internal_interceptors(on_refused)
+        self.gate = DrainGate()
         # Tracing sees every outcome; the token check comes before any parsing (a refused
-        # call's bytes are never parsed), then the decode check, then the request id's scope.
+        # call's bytes are never parsed), then the drain gate, the decode check, then the
+        # request id's scope.
+        interceptors = [*server_interceptors(), *self.auth, self.gate]
         self.server = grpc.aio.server(
             options=server_options(max_message_bytes),
-            interceptors=[*server_interceptors(), *self.auth, wire.DecodeCheck(), RequestScope()],
+            interceptors=[*interceptors, wire.DecodeCheck(), RequestScope()],
         )
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.service_names: list[str] = []
@@ -81,10 +162,18 @@ class WorkerServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def add(self, adder: Callable[[Any, grpc.aio.Server], None], servicer: Any, name: str) -> None:
-        """Register `servicer` with its generated `add_..._to_server` under its full name."""
+    def add(
+        self,
+        adder: Callable[[Any, grpc.aio.Server], None],
+        servicer: Any,
+        name: str,
+        new_work: Collection[str] = (),
+    ) -> None:
+        """Register `servicer` with its generated `add_..._to_server` under its full name;
+        `new_work`: its methods that start new work, refused UNAVAILABLE while draining."""
         adder(servicer, self.server)
         self.service_names.append(name)
+        self.gate.new_work.update(f"/{name}/{method}" for method in new_work)
 
     async def start(self) -> None:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -93,17 +182,34 @@ class WorkerServer:
 
             names = (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, self.server)
-        self.port = self.security.add_port(self.server, f"{self.host}:{self.requested_port}")
-        if self.port == 0:
-            raise OSError(f"port: cannot bind {self.host}:{self.requested_port}")
+        self.bind()
         await self.server.start()
         for name in ("", *self.service_names):
             await self.health.set(name, SERVING)
 
+    def bind(self, field: str = "port") -> int:
+        """Bind the port (once; `start` calls it too), so that a busy one fails before the rest
+        of the worker starts: OSError "FIELD: cannot bind HOST:PORT: reason"."""
+        if not self.port:
+            address = f"{self.host}:{self.requested_port}"
+            self.port = self.security.add_port(self.server, address, field=field)
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop at once, cancelling what runs (after `drain`: nothing left to do)."""
+        self.gate.close()
+        await self.server.stop(0)
+
     async def drain(self, grace: float) -> None:
-        """NOT_SERVING everywhere, then stop, giving in-flight calls `grace` seconds."""
+        """NOT_SERVING everywhere and new work refused while the port stays open (health
+        answers), in-flight calls get `grace` seconds, then the server stops (what is left is
+        cancelled after `STOP_GRACE_SECONDS`)."""
+        self.gate.close()
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        if not await self.gate.idle(grace):
+            left = self.gate.in_flight
+            LOG.warning("%d call(s) still in flight after the %.1f s drain", left, grace)
+        await self.server.stop(min(grace, STOP_GRACE_SECONDS))
 
 
 async def close_within(
@@ -138,8 +244,11 @@ def print_ready(role: str, address: str, worker_id: str, **extra: Any) -> None:
     print(READY_PREFIX + json.dumps(line, sort_keys=True), flush=True)
 
 
-def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
-    """Run `main(stop_event)` on uvloop; SIGTERM/SIGINT set the event. Returns an exit code."""
+def run_until_signal(
+    main: Callable[[asyncio.Event], Awaitable[None]], name: str = "kvmesh worker"
+) -> int:
+    """Run `main(stop_event)` on uvloop; SIGTERM/SIGINT set the event. Returns an exit code:
+    2 with "NAME: message" on stderr for an OSError (a port that cannot be bound)."""
 
     async def runner() -> None:
         stop = asyncio.Event()
@@ -158,6 +267,6 @@ def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
     except KeyboardInterrupt:
         return 130
     except OSError as exc:
-        print(f"kvmesh worker: {exc}", file=sys.stderr)
+        print(f"{name}: {exc}", file=sys.stderr)
         return 2
     return 0

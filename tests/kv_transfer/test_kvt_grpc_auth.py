@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kv_transfer import BlockStore, TransferRequest, get_backend, new_transfer_id
+from kv_transfer.errors import TransferError
 from kvmesh.security import Security
 from kvmesh.v1 import wire
 
@@ -52,3 +53,17 @@ def test_token_first_then_decode_check_then_a_real_transfer() -> None:
     finally:
         channel.close()
         receiver.close()
+
+
+def test_a_busy_transfer_port_is_refused_at_once_naming_the_flag() -> None:
+    """A second gRPC receiver on a port already serving one does not share it (no
+    SO_REUSEPORT): it fails at once, naming --transfer-port, instead of after a wait."""
+    grpc_backend = get_backend("grpc")
+    first = grpc_backend.Receiver(BlockStore(torch.zeros(SHAPE)))
+    try:
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="--transfer-port: cannot bind"):
+            grpc_backend.Receiver(BlockStore(torch.zeros(SHAPE)), bind=first.address)
+        assert time.monotonic() - started < 5
+    finally:
+        first.close()
