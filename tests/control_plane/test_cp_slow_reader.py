@@ -78,7 +78,7 @@ async def test_an_unread_stream_ends_at_max_request_seconds_and_holds_the_worker
             await asyncio.sleep(0.01)
             assert cp.server.cluster.clock() < run.deadline + 2.0, "the run outlived its deadline"
         await until(lambda: finished_everywhere(cp, decode), 2)
-        assert most <= RELAY_BUFFER and decode.sent < TOKENS
+        assert most <= RELAY_BUFFER + 1 and decode.sent < TOKENS  # + the attempt's end marker
         assert len(cp.server.cluster.ledger) == 0
         assert cp.server.cluster.ledger.closed_outcome("idle") == "DEADLINE_EXCEEDED"
         assert counted(cp, "DEADLINE_EXCEEDED") == 1
