@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvmesh_kernels.cache import KVCacheSpec, PagedKVCache, allocate_kv_cache, raw_view
+from kvmesh_kernels.cache import KVCacheSpec, PagedKVCache, allocate_kv_cache
 from kvmesh_kernels.plan import AttentionPlan
+from kvmesh_kernels.reference_cache_ops import torch_copy_blocks
 
 from kvmesh.engine.attention import ForwardContext
 from kvmesh.engine.cuda_graphs import DecodeGraphs, graph_buckets
@@ -112,16 +113,11 @@ class ModelRunner:
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst (all layers, K and V, and their scales in a quantized
-        cache) before a step writes into dst; fp8 moves as bytes (torch has no fp8 index_copy_
-        on CPU)."""
+        cache) before a step writes into dst (the kernels' torch copy: fp8 moves as bytes)."""
         if not pairs:
             return
         index = torch.tensor(pairs, dtype=torch.int64, device=self.device)  # [N, 2]
-        data = raw_view(self.kv_cache.data)
-        data.index_copy_(0, index[:, 1], data.index_select(0, index[:, 0]))
-        scales = self.kv_cache.scales
-        if scales is not None:
-            scales.index_copy_(0, index[:, 1], scales.index_select(0, index[:, 0]))
+        torch_copy_blocks(self.kv_cache, index)
 
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns logits [num sampling chunks, vocab] in chunk order, in the

@@ -107,12 +107,8 @@ class ControlAgent:
         for request_id in response.release_request_ids:
             generation = reported.get(request_id)
             if generation is not None:
-                await self._release(request_id, generation)
-
-    async def _release(self, request_id: str, generation: int) -> bool:
-        """Release `request_id` only at `generation` (the role frees an exact match only); a
-        set reserved while the heartbeat was on the way is never the one freed."""
-        return await self.services.release(request_id, RELEASE_REASON, generation)
+                # the reported generation only: a set reserved since is never the one freed
+                await self.services.release(request_id, RELEASE_REASON, generation)
 
 
 def generations(held: list[worker_pb2.HeldBlockSet]) -> dict[str, int]:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 
 import pytest
+
+from tests.ports import held_port
 
 KVMESH = [sys.executable, "-m", "kvmesh.cli.main"]
 ENV = {**os.environ, "KVMESH_CLUSTER_TOKEN": "c" * 32, "PYTHONUNBUFFERED": "1"}
@@ -30,11 +31,8 @@ def _control(**ports: int) -> list[str]:
 
 @pytest.fixture
 def busy_port() -> Iterator[int]:
-    """A port held by a plain listening socket."""
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        yield int(holder.getsockname()[1])
+    with held_port() as port:
+        yield port
 
 
 @pytest.mark.parametrize("flag", FLAGS)

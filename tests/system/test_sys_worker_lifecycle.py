@@ -26,6 +26,7 @@ from kvmesh.cli.up import LocalSystem, UpConfig
 from kvmesh.client import Client, KvmeshError
 from kvmesh.models.tiny import tiny_model_path
 from kvmesh.security.credentials import bearer_metadata
+from tests.ports import held_port
 
 PROMPT = [(7 * i) % 500 + 1 for i in range(40)]
 MAX_MODEL_LEN = 2048
@@ -174,11 +175,8 @@ def _unused_port() -> int:
 
 @pytest.fixture
 def busy_port() -> Iterator[int]:
-    """A port held by a plain listening socket."""
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        yield int(holder.getsockname()[1])
+    with held_port() as port:
+        yield port
 
 
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port"])

@@ -310,11 +310,12 @@ KVM_INLINE int64_t chunk_keys(int64_t key_bytes) {
   return keys;
 }
 
-// Prefill items (more than kDirectRows rows per kv head, float32 K rows) score against K
-// transposed: kt[d * kChunk + i] is element d of key i, so one vector holds 16 keys' element d
-// and each score accumulates in its own lane, its D products in order of d, with no 16-way
-// reduction (which took about a fifth of a prefill item's time). The transposition costs about
-// as much as six rows' reductions per key; a prefill item has up to 64 rows per kv head.
+// Prefill items (more than kDirectRows rows per kv head; float32 K rows, or bfloat16 pairs for
+// vdpbf16ps) score against K transposed: kt[d * kChunk + i] is element d of key i, so one
+// vector holds 16 keys' element d and each score accumulates in its own lane, its D products in
+// order of d, with no 16-way reduction (about 45 shuffles and adds per 4 x 4 tile at head_dim
+// 64). By instruction count the transposition costs about as much as six rows' reductions per
+// key; a prefill item has up to 64 rows per kv head.
 
 // kt[(d0 + k) * ld + j] = rows[j][d0 + k] for j, k < 16.
 KVM_INLINE void transpose16(const void* const* rows, int64_t d0, float* kt, int64_t ld) {
