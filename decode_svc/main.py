@@ -89,4 +89,15 @@ def run(argv: Sequence[str] | None = None) -> int:
     """`kvmesh serve decode ...`"""
     from kvmesh.service.process import serve_role
 
-    return serve_role("decode", argv, install)
+    return serve_role("decode", argv, install, check_transfer_ports)
+
+
+def check_transfer_ports(args: argparse.Namespace) -> None:
+    """OSError naming --transfer-port when a network KV receiver's chosen port is taken, before
+    the model loads (`open_receivers` binds them for real later)."""
+    from kv_transfer import receiver_ports
+    from kvmesh.service.process import check_port
+
+    backends = list(getattr(args, "transfer_backend", None) or WORKER_BACKENDS)
+    for port in receiver_ports(backends, args.transfer_port).values():
+        check_port(args.host, port, "--transfer-port")

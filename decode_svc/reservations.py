@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kv_transfer import AUTHENTICATED_BACKENDS, NETWORK_BACKENDS, bind_address, get_backend
+from kv_transfer import AUTHENTICATED_BACKENDS, bind_address, get_backend, receiver_ports
 from kv_transfer.blocks import BlockStore
 from kv_transfer.interface import KVReceiver
 from kv_transfer.receiver_core import ReceiveHandle, ReceiverCore
@@ -82,20 +82,25 @@ def open_receivers(
 ) -> dict[str, KVReceiver]:
     """One receiver per backend, all sharing one ReceiverCore: a reservation is accepted on
     whichever backend the sender picks. Backends that cannot run here are skipped. Network
-    receivers bind `host` on `port`, `port + 1`, ... in `backends` order (0: free ports); the
-    gRPC receiver requires `security`'s cluster token (and TLS when set)."""
+    receivers bind `host` on `port`, `port + 1`, ... in `backends` order (0: free ports); a port
+    chosen that way which cannot be bound is an OSError naming --transfer-port, never a skip.
+    The gRPC receiver requires `security`'s cluster token (and TLS when set)."""
     core = ReceiverCore(store)
     receivers: dict[str, KVReceiver] = {}
-    network = [name for name in backends if name in NETWORK_BACKENDS]
+    ports = receiver_ports(backends, port)
     for name in backends:
         options: dict[str, Any] = {}
-        if name in network:
-            options["bind"] = bind_address(host, port + network.index(name) if port else 0)
+        if name in ports:
+            options["bind"] = bind_address(host, ports[name])
         if name in AUTHENTICATED_BACKENDS and security is not None:
             options["security"] = security
         try:
             receiver = get_backend(name).Receiver(store, **options)
         except (ImportError, ValueError, OSError, RuntimeError) as exc:
+            if isinstance(exc, OSError) and ports.get(name):  # a port the operator chose
+                for opened in receivers.values():
+                    opened.close()
+                raise
             LOG.warning("kv transfer backend %s unavailable: %s", name, exc)
             continue
         receiver.core = core

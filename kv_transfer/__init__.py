@@ -59,4 +59,18 @@ def bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-__all__ = ["BACKENDS", "NETWORK_BACKENDS", "bind_address", "get_backend", *_LAZY]
+def receiver_ports(backends: list[str], first_port: int) -> dict[str, int]:
+    """The port of each network receiver among `backends`: `first_port`, `first_port + 1`, ...
+    in `backends` order (0 for every one when `first_port` is 0: free ports)."""
+    network = [name for name in backends if name in NETWORK_BACKENDS]
+    return {name: first_port + i if first_port else 0 for i, name in enumerate(network)}
+
+
+__all__ = [
+    "BACKENDS",
+    "NETWORK_BACKENDS",
+    "bind_address",
+    "get_backend",
+    "receiver_ports",
+    *_LAZY,
+]

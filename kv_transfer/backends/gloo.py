@@ -132,7 +132,7 @@ class Receiver(KVReceiver):
                 host, port, None, True, td(HANDSHAKE_SECONDS), wait_for_workers=False
             )
         except Exception as exc:
-            raise OSError(f"gloo receiver could not bind {bind}: {exc}") from None
+            raise OSError(f"--transfer-port: cannot bind {bind} (gloo): {exc}") from None
         self._port = int(self._store.port)
         self._links: set[Link] = set()  # guarded by _lock
         self._lock = threading.Lock()

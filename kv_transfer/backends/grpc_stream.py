@@ -211,7 +211,9 @@ class Receiver(KVReceiver):
         self._thread.daemon = True
         self._thread.start()
         if not ready.wait(HANDSHAKE_SECONDS) or self._port <= 0:
-            raise PeerError(self._bind_error or f"gRPC receiver could not bind {bind}")
+            if self._bind_error:  # OSError "--transfer-port: cannot bind ADDRESS: reason"
+                raise OSError(self._bind_error)
+            raise PeerError(f"gRPC receiver could not bind {bind}")
         host = bind.rsplit(":", 1)[0]
         self._host = socket.getfqdn() if host in ("0.0.0.0", "[::]") else host
 

@@ -49,9 +49,15 @@ Install = Callable[
 ]
 
 
-def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
+def serve_role(
+    role: str,
+    argv: Sequence[str] | None,
+    install: Install,
+    preflight: Callable[[argparse.Namespace], None] = lambda args: None,
+) -> int:
     """Parse options, start everything, print the ready line, run until SIGTERM/SIGINT, drain,
-    and end the process with the exit code."""
+    and end the process with the exit code. `preflight(args)` runs before the model loads and
+    raises OSError for what `install` could not bind (exit 2, nothing served)."""
     args = parse(role, argv, transfer=role != "colocated")
     setup_from_args(args, f"kvmesh-{role}")
     from kvmesh.security.flags import security_from_args
@@ -81,6 +87,7 @@ def serve_role(role: str, argv: Sequence[str] | None, install: Install) -> int:
         )
         server.bind("--port")  # a busy port fails before the model loads
         check_port(args.host, args.metrics_port, "--metrics-port")
+        preflight(args)
         # Loaded off the loop thread, so that a stop signal meanwhile is seen when it ends.
         runtime = await asyncio.to_thread(
             build_runtime, config, role, args.worker_id, args.served_model_name

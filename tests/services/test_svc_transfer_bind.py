@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 
+import pytest
 import torch
 
 from decode_svc.reservations import open_receivers
@@ -48,3 +49,19 @@ def test_network_receivers_bind_host_and_consecutive_ports() -> None:
     finally:
         for receiver in ephemeral.values():
             receiver.close()
+
+
+@pytest.mark.parametrize("busy", ["grpc", "gloo"])
+def test_a_busy_chosen_transfer_port_is_an_error_not_a_skipped_backend(busy: str) -> None:
+    """A --transfer-port that cannot be bound raises OSError naming the flag (the worker used
+    to serve without that receiver, logging a warning) and closes the receivers opened before
+    it, so their ports are free again."""
+    store = BlockStore(torch.zeros(4, 1, 2, 4, 1, 8, dtype=torch.bfloat16))
+    first = free_ports(2)
+    busy_port = first + ["grpc", "gloo"].index(busy)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", busy_port))
+        holder.listen()
+        with pytest.raises(OSError, match=f"--transfer-port: cannot bind 127.0.0.1:{busy_port}"):
+            open_receivers(store, ["shm", "grpc", "gloo"], "127.0.0.1", first)
+    assert _free(first) and _free(first + 1)

@@ -179,13 +179,20 @@ def busy_port() -> Iterator[int]:
         yield port
 
 
-@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
-def test_a_busy_worker_port_fails_before_the_model_loads(busy_port: int, flag: str) -> None:
+@pytest.mark.parametrize(
+    ("flag", "backend"),
+    [("--port", "shm"), ("--metrics-port", "shm"), ("--transfer-port", "grpc"),
+     ("--transfer-port", "gloo")],
+)  # fmt: skip
+def test_a_busy_worker_port_fails_before_the_model_loads(
+    busy_port: int, flag: str, backend: str
+) -> None:
     """`kvmesh serve decode` with a busy port: exit 2 with "kvmesh serve decode: FLAG: cannot
-    bind HOST:PORT: reason", before the model loads, no traceback, no socket folder left."""
+    bind HOST:PORT: reason", before the model loads, no traceback, no socket folder left (a
+    busy --transfer-port used to start the worker without that KV receiver)."""
     before = set(glob.glob("/tmp/kvmesh-*"))
     argv = [*KVMESH, "serve", "decode", "--model", str(tiny_model_path()), "--num-threads", "1",
-            "--transfer-backend", "shm", flag, str(busy_port)]  # fmt: skip
+            "--transfer-backend", backend, flag, str(busy_port)]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=90, env=TOKEN_ENV)
     leaked = set(glob.glob("/tmp/kvmesh-*")) - before
     expected = f"kvmesh serve decode: {flag}: cannot bind 127.0.0.1:{busy_port}: "
