@@ -120,12 +120,13 @@ class BlockStore:
             if self._scale_rows is not None:
                 self._scale_rows[rows] = raw[:sb].reshape(n, -1)
             return
-        scales_view, kv_view = self._views(buf, n)
+        self._views(buf, n)  # FrameError when `buf` is short
+        sb, kb = n * self.layout.scales_bytes_per_block, n * self.layout.kv_bytes_per_block
         ids = ids.to(self.cache.device, non_blocking=True)
-        self.cache.index_copy_(0, ids, kv_view)
-        if scales_view is not None:
-            assert self.scales is not None
-            self.scales.index_copy_(0, ids, scales_view)
+        kv_rows, scale_rows = self.row_views()  # bytes: index_copy_ has no fp8 kernel
+        kv_rows.index_copy_(0, ids, buf[sb : sb + kb].view(n, -1))
+        if scale_rows is not None:
+            scale_rows.index_copy_(0, ids, buf[:sb].view(n, -1))
 
 
 def _host_rows(tensor: torch.Tensor) -> np.ndarray | None:

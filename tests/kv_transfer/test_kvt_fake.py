@@ -129,3 +129,22 @@ def test_layout_mismatch_refused_before_any_bytes() -> None:
 def test_unknown_backend_lists_choices() -> None:
     with pytest.raises(ValueError, match="shm"):
         get_backend("carrier-pigeon")
+
+
+@pytest.mark.parametrize("host_rows", [True, False])
+def test_gather_then_scatter_moves_fp8_blocks_byte_exact(host_rows: bool) -> None:
+    """An fp8 cache with scales round-trips through gather_into / scatter_from, on the host
+    path and on the device path (forced here on CPU, whose index_copy_ has no fp8 kernel, as
+    CUDA's has none: the device path used to raise there for every fp8 receive)."""
+    src, dst = stores(torch.float8_e4m3fn, scales=True)
+    if not host_rows:
+        dst._kv_rows = dst._scale_rows = None  # what a device cache has
+    ids, into = torch.tensor([5, 1, 9]), torch.tensor([30, 2, 17])
+    buf = torch.empty(3 * src.layout.bytes_per_block, dtype=torch.uint8)
+    src.gather_into(ids, buf)
+    dst.scatter_from(into, buf)
+    assert torch.equal(dst.cache[into].view(torch.uint8), src.cache[ids].view(torch.uint8))
+    assert dst.scales is not None and src.scales is not None
+    assert torch.equal(dst.scales[into], src.scales[ids])
+    untouched = [i for i in range(SHAPE[0]) if i not in into.tolist()]
+    assert not dst.cache[untouched].view(torch.uint8).any()
