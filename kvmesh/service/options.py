@@ -56,6 +56,7 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
             choices=BACKENDS,
             help=f"KV transfer backend(s) (repeatable; default {', '.join(WORKER_BACKENDS)})",
         )
+    if transfer and role == "decode":  # only a decode worker receives KV
         p.add_argument(
             "--transfer-port",
             type=int,

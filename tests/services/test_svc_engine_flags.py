@@ -138,3 +138,13 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"kvmesh {importlib.metadata.version('kvmesh')}"
+
+
+@pytest.mark.parametrize("role", ["prefill", "colocated"])
+def test_only_a_decode_worker_takes_a_transfer_port(role: str) -> None:
+    """A prefill or colocated worker receives no KV: --transfer-port is refused (it used to be
+    accepted by a prefill worker and ignored), and a decode worker takes it."""
+    with pytest.raises(SystemExit) as refused:
+        parse(role, ["--transfer-port", "7000"], environ={})
+    assert refused.value.code == 2
+    assert parse("decode", ["--transfer-port", "7000"], environ={}).transfer_port == 7000
