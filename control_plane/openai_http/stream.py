@@ -37,15 +37,21 @@ def token_text(token: str, token_id: int) -> str:
     return token or f"token_id:{token_id}"
 
 
-def chat_logprob(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+def chat_logprob(text: str, logprob: float, raw: bytes = b"") -> dict[str, Any]:
+    """One chat logprob entry; `bytes` are the token's own (`raw`, part of a UTF-8 character
+    for some tokens), else its text's UTF-8 (a worker that sent none)."""
+    return {"token": text, "logprob": logprob, "bytes": list(raw or text.encode())}
 
 
 def chat_logprobs(items: list[generation_pb2.TokenLogprobs]) -> dict[str, Any]:
     content = []
     for lp in items:
-        entry = chat_logprob(token_text(lp.token, lp.token_id), lp.logprob)
-        entry["top_logprobs"] = [chat_logprob(token_text(t, i), p) for t, i, p in zip_top(lp)]
+        entry = chat_logprob(token_text(lp.token, lp.token_id), lp.logprob, lp.token_bytes)
+        raws = list(lp.top_token_bytes) or [b""] * len(lp.top_token_ids)
+        entry["top_logprobs"] = [
+            chat_logprob(token_text(t, i), p, raw)
+            for (t, i, p), raw in zip(zip_top(lp), raws, strict=False)
+        ]
         content.append(entry)
     return {"content": content}
 

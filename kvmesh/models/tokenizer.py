@@ -23,7 +23,7 @@ BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID = 256, 257, 258
 BYTE_VOCAB_SIZE = 259
 
 
-def _byte_alphabet() -> list[str]:
+def byte_alphabet() -> list[str]:
     """The printable character standing for each byte value, indexed by the byte (GPT-2 map)."""
     printable = [
         *range(ord("!"), ord("~") + 1),
@@ -43,7 +43,7 @@ def build_byte_tokenizer() -> Any:
     """A `tokenizers.Tokenizer` with the id layout above (no merges, no unknown tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-    vocab = {char: byte for byte, char in enumerate(_byte_alphabet())}
+    vocab = {char: byte for byte, char in enumerate(byte_alphabet())}
     vocab.update({BOS_TOKEN: BOS_TOKEN_ID, EOS_TOKEN: EOS_TOKEN_ID, PAD_TOKEN: PAD_TOKEN_ID})
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

@@ -13,6 +13,7 @@ from typing import Any
 from kvmesh.engine.outputs import CompletionOutput, RequestOutput
 from kvmesh.engine.sampler import TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.models.token_bytes import token_bytes
 from kvmesh.v1 import generation_pb2, worker_pb2
 
 _OPTIONAL_SAMPLING = (
@@ -68,8 +69,10 @@ def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
 
 
 def logprobs_to_proto(item: TokenLogprobs, tokenizer: Any = None) -> generation_pb2.TokenLogprobs:
-    """The wire form; with a tokenizer, `token` / `top_tokens` carry the tokens' text."""
-    texts = token_texts(tokenizer, [item.sampled_token_id, *item.top_token_ids])
+    """The wire form; with a tokenizer, `token` / `top_tokens` carry the tokens' text and
+    `token_bytes` / `top_token_bytes` their own bytes."""
+    ids = [item.sampled_token_id, *item.top_token_ids]
+    texts, raw = token_texts(tokenizer, ids), token_bytes(tokenizer, ids)
     return generation_pb2.TokenLogprobs(
         token_id=item.sampled_token_id,
         logprob=item.sampled_logprob,
@@ -78,6 +81,8 @@ def logprobs_to_proto(item: TokenLogprobs, tokenizer: Any = None) -> generation_
         token=texts[0],
         top_tokens=texts[1:],
         rank=item.sampled_rank,
+        token_bytes=raw[0],
+        top_token_bytes=raw[1:],
     )
 
 
@@ -141,7 +146,10 @@ def add_prompt_scores(
         return
     first_id = output.prompt_token_ids[0]
     first = generation_pb2.TokenLogprobs(
-        token_id=first_id, logprob=math.nan, token=token_texts(tokenizer, [first_id])[0]
+        token_id=first_id,
+        logprob=math.nan,
+        token=token_texts(tokenizer, [first_id])[0],
+        token_bytes=token_bytes(tokenizer, [first_id])[0],
     )
     rest = [logprobs_to_proto(entry, tokenizer) for entry in entries[1:] if entry is not None]
     message.prompt_logprobs.extend([first, *rest])

@@ -130,7 +130,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_text: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs", "token", "top_tokens", "rank")
+    __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs", "token", "top_tokens", "rank", "token_bytes", "top_token_bytes")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,8 @@ class TokenLogprobs(_message.Message):
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -145,7 +147,9 @@ class TokenLogprobs(_message.Message):
     token: str
     top_tokens: _containers.RepeatedScalarFieldContainer[str]
     rank: int
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., token: _Optional[str] = ..., top_tokens: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ...) -> None: ...
+    token_bytes: bytes
+    top_token_bytes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., token: _Optional[str] = ..., top_tokens: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., token_bytes: _Optional[bytes] = ..., top_token_bytes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "ttft_seconds", "ttft_breakdown", "e2e_seconds")

@@ -175,12 +175,33 @@ def test_chat_matches_grpc_chat_with_token_logprobs(system: LocalSystem) -> None
     assert choice.logprobs is not None and choice.logprobs.content is not None
     content = choice.logprobs.content
     assert len(content) == GREEDY["max_tokens"]
-    for item in content:  # token text from the worker, bytes its UTF-8
-        assert item.bytes == list(item.token.encode()) and len(item.top_logprobs) == 2
+    for item, token_id in zip(content, expected.completions[0].token_ids, strict=True):
+        # the tiny tokenizer's ids 0-255 are one byte each (alone, most are no character)
+        own = [token_id] if token_id < 256 else list(item.token.encode())
+        assert item.bytes == own and len(item.top_logprobs) == 2
     stream = client.chat.completions.create(model=model, messages=messages, temperature=0,
                                             max_completion_tokens=GREEDY["max_tokens"],
                                             extra_body=IGNORE_EOS, stream=True)  # fmt: skip
     assert "".join(c.choices[0].delta.content or "" for c in stream) == expected.text
+
+
+def test_chat_logprob_bytes_are_the_tokens_own_bytes(system: LocalSystem) -> None:
+    """A token that is part of a UTF-8 character reads as U+FFFD alone; its `bytes` are its
+    own (0xC8 here, forced by logit_bias), not U+FFFD's, and the alternatives' too."""
+    client = api(system)
+    model = client.models.list().data[0].id
+    done = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=3, logit_bias={"200": 100},
+        extra_body=IGNORE_EOS,
+    )  # fmt: skip
+    logprobs = done.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    for item in logprobs.content:
+        assert (item.token, item.bytes) == ("\ufffd", [0xC8])
+        for alternative in item.top_logprobs:  # a byte token, or another as its text
+            raw = bytes(alternative.bytes)
+            assert len(raw) == 1 or raw == alternative.token.encode()
 
 
 def test_logprobs_errors_health_and_metrics(system: LocalSystem) -> None:
