@@ -164,21 +164,23 @@ class Usage:
 class Logprob:
     """One position's raw-model log-probabilities: the token's (None for a prompt's first
     token, which nothing precedes), its rank (1 = most likely; 0 unknown), and the top
-    alternatives as (token id, text, logprob), best first. Texts are empty without a
-    tokenizer."""
+    alternatives as (token id, text, logprob), best first; `token_bytes` the token's own bytes
+    (part of a UTF-8 character for some tokens, whose text is then U+FFFD). Texts and bytes are
+    empty without a tokenizer."""
 
     token_id: int
     token: str
     logprob: float | None
     rank: int
     top: tuple[tuple[int, str, float], ...]
+    token_bytes: bytes = b""
 
     @classmethod
     def from_proto(cls, lp: generation_pb2.TokenLogprobs) -> Logprob:
         texts = list(lp.top_tokens) or [""] * len(lp.top_token_ids)
         top = tuple(zip(lp.top_token_ids, texts, lp.top_logprobs, strict=False))
-        scored = not math.isnan(lp.logprob)
-        return cls(lp.token_id, lp.token, lp.logprob if scored else None, lp.rank, top)
+        logprob = lp.logprob if not math.isnan(lp.logprob) else None
+        return cls(lp.token_id, lp.token, logprob, lp.rank, top, lp.token_bytes)
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,10 @@ def test_logprobs_carry_each_tokens_text(
         assert lp.token == tokenizer.decode([lp.token_id], skip_special_tokens=False)
         assert len(lp.top_tokens) == len(lp.top_token_ids) == 3
         assert list(lp.top_tokens) == [tokenizer.decode([i]) for i in lp.top_token_ids]
+        assert len(lp.top_token_bytes) == 3
+    joined = b"".join(lp.token_bytes for lp in logprobs)  # each token's own bytes, in order
+    text = tokenizer.decode([lp.token_id for lp in logprobs], skip_special_tokens=False)
+    assert joined.decode(errors="replace") == text
 
 
 BAD_CHAT = [

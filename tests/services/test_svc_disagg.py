@@ -168,4 +168,8 @@ def test_decode_stream_logprobs_carry_token_text(pair: Any, svc_model_dir: Path)
     for lp in logprobs:
         assert lp.token == tokenizer.decode([lp.token_id], skip_special_tokens=False)
         assert list(lp.top_tokens) == [tokenizer.decode([i]) for i in lp.top_token_ids]
+        assert len(lp.top_token_bytes) == len(lp.top_token_ids)
     assert any(lp.token for lp in logprobs) and len(logprobs) == 4
+    joined = b"".join(lp.token_bytes for lp in logprobs)  # the first token's (prefill's) too
+    ids = [lp.token_id for lp in logprobs]
+    assert joined.decode(errors="replace") == tokenizer.decode(ids, skip_special_tokens=False)
