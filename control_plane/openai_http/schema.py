@@ -44,6 +44,25 @@ _SAMPLING: dict[str, tuple[str, Callable[[Any], bool] | None, str]] = {
     "skip_special_tokens": ("boolean", None, ""),
 }
 TOKEN_ID_LIMIT = 2**31  # token ids travel as int32
+# Fields of OpenAI's or vLLM's API that would change the answer and are not implemented:
+# param -> whether a value changes nothing (null always does). Any other value is a 400.
+_ANY_VALUE = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+              "structured_outputs", "truncate_prompt_tokens", "audio", "chat_template")  # fmt: skip
+_UNLESS_FALSE = ("use_beam_search", "return_tokens_as_token_ids", "continue_final_message")
+_UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
+    **{name: lambda v: False for name in _ANY_VALUE},
+    **{name: lambda v: v is False for name in _UNLESS_FALSE},
+    "allowed_token_ids": lambda v: v == [],
+    "bad_words": lambda v: v == [],
+    "tool_choice": lambda v: v in ("none", "auto"),
+    "add_generation_prompt": lambda v: v is True,
+    "chat_template_kwargs": lambda v: v == {},
+    "modalities": lambda v: v == ["text"],
+}
+_UNIMPLEMENTED_FOR: dict[Kind, dict[str, Callable[[Any], bool]]] = {
+    "completion": {"add_special_tokens": lambda v: v is True},  # text prompts get their BOS
+    "chat": {"add_special_tokens": lambda v: v is False, "echo": lambda v: v is False},
+}
 
 
 @dataclass(frozen=True)
@@ -89,6 +108,7 @@ def parse(body: Any, kind: Kind) -> ParsedRequest:
     """The ParsedRequest of a decoded JSON body (ApiError 400 naming the bad param)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    refuse_unimplemented(body, kind)
     echo = kind == "completion" and field(body, "echo", "boolean", False)
     prompt_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
     request = generation_pb2.GenerateRequest(sampling=sampling(body, kind, prompt_only))
@@ -121,6 +141,15 @@ def parse(body: Any, kind: Kind) -> ParsedRequest:
         field(body, "user", "string"), echo, prompt_only, prompt_logprobs,
         max_tokens_name(body, kind),
     )  # fmt: skip
+
+
+def refuse_unimplemented(body: dict[str, Any], kind: Kind) -> None:
+    """A 400 naming the first field the server does not implement that is set to a value
+    which would change the answer (`_UNIMPLEMENTED`, `_UNIMPLEMENTED_FOR`)."""
+    for name, changes_nothing in {**_UNIMPLEMENTED, **_UNIMPLEMENTED_FOR[kind]}.items():
+        value = body.get(name)
+        if value is not None and not changes_nothing(value):
+            raise bad_param(name, "is not supported")
 
 
 def max_tokens_name(body: dict[str, Any], kind: Kind) -> str:
@@ -281,7 +310,7 @@ def is_token_list(value: Any) -> bool:
 
 
 def chat_messages(body: dict[str, Any]) -> generation_pb2.ChatMessages:
-    """`messages`: roles and contents (a string, or text parts concatenated)."""
+    """`messages`: roles and contents (a string, or text parts joined by newlines)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_param("messages", "expected a non-empty array of messages")
@@ -293,6 +322,8 @@ def chat_messages(body: dict[str, Any]) -> generation_pb2.ChatMessages:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise bad_param(f"{where}.role", "expected a non-empty string")
+        if message.get("tool_calls"):  # a call this server would not render: never dropped
+            raise bad_param(f"{where}.tool_calls", "tool calling is not supported")
         out.messages.add(role=role, content=content_text(message.get("content"), where))
     if field(body, "tools", "array") or field(body, "functions", "array"):
         raise bad_param("tools", "tool calling is not supported")
@@ -303,6 +334,8 @@ def chat_messages(body: dict[str, Any]) -> generation_pb2.ChatMessages:
 
 
 def content_text(content: Any, where: str) -> str:
+    """A message's content as text: null is empty, an array of text parts is joined by newlines
+    as vLLM renders it for a chat template that takes strings (ApiError for other parts)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -313,7 +346,7 @@ def content_text(content: Any, where: str) -> str:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(text, str):
             raise bad_param(f"{where}.content[{j}]", "only text parts are supported")
         texts.append(text)
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def completion_logprobs(body: dict[str, Any]) -> int | None:

@@ -63,9 +63,10 @@ def completion_logprobs(
     text: str | None = None,
 ) -> dict[str, Any]:
     """Logprobs of consecutive tokens whose text starts at `offset` in the choice's text (at
-    most `top` alternatives each); a prompt's first token (logprob NaN: nothing precedes it)
-    has null logprob and alternatives. Given the choice's `text`, the offsets are where the
-    tokens are found in it (`text_offsets`), else their lengths added up."""
+    most `top` alternatives each, and the token: `top_with_token`); a prompt's first token
+    (logprob NaN: nothing precedes it) has null logprob and alternatives. Given the choice's
+    `text`, the offsets are where the tokens are found in it (`text_offsets`), else their
+    lengths added up."""
     tokens = [token_text(lp.token, lp.token_id) for lp in items]
     if text is None:
         lengths = itertools.accumulate((len(lp.token) for lp in items), initial=offset)
@@ -79,11 +80,19 @@ def completion_logprobs(
             lp.logprob if ok else None for lp, ok in zip(items, scored, strict=True)
         ],
         "top_logprobs": [
-            {token_text(t, i): p for t, i, p in zip_top(lp)[:top]} if ok else None
-            for lp, ok in zip(items, scored, strict=True)
+            top_with_token(lp, top) if ok else None for lp, ok in zip(items, scored, strict=True)
         ],
         "text_offset": offsets,
     }
+
+
+def top_with_token(lp: generation_pb2.TokenLogprobs, top: int | None) -> dict[str, float]:
+    """A completion token's `top_logprobs`: its `top` (None: all sent) most likely alternatives,
+    then the token itself when they lack it (OpenAI's "up to logprobs + 1", as vLLM answers;
+    its logprob is below theirs, so the values stay descending)."""
+    entries = {token_text(t, i): p for t, i, p in zip_top(lp)[:top]}
+    entries.setdefault(token_text(lp.token, lp.token_id), lp.logprob)
+    return entries
 
 
 def text_offsets(tokens: list[str], text: str, start: int = 0) -> list[int]:

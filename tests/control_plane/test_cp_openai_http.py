@@ -104,7 +104,7 @@ async def test_chat_completion_and_chat_stream() -> None:
         assert done.id.startswith("chatcmpl-") and done.object == "chat.completion"
         assert done.choices[0].message.role == "assistant"
         assert done.choices[0].message.content == "abbb"
-        assert done.usage is not None and done.usage.prompt_tokens == len("be briefhi")
+        assert done.usage is not None and done.usage.prompt_tokens == len("be briefh\ni")
         stream = await api.chat.completions.create(model=MODEL, messages=messages, stream=True)
         chunks = [chunk async for chunk in stream]
         assert chunks[0].object == "chat.completion.chunk"
@@ -168,6 +168,16 @@ async def test_chat_errors_unknown_model_and_no_workers() -> None:
                 model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2
             )
         assert bad.value.param == "top_logprobs"
+        with pytest.raises(openai.BadRequestError) as bad:  # not implemented: never ignored
+            await api.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], tool_choice="required"
+            )
+        assert bad.value.param == "tool_choice"
+        with pytest.raises(openai.BadRequestError) as bad:
+            await api.completions.create(
+                model=MODEL, prompt="x", extra_body={"guided_choice": ["yes", "no"]}
+            )
+        assert bad.value.param == "guided_choice" and "not supported" in bad.value.message
 
 
 @run_async

@@ -43,7 +43,7 @@ def test_token_prompts_and_chat_messages() -> None:
     }  # fmt: skip
     parsed = parse(body, "chat")
     chat = [(m.role, m.content) for m in parsed.request.chat.messages]
-    assert chat == [("system", "s"), ("user", "ab"), ("assistant", "")]
+    assert chat == [("system", "s"), ("user", "a\nb"), ("assistant", "")]
     assert parsed.request.sampling.max_tokens == 4  # max_completion_tokens wins
     assert parsed.logprobs == 3 and parsed.request.sampling.logprobs == 3
     assert parse({"messages": body["messages"]}, "chat").logprobs is None
@@ -326,7 +326,8 @@ def test_vllm_prompt_logprobs_per_choice_and_at_the_top_of_chat() -> None:
         {"8": {"logprob": -0.75, "rank": 2, "decoded_token": "llo"},
          "9": {"logprob": -0.5, "rank": 1, "decoded_token": "lp"}},
     ]  # fmt: skip
-    assert choice["logprobs"]["top_logprobs"][1] == {"lp": -0.5}  # echo: logprobs=1
+    # echo: logprobs=1 alternatives, and the prompt token
+    assert choice["logprobs"]["top_logprobs"][1] == {"lp": -0.5, "llo": -0.75}
     chat = Answer("chat", "chatcmpl-1", "m", logprobs=None, prompt_logprobs=0)
     chat.keep(first)
     body = chat.final()
@@ -342,3 +343,103 @@ def test_echo_without_generation_keeps_an_abort() -> None:
     only = Answer("completion", "cmpl-1", "m", logprobs=None, echo=Echo(["x"], prompt_only=True))
     only.keep(abort)
     assert only.final()["choices"][0]["finish_reason"] == "abort"
+
+
+CHAT = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "param"),
+    [
+        ("chat", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+        ("chat", {"messages": CHAT, "tool_choice": {"type": "function"}}, "tool_choice"),
+        ("chat", {"messages": CHAT, "echo": True}, "echo"),
+        ("chat", {"messages": CHAT, "add_generation_prompt": False}, "add_generation_prompt"),
+        ("chat", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+        ("chat", {"messages": CHAT, "chat_template": "{{ x }}"}, "chat_template"),
+        ("chat", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}},
+         "chat_template_kwargs"),
+        ("chat", {"messages": CHAT, "add_special_tokens": True}, "add_special_tokens"),
+        ("chat", {"messages": CHAT, "modalities": ["text", "audio"]}, "modalities"),
+        ("chat", {"messages": CHAT, "audio": {"voice": "alloy"}}, "audio"),
+        ("completion", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+        ("completion", {"prompt": "x", "guided_choice": ["a", "b"]}, "guided_choice"),
+        ("completion", {"prompt": "x", "guided_json": {}}, "guided_json"),
+        ("chat", {"messages": CHAT, "guided_regex": "a+"}, "guided_regex"),
+        ("chat", {"messages": CHAT, "structured_outputs": {"choice": ["a"]}},
+         "structured_outputs"),
+        ("completion", {"prompt": "x", "truncate_prompt_tokens": 1}, "truncate_prompt_tokens"),
+        ("completion", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+        ("completion", {"prompt": "x", "allowed_token_ids": [1]}, "allowed_token_ids"),
+        ("completion", {"prompt": "x", "bad_words": ["a"]}, "bad_words"),
+        ("completion", {"prompt": "x", "return_tokens_as_token_ids": True},
+         "return_tokens_as_token_ids"),
+    ],
+)  # fmt: skip
+def test_unimplemented_features_are_400_naming_the_field(kind: Any, body: Any, param: str) -> None:
+    """A field of OpenAI's or vLLM's API that would change the answer, which this server does
+    not implement, is refused naming it, never ignored."""
+    with pytest.raises(ApiError) as caught:
+        parse(body, kind)
+    assert caught.value.status == 400 and caught.value.param == param
+    assert caught.value.message.startswith(f"{param}: ")
+
+
+def test_unimplemented_fields_at_their_no_op_values_are_accepted() -> None:
+    """Null, or the value that changes nothing (what clients send by default), passes."""
+    chat = {
+        "messages": CHAT, "tool_choice": "none", "echo": False, "add_generation_prompt": True,
+        "continue_final_message": False, "chat_template": None, "chat_template_kwargs": {},
+        "add_special_tokens": False, "modalities": ["text"], "guided_json": None,
+        "bad_words": [], "use_beam_search": False, "parallel_tool_calls": True,
+    }  # fmt: skip
+    assert parse(chat, "chat").request.chat.messages[0].content == "x"
+    assert parse({**chat, "tool_choice": "auto"}, "chat").request.chat.messages
+    completion = {"prompt": "x", "add_special_tokens": True, "allowed_token_ids": None,
+                  "return_tokens_as_token_ids": False, "truncate_prompt_tokens": None}  # fmt: skip
+    assert parse(completion, "completion").request.text == "x"
+
+
+def test_chat_text_parts_join_with_newlines_as_vllm_joins_them() -> None:
+    """A message's text parts are separate blocks: joined by "\\n" (vLLM's rendering of an
+    array of text parts for a string chat template), never run together."""
+    parts = [{"type": "text", "text": "You are brief."}, {"type": "text", "text": "Say hi."}]
+    parsed = parse({"messages": [{"role": "system", "content": parts}]}, "chat")
+    assert parsed.request.chat.messages[0].content == "You are brief.\nSay hi."
+    one = parse({"messages": [{"role": "user", "content": parts[:1]}]}, "chat")
+    assert one.request.chat.messages[0].content == "You are brief."
+
+
+def test_completion_top_logprobs_include_the_sampled_token() -> None:
+    """Completions' top_logprobs hold the `logprobs` most likely tokens and the sampled one
+    (OpenAI's "up to logprobs + 1", as vLLM answers): with logprobs 0 just the sampled token,
+    and a sampled token outside the top ones last, keeping the values descending."""
+    drawn = generation_pb2.TokenLogprobs(
+        token_id=4, logprob=-2.5, token="d", rank=3, top_token_ids=[9, 8],
+        top_logprobs=[-0.5, -1.0], top_tokens=["z", "y"],
+    )  # fmt: skip
+    done = generation_pb2.GenerateResponse(
+        index=0, text="d", token_ids=[4], logprobs=[drawn],
+        finish_reason=generation_pb2.FINISH_REASON_LENGTH,
+    )  # fmt: skip
+    answer = Answer("completion", "cmpl-1", "m", logprobs=2)
+    answer.keep(done)
+    top = answer.final()["choices"][0]["logprobs"]["top_logprobs"]
+    assert top == [{"z": -0.5, "y": -1.0, "d": -2.5}]
+    assert list(top[0].values()) == sorted(top[0].values(), reverse=True)
+    alone = generation_pb2.TokenLogprobs(token_id=4, logprob=-2.5, token="d", rank=3)
+    streamed = Answer("completion", "cmpl-1", "m", logprobs=0)
+    chunk = streamed.chunk(generation_pb2.GenerateResponse(index=0, text="d", logprobs=[alone]))
+    assert chunk["choices"][0]["logprobs"]["top_logprobs"] == [{"d": -2.5}]
+
+
+def test_an_assistant_messages_tool_calls_are_refused_not_dropped() -> None:
+    """A replayed tool call (an assistant message's `tool_calls`) is not rendered by this
+    server: refused naming it rather than dropped from the prompt; an empty list is no call."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [CHAT[0], {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with pytest.raises(ApiError) as caught:
+        parse({"messages": messages}, "chat")
+    assert caught.value.param == "messages[1].tool_calls"
+    messages[1]["tool_calls"] = []
+    assert parse({"messages": messages}, "chat").request.chat.messages[1].content == ""

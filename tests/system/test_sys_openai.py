@@ -101,7 +101,9 @@ def check_echoed_prompt(choice: Any, model_dir: str, prompt: list[int]) -> None:
     expected = hf_prompt_logprobs(model_dir, prompt)
     got = lp.token_logprobs[1 : len(prompt)]
     assert got == pytest.approx(expected, abs=1e-3)
-    assert all(len(top) == 1 for top in lp.top_logprobs[1 : len(prompt)])
+    tokens, tops = lp.tokens or [], lp.top_logprobs[1 : len(prompt)]
+    for token, logprob, top in zip(tokens[1 : len(prompt)], got, tops, strict=True):
+        assert 1 <= len(top) <= 2 and top[token] == logprob  # the most likely and the token
 
 
 def test_echo_returns_the_prompt_with_its_logprobs(system: LocalSystem) -> None:
@@ -212,7 +214,18 @@ def test_logprobs_errors_health_and_metrics(system: LocalSystem) -> None:
     logprobs = done.choices[0].logprobs
     assert logprobs is not None and logprobs.tokens is not None and len(logprobs.tokens) == 4
     assert all(lp <= 0 for lp in logprobs.token_logprobs or [])
-    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs or [])
+    tops = logprobs.top_logprobs or []
+    assert len(tops) == 4 and all(len(top) == 2 for top in tops)
+    values = logprobs.token_logprobs or []
+    for token, logprob, top in zip(logprobs.tokens, values, tops, strict=True):
+        assert top[token] == logprob == max(top.values())  # greedy: the most likely
+    drawn = client.completions.create(
+        model=model, prompt="The KV", max_tokens=4, logprobs=0, seed=5, extra_body=IGNORE_EOS
+    )
+    lp = drawn.choices[0].logprobs  # a sampled token's top_logprobs hold it (logprobs + 1)
+    assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
+    values = lp.token_logprobs or []
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, values, strict=True)]
     with pytest.raises(openai.BadRequestError) as caught:  # the worker's vocabulary check
         client.completions.create(model=model, prompt=[1, 10**6])
     assert caught.value.param == "prompt"
