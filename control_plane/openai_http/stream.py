@@ -26,6 +26,7 @@ FINISH_REASONS = {
 }
 DONE = "data: [DONE]\n\n"
 REPLACEMENT = "\ufffd"  # a token that is part of a character, decoded alone
+LOWEST_LOGPROB = -9999.0
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -37,10 +38,16 @@ def token_text(token: str, token_id: int) -> str:
     return token or f"token_id:{token_id}"
 
 
+def json_logprob(logprob: float) -> float:
+    """A logprob JSON can carry: -inf (a token the model rules out) as -9999.0, as vLLM
+    answers (JSON has no infinity; the encoder would fail the whole response)."""
+    return max(logprob, LOWEST_LOGPROB)
+
+
 def chat_logprob(text: str, logprob: float, raw: bytes = b"") -> dict[str, Any]:
     """One chat logprob entry; `bytes` are the token's own (`raw`, part of a UTF-8 character
     for some tokens), else its text's UTF-8 (a worker that sent none)."""
-    return {"token": text, "logprob": logprob, "bytes": list(raw or text.encode())}
+    return {"token": text, "logprob": json_logprob(logprob), "bytes": list(raw or text.encode())}
 
 
 def chat_logprobs(items: list[generation_pb2.TokenLogprobs]) -> dict[str, Any]:
@@ -77,7 +84,7 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [
-            lp.logprob if ok else None for lp, ok in zip(items, scored, strict=True)
+            json_logprob(lp.logprob) if ok else None for lp, ok in zip(items, scored, strict=True)
         ],
         "top_logprobs": [
             top_with_token(lp, top) if ok else None for lp, ok in zip(items, scored, strict=True)
@@ -90,8 +97,8 @@ def top_with_token(lp: generation_pb2.TokenLogprobs, top: int | None) -> dict[st
     """A completion token's `top_logprobs`: its `top` (None: all sent) most likely alternatives,
     then the token itself when they lack it (OpenAI's "up to logprobs + 1", as vLLM answers;
     its logprob is below theirs, so the values stay descending)."""
-    entries = {token_text(t, i): p for t, i, p in zip_top(lp)[:top]}
-    entries.setdefault(token_text(lp.token, lp.token_id), lp.logprob)
+    entries = {token_text(t, i): json_logprob(p) for t, i, p in zip_top(lp)[:top]}
+    entries.setdefault(token_text(lp.token, lp.token_id), json_logprob(lp.logprob))
     return entries
 
 

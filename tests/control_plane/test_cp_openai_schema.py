@@ -443,3 +443,20 @@ def test_an_assistant_messages_tool_calls_are_refused_not_dropped() -> None:
     assert caught.value.param == "messages[1].tool_calls"
     messages[1]["tool_calls"] = []
     assert parse({"messages": messages}, "chat").request.chat.messages[1].content == ""
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_an_infinite_logprob_is_sent_as_vllms_floor(kind: Any) -> None:
+    """A token the model rules out has logprob -inf, which JSON cannot carry (the final body's
+    encoder refused it: a 500 after the whole generation); it goes out as -9999.0."""
+    import json
+
+    answer = Answer(kind, "id-1", "m", logprobs=1, n=1)
+    answer.keep(generation_pb2.GenerateResponse(
+        index=0, text="a", token_ids=[1], finish_reason=generation_pb2.FINISH_REASON_STOP,
+        logprobs=[logprob(1, "a", float("-inf"))],
+    ))  # fmt: skip
+    body = json.loads(json.dumps(answer.final(), allow_nan=False))
+    lp = body["choices"][0]["logprobs"]
+    values = [lp["content"][0]["logprob"]] if kind == "chat" else lp["token_logprobs"]
+    assert values == [-9999.0]
