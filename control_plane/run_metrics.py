@@ -19,7 +19,8 @@ def finish_reason_label(reason: int) -> str:
 
 def record_run(metrics: ControlMetrics, run: Run, status: grpc.StatusCode, model: str) -> None:
     """Count the request by status, its tokens whatever the status; latencies of OK runs
-    whose first token was relayed."""
+    whose first token was relayed, each ending at the last token relayed (the cleanup that
+    follows, the Releases, is not the client's wait)."""
     metrics.requests.labels(status.name).inc()
     m, t = metrics.request, run.timings
     if t.prompt_tokens:
@@ -27,7 +28,7 @@ def record_run(metrics: ControlMetrics, run: Run, status: grpc.StatusCode, model
     m.generation_tokens.labels(model).inc(run.tokens_streamed)
     if status != grpc.StatusCode.OK or t.ttft is None:
         return
-    e2e = run.clock() - run.arrival
+    e2e = max(run.tokens.last.values(), default=run.clock()) - run.arrival
     m.ttft.labels(model).observe(t.ttft)
     m.e2e.labels(model).observe(e2e)
     m.queue.labels(model).observe(t.queue)

@@ -109,12 +109,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     async def _serve(
         self, context: grpc.aio.ServicerContext, body: Awaitable[worker_pb2.PrefillResponse]
     ) -> worker_pb2.PrefillResponse:
-        """Run a Prefill call's body, mapping its failure to the call's status once."""
+        """Run a Prefill call's body, mapping its failure to the call's status once (a call its
+        caller cancelled is counted CANCELLED)."""
         task = asyncio.current_task()
         try:
             return await body
         except asyncio.CancelledError:
             if task not in self.released:  # the caller cancelled: nobody awaits a status
+                self.metrics.request_done(grpc.StatusCode.CANCELLED)
                 raise
             self.metrics.request_done(grpc.StatusCode.ABORTED)
             await context.abort(grpc.StatusCode.ABORTED, "request_id: released by Release")
@@ -263,41 +265,46 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                 try:
                     output = await run.first()
                     active.state = worker_pb2.BLOCK_SET_STATE_SENDING
-                    result = await self._await_sent(handle, target, timings, span)
+                    result = await self._await_sent(handle, timings)
+                except BaseException as error:
+                    self._abandoned(handle, backend, error)
+                    raise
                 finally:
                     span.parts = run.export.parts
+                span.settled(result)
+                self._settle(result, target)
                 self.metrics.request_done(grpc.StatusCode.OK)
                 return self._response(output, timings, result, self.runtime.core.tokenizer)
             finally:
                 if sender is not None:
                     self._give_back(backend, endpoint, sender, handle)
 
-    async def _await_sent(
-        self,
-        handle: StreamSendHandle,
-        target: worker_pb2.KVTarget,
-        timings: Timings,
-        span: TransferSpan,
-    ) -> TransferResult:
+    async def _await_sent(self, handle: StreamSendHandle, timings: Timings) -> TransferResult:
         """The receiver's acknowledgement (bounded by `transfer_timeout` from the first token)."""
-        try:
-            result = await handle.wait_async(self.transfer_timeout)
-        except BaseException:
-            handle.cancel()
-            raise
+        result = await handle.wait_async(self.transfer_timeout)
         if not result.state.is_terminal:
             handle.cancel()
             result = await handle.wait_async(2.0)
         timings.transfer = time.monotonic() - timings.first  # the part not hidden by compute
-        span.settled(result)
-        return self._settle(result, target, timings.transfer)
+        return result
 
-    def _settle(
-        self, result: TransferResult, target: worker_pb2.KVTarget, seconds: float
-    ) -> TransferResult:
-        """Record a finished transfer's metrics; raise a ServiceError naming `target` unless the
-        receiver acknowledged it."""
-        backend = target.backend
+    def _abandoned(self, handle: StreamSendHandle, backend: str, error: BaseException) -> None:
+        """Stop a transfer the call gave up before it ended (its caller left, a Release, the
+        prefill failed) and observe it under the status the call ends with."""
+        handle.cancel()
+        if isinstance(error, asyncio.CancelledError):
+            released = asyncio.current_task() in self.released
+            code = grpc.StatusCode.ABORTED if released else grpc.StatusCode.CANCELLED
+        else:
+            code = status_of(error)[0]
+        seconds = handle.record.result().seconds
+        self.metrics.transfer_seconds.labels(backend, status_name(code)).observe(seconds)
+
+    def _settle(self, result: TransferResult, target: worker_pb2.KVTarget) -> None:
+        """Record a finished transfer's metrics (its duration from the sender's start to its
+        end, as its span's); raise a ServiceError naming `target` unless the receiver
+        acknowledged it."""
+        backend, seconds = target.backend, result.seconds
         if result.ok:
             self.metrics.transfer_seconds.labels(backend, "OK").observe(seconds)
         else:
@@ -306,7 +313,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             self.metrics.transfer_seconds.labels(backend, status_name(code)).observe(seconds)
             raise ServiceError(code, f"target: KV transfer to {target.worker_id!r}: {message}")
         self.metrics.transfer_bytes.labels(backend).inc(result.num_bytes)
-        return result
 
     def _give_back(
         self, backend: str, endpoint: str, sender: KVSender, handle: StreamSendHandle | None

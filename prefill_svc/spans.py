@@ -58,7 +58,9 @@ class ChunkEvents:
 
 class TransferSpan:
     """`with TransferSpan(target, blocks) as transfer:` around one KV transfer; call
-    `transfer.settled(result)` once the sender's result is known."""
+    `transfer.settled(result)` once the sender's result is known. An exception leaving the
+    block marks the span failed only when the transfer had not settled (its end state is the
+    span's `error.type`, never the error raised because of it)."""
 
     def __init__(self, target: worker_pb2.KVTarget, num_blocks: int) -> None:
         attributes: dict[str, str | int] = {
@@ -68,6 +70,7 @@ class TransferSpan:
         }
         self.span = TRACER.start_span(f"kv_transfer {target.backend}", attributes=attributes)
         self.parts = 1
+        self.ended = False  # settled: the span's status is the transfer's end state
 
     def __enter__(self) -> TransferSpan:
         return self
@@ -83,6 +86,7 @@ class TransferSpan:
         if not result.ok:
             error = str(result.error) if result.error else result.state.name
             mark_failed(self.span, result.state.name, error)
+        self.ended = True
 
     def __exit__(
         self,
@@ -91,7 +95,7 @@ class TransferSpan:
         traceback: TracebackType | None,
     ) -> None:
         self.span.set_attribute(PREFIX + "parts", self.parts)
-        if error is not None:
+        if error is not None and not self.ended:  # not the failure raised for its end state
             self.span.record_exception(error)
             mark_failed(self.span, type(error).__name__, str(error))
         self.span.end()

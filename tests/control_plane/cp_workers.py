@@ -6,7 +6,8 @@ call, so tests observe the control plane's own cleanup. Knobs: `gate` (Decode/Ge
 it before their first response), `after_first_gate`, `prefill_gate`, `reserve_error`, `tokens`
 (responses after the first token), `pace` (seconds between them), `text` (of each of them),
 `cached_tokens` (on the last one), `jitter` (each call first sleeps up to this many seconds,
-drawn from `rng`, so cancels land at random points); `sent` counts the responses streamed.
+drawn from `rng`, so cancels land at random points), `release_delay` (seconds each Release
+takes); `sent` counts the responses streamed.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class FakeWorker(
         self.cached_tokens = 0  # on the last response
         self.sent = 0  # responses streamed (Decode and Generate)
         self.jitter = 0.0
+        self.release_delay = 0.0  # seconds each Release takes to answer
         self.rng = random.Random(0)
         self.address = ""
         self._server: grpc.aio.Server | None = None
@@ -251,6 +253,7 @@ class FakeWorker(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseResponse:
         self._record("Release", context)
+        await asyncio.sleep(self.release_delay)
         return worker_pb2.ReleaseResponse(
             released=self._free(request.request_id, request.generation)
         )

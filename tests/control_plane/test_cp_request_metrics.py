@@ -1,0 +1,35 @@
+"""The front door's request-level metrics over real gRPC (fake workers): latencies end at the
+last token relayed, never at the cleanup that follows it (the Releases, however slow)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from cp_harness import control_plane, run_async, status_of, text_request
+
+RELEASE_SECONDS = 0.5
+
+
+@run_async
+async def test_e2e_and_decode_time_end_at_the_last_token_not_after_the_releases() -> None:
+    async with control_plane() as cp:
+        await cp.add("p0", "prefill")
+        decode = await cp.add("d0", "decode")
+        decode.release_delay = RELEASE_SECONDS  # a busy worker answers its Release late
+        call = cp.generation.Generate(text_request("hi", request_id="slow-release"), timeout=5)
+        code, _, responses = await status_of(call)
+        assert code == grpc.StatusCode.OK
+        assert "Release" in decode.calls
+        usage = responses[-1].usage  # e2e as of the last token, as the client saw it
+        registry = cp.server.cluster.metrics.registry
+
+        def observed(name: str) -> float:
+            value = registry.get_sample_value(name + "_sum", {"model_name": "tiny"})
+            assert value is not None, name
+            return value
+
+        e2e = observed("kvmesh:e2e_request_latency_seconds")
+        assert e2e == pytest.approx(usage.e2e_seconds, abs=RELEASE_SECONDS / 5)
+        decode_time = observed("kvmesh:request_decode_time_seconds")
+        expected = usage.e2e_seconds - usage.ttft_seconds
+        assert decode_time == pytest.approx(expected, abs=RELEASE_SECONDS / 5)

@@ -1,0 +1,91 @@
+"""A prefill worker's own metrics over real gRPC (real engines, real transfers): every call of
+its request path counted by status, caller cancels included, and `kvmesh_kv_transfer_seconds`
+observing every transfer, given up or not, from the sender's start to its end."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import grpc
+from svc_harness import NUM_BLOCKS, svc_loop, svc_model_dir, wait_until
+from test_svc_disagg import ControlDriver, backends_here
+from test_svc_disagg_stream import PROMPT, workers
+from test_svc_prefill_ahead import AheadCall, held_final_step, prefilled
+
+from kv_transfer.state import TransferState
+from kvmesh.v1 import worker_pb2
+
+__all__ = ["held_final_step", "prefilled", "svc_loop", "svc_model_dir", "workers"]
+TARGET_LATE_SECONDS = 1.0
+
+
+def sample(worker: Any, name: str, **labels: str) -> float:
+    """A sample of `worker`'s registry (0 when absent)."""
+    registry = worker.role.servicer.metrics.registry
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_prefill_cancelled_by_its_caller_mid_transfer_is_counted(
+    workers: Any, held_final_step: threading.Event
+) -> None:
+    """The control plane cancels a Prefill call when its client leaves, its deadline passes or
+    it is aborted: the call is counted CANCELLED (as a decode worker counts its own), and the
+    transfer it gave up is observed as a failure (`status="CANCELLED"`), as its span is."""
+    prefills, decode = workers
+    prefill = prefills["whole"]  # nothing is final before the last step, held here
+    backend = backends_here()[0]
+    driver = ControlDriver(prefill, decode, backend)
+    calls = ("kvmesh_requests_total", {"status": "CANCELLED"})
+    transfers = ("kvmesh_kv_transfer_seconds_count", {"backend": backend, "status": "CANCELLED"})
+    before = [sample(prefill, name, **labels) for name, labels in (calls, transfers)]
+    rid, generation = "cancelled-by-caller", 21
+    request = driver.prepare(rid, [700, *PROMPT[1:]], max_tokens=4)
+    call = AheadCall(driver, worker_pb2.PrefillRequest(request=request, generation=generation))
+    reservation = driver.reserve(request, generation)
+    call.send(worker_pb2.PrefillRequest(target=driver.target(reservation, generation)))
+    call.send(None)
+    held = decode.role.table.get(rid).handle
+    wait_until(lambda: held.state is TransferState.IN_FLIGHT, 5.0, "transfer begun")
+    assert call.future.cancel()
+    after = [before[0] + 1, before[1] + 1]
+    wait_until(
+        lambda: [sample(prefill, name, **labels) for name, labels in (calls, transfers)] == after,
+        2.0,
+        "the cancelled call and its transfer counted",
+    )
+    held_final_step.set()
+    wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 5.0, "prefill blocks freed")
+    driver.d.Release(worker_pb2.ReleaseRequest(request_id=rid, generation=generation), timeout=5)
+    wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 2.0, "decode blocks freed")
+
+
+def test_transfer_seconds_is_the_transfer_not_the_wait_for_its_target(
+    workers: Any, prefilled: threading.Event
+) -> None:
+    """A target named a second after the prefill finished: the transfer itself takes
+    milliseconds on loopback, and that is what the histogram observes (as the span's
+    `kvmesh.transfer.duration_seconds`), not the wait for the reservation."""
+    prefills, decode = workers
+    prefill = prefills["overlap"]
+    backend = backends_here()[0]
+    driver = ControlDriver(prefill, decode, backend)
+    labels = {"backend": backend, "status": "OK"}
+    count = sample(prefill, "kvmesh_kv_transfer_seconds_count", **labels)
+    total = sample(prefill, "kvmesh_kv_transfer_seconds_sum", **labels)
+    rid, generation = "late-target", 22
+    request = driver.prepare(rid, [600, *PROMPT[1:]], temperature=0.0, max_tokens=4)
+    call = AheadCall(driver, worker_pb2.PrefillRequest(request=request, generation=generation))
+    assert prefilled.wait(10)
+    time.sleep(TARGET_LATE_SECONDS)  # the decode worker's reservation is late
+    reservation = driver.reserve(request, generation)
+    call.send(worker_pb2.PrefillRequest(target=driver.target(reservation, generation)))
+    call.send(None)
+    assert call.outcome() == (grpc.StatusCode.OK, "")
+    assert sample(prefill, "kvmesh_kv_transfer_seconds_count", **labels) == count + 1
+    observed = sample(prefill, "kvmesh_kv_transfer_seconds_sum", **labels) - total
+    assert 0 < observed < TARGET_LATE_SECONDS / 2
+    driver.d.Release(worker_pb2.ReleaseRequest(request_id=rid, generation=generation), timeout=5)
+    wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 2.0, "decode blocks freed")
+    wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 2.0, "prefill blocks freed")
