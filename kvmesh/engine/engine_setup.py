@@ -20,7 +20,13 @@ from kvmesh.engine.sampler import Sampler
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.memory import BlockManager
 from kvmesh.memory.planner import KVModelShape, plan_kv_capacity
-from kvmesh.memory.tiers.build import GIB, TierSettings, build_store, persistent_seed
+from kvmesh.memory.tiers.build import (
+    GIB,
+    TierSettings,
+    build_store,
+    checkpoint_identity,
+    persistent_seed,
+)
 from kvmesh.memory.tiers.store import TieredStore
 
 
@@ -77,12 +83,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         preemption=config.preemption,
         eos_token_ids=eos,
     )
-    tiers = build_tiers(config, runner, str(loaded.path))
+    model_id = checkpoint_identity(loaded.path)  # keys the tiers' KV to these very weights
+    tiers = build_tiers(config, runner, model_id)
     block_manager = BlockManager(
         num_blocks,
         config.block_size,
         enable_prefix_caching=config.enable_prefix_caching,
-        hash_seed=None if tiers is None else persistent_seed(tiers, str(loaded.path)),
+        hash_seed=None if tiers is None else persistent_seed(tiers, model_id),
         tiers=tiers,
     )
     scheduler = Scheduler(scheduler_config, block_manager)

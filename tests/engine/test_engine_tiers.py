@@ -5,6 +5,7 @@ tier serves hits after a restart."""
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kvmesh import LLM, SamplingParams
 from kvmesh.models.tiny import build_tiny_model
 from kvmesh.telemetry.tier_metrics import register_tier_metrics
+from tests.memory.tiers_harness import file_size_limit
 
 MAX_NEW = 6
 BLOCK_BYTES = 16384  # the tiny llama: 2 layers x (K, V) x 16 tokens x 2 heads x 32 x 4 bytes
@@ -102,6 +104,48 @@ def test_persistent_disk_tier_serves_hits_after_restart(
     tokens, cached = run_each(again, [make_prompts()[1]])
     assert tokens == [expected[1]] and cached[0] > 0
     assert tiers_of(again)["disk"].hits >= 1
+
+
+def test_a_checkpoint_rewritten_in_place_never_reads_the_old_kv(tmp_path: Path) -> None:
+    """A persistent disk tier outlives the weights that computed it: after the checkpoint is
+    rebuilt in the same folder (retrained, re-converted), a restart serves the new weights'
+    output from an empty tier, never KV of the old weights under the same path."""
+    folder = tmp_path / "model"
+    options = {
+        "num_kv_blocks": 5,
+        "host_kv_gib": gib(2),
+        "disk_kv_dir": str(tmp_path / "kv"),
+        "disk_kv_persist": True,
+    }
+    prompts = make_prompts()
+    first = LLM(str(build_tiny_model(folder, "llama", "test", seed=0)), **options)
+    run_each(first, [prompts[0], prompts[2]])
+    assert tiers_of(first)["disk"].spills >= 1
+    first.engine.close()
+    del first
+    shutil.rmtree(folder)
+    checkpoint = build_tiny_model(folder, "llama", "test", seed=1)
+    reference, _ = run_each(LLM(str(checkpoint), num_kv_blocks=16), [prompts[1]])
+    again = LLM(str(checkpoint), **options)
+    tokens, cached = run_each(again, [prompts[1]])
+    assert tokens == reference and cached == [0]
+    assert tiers_of(again)["disk"].hits == 0
+
+
+def test_a_disk_that_refuses_writes_costs_hits_not_requests(
+    checkpoint: Path, expected: list[list[int]], tmp_path: Path
+) -> None:
+    """Disk full (a file size limit here): the blocks demoted from the host are dropped, the
+    requests whose allocations demoted them run on with the transformers output."""
+    llm = LLM(str(checkpoint), num_kv_blocks=5, host_kv_gib=gib(2), disk_kv_dir=str(tmp_path))
+    run_each(llm, [[5] * 20])  # anything built lazily is built before the limit
+    order = [0, 2, 1, 3]
+    with file_size_limit(4096):
+        tokens, _ = run_each(llm, [make_prompts()[i] for i in order])
+    assert tokens == [expected[i] for i in order]
+    tiers = tiers_of(llm)
+    assert tiers["host"].dropped >= 1 and tiers["disk"].used_blocks == 0
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
 @pytest.mark.parametrize("mode", ["swap", "auto"])

@@ -9,7 +9,7 @@ import pytest
 from kvmesh.memory.errors import SequenceExistsError
 from kvmesh.memory.tiers import blockfile
 from kvmesh.memory.tiers.blockfile import BlockMeta
-from tests.memory.tiers_harness import TieredRig
+from tests.memory.tiers_harness import TieredRig, file_size_limit
 
 A = list(range(1, 14))  # 3 full blocks of 4 and one token
 B = list(range(50, 63))
@@ -234,3 +234,59 @@ def test_swapped_in_sequence_freed_before_the_step_drops_its_copies() -> None:
     rig.write("again", prompt, cached)
     rig.verify("again", prompt)
     manager.check_integrity()
+
+
+def test_a_disk_that_refuses_writes_drops_blocks_without_failing(tmp_path: Path) -> None:
+    """A disk write that fails (disk full; here a file size limit) costs the demoted blocks,
+    not the allocation whose eviction demoted them: no exception, no stranded device block,
+    no temporary file left behind, and a later lookup still reads its own KV."""
+    rig = TieredRig(4, 1, tmp_path, 8)
+    with file_size_limit(200):
+        push_down(rig, A, B, list(range(80, 93)))
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    host, disk = rig.store.metrics()
+    assert host.dropped >= 2 and disk.used_blocks == disk.spills == 0 and not _files(tmp_path)
+    rig.manager.check_integrity()
+    assert rig.run_prompt("again", list(range(80, 93))) is not None  # verified: its own KV
+    rig.manager.check_integrity()
+
+
+def test_swap_traffic_is_counted_both_ways() -> None:
+    """A swap-out writes a sequence's blocks into the host tier as its swap-in reads them back:
+    the host's spills and moved bytes count the copies in, as its reloads count those out."""
+    rig = TieredRig(4, 4)
+    block_bytes = rig.device.block_bytes
+    assert rig.run_prompt("victim", A) == 0
+    before = rig.store.metrics()[0]
+    assert rig.manager.swap_out("victim")
+    out = rig.store.metrics()[0]
+    assert (out.spills - before.spills, out.bytes_moved - before.bytes_moved) == (
+        4,
+        4 * block_bytes,
+    )
+    assert rig.manager.swap_in("victim")
+    rig.store.prepare_step()
+    back = rig.store.metrics()[0]
+    assert (back.reloads - out.reloads, back.bytes_moved - out.bytes_moved) == (
+        4,
+        4 * block_bytes,
+    )
+
+
+def test_a_non_persistent_disk_tier_leaves_no_files_at_close(tmp_path: Path) -> None:
+    """Without persistence a disk tier's files can never hit again (the next start deletes
+    them): closing removes them, so a stopped worker does not hold its disk budget."""
+    rig = TieredRig(4, 1, tmp_path, 8)
+    push_down(rig, A, B)
+    assert _files(tmp_path)
+    rig.close()
+    assert not _files(tmp_path)
+
+
+def test_disk_reloads_report_their_latency(tmp_path: Path) -> None:
+    """The disk tier's mean reload latency is measured, not a constant 0, once it reloads."""
+    rig = TieredRig(4, 1, tmp_path, 8)
+    push_down(rig, A, B)
+    assert rig.run_prompt("again", A) == 12
+    disk = rig.store.metrics()[1]
+    assert disk.hits >= 1 and disk.reload_latency_mean_s > 0

@@ -5,7 +5,10 @@ file fed to attention) is caught."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import resource
+import signal
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,6 +29,20 @@ def context_value(tokens: Sequence[int], pos: int) -> float:
     for token in tokens[: pos + 1]:
         value = (value * 31 + token + 1) % (1 << 20)
     return float(value)
+
+
+@contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """Writes past `limit` bytes of a file fail with EFBIG: a real OS limit, standing in for a
+    full disk (the usual SIGXFSZ ignored meanwhile; main thread only)."""
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
 
 
 class TieredRig:

@@ -10,6 +10,7 @@ matching, uncorrupted file: a bad file is a miss, never KV. Writes are atomic (t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -110,8 +111,14 @@ def decode(
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so a reader sees the old file, the new one, or none: never half."""
+    """Write `data` to `path` so a reader sees the old file, the new one, or none: never half.
+    A write that fails (OSError: disk full, folder gone) leaves no temporary file behind."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as out:  # no fsync: a file torn by a crash fails its checksum
-        out.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as out:  # no fsync: a file torn by a crash fails its checksum
+            out.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise

@@ -1,8 +1,10 @@
-"""A TieredStore sized from byte budgets, and the block hash seed it implies."""
+"""A TieredStore sized from byte budgets, the block hash seed it implies, and the identity of
+the checkpoint whose KV it holds."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import xxhash
 from kvmesh_kernels.cache import PagedKVCache
@@ -59,3 +61,15 @@ def persistent_seed(store: TieredStore, model_id: str) -> bytes | None:
     if disk is None or not disk.persist:
         return None
     return xxhash.xxh3_128_digest(disk.hash_seed() + model_id.encode())
+
+
+def checkpoint_identity(path: Path) -> str:
+    """`path` and a digest of its files' names, sizes and modification times (a folder's
+    top-level files). A checkpoint rebuilt in place (retrained, converted again) gets a new
+    identity, so a persistent disk tier keyed by it never serves the old weights' KV."""
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    digest = xxhash.xxh3_64()
+    for file in files:
+        stat = file.stat()
+        digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    return f"{path}#{digest.hexdigest()}"

@@ -1,9 +1,10 @@
 """Disk tier: one file per block under a folder, bounded by capacity and watermarks.
 
 Files are `<block hash hex>.kvblock` in the `blockfile` format, written atomically. Without
-`persist` the folder's block files are removed at start (and the tier holds only what this
-process wrote); with it they are verified (header, layout, checksum) and kept, oldest first
-in the LRU order, and the folder's hash seed is reused so equal prefixes hash alike again.
+`persist` the folder's block files are removed at start and at close (the tier holds only
+what this process wrote); with it they are verified (header, layout, checksum) and kept,
+oldest first in the LRU order, and the folder's hash seed is reused so equal prefixes hash
+alike again. A write that fails (disk full) stores nothing and leaves no file.
 A file that fails verification at any time is deleted and counted in `num_corrupt`.
 """
 
@@ -89,19 +90,27 @@ class DiskTier:
         return seed
 
     def close(self) -> None:
-        """Release the folder for another process (the block files stay)."""
+        """Release the folder for another process; the block files stay only when
+        persistent (without persistence no later process can hit them)."""
+        if not self.persist:
+            self._wipe()
+            self._index.clear()
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
 
     # -- blocks ------------------------------------------------------------------------------
-    def put(self, meta: BlockMeta, payload: bytes | memoryview) -> None:
-        """Write one block (replacing nothing: a hash has one copy)."""
+    def put(self, meta: BlockMeta, payload: bytes | memoryview) -> bool:
+        """Write one block (replacing nothing: a hash has one copy); False (nothing stored, no
+        file left) when the write fails: disk full, folder gone, I/O error."""
         assert meta.block_hash not in self._index, "a hash has one disk copy"
-        blockfile.write_atomic(
-            self.path(meta.block_hash), blockfile.encode(meta, self.layout, payload)
-        )
+        data = blockfile.encode(meta, self.layout, payload)
+        try:
+            blockfile.write_atomic(self.path(meta.block_hash), data)
+        except OSError:
+            return False
         self._index[meta.block_hash] = meta
+        return True
 
     def read(self, block_hash: int) -> bytes | None:
         """The raw file (thread-safe: no bookkeeping); None when it is gone."""

@@ -35,7 +35,7 @@ from kvmesh.memory.tiers.blockfile import BlockMeta
 from kvmesh.memory.tiers.costs import Rates
 from kvmesh.memory.tiers.device import DeviceBlocks
 from kvmesh.memory.tiers.disk import DiskTier
-from kvmesh.memory.tiers.host import HostTier
+from kvmesh.memory.tiers.host import HostEntry, HostTier
 from kvmesh.memory.tiers.stats import SwapCounters, TierCounters, TierSnapshot, snapshot
 
 
@@ -154,15 +154,23 @@ class TieredStore:
             entry = self.host.oldest()
             if entry is None:
                 return
-            if self.disk is not None:
-                payload = self.device.payload(self.host, entry.slot)
-                self._make_disk_room()
-                self.disk.put(entry.meta, payload)
-                self.disk_stats.spills += 1
-                self.disk_stats.bytes_in += len(payload)
-            else:
+            if not self._demote(entry):
                 self.host_stats.dropped += 1
             self.host.pop(entry.meta.block_hash, inflight=False)
+
+    def _demote(self, entry: HostEntry) -> bool:
+        """Write a host block to disk; whether it is there now (False: no disk tier, or the
+        write failed, e.g. disk full: the block is dropped, the caller goes on)."""
+        disk = self.disk
+        if disk is None:
+            return False
+        payload = self.device.payload(self.host, entry.slot)
+        self._make_disk_room()
+        if not disk.put(entry.meta, payload):
+            return False
+        self.disk_stats.spills += 1
+        self.disk_stats.bytes_in += len(payload)
+        return True
 
     def _make_disk_room(self) -> None:
         disk = self.disk
@@ -202,6 +210,7 @@ class TieredStore:
         disk = self.disk
         if disk is None or disk.meta(meta.block_hash) != meta:
             return False
+        started = time.perf_counter()
         payload = self._read_disk(meta.block_hash)
         if payload is None:
             self.disk_stats.corrupt = disk.num_corrupt
@@ -212,6 +221,8 @@ class TieredStore:
         self.device.load_payload(self.host, slot, payload)
         disk.remove(meta.block_hash)
         self.host.hold([slot])
+        self.disk_stats.reload_seconds += time.perf_counter() - started  # read, check, to host
+        self.disk_stats.reload_batches += 1
         self.disk_stats.hits += 1
         self.disk_stats.reloads += 1
         self.disk_stats.bytes_out += len(payload)
@@ -341,6 +352,8 @@ class TieredStore:
         self.host.park(seq_id, slots)
         self.swap_stats.swapped_out += 1
         self.swap_stats.swap_bytes += count * self.device.block_bytes
+        self.host_stats.spills += count  # written into the host, as a swap-in's are reloads
+        self.host_stats.bytes_in += count * self.device.block_bytes
         return True
 
     def swap_in(self, seq_id: str, block_ids: Sequence[int]) -> None:
