@@ -23,7 +23,7 @@ from control_plane.cluster import Cluster
 from control_plane.ledger import WorkerRef
 from control_plane.registry import WorkerRecord
 from control_plane.releases import BackgroundReleases
-from control_plane.routing import NoRouteError, common_backend, order_pairs
+from control_plane.routing import NoRouteError, common_backend, order_colocated, order_pairs
 from control_plane.run import RpcFailure, Run, WorkerLost
 from kvmesh.v1 import generation_pb2, status, worker_pb2, worker_pb2_grpc
 
@@ -68,7 +68,7 @@ class Driver:
             if not colocated:
                 raise
         if colocated:
-            await self._colocated(run, avoid_last(colocated, run.avoid)[0])
+            await self._colocated(run, self._route_colocated(run, colocated))
             return
         raise RpcFailure(
             grpc.StatusCode.UNAVAILABLE,
@@ -151,6 +151,19 @@ class Driver:
         pairs.sort(key=lambda pair: sum(w.worker_id in run.avoid for w in pair))
         prefill = pairs[0][0]
         return prefill, [d for p, d in pairs if p is prefill]
+
+    def _route_colocated(self, run: Run, workers: list[WorkerRecord]) -> WorkerRecord:
+        """The colocated worker: prefix affinity unless overloaded, then by load, avoiding
+        those this request already lost."""
+        engine = engine_request(run)
+        ordered = order_colocated(
+            workers,
+            [] if engine is None else engine.prompt_ids,
+            run.request.cache_salt,
+            self._cluster.config.routing,
+            text=prompt_text(run.request),
+        )
+        return avoid_last(ordered, run.avoid)[0]
 
     async def _reserve(
         self,

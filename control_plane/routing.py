@@ -88,6 +88,35 @@ def order_prefill(
     return [affine, *[w for w in by_load if w is not affine]]
 
 
+def affinity_key(
+    prompt_ids: Sequence[int],
+    text: Sequence[str],
+    block_size: int,
+    salt: bytes,
+    config: RoutingConfig,
+) -> bytes:
+    """The prefix-affinity key of a prompt: its leading `text` when given (not yet tokenized),
+    else its first token ids."""
+    if text:
+        return text_prefix_key(text, block_size, salt, config.affinity_blocks)
+    return prefix_key(prompt_ids, block_size, salt, config.affinity_blocks)
+
+
+def order_colocated(
+    workers: Sequence[WorkerRecord],
+    prompt_ids: Sequence[int],
+    salt: bytes,
+    config: RoutingConfig,
+    text: Sequence[str] = (),
+) -> list[WorkerRecord]:
+    """Colocated candidates, best first, ordered as prefill workers are: the worker affine to
+    the prompt's prefix (whose prefix cache holds it) unless it is overloaded, then by load."""
+    if not workers:
+        return []
+    block_size = workers[0].layout.block_size
+    return order_prefill(workers, affinity_key(prompt_ids, text, block_size, salt, config), config)
+
+
 def order_decode(workers: Sequence[WorkerRecord], needed_blocks: int) -> list[WorkerRecord]:
     """Decode candidates, best first: enough free blocks, most free blocks, fewest running."""
     return sorted(
@@ -136,10 +165,7 @@ def order_pairs(
         missing = "prefill" if not prefills else "decode"
         raise NoRouteError("UNAVAILABLE", f"no live {missing} worker is registered")
     block_size = prefills[0].layout.block_size
-    if text:
-        key = text_prefix_key(text, block_size, salt, config.affinity_blocks)
-    else:
-        key = prefix_key(prompt_ids, block_size, salt, config.affinity_blocks)
+    key = affinity_key(prompt_ids, text, block_size, salt, config)
     ordered_decodes = order_decode(decodes, blocks_needed(len(prompt_ids) + max_tokens, block_size))
     pairs = [
         (p, d)

@@ -87,6 +87,21 @@ async def test_colocated_worker_serves_whole_requests_when_no_pair_exists() -> N
         assert_ledger_empty(cp)
 
 
+@run_async
+async def test_colocated_workers_share_the_load_by_prefix() -> None:
+    """Several colocated workers: distinct prefixes spread over all of them (every request
+    used to go to the first worker registered while the others idled)."""
+    async with control_plane() as cp:
+        workers = [await cp.add(f"c{i}", "colocated") for i in range(3)]
+        prompts = [f"{i:02d} " * 12 for i in range(24)]
+        for text in [*prompts, prompts[5], prompts[5]]:
+            code, _, _ = await status_of(cp.generation.Generate(text_request(text), timeout=5))
+            assert code == grpc.StatusCode.OK
+        served = [worker.calls.count("Generate") for worker in workers]
+        assert sum(served) == 26 and min(served) > 0, served
+        assert_ledger_empty(cp)
+
+
 CHAT_NO_ROLE = generation_pb2.ChatMessages(
     messages=[generation_pb2.ChatMessage(role="user", content="a"), generation_pb2.ChatMessage()]
 )

@@ -9,6 +9,7 @@ from control_plane.registry import Registry, WorkerRecord
 from control_plane.routing import (
     NoRouteError,
     RoutingConfig,
+    order_colocated,
     order_decode,
     order_pairs,
     order_prefill,
@@ -105,3 +106,23 @@ def test_missing_role_is_unavailable() -> None:
     with pytest.raises(NoRouteError, match="decode") as caught:
         order_pairs(PREFILLS, [], [1], 1, b"", RoutingConfig())
     assert caught.value.code == "UNAVAILABLE"
+
+
+def test_colocated_workers_are_ordered_by_prefix_affinity_then_load() -> None:
+    """Colocated routing is the prefill rule: a prompt's prefix keeps its worker (and that
+    worker's prefix cache), prefixes spread over the workers, an overloaded one is skipped."""
+    workers = records(*[(f"c{i}", "colocated", 64, 0) for i in range(4)])
+    config = RoutingConfig()
+    prompt = [*range(16), 3]
+    first = order_colocated(workers, prompt, b"", config)[0]
+    assert order_colocated(workers, [*prompt, 8, 9], b"", config)[0] is first
+    spread = {order_colocated(workers, [i] * 16, b"", config)[0] for i in range(64)}
+    assert len(spread) == len(workers)
+    text = ["system", "Be brief. " * 20, "user", "hi"]
+    assert (
+        order_colocated(workers, [], b"", config, text=text)[0]
+        is order_colocated(workers, [], b"", config, text=[*text[:3], "ho"])[0]
+    )
+    busy = records(*[(w.worker_id, "colocated", 64, 9 if w is first else 1) for w in workers])
+    assert order_colocated(busy, prompt, b"", config)[0].worker_id != first.worker_id
+    assert order_colocated([], prompt, b"", config) == []
