@@ -175,13 +175,15 @@ class TransferRecord:
             return self.result()
 
     def result(self) -> TransferResult:
+        """The transfer so far; `seconds` from its start to its end (to now while it runs)."""
         with self.lock:
+            end = time.monotonic() if self.ended is None else self.ended
             return TransferResult(
                 self.request.transfer_id,
                 self.state,
                 self.num_blocks,
                 self.num_bytes,
-                time.monotonic() - self.started,
+                end - self.started,
                 self.error,
                 self.trailer,
                 self.kv_complete,

@@ -40,6 +40,19 @@ def test_state_machine_allows_only_legal_transitions() -> None:
     assert record.state is TransferState.COMPLETED
 
 
+def test_a_finished_transfers_seconds_end_when_it_ended() -> None:
+    """`seconds` runs from start to end: reading the result later does not add the wait (the
+    transfer-seconds metric and span read it after the call returned)."""
+    record = TransferRecord(TransferRequest(new_transfer_id(), 0), 1, soon())
+    record.move(TransferState.IN_FLIGHT)
+    time.sleep(0.02)
+    assert record.result().seconds >= 0.02  # running: up to now
+    record.move(TransferState.COMPLETED)
+    at_end = record.result().seconds
+    time.sleep(0.05)
+    assert record.result().seconds == at_end
+
+
 def test_record_wait_expires_at_deadline() -> None:
     record = TransferRecord(TransferRequest(new_transfer_id(), 0), 1, soon(0.05))
     assert record.wait().state is TransferState.EXPIRED
