@@ -55,8 +55,9 @@ def check_text(text: str, limits: RequestLimits) -> None:
 
 
 def check_chat(chat: generation_pb2.ChatMessages, limits: RequestLimits = DEFAULT_LIMITS) -> None:
-    """At least one message and at most `max_messages`, each with a non-empty role, the
-    contents together within `max_prompt_bytes` (the template's checks are the worker's)."""
+    """At least one message and at most `max_messages`, each with a non-empty role, role and
+    name within `max_role_bytes`, the contents together within `max_prompt_bytes` (the
+    template's checks are the worker's)."""
     messages = chat.messages
     if not messages:
         raise FieldError("prompt.chat.messages", "must contain at least one message")
@@ -69,10 +70,12 @@ def check_chat(chat: generation_pb2.ChatMessages, limits: RequestLimits = DEFAUL
     for i, message in enumerate(messages):
         if not message.role:
             raise FieldError(f"prompt.chat.messages[{i}].role", "must not be empty")
-        if utf8_size(message.role) > limits.max_role_bytes:
-            raise FieldError(
-                f"prompt.chat.messages[{i}].role", f"is longer than {limits.max_role_bytes} bytes"
-            )
+        for name, value in (("role", message.role), ("name", message.name)):
+            if utf8_size(value) > limits.max_role_bytes:
+                raise FieldError(
+                    f"prompt.chat.messages[{i}].{name}",
+                    f"is longer than {limits.max_role_bytes} bytes",
+                )
         total += utf8_size(message.content)
         if total > limits.max_prompt_bytes:
             raise FieldError(

@@ -310,13 +310,14 @@ def build_request(
 
 def chat_messages(messages: Messages) -> generation_pb2.ChatMessages:
     """The wire form of a conversation; TypeError for an item that is not a mapping of strings
-    with role and content (the server checks the rest)."""
+    with role and content (and optionally name; the server checks the rest)."""
     chat = generation_pb2.ChatMessages()
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise TypeError(f"messages[{i}] must be a mapping with role and content")
         try:
-            chat.messages.add(role=message["role"], content=message["content"])
+            name = message.get("name") or ""
+            chat.messages.add(role=message["role"], content=message["content"], name=name)
         except (KeyError, TypeError) as exc:
             raise TypeError(f"messages[{i}] needs string role and content ({exc})") from None
     return chat

@@ -310,7 +310,8 @@ def is_token_list(value: Any) -> bool:
 
 
 def chat_messages(body: dict[str, Any]) -> generation_pb2.ChatMessages:
-    """`messages`: roles and contents (a string, or text parts joined by newlines)."""
+    """`messages`: roles, contents (a string, or text parts joined by newlines) and names (for
+    the chat template)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_param("messages", "expected a non-empty array of messages")
@@ -324,7 +325,11 @@ def chat_messages(body: dict[str, Any]) -> generation_pb2.ChatMessages:
             raise bad_param(f"{where}.role", "expected a non-empty string")
         if message.get("tool_calls"):  # a call this server would not render: never dropped
             raise bad_param(f"{where}.tool_calls", "tool calling is not supported")
-        out.messages.add(role=role, content=content_text(message.get("content"), where))
+        name = message.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad_param(f"{where}.name", "expected a string")
+        content = content_text(message.get("content"), where)
+        out.messages.add(role=role, content=content, name=name or "")
     if field(body, "tools", "array") or field(body, "functions", "array"):
         raise bad_param("tools", "tool calling is not supported")
     response_format = field(body, "response_format", "object", {})

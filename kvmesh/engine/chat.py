@@ -44,10 +44,23 @@ def check_text_size(chars: int, max_model_len: int, field: str) -> None:
         )
 
 
+def message_name(name: object, where: str) -> str:
+    """A message's optional `name`: "" when absent; InvalidParameterError naming
+    `where.name` unless a string of at most MAX_ROLE_CHARS."""
+    if name is None:
+        return ""
+    if not isinstance(name, str):
+        raise InvalidParameterError(f"{where}.name", "must be a string")
+    if len(name) > MAX_ROLE_CHARS:
+        raise InvalidParameterError(f"{where}.name", f"is longer than {MAX_ROLE_CHARS}")
+    return name
+
+
 def check_messages(messages: Sequence[Message], max_model_len: int, field: str) -> list[dict]:
-    """The conversation (named `field`) as plain `{"role", "content"}` dicts, checked: at least
-    one message, each role a non-empty string (at most MAX_ROLE_CHARS), each content a string,
-    and the total size bounded. Errors name `field`, `field[i].role` or `field[i].content`."""
+    """The conversation (named `field`) as plain `{"role", "content"}` dicts (and `"name"` when
+    a message has a non-empty one), checked: at least one message, each role a non-empty string
+    and each name a string (at most MAX_ROLE_CHARS each), each content a string, and the total
+    size bounded. Errors name `field`, `field[i].role`, `.name` or `.content`."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InvalidParameterError(field, "must be a list of messages")
     if not messages:
@@ -64,8 +77,9 @@ def check_messages(messages: Sequence[Message], max_model_len: int, field: str) 
             raise InvalidParameterError(f"{where}.role", f"is longer than {MAX_ROLE_CHARS}")
         if not isinstance(content, str):
             raise InvalidParameterError(f"{where}.content", "must be a string")
-        chars += len(role) + len(content)
-        result.append({"role": role, "content": content})
+        name = message_name(message.get("name"), where)
+        chars += len(role) + len(content) + len(name)
+        result.append({"role": role, "content": content, **({"name": name} if name else {})})
     check_text_size(chars, max_model_len, field)
     return result
 

@@ -80,9 +80,11 @@ def save_byte_tokenizer(out_dir: Path, model_max_length: int) -> None:
 
 
 # A minimal chat template for the byte-level tokenizer (it has none by default): BOS, then each
-# message as `<|role|>\ncontent\n`, then `<|assistant|>\n` when the generation prompt is asked.
+# message as `<|role|>\ncontent\n` (`<|role:name|>` for a message with a name), then
+# `<|assistant|>\n` when the generation prompt is asked.
 SIMPLE_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}"
+    "{% if m.get('name') %}:{{ m['name'] }}{% endif %}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

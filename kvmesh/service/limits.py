@@ -63,7 +63,7 @@ def check_prompt_size(message: generation_pb2.GenerateRequest, max_model_len: in
             raise InvalidParameterError(
                 "prompt.chat.messages", f"at most {MAX_MESSAGES} messages, got {len(messages)}"
             )
-        total = sum(len(m.content) + len(m.role) for m in messages)
+        total = sum(len(m.content) + len(m.role) + len(m.name) for m in messages)
         if total > limit:
             raise InvalidParameterError(
                 "prompt.chat.messages",

@@ -81,7 +81,7 @@ def prompt_bytes(message: generation_pb2.GenerateRequest) -> int:
     if which == "text":
         return len(message.text)
     if which == "chat":
-        return sum(len(m.content) + len(m.role) for m in message.chat.messages)
+        return sum(len(m.content) + len(m.role) + len(m.name) for m in message.chat.messages)
     if which == "token_ids":
         return 4 * len(message.token_ids.ids)
     return 0

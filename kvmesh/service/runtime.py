@@ -190,7 +190,10 @@ class WorkerRuntime:
         if which == "chat":
             if not has_chat_template(tokenizer):
                 raise InvalidParameterError("prompt.chat", "this model has no chat template")
-            chat = [{"role": m.role, "content": m.content} for m in message.chat.messages]
+            chat = [
+                {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                for m in message.chat.messages
+            ]
             return chat_prompt_ids(tokenizer, chat, max_len, "prompt.chat.messages")
         raise InvalidParameterError("prompt", "set text, token_ids or chat")
 

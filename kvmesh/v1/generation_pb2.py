@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmesh/v1/generation.proto\x12\tkvmesh.v1\"\xd3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\x0c\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"\xce\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x17\n\nmax_tokens\x18\x0c \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\n\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12<\n\nlogit_bias\x18\x12 \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\xda\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x1f\n\x05usage\x18\t \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x13\n\x0bprompt_text\x18\x0b \x01(\tB\r\n\x0bstop_reason\"\xbe\x01\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\r\n\x05token\x18\x05 \x01(\t\x12\x12\n\ntop_tokens\x18\x06 \x03(\t\x12\x0c\n\x04rank\x18\x07 \x01(\x05\x12\x13\n\x0btoken_bytes\x18\x08 \x01(\x0c\x12\x17\n\x0ftop_token_bytes\x18\t \x03(\x0c\"\xad\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x14\n\x0cttft_seconds\x18\x04 \x01(\x01\x12\x30\n\x0ettft_breakdown\x18\x05 \x01(\x0b\x32\x18.kvmesh.v1.TtftBreakdown\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x06 \x01(\x01\"w\n\rTtftBreakdown\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x1c\n\x14\x66irst_decode_seconds\x18\x04 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x99\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\x12\x15\n\rhas_tokenizer\x18\x06 \x01(\x08\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x18\n\x10max_stop_strings\x18\t \x01(\x05\x12\x1d\n\x15max_stop_string_chars\x18\n \x01(\x05\x12\x14\n\x0cmax_logprobs\x18\x0b \x01(\x05\x12\x19\n\x11has_chat_template\x18\x0c \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xdc\x01\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x14.kvmesh.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmesh/v1/generation.proto\x12\tkvmesh.v1\"\xd3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\x0c\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"\xce\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x17\n\nmax_tokens\x18\x0c \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\n\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12<\n\nlogit_bias\x18\x12 \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\xda\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x1f\n\x05usage\x18\t \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x13\n\x0bprompt_text\x18\x0b \x01(\tB\r\n\x0bstop_reason\"\xbe\x01\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\r\n\x05token\x18\x05 \x01(\t\x12\x12\n\ntop_tokens\x18\x06 \x03(\t\x12\x0c\n\x04rank\x18\x07 \x01(\x05\x12\x13\n\x0btoken_bytes\x18\x08 \x01(\x0c\x12\x17\n\x0ftop_token_bytes\x18\t \x03(\x0c\"\xad\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x14\n\x0cttft_seconds\x18\x04 \x01(\x01\x12\x30\n\x0ettft_breakdown\x18\x05 \x01(\x0b\x32\x18.kvmesh.v1.TtftBreakdown\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x06 \x01(\x01\"w\n\rTtftBreakdown\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x1c\n\x14\x66irst_decode_seconds\x18\x04 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x99\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\x05\x12\x15\n\rhas_tokenizer\x18\x06 \x01(\x08\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x18\n\x10max_stop_strings\x18\t \x01(\x05\x12\x1d\n\x15max_stop_string_chars\x18\n \x01(\x05\x12\x14\n\x0cmax_logprobs\x18\x0b \x01(\x05\x12\x19\n\x11has_chat_template\x18\x0c \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xdc\x01\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x14.kvmesh.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2449
-  _globals['_FINISHREASON']._serialized_end=2569
+  _globals['_FINISHREASON']._serialized_start=2463
+  _globals['_FINISHREASON']._serialized_end=2583
   _globals['_GENERATEREQUEST']._serialized_start=42
   _globals['_GENERATEREQUEST']._serialized_end=253
   _globals['_TOKENIDS']._serialized_start=255
   _globals['_TOKENIDS']._serialized_end=278
   _globals['_CHATMESSAGE']._serialized_start=280
-  _globals['_CHATMESSAGE']._serialized_end=324
-  _globals['_CHATMESSAGES']._serialized_start=326
-  _globals['_CHATMESSAGES']._serialized_end=382
-  _globals['_SAMPLINGPARAMS']._serialized_start=385
-  _globals['_SAMPLINGPARAMS']._serialized_end=1231
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=923
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=971
-  _globals['_GENERATERESPONSE']._serialized_start=1234
-  _globals['_GENERATERESPONSE']._serialized_end=1580
-  _globals['_TOKENLOGPROBS']._serialized_start=1583
-  _globals['_TOKENLOGPROBS']._serialized_end=1773
-  _globals['_USAGE']._serialized_start=1776
-  _globals['_USAGE']._serialized_end=1949
-  _globals['_TTFTBREAKDOWN']._serialized_start=1951
-  _globals['_TTFTBREAKDOWN']._serialized_end=2070
-  _globals['_ABORTREQUEST']._serialized_start=2072
-  _globals['_ABORTREQUEST']._serialized_end=2106
-  _globals['_ABORTRESPONSE']._serialized_start=2108
-  _globals['_ABORTRESPONSE']._serialized_end=2140
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2142
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2163
-  _globals['_MODELINFO']._serialized_start=2166
-  _globals['_MODELINFO']._serialized_end=2447
-  _globals['_GENERATIONSERVICE']._serialized_start=2572
-  _globals['_GENERATIONSERVICE']._serialized_end=2792
+  _globals['_CHATMESSAGE']._serialized_end=338
+  _globals['_CHATMESSAGES']._serialized_start=340
+  _globals['_CHATMESSAGES']._serialized_end=396
+  _globals['_SAMPLINGPARAMS']._serialized_start=399
+  _globals['_SAMPLINGPARAMS']._serialized_end=1245
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=937
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=985
+  _globals['_GENERATERESPONSE']._serialized_start=1248
+  _globals['_GENERATERESPONSE']._serialized_end=1594
+  _globals['_TOKENLOGPROBS']._serialized_start=1597
+  _globals['_TOKENLOGPROBS']._serialized_end=1787
+  _globals['_USAGE']._serialized_start=1790
+  _globals['_USAGE']._serialized_end=1963
+  _globals['_TTFTBREAKDOWN']._serialized_start=1965
+  _globals['_TTFTBREAKDOWN']._serialized_end=2084
+  _globals['_ABORTREQUEST']._serialized_start=2086
+  _globals['_ABORTREQUEST']._serialized_end=2120
+  _globals['_ABORTRESPONSE']._serialized_start=2122
+  _globals['_ABORTRESPONSE']._serialized_end=2154
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2156
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2177
+  _globals['_MODELINFO']._serialized_start=2180
+  _globals['_MODELINFO']._serialized_end=2461
+  _globals['_GENERATIONSERVICE']._serialized_start=2586
+  _globals['_GENERATIONSERVICE']._serialized_end=2806
 # @@protoc_insertion_point(module_scope)

@@ -164,8 +164,10 @@ def test_invalid_utf8_is_invalid_argument_naming_the_field(
     run_async(scenario)()
 
 
-def chat(count: int, content: str = "hi", role: str = "user") -> generation_pb2.ChatMessages:
-    message = generation_pb2.ChatMessage(role=role, content=content)
+def chat(
+    count: int, content: str = "hi", role: str = "user", name: str = ""
+) -> generation_pb2.ChatMessages:
+    message = generation_pb2.ChatMessage(role=role, content=content, name=name)
     return generation_pb2.ChatMessages(messages=[message] * count)
 
 
@@ -178,6 +180,7 @@ def chat(count: int, content: str = "hi", role: str = "user") -> generation_pb2.
         ({"chat": chat(4)}, "prompt.chat.messages"),
         ({"chat": chat(3, "y" * 400)}, "prompt.chat.messages[2].content"),
         ({"chat": chat(1, role="r" * 65)}, "prompt.chat.messages[0].role"),
+        ({"chat": chat(1, name="n" * 65)}, "prompt.chat.messages[0].name"),
         ({"text": "x", "sampling": generation_pb2.SamplingParams(n=5)}, "sampling.n"),
         ({"text": "x", "sampling": generation_pb2.SamplingParams(max_tokens=-2)},
          "sampling.max_tokens"),  # -1 is no bound but the context

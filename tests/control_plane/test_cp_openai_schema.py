@@ -36,14 +36,14 @@ def test_token_prompts_and_chat_messages() -> None:
     body = {
         "messages": [
             {"role": "system", "content": "s"},
-            {"role": "user", "content": parts},
+            {"role": "user", "content": parts, "name": "ann"},
             {"role": "assistant", "content": None},
         ],
         "max_tokens": 9, "max_completion_tokens": 4, "logprobs": True, "top_logprobs": 3,
     }  # fmt: skip
     parsed = parse(body, "chat")
-    chat = [(m.role, m.content) for m in parsed.request.chat.messages]
-    assert chat == [("system", "s"), ("user", "a\nb"), ("assistant", "")]
+    chat = [(m.role, m.content, m.name) for m in parsed.request.chat.messages]
+    assert chat == [("system", "s", ""), ("user", "a\nb", "ann"), ("assistant", "", "")]
     assert parsed.request.sampling.max_tokens == 4  # max_completion_tokens wins
     assert parsed.logprobs == 3 and parsed.request.sampling.logprobs == 3
     assert parse({"messages": body["messages"]}, "chat").logprobs is None
@@ -127,6 +127,7 @@ def test_logit_bias_becomes_the_proto_map() -> None:
         ("chat", {"messages": []}, "messages"),
         ("chat", {"messages": [{"content": "x"}]}, "messages[0].role"),
         ("chat", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ("chat", {"messages": [{"role": "user", "content": "x", "name": 3}]}, "messages[0].name"),
         ("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
         ("chat", {"messages": [{"role": "u", "content": "x"}], "max_completion_tokens": 0},
          "max_completion_tokens"),

@@ -47,10 +47,22 @@ def test_chat_equals_generate_on_the_templates_ids(llm: LLM) -> None:
     assert single[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
 
 
+def test_a_messages_name_reaches_the_template(llm: LLM) -> None:
+    """OpenAI's `name` of a message is the template's `name` (this template writes
+    `<|user:ann|>`); a message without one has no `name` key."""
+    named = [{"role": "user", "content": "hi", "name": "ann"}]
+    got = llm.chat(named, GREEDY)[0].prompt_token_ids
+    assert got == template_ids(llm, named)
+    assert got != template_ids(llm, [{"role": "user", "content": "hi"}])
+    assert bytes(got[1:]).startswith(b"<|user:ann|>")
+
+
 @pytest.mark.parametrize(
     ("messages", "field"),
     [
         ([], "messages"),
+        ([{"role": "user", "content": "x", "name": 7}], "messages[0].name"),
+        ([{"role": "user", "content": "x", "name": "n" * 65}], "messages[0].name"),
         ([{"role": "", "content": "x"}], "messages[0].role"),
         ([{"role": "user"}], "messages[0].content"),
         ([{"role": "user", "content": "x" * 9000}], "messages"),

@@ -110,6 +110,25 @@ def test_chat_ids_are_the_templates_and_generate_like_token_ids(
     assert client.model_info().has_chat_template
 
 
+def test_a_messages_name_reaches_the_workers_template(
+    client: Client, system: tuple[str, RunningWorker], chat_model_dir: Path
+) -> None:
+    """A message's `name` travels the wire (client, control plane, worker) into the chat
+    template; a name longer than a role may be is refused naming it."""
+    named = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi",
+             "name": "ann"}]  # fmt: skip
+    expected = template_ids(chat_model_dir, named)
+    assert expected != template_ids(chat_model_dir, [named[0], {"role": "user", "content": "hi"}])
+    stub = worker_pb2_grpc.PrefillServiceStub(system[1].channel)
+    request = generation_pb2.GenerateRequest(request_id="named", chat=_chat(named))
+    prepared = stub.Prepare(worker_pb2.PrepareRequest(request=request), timeout=10).request
+    assert list(prepared.prompt_ids) == expected
+    result = client.complete_chat(named, **GREEDY)
+    assert result.usage is not None and result.usage.prompt_tokens == len(expected)
+    with pytest.raises(InvalidArgument, match=r"prompt\.chat\.messages\[0\]\.name"):
+        client.complete_chat([{"role": "user", "content": "hi", "name": "n" * 300}], **GREEDY)
+
+
 def test_async_client_chat_streams_the_same(client: Client) -> None:
     expected = client.complete_chat(MESSAGES, **GREEDY)
 
