@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
 
@@ -25,6 +26,7 @@ from control_plane.request_span import RequestSpan, capture_from_env, mark_refus
 from control_plane.run import RpcFailure, Run, WorkerLost
 from control_plane.run_metrics import record_run
 from control_plane.validation import FieldError, check_generate_request, check_request_id
+from kvmesh.security.credentials import bearer
 from kvmesh.telemetry.logs import bind_request_id
 from kvmesh.v1 import generation_pb2, status
 
@@ -106,16 +108,27 @@ class FrontDoor:
 
     # -- one request ---------------------------------------------------------------------
 
+    def owner(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+        """Whom a call with this metadata acts for: with API keys configured, a digest of the
+        key it presents (each key its own tenant; only it may Abort its requests), else None
+        (a single tenant)."""
+        key = bearer(metadata) if self._cluster.config.security.api_keys else None
+        return None if key is None else hashlib.sha256(key.encode()).hexdigest()
+
     async def generate(
-        self, request: generation_pb2.GenerateRequest, timeout: float | None = None
+        self,
+        request: generation_pb2.GenerateRequest,
+        timeout: float | None = None,
+        owner: str | None = None,
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
-        """Admit, run and finish one request; `timeout` is the client's remaining time.
+        """Admit, run and finish one request of `owner`; `timeout` is the client's remaining
+        time.
 
         Raises RpcFailure (admission refused, or the run failed: its blocks are released
         before the failure is raised). Closing the iterator early, or cancelling its consumer,
         cancels the run and releases every holder, like a gRPC cancel.
         """
-        run = self.open_run(request, timeout)
+        run = self.open_run(request, timeout, owner)
         try:
             async for response in self.stream(run):
                 yield response
@@ -127,17 +140,18 @@ class FrontDoor:
         request: generation_pb2.GenerateRequest,
         write: Callable[[generation_pb2.GenerateResponse], Awaitable[None]],
         timeout: float | None = None,
+        owner: str | None = None,
     ) -> None:
-        """Admit, run and finish one request, handing each response to `write` (the client's
-        write, which waits while the client is not reading); `timeout` is the client's
-        remaining time.
+        """Admit, run and finish one request of `owner`, handing each response to `write` (the
+        client's write, which waits while the client is not reading); `timeout` is the
+        client's remaining time.
 
         The whole call, writes included, ends by the run's deadline (RpcFailure
         DEADLINE_EXCEEDED), or sooner on Abort (ABORTED) or a drain's cut (UNAVAILABLE).
         Returns or raises only once the run is finished (its blocks released, its outcome on
         its span), also when cancelled (a client cancel: the run ends CANCELLED).
         """
-        run = self.open_run(request, timeout)
+        run = self.open_run(request, timeout, owner)
         try:
             async with contextlib.aclosing(self.stream(run)) as responses:
                 async for response in responses:
@@ -193,12 +207,15 @@ class FrontDoor:
             raise
 
     def open_run(
-        self, request: generation_pb2.GenerateRequest, client_left: float | None = None
+        self,
+        request: generation_pb2.GenerateRequest,
+        client_left: float | None = None,
+        owner: str | None = None,
     ) -> Run:
         """Admission and structural checks (RpcFailure when refused, counted by status); the
         caller must `finish` the returned run."""
         try:
-            return self._admit(request, client_left)
+            return self._admit(request, client_left, owner)
         except RpcFailure as failure:
             self.count_rejected(failure.code)
             mark_refused(failure.code, failure.message)
@@ -208,7 +225,9 @@ class FrontDoor:
         """Count a request refused before it ran (either door)."""
         self._cluster.metrics.requests.labels(code.name).inc()
 
-    def _admit(self, request: generation_pb2.GenerateRequest, client_left: float | None) -> Run:
+    def _admit(
+        self, request: generation_pb2.GenerateRequest, client_left: float | None, owner: str | None
+    ) -> Run:
         if self.draining:
             raise RpcFailure(
                 grpc.StatusCode.UNAVAILABLE, DRAINING, self._cluster.config.retry_after_ms
@@ -232,7 +251,7 @@ class FrontDoor:
         budget = config.max_request_seconds
         if client_left is not None:
             budget = min(budget, client_left)
-        run = Run(request_id, request, now, now + budget, clock=self._cluster.clock)
+        run = Run(request_id, request, now, now + budget, clock=self._cluster.clock, owner=owner)
         bind_request_id(request_id)
         run.request_span = RequestSpan(
             request, request_id, self._cluster.model_name(), self.capture_content
@@ -383,9 +402,11 @@ class FrontDoor:
 
     # -- Abort, model info -----------------------------------------------------------------
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a running request (True), or a recently finished one (False); RpcFailure
-        INVALID_ARGUMENT for a bad id, NOT_FOUND for an id never seen or forgotten."""
+    async def abort(self, request_id: str, owner: str | None = None) -> bool:
+        """Abort a running request of `owner` (True), or a recently finished one (False);
+        RpcFailure INVALID_ARGUMENT for a bad id, NOT_FOUND for an id never seen or forgotten,
+        and for another owner's running request (as if unknown: it is neither stopped nor
+        revealed)."""
         try:
             if not request_id:
                 raise FieldError("request_id", "must not be empty")
@@ -393,6 +414,8 @@ class FrontDoor:
         except FieldError as error:
             raise as_failure(error) from None
         run = self._runs.get(request_id)
+        if run is not None and run.owner != owner:
+            raise self._not_found(request_id)
         if run is not None:
             run.aborted = True
             if run.attempt is not None:
@@ -403,21 +426,31 @@ class FrontDoor:
             return True
         if self._cluster.ledger.closed_outcome(request_id) is not None:
             return False
-        raise RpcFailure(
+        raise self._not_found(request_id)
+
+    @staticmethod
+    def _not_found(request_id: str) -> RpcFailure:
+        return RpcFailure(
             grpc.StatusCode.NOT_FOUND,
             f"request_id {request_id!r} is not running and not among recently finished requests",
         )
 
     def model_info(self) -> generation_pb2.ModelInfo:
-        """The served model as the live workers describe it (RpcFailure UNAVAILABLE if none)."""
+        """The served model as the live workers that can serve it describe it: "disaggregated"
+        with a prefill and a decode worker of equal layouts, else "colocated" with a colocated
+        worker; RpcFailure UNAVAILABLE without either (as Generate and health say)."""
         live = self._cluster.registry.alive_by_role()
-        prefills, decodes = live["prefill"], live["decode"]
-        workers = decodes + prefills + live["colocated"]
+        pairs = [d for d in live["decode"] if any(p.layout == d.layout for p in live["prefill"])]
+        mode, workers = ("disaggregated", pairs) if pairs else ("colocated", live["colocated"])
         if not workers:
-            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "no live worker is registered")
+            raise RpcFailure(
+                grpc.StatusCode.UNAVAILABLE,
+                "no usable workers: need a prefill and a decode worker of equal layouts, or a "
+                "colocated worker",
+            )
         info = generation_pb2.ModelInfo()
         info.CopyFrom(workers[0].info.model)
-        info.mode = "disaggregated" if prefills and decodes else "colocated"
+        info.mode = mode
         return info
 
     @property

@@ -50,8 +50,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         a client cancel lands in the request path, which finishes the run (its span complete)
         before the call ends. An async generator that yields nothing, as the tracing
         interceptor wraps streaming handlers as async generators."""
+        owner = self._door.owner(context.invocation_metadata())
         try:
-            await self._door.serve(request, writer(context), context.time_remaining())
+            await self._door.serve(request, writer(context), context.time_remaining(), owner)
         except RpcFailure as failure:
             await abort_with(context, failure)
         return
@@ -60,8 +61,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Abort(
         self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.AbortResponse:
+        owner = self._door.owner(context.invocation_metadata())
         try:
-            return generation_pb2.AbortResponse(aborted=await self._door.abort(request.request_id))
+            aborted = await self._door.abort(request.request_id, owner)
+            return generation_pb2.AbortResponse(aborted=aborted)
         except RpcFailure as failure:
             await abort_with(context, failure)
 

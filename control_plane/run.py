@@ -113,6 +113,7 @@ class Run:
     avoid: set[str] = field(default_factory=set)
     lost: str | None = None
     aborted: bool = False
+    owner: str | None = None  # the caller it belongs to (`FrontDoor.owner`): who may Abort it
     worker_aborted: bool = False  # a worker ended a completion with FINISH_REASON_ABORT
     streamed: bool = False
     status: grpc.StatusCode | None = None

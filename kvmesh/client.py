@@ -368,7 +368,8 @@ def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str
 
 
 class Stream:
-    """Iterator of Chunks of one Generate call; `cancel()` cancels the request. The call is
+    """Iterator of Chunks of one Generate call; `cancel()`, or leaving the iteration early
+    (`break`), cancels the request. The call is
     started by `start(timeout)`, again (bounded by `retry`) when it is refused before any
     response arrived. A cancel from another thread is never lost to a retry: during the wait
     the iteration raises Cancelled, and a retried call started around the cancel is cancelled
@@ -389,6 +390,16 @@ class Stream:
         self._call = start(timeout)
 
     def __iter__(self) -> Iterator[Chunk]:
+        """The chunks of the current call (and of its retries); a consumer that stops early
+        (`break`, an exception in its loop, closing the iterator) cancels the request."""
+        try:
+            yield from self._chunks()
+        finally:
+            with self._lock:
+                call = self._call
+            call.cancel()  # nothing left to cancel when the call had ended
+
+    def _chunks(self) -> Iterator[Chunk]:
         while True:
             received = False
             try:

@@ -1,7 +1,8 @@
 """The blocking client against a real scripted gRPC server: a negative RetryInfo delay means
 "do not retry" (the call fails at once, typed, as a negative pushback trailer does), and
 `Stream.cancel()` is never lost to a retry (a cancel during the backoff raises Cancelled; one
-that lands while the retried call starts cancels that call)."""
+that lands while the retried call starts cancels that call); leaving a Stream's loop early
+cancels its call at once."""
 
 from __future__ import annotations
 
@@ -141,3 +142,29 @@ def test_cancel_while_the_retry_starts_cancels_the_new_call(scripted: Any) -> No
         assert len(starts) == 2 and len(received) < 100  # the server may never see the retry
     finally:
         channel.close()
+
+
+def streaming_until_cancelled(ended: threading.Event) -> Handler:
+    """Stream a token each 20 ms (100 in all, 2 s); `ended` is set when the call ended."""
+
+    def handler(attempt: int, context: grpc.ServicerContext) -> Iterator[Any]:
+        context.add_callback(ended.set)
+        for token in range(100):
+            yield generation_pb2.GenerateResponse(request_id="r", token_ids=[token])
+            time.sleep(0.02)
+
+    return handler
+
+
+def test_breaking_out_of_the_loop_cancels_the_request(scripted: Any) -> None:
+    """A caller that keeps the Stream but leaves its loop early cancels the call at once (it
+    used to run on, all 100 tokens, until the Stream was garbage collected)."""
+    ended = threading.Event()
+    _, address = scripted(streaming_until_cancelled(ended))
+    with Client(address, timeout=10.0) as client:
+        stream = client.generate([1, 2, 3])
+        for chunk in stream:
+            assert chunk.token_ids == (0,)
+            break
+        assert ended.wait(1.0)
+        assert stream.request_id  # still held: the cancel did not wait for garbage collection

@@ -134,8 +134,10 @@ class OpenAIApp:
             raise
         n = parsed.n
         deadline = asyncio.get_running_loop().time() + self.door.request_seconds
+        owner = self.door.owner(request.headers.items())
         runs = [
-            numbered(self.door.generate(each), i * n, i) for i, each in enumerate(parsed.requests)
+            numbered(self.door.generate(each, owner=owner), i * n, i)
+            for i, each in enumerate(parsed.requests)
         ]
         prompt_param = "prompt" if kind == "completion" else "messages"
         try:

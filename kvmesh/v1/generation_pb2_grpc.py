@@ -71,14 +71,16 @@ class GenerationServiceServicer:
     def Abort(self, request, context):
         """Abort a request by id. Idempotent: aborting a request that already finished or was already
         aborted returns OK with aborted=false. An id the server has never seen (or forgot, after
-        its bounded history of finished ids) is NOT_FOUND.
+        its bounded history of finished ids) is NOT_FOUND, and so is, when API keys are configured,
+        a running request that another key started: only its own key can abort it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Describe the served model (name, vocabulary size, maximum context, limits).
+        """Describe the served model (name, vocabulary size, maximum context, limits); UNAVAILABLE
+        while no usable worker set (a prefill and a decode worker, or a colocated one) is live.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import openai
 import pytest
-from cp_harness import Harness, control_plane, run_async, text_request
+from cp_harness import Harness, control_plane, run_async, status_of, text_request
 from cp_workers import FakeWorker
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -142,6 +142,26 @@ async def test_api_keys_guard_the_public_grpc_door_and_health_stays_open() -> No
         per_call = [("authorization", f"Bearer {KEYS[1]}")]
         async with AsyncClient(cp.server.address, timeout=5) as client:
             assert (await client.model_info(metadata=per_call)).model_name == "tiny"
+
+
+@run_async
+async def test_only_the_api_key_that_started_a_request_can_abort_it() -> None:
+    """Each API key is a tenant: another key's Abort of a running request is NOT_FOUND (as for
+    an id never seen) and the stream goes on; its own key's Abort ends it ABORTED."""
+    async with control_plane(security=SECURED) as cp:
+        await cp.add("p0", "prefill")
+        decode = await cp.add("d0", "decode")
+        decode.gate = asyncio.Event()
+        owner, other = ([("authorization", f"Bearer {key}")] for key in KEYS)
+        call = cp.generation.Generate(text_request(request_id="mine"), timeout=10, metadata=owner)
+        await asyncio.wait_for(decode.stream_started.wait(), 5)
+        abort = generation_pb2.AbortRequest(request_id="mine")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await cp.generation.Abort(abort, timeout=5, metadata=other)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        assert cp.server.cluster.ledger.is_live("mine")
+        assert (await cp.generation.Abort(abort, timeout=5, metadata=owner)).aborted
+        assert (await status_of(call))[0] == grpc.StatusCode.ABORTED
 
 
 def http_get(url: str, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:

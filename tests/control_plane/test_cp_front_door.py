@@ -88,6 +88,21 @@ async def test_colocated_worker_serves_whole_requests_when_no_pair_exists() -> N
 
 
 @run_async
+async def test_model_info_follows_the_usable_worker_set() -> None:
+    """A lone prefill or decode worker serves nothing: UNAVAILABLE, as Generate says (it used to
+    answer mode "colocated" with no colocated worker); the pair makes it "disaggregated"."""
+    async with control_plane() as cp:
+        info = generation_pb2.GetModelInfoRequest()
+        for role in ("prefill", "decode"):
+            await cp.add(f"{role[0]}0", role, block_size=16 if role == "prefill" else 32)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await cp.generation.GetModelInfo(info, timeout=5)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # layouts differ
+        await cp.add("d1", "decode")
+        assert (await cp.generation.GetModelInfo(info, timeout=5)).mode == "disaggregated"
+
+
+@run_async
 async def test_colocated_workers_share_the_load_by_prefix() -> None:
     """Several colocated workers: distinct prefixes spread over all of them (every request
     used to go to the first worker registered while the others idled)."""
