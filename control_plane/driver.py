@@ -293,7 +293,7 @@ class Driver:
                     run.timings.queue += response.queue_seconds
                     run.timings.prefill = response.prefill_seconds
                     run.timings.prompt_tokens = response.prompt_tokens
-                run.streamed |= bool(response.token_ids)
+                run.streamed = True  # it reaches the client: a retry would send it again
                 await run.push(run.response(response))  # waits while the client is behind
                 response = await call.read()
         except grpc.aio.AioRpcError as error:

@@ -115,7 +115,7 @@ class Run:
     aborted: bool = False
     owner: str | None = None  # the caller it belongs to (`FrontDoor.owner`): who may Abort it
     worker_aborted: bool = False  # a worker ended a completion with FINISH_REASON_ABORT
-    streamed: bool = False
+    streamed: bool = False  # a worker response reached the client (no retry after it)
     status: grpc.StatusCode | None = None
     timings: Timings = field(default_factory=Timings)
     finished_indexes: set[int] = field(default_factory=set)

@@ -7,7 +7,8 @@ it before their first response), `after_first_gate`, `prefill_gate`, `reserve_er
 (responses after the first token), `pace` (seconds between them), `text` (of each of them),
 `cached_tokens` (on the last one), `jitter` (each call first sleeps up to this many seconds,
 drawn from `rng`, so cancels land at random points), `release_delay` (seconds each Release
-takes); `sent` counts the responses streamed.
+takes), `tokenless_first` (the first response carries text but no token ids, as a worker's
+prompt-only answer does); `sent` counts the responses streamed.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class FakeWorker(
         self.sent = 0  # responses streamed (Decode and Generate)
         self.jitter = 0.0
         self.release_delay = 0.0  # seconds each Release takes to answer
+        self.tokenless_first = False  # the first response: text without token ids
         self.rng = random.Random(0)
         self.address = ""
         self._server: grpc.aio.Server | None = None
@@ -316,8 +318,9 @@ class FakeWorker(
             await self.gate.wait()
         self.sent += 1
         yield worker_pb2.DecodeResponse(
-            index=0, token_ids=first, text="a", first_decode_seconds=0.01
-        )
+            index=0, token_ids=[] if self.tokenless_first else first, text="a",
+            first_decode_seconds=0.01,
+        )  # fmt: skip
         if self.after_first_gate is not None:
             await self.after_first_gate.wait()
         for i in range(self.tokens):

@@ -45,6 +45,24 @@ async def test_decode_death_after_a_streamed_token_is_unavailable() -> None:
 
 
 @run_async
+async def test_death_after_a_relayed_response_without_tokens_is_unavailable() -> None:
+    """Whatever reached the client counts as streamed, tokens or not (a prompt-only answer's
+    text or prompt logprobs): a retry would send it twice, so the run fails instead."""
+    async with control_plane() as cp:
+        await cp.add("p0", "prefill")
+        decode = await cp.add("d0", "decode")
+        spare = await cp.add("d1", "decode")
+        decode.tokenless_first, decode.after_first_gate = True, asyncio.Event()
+        call = cp.generation.Generate(text_request(request_id="r"), timeout=10)
+        first = await asyncio.wait_for(call.read(), 5)
+        assert first.text == "a" and not list(first.token_ids)
+        await decode.kill()
+        code, details, responses = await status_of(call)
+        assert code == grpc.StatusCode.UNAVAILABLE and "d0" in details, (code, responses)
+        assert "Decode" not in spare.calls and len(cp.server.cluster.ledger) == 0
+
+
+@run_async
 async def test_prefill_death_mid_transfer_releases_the_reservation_and_retries() -> None:
     async with control_plane() as cp:
         doomed = await cp.add("p0", "prefill")
