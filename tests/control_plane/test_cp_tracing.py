@@ -12,12 +12,12 @@ import grpc
 import pytest
 from cp_harness import Harness, control_plane, status_of, text_request
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from control_plane.run import RELAY_BUFFER
 from kvmesh.v1 import generation_pb2
+from tests.spans import in_memory_spans
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CALLER = "b7ad6b7169203331"
@@ -26,15 +26,8 @@ METADATA = (("traceparent", f"00-{TRACE_ID}-{CALLER}-01"),)
 
 @pytest.fixture(scope="module")
 def exporter() -> Iterator[InMemorySpanExporter]:
-    """Spans of this process (an SDK provider is installed when none is)."""
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    memory = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    yield memory
-    memory.shutdown()  # later spans are dropped
+    with in_memory_spans() as memory:
+        yield memory
 
 
 def request_spans(exporter: InMemorySpanExporter) -> list[ReadableSpan]:

@@ -12,8 +12,6 @@ from typing import Any
 import grpc
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from svc_harness import NUM_BLOCKS, engine_config, start_worker, svc_loop, svc_model_dir, wait_until
 from test_svc_disagg import ControlDriver, backends_here
@@ -21,21 +19,15 @@ from test_svc_disagg import ControlDriver, backends_here
 from decode_svc.main import install as install_decode
 from kvmesh.v1 import worker_pb2
 from prefill_svc.main import install as install_prefill
+from tests.spans import in_memory_spans
 
 __all__ = ["svc_loop", "svc_model_dir"]
 
 
 @pytest.fixture(scope="module")
 def exporter() -> Iterator[InMemorySpanExporter]:
-    """Spans of this process (an SDK provider is installed when none is)."""
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    memory = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    yield memory
-    memory.shutdown()
+    with in_memory_spans() as memory:
+        yield memory
 
 
 @pytest.fixture(scope="module")
