@@ -10,12 +10,50 @@ import ssl
 from collections.abc import Iterator
 from typing import Any
 
+import h11
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvmesh.security import TlsConfig
 
 LOG = logging.getLogger("kvmesh.control_plane.http")
+REQUEST_SECONDS = 60.0  # a request's head and body, however they trickle in
+_RECEIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
+
+
+class BoundedH11(H11Protocol):
+    """uvicorn's h11 protocol with a bound on receiving a request: from the connection's start
+    (or the previous response's end) its head and body must arrive within `request_seconds`,
+    else the connection is closed. uvicorn alone waits forever for a head sent a byte at a
+    time (its keep-alive timer stops at the first byte), so slow clients could hold every
+    file descriptor (slowloris)."""
+
+    request_seconds = REQUEST_SECONDS
+    _timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(self.request_seconds, self._expire)
+
+    def _expire(self) -> None:
+        """Close the connection unless the request it waited for has fully arrived."""
+        if self.conn.their_state not in _RECEIVED and not self.transport.is_closing():
+            self.transport.close()
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -26,7 +64,8 @@ class _EmbeddedServer(uvicorn.Server):
 
 class HttpServer:
     """One uvicorn server on a socket bound at construction (port 0 picks a free one); HTTPS
-    when `tls` has a certificate (client certificates required with `public_client_auth`)."""
+    when `tls` has a certificate (client certificates required with `public_client_auth`).
+    A request's head and body must arrive within `request_seconds` (`BoundedH11`)."""
 
     def __init__(
         self,
@@ -35,6 +74,7 @@ class HttpServer:
         port: int,
         shutdown_seconds: float = 1.0,
         tls: TlsConfig | None = None,
+        request_seconds: float = REQUEST_SECONDS,
     ) -> None:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         try:
@@ -44,8 +84,9 @@ class HttpServer:
         self.host, self.port = host, self._socket.getsockname()[1]
         self._shutdown_seconds = shutdown_seconds
         self.scheme = "https" if tls is not None and tls.cert is not None else "http"
+        protocol = type("BoundedH11", (BoundedH11,), {"request_seconds": request_seconds})
         config = uvicorn.Config(
-            app, lifespan="off", access_log=False, log_config=None,
+            app, http=protocol, lifespan="off", access_log=False, log_config=None,
             timeout_graceful_shutdown=max(1, round(shutdown_seconds)), **tls_options(tls),
         )  # fmt: skip
         self._server = _EmbeddedServer(config)

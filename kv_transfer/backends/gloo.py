@@ -166,8 +166,10 @@ class Receiver(KVReceiver):
                 link_id = waiter.queue_pop(QUEUE).decode()
             except Exception:  # idle poll timed out: look at `_closed` again
                 continue
-            if link_id == _CLOSE or self._closed:
+            if self._closed:
                 return
+            if link_id == _CLOSE:  # only a wake-up: whoever reaches the store can push it
+                continue
             thread = threading.Thread(target=self._serve, args=(link_id,), name="kv-gloo-link")
             thread.daemon = True
             thread.start()

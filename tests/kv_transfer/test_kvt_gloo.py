@@ -309,3 +309,25 @@ def test_an_unreadable_answer_breaks_the_link_and_the_next_transfer_gets_a_new_o
     again = receiver.expect(req, [1, 2], time.monotonic() + 10)
     assert sender.send(req, [5, 6], [1, 2], deadline=time.monotonic() + 10).ok
     assert again.wait(5).ok and sender._link is not link
+
+
+def test_a_strangers_close_message_does_not_stop_the_receiver(gloo: object) -> None:
+    """The receiver's store is reachable by anyone on its network: a stranger pushing the
+    receiver's own close message into the HELLO queue must not stop it accepting links."""
+    src, dst = store(2), store(1)
+    receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
+    try:
+        host, port = gloo_link.split_host_port(receiver.address)
+        stranger = torch.distributed.TCPStore(
+            host, port, None, False, gloo_link.td(5), wait_for_workers=False
+        )
+        stranger.queue_push(gloo_link.QUEUE, gloo_mod._CLOSE)
+        time.sleep(0.2)  # the accept loop pops it first
+        sender = gloo.Sender(src, receiver.address, frame_bytes=1024)  # type: ignore[attr-defined]
+        req = TransferRequest(new_transfer_id(), 1)
+        handle = receiver.expect(req, [3], time.monotonic() + 10)
+        assert sender.send(req, [0], [3], deadline=time.monotonic() + 10).ok
+        assert handle.wait().ok and torch.equal(dst.cache[3], src.cache[0])
+        sender.close()
+    finally:
+        receiver.close()
