@@ -98,8 +98,19 @@ def w4_shape(args: argparse.Namespace) -> W4Shape:
 def arrivals(args: argparse.Namespace) -> list[Arrival]:
     if args.concurrency is not None:
         return [Arrival(concurrency=args.concurrency, seed=args.seed)]
-    rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.request_rate]
+    rates = sweep_rates(args.rates) if args.rates else [args.request_rate]
     return [Arrival(rate=r, process=args.arrival, seed=args.seed) for r in rates]
+
+
+def sweep_rates(text: str) -> list[float]:
+    """The request rates of `--rates` (ValueError naming the flag unless positive numbers)."""
+    try:
+        rates = [float(r) for r in text.split(",")]
+    except ValueError:
+        rates = []
+    if not rates or not all(r > 0 for r in rates):  # NaN is not > 0 either
+        raise ValueError(f"--rates must be comma-separated positive numbers, got {text!r}")
+    return rates
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:

@@ -267,6 +267,7 @@ class LLMEngine:
         logprobs = self._step_logprobs.get(seq.seq_id)
         if logprobs is not None:
             out.logprobs = [*(out.logprobs or []), logprobs]
+            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + logprobs.sampled_logprob
         if tracked.metrics.first_token_time is None:
             tracked.metrics.first_token_time = now
         text = tracked.texts[seq.seq_id]
@@ -356,6 +357,7 @@ def _copy_completion(out: CompletionOutput) -> CompletionOutput:
         finish_reason=out.finish_reason,
         stop_reason=out.stop_reason,
         logprobs=None if out.logprobs is None else list(out.logprobs),
+        cumulative_logprob=out.cumulative_logprob,
         new_token_ids=list(out.new_token_ids),
         new_text=out.new_text,
         token_times=list(out.token_times),

@@ -4,6 +4,7 @@
     llm = LLM()                                   # the default model (SmolLM2-135M-Instruct)
     llm = LLM(model="path/to/checkpoint", max_num_seqs=64)
     outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32))
+    outputs = llm.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=True)   # vLLM's dicts
     outputs = llm.chat([{"role": "user", "content": "Hi"}])   # the model's chat template
 
 Keyword arguments are EngineConfig fields. Results come back in prompt order.
@@ -12,7 +13,7 @@ Keyword arguments are EngineConfig fields. Results come back in prompt order.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvmesh.engine.chat import Message, chat_prompt_ids
@@ -21,6 +22,11 @@ from kvmesh.engine.engine import LLMEngine, PromptInput
 from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
+
+# The keys of vLLM's TextPrompt and TokensPrompt that kvmesh honours; any other one (multimodal
+# data, a cache salt, ...) would change the answer, so it is refused by name.
+DICT_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+PromptLike = PromptInput | Mapping[str, Any]
 
 
 class LLM:
@@ -35,13 +41,18 @@ class LLM:
 
     def generate(
         self,
-        prompts: PromptInput | Sequence[PromptInput],
+        prompts: PromptLike | Sequence[PromptLike],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); one RequestOutput per prompt.
+        """Generate for every prompt (text, token ids, or vLLM's `{"prompt": text}` and
+        `{"prompt_token_ids": ids}` dicts); one RequestOutput per prompt, in prompt order.
 
         A single SamplingParams applies to all prompts; a sequence gives one per prompt. All
-        prompts are validated before any runs (InvalidParameterError names the field).
+        prompts are validated before any runs (InvalidParameterError names the field, or the
+        key of a dict prompt kvmesh cannot honour). `use_tqdm` True (or a tqdm-like factory)
+        shows a progress bar of finished prompts on stderr (vLLM's option; off by default).
         """
         batch = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(batch))
@@ -57,22 +68,36 @@ class LLM:
             for request_id in order:
                 self.engine.abort_request(request_id)
             raise
+        return self._run(order, use_tqdm)
+
+    def _run(self, order: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
+        """Step until every request of `order` finished; their final outputs in that order."""
+        bar = _progress_bar(use_tqdm, len(order))
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(order):
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
+        try:
+            while len(finished) < len(order):
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return [finished[request_id] for request_id in order]
 
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation (a list of {"role", "content"})
         or to each of a list of conversations, rendered with the model's chat template and
-        its generation prompt; outputs as `generate`. InvalidParameterError names the field
-        (`messages`, `messages[i].role`, ... or `messages[k]...` for the k-th conversation)."""
+        its generation prompt; outputs and `use_tqdm` as `generate`. InvalidParameterError
+        names the field (`messages`, `messages[i].role`, ... or `messages[k]...` for the k-th
+        conversation)."""
         conversations, single = _as_conversations(messages)
         max_len = self.engine.parts.max_model_len
         prompts: list[PromptInput] = [
@@ -81,7 +106,7 @@ class LLM:
             )
             for k, conv in enumerate(conversations)
         ]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
 def _as_conversations(messages: Any) -> tuple[list[Any], bool]:
@@ -91,13 +116,46 @@ def _as_conversations(messages: Any) -> tuple[list[Any], bool]:
     return [messages], True
 
 
-def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: PromptLike | Sequence[PromptLike]) -> list[PromptInput]:
+    """The prompts as text or token ids: one text, token-id list or dict is a single prompt."""
+    if isinstance(prompts, (str, Mapping)):
+        return [_plain_prompt(prompts)]
     items: list[Any] = list(prompts)
     if items and all(isinstance(x, int) and not isinstance(x, bool) for x in items):
         return [items]  # one token-id prompt
-    return items
+    return [_plain_prompt(item) for item in items]
+
+
+def _plain_prompt(prompt: Any) -> PromptInput:
+    """Text or token ids of a prompt; vLLM's dicts read as vLLM reads them (token ids first).
+    InvalidParameterError names a key kvmesh cannot honour, or `prompt` for a dict without
+    text or ids."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    for key in prompt:
+        if key not in DICT_PROMPT_KEYS:
+            raise InvalidParameterError(str(key), "is not supported in a prompt dict")
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, (str, Mapping)) or not isinstance(ids, Sequence):
+            raise InvalidParameterError("prompt_token_ids", "expected a list of token ids")
+        return ids
+    if not isinstance(prompt.get("prompt"), str):
+        raise InvalidParameterError("prompt", "a prompt dict needs text or prompt_token_ids")
+    return prompt["prompt"]
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
+    """A tqdm bar over `total` prompts (from `use_tqdm` when it is a factory), None when off."""
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm):
+        factory = use_tqdm
+    else:
+        from tqdm import tqdm
+
+        factory = tqdm
+    return factory(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
 
 
 def _params_per_prompt(

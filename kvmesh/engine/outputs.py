@@ -15,7 +15,10 @@ from kvmesh.engine.sampler import TokenLogprobs
 
 @dataclass
 class CompletionOutput:
-    """One sequence of a request. finish_reason: None while running, else stop|length|abort."""
+    """One sequence of a request. finish_reason: None while running, else stop|length|abort;
+    stop_reason: the stop string or stop token id that ended it (None for EOS and the rest).
+    cumulative_logprob: the sum of the sampled tokens' logprobs when logprobs were asked for,
+    else None (vLLM's field)."""
 
     index: int
     text: str
@@ -23,6 +26,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     token_times: list[float] = field(default_factory=list)  # when each output token was made
