@@ -96,7 +96,8 @@ class Cluster:
         self.ledger.drop_worker(worker)
         for listener in self._lost_listeners:
             listener(worker)
-        if self.registry.get(record.worker_id) is None:
+        current = self.registry.get(record.worker_id)
+        if current is None or current.address != record.address:  # gone, or back elsewhere
             await self.channels.drop(record.address)
         await self.refresh()
 

@@ -26,6 +26,7 @@ from kv_transfer.errors import (
     DeadlineExpiredError,
     TransferCancelledError,
     TransferError,
+    detached,
 )
 from kv_transfer.header import (
     FLAG_NO_CHECKSUM,
@@ -284,7 +285,7 @@ class KVSender(abc.ABC):
             record.num_bytes = int(blocks) * self.layout.bytes_per_block
             record.move(TransferState.COMPLETED)
         except TransferError as exc:
-            record.end(end_state_for(exc), exc)
+            record.end(end_state_for(exc), detached(exc))  # kept: without its frames
         except Exception as exc:  # transport failure of any kind ends the transfer FAILED
             record.end(TransferState.FAILED, TransferError(f"{type(exc).__name__}: {exc}"))
         finally:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 
 import grpc
-from cp_harness import control_plane, run_async, status_of, text_request
+from cp_harness import collect, control_plane, run_async, status_of, text_request
 
 
 @run_async
@@ -106,3 +106,15 @@ async def test_silent_decode_worker_is_reaped_and_the_request_completes_elsewher
         await silent.register(cp.control)
         response = await silent.heartbeat(cp.control)
         assert list(response.release_request_ids) == ["r"] and silent.held == {}
+
+
+@run_async
+async def test_a_worker_back_at_a_new_address_leaves_no_channel_to_the_old_one() -> None:
+    """A worker restarted under its id registers a new epoch at a new address (a new port or
+    pod IP): the channel to the old address goes with the old incarnation, or a long-lived
+    control plane would keep one more channel, reconnecting to a dead address, per restart."""
+    async with control_plane() as cp:
+        for _ in range(3):
+            worker = await cp.add("c0", "colocated")
+            await collect(cp.generation.Generate(text_request(), timeout=10))
+        assert list(cp.server.cluster.channels._channels) == [worker.address]

@@ -6,6 +6,8 @@ receiver over a real Unix socket, the sender's transfer thread held back."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import signal
 import socket
@@ -401,3 +403,36 @@ def test_a_begin_of_a_partial_id_is_refused_and_ends_the_transfer() -> None:
     with pytest.raises(FrameError, match="dst_block_ids"):
         core.grant(frame_header(MsgType.BEGIN, tid, 5, payload), payload)
     assert handle.state is TransferState.FAILED and handle.quiet
+
+
+def _mapped_caches() -> int:
+    """Descriptors of shared KV caches open in this process (a mapping holds one)."""
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found += "kvmesh-kv" in os.readlink(f"/proc/self/fd/{fd}")
+    return found
+
+
+def test_a_cancelled_transfer_unmaps_the_receivers_cache_when_its_sender_closes() -> None:
+    """A sender whose transfer was cancelled unmaps the receiver's cache as it closes, not at
+    some later full garbage collection (rare in a worker with a large heap: every request
+    cancelled mid-transfer would keep another mapping of the whole cache until then)."""
+    receiver_store, sender_store = stores()
+    receiver = shm.Receiver(receiver_store)
+    gc.disable()
+    try:
+        before = _mapped_caches()
+        for _ in range(10):
+            sender = shm.Sender(sender_store, receiver.address, mode="registered")
+            _, _, sent = _named(sender, receiver)
+            sent.cancel()
+            assert sent.wait(5).state is TransferState.CANCELLED
+            assert sent.thread is not None
+            sent.thread.join(5)
+            sender.close()
+            del sender, sent
+        assert _mapped_caches() == before
+    finally:
+        gc.enable()
+        receiver.close()
