@@ -111,7 +111,9 @@ def parse(body: Any, kind: Kind) -> ParsedRequest:
     refuse_unimplemented(body, kind)
     echo = kind == "completion" and field(body, "echo", "boolean", False)
     prompt_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
-    request = generation_pb2.GenerateRequest(sampling=sampling(body, kind, prompt_only))
+    request = generation_pb2.GenerateRequest(
+        sampling=sampling(body, kind, prompt_only), cache_salt=cache_salt(body)
+    )
     if kind == "completion":
         requests = completion_requests(body, request)
     else:
@@ -150,6 +152,18 @@ def refuse_unimplemented(body: dict[str, Any], kind: Kind) -> None:
         value = body.get(name)
         if value is not None and not changes_nothing(value):
             raise bad_param(name, "is not supported")
+
+
+def cache_salt(body: dict[str, Any]) -> bytes:
+    """vLLM's `cache_salt` (UTF-8) as the request's prefix-cache salt: requests of different
+    salts never share KV blocks; absent or null, the request shares with every unsalted one.
+    400 unless a non-empty string (as vLLM answers); the front door bounds its length."""
+    salt = field(body, "cache_salt", "string")
+    if salt is None:
+        return b""
+    if not salt:
+        raise bad_param("cache_salt", "must be a non-empty string")
+    return salt.encode()
 
 
 def max_tokens_name(body: dict[str, Any], kind: Kind) -> str:

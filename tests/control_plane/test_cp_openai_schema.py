@@ -132,6 +132,8 @@ def test_logit_bias_becomes_the_proto_map() -> None:
         ("chat", {"messages": [{"role": "u", "content": "x"}], "max_completion_tokens": 0},
          "max_completion_tokens"),
         ("chat", {"messages": [{"role": "u", "content": "x"}], "tools": [{}]}, "tools"),
+        ("completion", {"prompt": "x", "cache_salt": ""}, "cache_salt"),
+        ("chat", {"messages": [{"role": "u", "content": "x"}], "cache_salt": 7}, "cache_salt"),
     ],
 )  # fmt: skip
 def test_bad_bodies_are_400_naming_the_param(kind: Any, body: Any, param: str | None) -> None:
@@ -230,6 +232,17 @@ def test_completion_batches_become_one_request_per_prompt() -> None:
         with pytest.raises(ApiError) as caught:
             parse({"prompt": bad}, "completion")
         assert caught.value.param == param
+
+
+def test_vllm_cache_salt_salts_every_request_of_the_body() -> None:
+    """vLLM's `cache_salt` reaches each prompt's GenerateRequest (UTF-8), chat's too; without
+    it (or null) the requests are unsalted and share the prefix cache."""
+    batch = parse({"prompt": ["a", "b"], "cache_salt": "tenant-é"}, "completion")
+    assert [r.cache_salt for r in batch.requests] == ["tenant-é".encode()] * 2
+    chat = parse({"messages": [{"role": "u", "content": "x"}], "cache_salt": "t"}, "chat")
+    assert chat.request.cache_salt == b"t"
+    assert parse({"prompt": "a", "cache_salt": None}, "completion").request.cache_salt == b""
+    assert parse({"prompt": "a"}, "completion").request.cache_salt == b""
 
 
 def test_echo_asks_the_worker_for_what_the_door_lacks() -> None:

@@ -1,9 +1,10 @@
 """Engine with host and disk KV tiers under a device pool too small for the shared prefixes:
 greedy output is the transformers output, with blocks spilled and reloaded; a persistent disk
-tier serves hits after a restart."""
+tier serves hits after a restart; a prefix is reloaded for its own cache salt only."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import shutil
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvmesh import LLM, SamplingParams
+from kvmesh.engine import disagg
 from kvmesh.models.tiny import build_tiny_model
 from kvmesh.telemetry.tier_metrics import register_tier_metrics
 from tests.memory.tiers_harness import file_size_limit
@@ -21,6 +23,7 @@ from tests.memory.tiers_harness import file_size_limit
 MAX_NEW = 6
 BLOCK_BYTES = 16384  # the tiny llama: 2 layers x (K, V) x 16 tokens x 2 heads x 32 x 4 bytes
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+SALTED_IDS = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +106,44 @@ def test_persistent_disk_tier_serves_hits_after_restart(
     again = LLM(str(checkpoint), **options)
     tokens, cached = run_each(again, [make_prompts()[1]])
     assert tokens == [expected[1]] and cached[0] > 0
+    assert tiers_of(again)["disk"].hits >= 1
+
+
+def salted_cached_tokens(llm: LLM, prompt: list[int], salt: bytes | None) -> int:
+    """Run `prompt` under cache salt `salt` (as a worker builds requests); its cached tokens."""
+    engine = llm.engine
+    request_id = f"salted-{next(SALTED_IDS)}"
+    request = disagg.build_request(engine, request_id, prompt, GREEDY, extra_key=salt)
+    disagg.add_request(engine, request)
+    while engine.scheduler.get_request(request_id) is not None:
+        engine.step()
+    engine.forget_request(request_id)
+    return request.seqs[0].num_cached_tokens
+
+
+def test_salts_stay_apart_in_the_host_and_disk_tiers_and_after_a_restart(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """A prefix spilled to the host and disk tiers (and kept across a restart) is reloaded for
+    its own cache salt only: another salt, or none, computes it afresh."""
+    options = {
+        "num_kv_blocks": 5,
+        "host_kv_gib": gib(2),
+        "disk_kv_dir": str(tmp_path),
+        "disk_kv_persist": True,
+    }
+    prompts = make_prompts()
+    first = LLM(str(checkpoint), **options)
+    assert salted_cached_tokens(first, prompts[0], b"a") == 0
+    assert salted_cached_tokens(first, prompts[2], b"a") == 0  # evicts prefix 0 to the tiers
+    assert salted_cached_tokens(first, prompts[1], b"b") == 0
+    assert salted_cached_tokens(first, prompts[3], None) == 0
+    assert salted_cached_tokens(first, prompts[3], b"a") == 48
+    first.engine.close()
+    del first
+    again = LLM(str(checkpoint), **options)
+    assert [salted_cached_tokens(again, prompts[1], salt) for salt in (b"c", None)] == [0, 0]
+    assert salted_cached_tokens(again, prompts[1], b"a") == 48
     assert tiers_of(again)["disk"].hits >= 1
 
 
