@@ -252,10 +252,9 @@ class FrontDoor:
         if client_left is not None:
             budget = min(budget, client_left)
         run = Run(request_id, request, now, now + budget, clock=self._cluster.clock, owner=owner)
+        run.model = self._cluster.model_name()
         bind_request_id(request_id)
-        run.request_span = RequestSpan(
-            request, request_id, self._cluster.model_name(), self.capture_content
-        )
+        run.request_span = RequestSpan(request, request_id, run.model, self.capture_content)
         run.event("admitted")
         self._runs[request_id] = run
         self._idle.clear()
@@ -368,7 +367,7 @@ class FrontDoor:
         with run.traced():  # the releases are part of the request's trace
             await self._release(self._cluster.ledger.close(run.request_id, status.name))
         self._runs.pop(run.request_id, None)
-        record_run(self._cluster.metrics, run, status, self._cluster.model_name())
+        record_run(self._cluster.metrics, run, status, run.model or self._cluster.model_name())
         self._cluster.metrics.inflight.set(len(self._runs))
         self._end_span(run, status)
         run.done.set()

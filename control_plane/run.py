@@ -114,6 +114,7 @@ class Run:
     lost: str | None = None
     aborted: bool = False
     owner: str | None = None  # the caller it belongs to (`FrontDoor.owner`): who may Abort it
+    model: str = ""  # the served model's name at admission: its span's and its metrics' label
     worker_aborted: bool = False  # a worker ended a completion with FINISH_REASON_ABORT
     streamed: bool = False  # a worker response reached the client (no retry after it)
     status: grpc.StatusCode | None = None

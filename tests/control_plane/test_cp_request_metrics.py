@@ -3,6 +3,8 @@ last token relayed, never at the cleanup that follows it (the Releases, however 
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from cp_harness import control_plane, run_async, status_of, text_request
@@ -33,3 +35,20 @@ async def test_e2e_and_decode_time_end_at_the_last_token_not_after_the_releases(
         decode_time = observed("kvmesh:request_decode_time_seconds")
         expected = usage.e2e_seconds - usage.ttft_seconds
         assert decode_time == pytest.approx(expected, abs=RELEASE_SECONDS / 5)
+
+
+@run_async
+async def test_a_request_keeps_the_model_it_was_admitted_for_when_every_worker_dies() -> None:
+    """A run whose only worker dies mid-stream is counted under the model it was admitted for
+    (its span's), not under "" because no worker is live when it finishes."""
+    async with control_plane(lease_seconds=0.4, heartbeat_interval_seconds=0.1,
+                             reap_interval_seconds=0.05) as cp:  # fmt: skip
+        worker = await cp.add("c0", "colocated")  # never heartbeats: reaped after its lease
+        worker.after_first_gate = asyncio.Event()  # one token streamed, then silence
+        call = cp.generation.Generate(text_request("hi", request_id="orphan"), timeout=5)
+        code, _, responses = await status_of(call)
+        assert code == grpc.StatusCode.UNAVAILABLE and len(responses) == 1
+        registry = cp.server.cluster.metrics.registry
+        tokens = "kvmesh:generation_tokens_total"
+        assert registry.get_sample_value(tokens, {"model_name": "tiny"}) == 1
+        assert registry.get_sample_value(tokens, {"model_name": ""}) is None
