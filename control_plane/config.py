@@ -58,6 +58,9 @@ class ControlConfig:
     worker_max_message_bytes: int = 16 * MIB
     # Largest HTTP request body (beyond: 413).
     max_http_body_bytes: int = 4 * MIB
+    # A gRPC connection (either door) with no call for this long is closed with GOAWAY; calls
+    # in flight are never cut, and clients reconnect on their next call.
+    max_connection_idle_seconds: float = 300.0
     # Per-request size bounds checked before any worker call.
     limits: RequestLimits = field(default_factory=RequestLimits)
 
@@ -82,6 +85,7 @@ class ControlConfig:
             "max_message_bytes": self.max_message_bytes >= 1024,
             "worker_max_message_bytes": self.worker_max_message_bytes >= 1024,
             "max_http_body_bytes": self.max_http_body_bytes >= 1024,
+            "max_connection_idle_seconds": self.max_connection_idle_seconds > 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

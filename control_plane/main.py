@@ -41,6 +41,10 @@ TUNABLES: dict[str, tuple[str, str]] = {
         "largest message on the channels to workers",
     ),
     "--max-http-body-bytes": ("max_http_body_bytes", "largest HTTP request body (beyond: 413)"),
+    "--max-connection-idle-seconds": (
+        "max_connection_idle_seconds",
+        "a gRPC connection without calls for this long is closed (GOAWAY)",
+    ),
 }
 # flag -> RequestLimits field: every per-request bound, named as its field.
 LIMIT_FLAGS = {"--" + name.replace("_", "-"): name for name in RequestLimits.__dataclass_fields__}

@@ -49,6 +49,7 @@ def server_options(config: ControlConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_connection_idle_ms", round(config.max_connection_idle_seconds * 1000)),
         ("grpc.so_reuseport", 0),  # a busy port fails to bind, never shared with its holder
     ]
 

@@ -20,7 +20,7 @@ from kvmesh.service.engine_flags import (
     engine_flags,
     engine_values,
 )
-from kvmesh.service.server import DEFAULT_MAX_MESSAGE_BYTES
+from kvmesh.service.server import DEFAULT_MAX_CONNECTION_IDLE_SECONDS, DEFAULT_MAX_MESSAGE_BYTES
 from kvmesh.telemetry.logs import add_log_flags
 from kvmesh.v1 import worker_pb2
 from kvmesh.v1.transfer import BACKENDS, WORKER_BACKENDS
@@ -81,9 +81,24 @@ def parser(role: str, *, transfer: bool = True) -> argparse.ArgumentParser:
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest gRPC message of the worker port (default %(default)s)",
     )
+    p.add_argument(
+        "--max-connection-idle-seconds",
+        type=positive_seconds,
+        default=DEFAULT_MAX_CONNECTION_IDLE_SECONDS,
+        help="a connection to the worker port without calls for this long is closed with "
+        "GOAWAY (default %(default)s)",
+    )
     add_security_flags(p)
     add_log_flags(p)
     return p
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds above 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -82,6 +82,7 @@ def serve_role(
             args.port,
             reflection=args.reflection,
             max_message_bytes=args.max_message_bytes,
+            max_connection_idle_seconds=args.max_connection_idle_seconds,
             security=security,
             on_refused=metrics.auth_refused.inc,
         )

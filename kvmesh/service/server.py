@@ -36,6 +36,7 @@ from kvmesh.telemetry.tracing import server_interceptors
 from kvmesh.v1 import wire
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a worker port's largest message (prepared prompts)
+DEFAULT_MAX_CONNECTION_IDLE_SECONDS = 300.0  # a connection without calls is closed after it
 SERVING = health_pb2.HealthCheckResponse.SERVING
 DRAINING = "draining: this worker is shutting down; retry on another worker"
 STOP_GRACE_SECONDS = 0.5  # after the drain: lets finished calls flush, then cancels the rest
@@ -44,7 +45,11 @@ UNGATED = (f"/{health.SERVICE_NAME}/", "/grpc.reflection.")  # neither counted n
 LOG = logging.getLogger("kvmesh.service")
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def server_options(
+    max_message_bytes: int, max_connection_idle_seconds: float = DEFAULT_MAX_CONNECTION_IDLE_SECONDS
+) -> list[tuple[str, int]]:
+    """A worker port's options: a connection without calls for `max_connection_idle_seconds`
+    is closed with GOAWAY (calls in flight are never cut; clients reconnect on their next)."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -52,6 +57,7 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_connection_idle_ms", round(max_connection_idle_seconds * 1000)),
         ("grpc.so_reuseport", 0),  # a busy port fails to bind, never shared with its holder
     ]
 
@@ -137,6 +143,7 @@ class WorkerServer:
         *,
         reflection: bool = False,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_connection_idle_seconds: float = DEFAULT_MAX_CONNECTION_IDLE_SECONDS,
         security: Security | None = None,
         on_refused: Callable[[], object] | None = None,
     ) -> None:
@@ -151,7 +158,7 @@ class WorkerServer:
         # request id's scope.
         interceptors = [*server_interceptors(), *self.auth, self.gate]
         self.server = grpc.aio.server(
-            options=server_options(max_message_bytes),
+            options=server_options(max_message_bytes, max_connection_idle_seconds),
             interceptors=[*interceptors, wire.DecodeCheck(), RequestScope()],
         )
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]

@@ -16,15 +16,19 @@ gRPC calls are traced by `opentelemetry-instrumentation-grpc`: `server_intercept
 first on every grpc.aio server (a SERVER span per call, child of the caller's W3C
 `traceparent`), `client_interceptors()` on every internal grpc.aio channel (a CLIENT span per
 call, its context injected into the metadata). Health checks and heartbeats are not traced.
+Response streams are written by a coroutine of the call's own task (`ClosingStreams`), so a
+stream the client cancels is closed, and its span's context detached, where it was attached.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -138,7 +142,49 @@ def server_interceptors() -> list[Any]:
     """The tracing interceptor of a grpc.aio server (put it first: it sees every outcome)."""
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-    return [aio_server_interceptor(filter_=_traced())]
+    return [ClosingStreams(aio_server_interceptor(filter_=_traced()))]
+
+
+class ClosingStreams(grpc.aio.ServerInterceptor):
+    """`inner` (the tracing interceptor) with its response streams written by a coroutine
+    (`context.write`) that closes its generator in the call's own task when the call ends,
+    cancelled included.
+
+    grpc.aio iterates an async-generator handler itself; a call cancelled while it sends drops
+    the generator, which asyncio's finalizer then closes from another task, where the tracing
+    interceptor's context tokens (attached in the call's task) cannot be detached: an ERROR
+    traceback from `opentelemetry.context` per cancelled stream.
+    """
+
+    def __init__(self, inner: grpc.aio.ServerInterceptor) -> None:
+        self.inner = inner
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler: Any = await self.inner.intercept_service(continuation, handler_call_details)
+        if handler is None or not handler.response_streaming:
+            return handler
+        if handler.request_streaming:
+            return handler._replace(stream_stream=_written(handler.stream_stream))
+        return handler._replace(unary_stream=_written(handler.unary_stream))
+
+
+def _written(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    async def write_all(request: Any, context: grpc.aio.ServicerContext) -> None:
+        responses = behaviour(request, context)
+        if not inspect.isasyncgen(responses):  # a handler that writes itself
+            await responses
+            return
+        try:
+            async for response in responses:
+                await context.write(response)
+        finally:
+            await responses.aclose()  # in this task: where its context was attached
+
+    return write_all
 
 
 def client_interceptors() -> list[Any]:

@@ -58,7 +58,7 @@ def test_every_flag_sets_its_config_field() -> None:
             "--drain-token-seconds", "0.1", "--retry-after-ms", "50",
             "--max-message-bytes", "2048", "--worker-max-message-bytes", "4096",
             "--max-http-body-bytes", "8192", "--max-prompt-bytes", "100",
-            "--max-n", "2"]  # fmt: skip
+            "--max-connection-idle-seconds", "30", "--max-n", "2"]  # fmt: skip
     config = config_from_args(build_parser().parse_args(argv))
     assert (config.host, config.port, config.reflection, config.metrics_port) == (
         "0.0.0.0", 7000, True, 9100
@@ -71,7 +71,7 @@ def test_every_flag_sets_its_config_field() -> None:
         "reservation_lease_seconds": 7.0, "max_request_seconds": 60.0, "drain_seconds": 4.0,
         "drain_token_seconds": 0.1,
         "retry_after_ms": 50, "max_message_bytes": 2048, "worker_max_message_bytes": 4096,
-        "max_http_body_bytes": 8192,
+        "max_http_body_bytes": 8192, "max_connection_idle_seconds": 30.0,
     }  # fmt: skip
     assert (config.limits.max_prompt_bytes, config.limits.max_n) == (100, 2)
     assert config.limits.max_messages == RequestLimits().max_messages
