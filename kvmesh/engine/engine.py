@@ -86,15 +86,22 @@ class LLMEngine:
             request_id, prompt_ids, params, arrival_time=arrival, prefill_only=prefill_only
         )
         self.scheduler.add_request(request)
-        tiers = self.parts.tiers
-        if tiers is not None and tiers.disk is not None:  # disk reads start now, before admission
-            manager = self.scheduler.block_manager
-            tiers.prefetch(manager.block_hashes(prompt_ids, request.seqs[0].extra_key))
+        self._prefetch(request)
         tracked = _Tracked(request, text, metrics=RequestMetrics(arrival))
         self._tracked[request_id] = tracked
         self._owe_prompt_logprobs(tracked)
         self._seq_request[request_id] = request_id
         return request
+
+    def _prefetch(self, request: Request) -> None:
+        """Start reading the request's prefix blocks that lie on the disk tier now, before
+        admission (a lookup then finds them on the host instead of reading in the step)."""
+        tiers = self.parts.tiers
+        if tiers is not None and tiers.disk is not None:
+            head = request.seqs[0]
+            tiers.prefetch(
+                self.scheduler.block_manager.block_hashes(head.prompt_ids, head.extra_key)
+            )
 
     def encode_prompt(self, prompt: PromptInput) -> tuple[list[int], str | None]:
         """Token ids of a text or token-id prompt, checked against the vocabulary."""
@@ -143,8 +150,10 @@ class LLMEngine:
 
     # -- built requests (the KV connector in kvmesh.engine.disagg adds and imports these) ---
     def add_built_request(self, request: Request) -> None:
-        """Queue a Request built elsewhere (validated, carrying its prefix-cache salt)."""
+        """Queue a Request built elsewhere (validated, carrying its prefix-cache salt); its disk
+        blocks are prefetched as `add_request`'s are."""
         self.scheduler.add_request(request)
+        self._prefetch(request)
         self._owe_prompt_logprobs(self._track(request))
 
     def _owe_prompt_logprobs(self, tracked: _Tracked) -> None:

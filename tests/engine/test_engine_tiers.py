@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import random
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -259,3 +260,35 @@ def test_a_cache_moved_into_shared_memory_takes_its_tiers_along(
     tokens, cached = run_each(llm, [make_prompts()[i] for i in order])
     assert tokens == [expected[i] for i in order]
     assert cached[2:] == [48, 48] and tiers_of(llm)["host"].reloads >= 3
+
+
+def test_a_workers_built_request_prefetches_its_disk_blocks(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """The workers queue built requests (`disagg.add_request`); their prefix blocks on disk
+    are read by the tier's reader thread from arrival, as `LLM.generate`'s are (they were all
+    read on the engine's thread inside the step, holding up the whole batch)."""
+    llm = LLM(str(checkpoint), num_kv_blocks=5, host_kv_gib=gib(4), disk_kv_dir=str(tmp_path))
+    prompts = make_prompts()
+    third = list(range(100, 157))  # a third prefix pushes prefix 0 from the host to the disk
+    run_each(llm, [prompts[0], prompts[2], third])
+    assert tiers_of(llm)["disk"].used_blocks >= 1
+    store = llm.engine.parts.tiers
+    assert store is not None and store.disk is not None
+    readers: list[str] = []
+    read = store.disk.read
+
+    def recorded(block_hash: int) -> bytes | None:
+        readers.append(threading.current_thread().name)
+        return read(block_hash)
+
+    store.disk.read = recorded  # type: ignore[method-assign]  # the real read, observed
+    engine = llm.engine
+    request = disagg.build_request(engine, "built", prompts[1], GREEDY)
+    disagg.add_request(engine, request)
+    while engine.scheduler.get_request("built") is not None:
+        engine.step()
+    engine.forget_request("built")
+    assert request.seqs[0].num_cached_tokens == 48
+    # Read ahead from arrival (up to half the host's slots; any rest is read in the step).
+    assert readers and readers[0].startswith("kvmesh-tier-read"), readers
