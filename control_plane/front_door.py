@@ -438,15 +438,14 @@ class FrontDoor:
         """The served model as the live workers that can serve it describe it: "disaggregated"
         with a prefill and a decode worker of equal layouts, else "colocated" with a colocated
         worker; RpcFailure UNAVAILABLE without either (as Generate and health say)."""
-        live = self._cluster.registry.alive_by_role()
-        pairs = [d for d in live["decode"] if any(p.layout == d.layout for p in live["prefill"])]
-        mode, workers = ("disaggregated", pairs) if pairs else ("colocated", live["colocated"])
-        if not workers:
+        serving = self._cluster.registry.serving_set()
+        if serving is None:
             raise RpcFailure(
                 grpc.StatusCode.UNAVAILABLE,
                 "no usable workers: need a prefill and a decode worker of equal layouts, or a "
                 "colocated worker",
             )
+        mode, workers = serving
         info = generation_pb2.ModelInfo()
         info.CopyFrom(workers[0].info.model)
         info.mode = mode

@@ -154,12 +154,19 @@ class Registry:
     def remove(self, worker_id: str) -> WorkerRecord | None:
         return self._workers.pop(worker_id, None)
 
+    def serving_set(self) -> tuple[str, list[WorkerRecord]] | None:
+        """How requests can be served now, and by whom: "disaggregated" with the decode workers
+        that have a prefill worker of equal layout, else "colocated" with the colocated
+        workers; None when neither is live."""
+        live = self.alive_by_role()
+        paired = [d for d in live["decode"] if any(p.layout == d.layout for p in live["prefill"])]
+        if paired:
+            return "disaggregated", paired
+        return ("colocated", live["colocated"]) if live["colocated"] else None
+
     def has_serving_set(self) -> bool:
         """A colocated worker, or a prefill and a decode worker with equal layouts."""
-        live = self.alive_by_role()
-        if live["colocated"]:
-            return True
-        return any(p.layout == d.layout for p in live["prefill"] for d in live["decode"])
+        return self.serving_set() is not None
 
 
 def _copy(info: worker_pb2.WorkerInfo) -> worker_pb2.WorkerInfo:

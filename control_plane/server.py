@@ -41,19 +41,6 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def server_options(config: ControlConfig) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.max_connection_idle_ms", round(config.max_connection_idle_seconds * 1000)),
-        ("grpc.so_reuseport", 0),  # a busy port fails to bind, never shared with its holder
-    ]
-
-
 class ControlServer:
     """Owns the two grpc.aio servers (public and internal door) and the control plane's state;
     start() then drain()."""
@@ -72,7 +59,7 @@ class ControlServer:
         decode = wire.DecodeCheck()
         self.public_auth = security.public_interceptors(refused.labels("public").inc)
         self.internal_auth = security.internal_interceptors(refused.labels("internal").inc)
-        options = server_options(config)
+        options = wire.server_options(config.max_message_bytes, config.max_connection_idle_seconds)
         self._server = grpc.aio.server(
             options=options, interceptors=[*server_interceptors(), *self.public_auth, decode]
         )

@@ -45,23 +45,6 @@ UNGATED = (f"/{health.SERVICE_NAME}/", "/grpc.reflection.")  # neither counted n
 LOG = logging.getLogger("kvmesh.service")
 
 
-def server_options(
-    max_message_bytes: int, max_connection_idle_seconds: float = DEFAULT_MAX_CONNECTION_IDLE_SECONDS
-) -> list[tuple[str, int]]:
-    """A worker port's options: a connection without calls for `max_connection_idle_seconds`
-    is closed with GOAWAY (calls in flight are never cut; clients reconnect on their next)."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.max_connection_idle_ms", round(max_connection_idle_seconds * 1000)),
-        ("grpc.so_reuseport", 0),  # a busy port fails to bind, never shared with its holder
-    ]
-
-
 class DrainGate(grpc.aio.ServerInterceptor):
     """Counts the calls in flight and, once `close`d, refuses the methods in `new_work` (full
     names, "/pkg.Service/Method") with UNAVAILABLE "draining"; other calls (health, Release,
@@ -158,7 +141,7 @@ class WorkerServer:
         # request id's scope.
         interceptors = [*server_interceptors(), *self.auth, self.gate]
         self.server = grpc.aio.server(
-            options=server_options(max_message_bytes, max_connection_idle_seconds),
+            options=wire.server_options(max_message_bytes, max_connection_idle_seconds),
             interceptors=[*interceptors, wire.DecodeCheck(), RequestScope()],
         )
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]

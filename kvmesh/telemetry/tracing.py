@@ -39,6 +39,8 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 
+from kvmesh.v1 import wire
+
 EXPORTERS = ("otlp", "otlp_proto_grpc", "otlp_proto_http", "console", "none")
 PROTOCOLS = ("grpc", "http/protobuf")
 UNTRACED_METHODS = ("/kvmesh.v1.ControlService/Heartbeat",)
@@ -174,15 +176,13 @@ class ClosingStreams(grpc.aio.ServerInterceptor):
 
 def _written(behaviour: Callable[..., Any]) -> Callable[..., Any]:
     async def write_all(request: Any, context: grpc.aio.ServicerContext) -> None:
-        responses = behaviour(request, context)
-        if not inspect.isasyncgen(responses):  # a handler that writes itself
-            await responses
-            return
+        result = behaviour(request, context)  # an async generator, or a coroutine that writes
         try:
-            async for response in responses:
+            async for response in wire.responses_of(result):
                 await context.write(response)
         finally:
-            await responses.aclose()  # in this task: where its context was attached
+            if inspect.isasyncgen(result):
+                await result.aclose()  # in this task: where its context was attached
 
     return write_all
 

@@ -121,6 +121,29 @@ def _non_negative(text: str) -> int | None:
     return value if value >= 0 else None
 
 
+# -- servers -----------------------------------------------------------------------------------
+
+
+def server_options(
+    max_message_bytes: int, max_connection_idle_seconds: float
+) -> list[tuple[str, int]]:
+    """The options of every kvmesh grpc.aio server (control plane doors, worker ports):
+    messages up to `max_message_bytes`; keepalive pings, so a dead peer is noticed; a
+    connection without calls for `max_connection_idle_seconds` closed with GOAWAY (calls in
+    flight are never cut; clients reconnect on their next call); no SO_REUSEPORT, so a busy
+    port fails to bind instead of being shared with its holder."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_connection_idle_ms", round(max_connection_idle_seconds * 1000)),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
 # -- request decoding ----------------------------------------------------------------------------
 
 
