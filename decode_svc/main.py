@@ -61,7 +61,9 @@ async def install(
     store = BlockStore(cache, scales, model_id=runtime.layout.model_fingerprint, region=region)
     host = getattr(args, "host", None) or "127.0.0.1"
     port = getattr(args, "transfer_port", None) or 0
-    receivers = open_receivers(store, backends, host, port, server.security)
+    receivers = open_receivers(
+        store, backends, host, port, server.security, server.max_connection_idle_seconds
+    )
     table = ReservationTable(runtime.engine, receivers)
     table.start_reaper()
     servicer = DecodeServicer(runtime, table, metrics or WorkerMetrics("decode"))

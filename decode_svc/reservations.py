@@ -79,12 +79,14 @@ def open_receivers(
     host: str = "127.0.0.1",
     port: int = 0,
     security: Security | None = None,
+    max_connection_idle_seconds: float = 300.0,
 ) -> dict[str, KVReceiver]:
     """One receiver per backend, all sharing one ReceiverCore: a reservation is accepted on
     whichever backend the sender picks. Backends that cannot run here are skipped. Network
     receivers bind `host` on `port`, `port + 1`, ... in `backends` order (0: free ports); a port
     chosen that way which cannot be bound is an OSError naming --transfer-port, never a skip.
-    The gRPC receiver requires `security`'s cluster token (and TLS when set)."""
+    The gRPC receiver requires `security`'s cluster token (and TLS when set) and closes a
+    connection idle for `max_connection_idle_seconds`, as the worker's own port does."""
     core = ReceiverCore(store)
     receivers: dict[str, KVReceiver] = {}
     ports = receiver_ports(backends, port)
@@ -92,8 +94,10 @@ def open_receivers(
         options: dict[str, Any] = {}
         if name in ports:
             options["bind"] = bind_address(host, ports[name])
-        if name in AUTHENTICATED_BACKENDS and security is not None:
-            options["security"] = security
+        if name in AUTHENTICATED_BACKENDS:
+            options["max_connection_idle_seconds"] = max_connection_idle_seconds
+            if security is not None:
+                options["security"] = security
         try:
             receiver = get_backend(name).Receiver(store, **options)
         except (ImportError, ValueError, OSError, RuntimeError) as exc:

@@ -199,10 +199,12 @@ class Receiver(KVReceiver):
         *,
         bind: str = "127.0.0.1:0",
         max_message_bytes: int = 8 << 20,
+        max_connection_idle_seconds: float = 300.0,
         security: Security | None = None,
     ) -> None:
         super().__init__(store)
         self.security = security or Security()
+        self._idle_seconds = max_connection_idle_seconds
         self._loop = new_event_loop()
         self._server: grpc.aio.Server | None = None
         self._port, self._bind_error = 0, ""
@@ -223,8 +225,8 @@ class Receiver(KVReceiver):
         # The token check first (a refused call is never parsed), then the unary requests'
         # decode check (INVALID_ARGUMENT, not UNKNOWN); PushFrames is raw bytes either way.
         interceptors = [*self.auth, wire.DecodeCheck()]
-        self._server = grpc.aio.server(  # no SO_REUSEPORT: a busy port is an error, not shared
-            options=[*message_options(max_bytes), ("grpc.so_reuseport", 0)],
+        self._server = grpc.aio.server(  # keepalive, idle bound, no SO_REUSEPORT (wire's)
+            options=wire.server_options(max_bytes, self._idle_seconds),
             interceptors=interceptors,
         )
         servicer = _Servicer(self)

@@ -133,6 +133,7 @@ class WorkerServer:
         self.host = host
         self.requested_port = port
         self.reflection = reflection
+        self.max_connection_idle_seconds = max_connection_idle_seconds
         self.security = security or Security()
         self.auth = self.security.internal_interceptors(on_refused)
         self.gate = DrainGate()

@@ -7,7 +7,6 @@ door) reconnect by themselves on their next call."""
 from __future__ import annotations
 
 import asyncio
-import struct
 
 import grpc
 from cp_harness import Harness, control_plane, run_async, status_of, text_request
@@ -17,38 +16,10 @@ from control_plane.cluster import ChannelPool
 from kvmesh.client import AsyncClient
 from kvmesh.security import Security
 from kvmesh.service.server import WorkerServer
+from tests.http2 import closed_with_goaway
 
 IDLE = 0.3  # seconds: the bound under test
 TOKENS = 9  # of a request: the prefill's first, then 8 from the decode worker
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-SETTINGS, PING, GOAWAY, ACK = 4, 6, 7, 1
-
-
-def frame(kind: int, flags: int = 0, payload: bytes = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + struct.pack(">I", 0) + payload
-
-
-async def closed_with_goaway(address: str, seconds: float = 5.0) -> bool:
-    """Hold a raw HTTP/2 connection open without calls (SETTINGS and pings acknowledged):
-    whether the server sent GOAWAY and closed it within `seconds`."""
-    host, port = address.rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(PREFACE + frame(SETTINGS))
-    goaway = False
-    try:
-        async with asyncio.timeout(seconds):
-            while head := await reader.read(9):
-                head += await reader.readexactly(9 - len(head))
-                kind, flags = head[3], head[4]
-                payload = await reader.readexactly(int.from_bytes(head[:3], "big"))
-                goaway = goaway or kind == GOAWAY
-                if kind in (SETTINGS, PING) and not flags & ACK:
-                    writer.write(frame(kind, ACK, payload if kind == PING else b""))
-    except TimeoutError:
-        return False
-    finally:
-        writer.close()
-    return goaway
 
 
 async def went_idle(channel: grpc.aio.Channel, seconds: float = 5.0) -> None:
