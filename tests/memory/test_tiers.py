@@ -290,3 +290,24 @@ def test_disk_reloads_report_their_latency(tmp_path: Path) -> None:
     assert rig.run_prompt("again", A) == 12
     disk = rig.store.metrics()[1]
     assert disk.hits >= 1 and disk.reload_latency_mean_s > 0
+
+
+def test_a_block_file_that_cannot_be_deleted_costs_only_that_block(tmp_path: Path) -> None:
+    """Deleting a disk block can fail (read-only remount after I/O errors, permissions; here
+    a directory in the file's place): the block is forgotten, the failure counted, the step
+    goes on, and evicting more blocks through the disk tier still works."""
+    rig = TieredRig(4, 1, tmp_path, 2)
+    push_down(rig, A, B)
+    stuck = _files(tmp_path)
+    assert stuck
+    for path in stuck:
+        path.unlink()
+        path.mkdir()
+        (path / "keep").write_bytes(b"x")  # unlink(path) now fails: EISDIR
+    assert rig.run_prompt("again", A) is not None  # misses on disk: recomputed, not failed
+    rig.manager.free("again")
+    push_down(rig, B, list(range(80, 93)), list(range(100, 113)))  # the disk tier evicts
+    disk = rig.store.metrics()[1]
+    assert rig.store.disk is not None and rig.store.disk.num_unremoved >= 1
+    assert disk.used_blocks <= 2 and all(path.is_dir() for path in stuck)
+    rig.manager.check_integrity()

@@ -6,11 +6,16 @@ what this process wrote); with it they are verified (header, layout, checksum) a
 oldest first in the LRU order, and the folder's hash seed is reused so equal prefixes hash
 alike again. A write that fails (disk full) stores nothing and leaves no file.
 A file that fails verification at any time is deleted and counted in `num_corrupt`.
+A file that cannot be deleted (read-only remount, I/O error) is forgotten all the same and
+counted in `num_unremoved`: files are named by their content's hash, so a file left behind can
+only ever be read as that block, and a later write of the hash replaces it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import logging
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -20,6 +25,7 @@ from kvmesh.memory.tiers import blockfile
 from kvmesh.memory.tiers.blockfile import BlockMeta
 from kvmesh.memory.tiers.watermarks import Watermarks
 
+LOG = logging.getLogger(__name__)
 SUFFIX = ".kvblock"
 SEED_FILE = "hash-seed"
 LOCK_FILE = "lock"
@@ -51,6 +57,8 @@ class DiskTier:
         self.persist = persist
         self.watermarks = watermarks or Watermarks()
         self.num_corrupt = 0
+        self.num_unremoved = 0
+        self._unremoved: set[int] = set()  # hashes whose file outlived its removal
         self._index: OrderedDict[int, BlockMeta] = OrderedDict()
         if persist:
             self._scan()
@@ -110,6 +118,7 @@ class DiskTier:
         except OSError:
             return False
         self._index[meta.block_hash] = meta
+        self._unremoved.discard(meta.block_hash)
         return True
 
     def read(self, block_hash: int) -> bytes | None:
@@ -133,8 +142,15 @@ class DiskTier:
         return decoded[1]
 
     def remove(self, block_hash: int) -> None:
+        """Forget the block and delete its file; never raises (see the module's note)."""
         self._index.pop(block_hash, None)
-        self.path(block_hash).unlink(missing_ok=True)
+        try:
+            self.path(block_hash).unlink(missing_ok=True)
+        except OSError as error:
+            if not self.num_unremoved:
+                LOG.warning("disk KV tier cannot delete block files (%s); counting them", error)
+            self.num_unremoved += 1
+            self._unremoved.add(block_hash)
 
     def touch(self, block_hash: int) -> None:
         self._index.move_to_end(block_hash)
@@ -147,10 +163,17 @@ class DiskTier:
         return [p for p in self.folder.iterdir() if p.name.endswith(SUFFIX)]
 
     def _wipe(self) -> None:
-        for path in self._block_files():
-            path.unlink(missing_ok=True)
-        for path in self.folder.glob(f".*{SUFFIX}.*.tmp"):
-            path.unlink(missing_ok=True)
+        """Delete every block file and torn write; never raises (files left are counted)."""
+        for path in [*self._block_files(), *self.folder.glob(f".*{SUFFIX}.*.tmp")]:
+            try:
+                block_hash: int | None = int(path.name.removesuffix(SUFFIX), 16)
+            except ValueError:  # a torn write or a stranger's name
+                block_hash = None
+            if block_hash is not None:
+                self.remove(block_hash)
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
 
     def _scan(self) -> None:
         """Keep the files that verify (oldest first); delete the rest and any torn write."""
@@ -181,7 +204,9 @@ class DiskTier:
     def check_integrity(self) -> None:
         """AssertionError unless the index and the folder's block files agree."""
         on_disk = {int(p.name.removesuffix(SUFFIX), 16) for p in self._block_files()}
-        assert on_disk == set(self._index), "disk index and block files differ"
+        indexed = set(self._index)
+        assert indexed <= on_disk, "an indexed disk block has no file"
+        assert on_disk - indexed <= self._unremoved, "a block file outside the index"
         assert len(self._index) <= self.capacity, "disk tier over capacity"
 
 
