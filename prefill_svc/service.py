@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from kvmesh.engine.engine import LLMEngine
 
 DEFAULT_TRANSFER_TIMEOUT = 30.0
+CANCEL_GRACE_SECONDS = 0.2  # a cancel ends the request stream at most this long before the call
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -173,8 +174,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         request: Request,
         generation: int,
     ) -> worker_pb2.KVTarget:
-        """The target of PrefillAhead's second message, checked."""
+        """The target of PrefillAhead's second message, checked. A caller's cancel ends the
+        request stream too, just before grpc cancels the call: a stream ended without a target
+        is refused only once that grace passed (a cancelled call is counted CANCELLED)."""
         message = await anext(messages, None)
+        if message is None:
+            await asyncio.sleep(CANCEL_GRACE_SECONDS)  # cancelled meanwhile if the caller left
         if message is None or not message.HasField("target"):
             raise ServiceError(INVALID_ARGUMENT, "target: the call ended without one")
         self._check_target(message.target, request, generation)

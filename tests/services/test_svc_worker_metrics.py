@@ -89,3 +89,28 @@ def test_transfer_seconds_is_the_transfer_not_the_wait_for_its_target(
     driver.d.Release(worker_pb2.ReleaseRequest(request_id=rid, generation=generation), timeout=5)
     wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 2.0, "decode blocks freed")
     wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 2.0, "prefill blocks freed")
+
+
+def test_a_prefill_ahead_cancelled_before_its_target_is_counted_cancelled(workers: Any) -> None:
+    """A client that leaves while the decode worker reserves cancels the PrefillAhead call
+    before its target is named: the worker's read of the request stream then ends, which
+    must not be taken for a caller that closed the stream without a target."""
+    prefills, decode = workers
+    prefill = prefills["overlap"]
+    driver = ControlDriver(prefill, decode, backends_here()[0])
+    codes = ("CANCELLED", "INVALID_ARGUMENT")
+    before = [sample(prefill, "kvmesh_requests_total", status=code) for code in codes]
+    for index in range(5):
+        request = driver.prepare(f"left-early-{index}", [710 + index, *PROMPT[1:]], max_tokens=4)
+        first = worker_pb2.PrefillRequest(request=request, generation=31 + index)
+        call = AheadCall(driver, first)
+        wait_until(lambda: prefill.free_blocks() < NUM_BLOCKS, 5.0, "prefill started")
+        assert call.future.cancel()
+        wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 5.0, "prefill blocks freed")
+        call.send(None)
+    expected = [before[0] + 5, before[1]]
+    wait_until(
+        lambda: [sample(prefill, "kvmesh_requests_total", status=c) for c in codes] == expected,
+        2.0,
+        "five calls counted CANCELLED, none INVALID_ARGUMENT",
+    )
