@@ -47,6 +47,7 @@ from kvmesh.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
+_FLOAT32 = torch.finfo(torch.float32)  # the sampler's arithmetic: values stay in its range
 
 
 def mix_seed(seed: int, step: int) -> int:
@@ -111,8 +112,11 @@ class SamplingBatch:
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             rows=rows,
-            temperature=torch.tensor(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+            temperature=torch.tensor(  # a temperature beyond float32's range is its largest
+                [
+                    1.0 if g else min(p.temperature, _FLOAT32.max)
+                    for p, g in zip(params, greedy, strict=True)
+                ],
                 dtype=torch.float32,
             ),
             top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64),
@@ -258,8 +262,8 @@ class Sampler:
             if filtered:
                 floors = top_cut(logits, inv_temp, top_k, batch.top_p, batch.min_p)
             sampled = race_rows(logits, inv_temp, self._keys(batch), floors)  # [rows]
-        else:
-            logits = logits.float() / temperature.unsqueeze(1)
+        else:  # a penalised +huge value divided by a temperature < 1 stays finite (no NaN row)
+            logits = (logits.float() / temperature.unsqueeze(1)).clamp_(max=_FLOAT32.max)
             if batch.any_min_p:
                 logits = apply_min_p(logits, batch.min_p.to(device))
             if batch.any_top_k or batch.any_top_p:
@@ -345,7 +349,9 @@ def penalize_(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
     Only the tokens a row has seen (its prompt or output) change, so the penalties are applied
     at those (row, token) positions alone: one sorted set of flat indices for the whole batch,
-    the output counts found in it, instead of dense [rows, vocab] counts and masks."""
+    the output counts found in it, instead of dense [rows, vocab] counts and masks. A penalty
+    near 0 stays in float32's range: at least its smallest normal value (one rounded to 0
+    would turn a masked -inf into NaN) and a quotient at most its largest (never +inf)."""
     vocab = logits.shape[1]
     device = logits.device
     penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
@@ -367,7 +373,8 @@ def penalize_(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     flat = logits.view(-1)
     at = seen.to(device)
     values = flat[at]  # [S]
-    values = torch.where(values > 0, values / rep, values * rep)
+    rep = rep.clamp(min=_FLOAT32.tiny)
+    values = torch.where(values > 0, (values / rep).clamp(max=_FLOAT32.max), values * rep)
     flat[at] = values - freq * count - pres * (count > 0)
 
 
