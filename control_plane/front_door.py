@@ -120,15 +120,17 @@ class FrontDoor:
         request: generation_pb2.GenerateRequest,
         timeout: float | None = None,
         owner: str | None = None,
+        nested: bool = False,
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """Admit, run and finish one request of `owner`; `timeout` is the client's remaining
-        time.
+        time; `nested`: one of several runs of one transport request, with a request span of
+        its own (`RequestSpan`).
 
         Raises RpcFailure (admission refused, or the run failed: its blocks are released
         before the failure is raised). Closing the iterator early, or cancelling its consumer,
         cancels the run and releases every holder, like a gRPC cancel.
         """
-        run = self.open_run(request, timeout, owner)
+        run = self.open_run(request, timeout, owner, nested)
         try:
             async for response in self.stream(run):
                 yield response
@@ -211,11 +213,12 @@ class FrontDoor:
         request: generation_pb2.GenerateRequest,
         client_left: float | None = None,
         owner: str | None = None,
+        nested: bool = False,
     ) -> Run:
         """Admission and structural checks (RpcFailure when refused, counted by status); the
         caller must `finish` the returned run."""
         try:
-            return self._admit(request, client_left, owner)
+            return self._admit(request, client_left, owner, nested)
         except RpcFailure as failure:
             self.count_rejected(failure.code)
             mark_refused(failure.code, failure.message)
@@ -226,7 +229,11 @@ class FrontDoor:
         self._cluster.metrics.requests.labels(code.name).inc()
 
     def _admit(
-        self, request: generation_pb2.GenerateRequest, client_left: float | None, owner: str | None
+        self,
+        request: generation_pb2.GenerateRequest,
+        client_left: float | None,
+        owner: str | None,
+        nested: bool,
     ) -> Run:
         if self.draining:
             raise RpcFailure(
@@ -254,7 +261,7 @@ class FrontDoor:
         run = Run(request_id, request, now, now + budget, clock=self._cluster.clock, owner=owner)
         run.model = self._cluster.model_name()
         bind_request_id(request_id)
-        run.request_span = RequestSpan(request, request_id, run.model, self.capture_content)
+        run.request_span = RequestSpan(request, request_id, run.model, self.capture_content, nested)
         run.event("admitted")
         self._runs[request_id] = run
         self._idle.clear()
@@ -279,10 +286,10 @@ class FrontDoor:
                 return
             if run.streamed or run.tries >= MAX_TRIES:
                 raise RpcFailure(grpc.StatusCode.UNAVAILABLE, str(lost))
-            LOG.info("retrying %s after: %s", run.request_id, lost)
             self._cluster.metrics.retries.inc()
             run.avoid.add(lost.worker_id)
             with run.traced():
+                LOG.info("retrying %s after: %s", run.request_id, lost)
                 await self._release(self._cluster.ledger.close(run.request_id, "retried"))
 
     async def _drain(self, run: Run) -> AsyncIterator[generation_pb2.GenerateResponse]:
@@ -325,7 +332,8 @@ class FrontDoor:
             return error
         failure = as_failure(error)  # RpcFailure, NoRouteError, LedgerError, ... (one table)
         if failure.code == grpc.StatusCode.INTERNAL:
-            LOG.error("request %s failed", run.request_id, exc_info=error)
+            with run.traced():
+                LOG.error("request %s failed", run.request_id, exc_info=error)
         raise failure
 
     async def settle(self, run: Run) -> None:

@@ -5,7 +5,8 @@ for HTTP, each a child of the caller's W3C `traceparent`) becomes the request sp
 renamed `{gen_ai.operation.name} {gen_ai.request.model}` ("chat m", "text_completion m") and
 carries `gen_ai.request.*` when the request is admitted, `gen_ai.usage.*` and
 `gen_ai.response.*` when it ends. Without a current SERVER span (the door used in-process) a
-span of its own is started. Every worker call, and the releases, run under it.
+span of its own is started; each prompt of an HTTP batch (one run each) has its own, an
+INTERNAL child of the HTTP span. Every worker call, and the releases, run under it.
 
 A request that ends with any status but OK gets status ERROR, `error.type` (the gRPC status
 name) and `rpc.grpc.status_code`. Prompt and output text are recorded (as
@@ -87,13 +88,22 @@ class RequestSpan:
     """The request span of one run (see the module docstring)."""
 
     def __init__(
-        self, request: generation_pb2.GenerateRequest, request_id: str, model: str, capture: bool
+        self,
+        request: generation_pb2.GenerateRequest,
+        request_id: str,
+        model: str,
+        capture: bool,
+        nested: bool = False,
     ) -> None:
+        """`nested`: one of several runs of one transport request (an HTTP batch), whose
+        request span is its own INTERNAL child of the transport's span."""
         name = f"{operation(request)} {model}".strip()
         current = trace.get_current_span()
-        self.owned = not (current.is_recording() and getattr(current, "kind", None) is SERVER)
+        self.owned = nested or not (
+            current.is_recording() and getattr(current, "kind", None) is SERVER
+        )
         if self.owned:
-            current = TRACER.start_span(name, kind=SERVER)
+            current = TRACER.start_span(name, kind=trace.SpanKind.INTERNAL if nested else SERVER)
         else:
             current.update_name(name)
         self.span = current

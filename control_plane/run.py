@@ -14,6 +14,7 @@ import grpc
 from opentelemetry import trace
 
 from control_plane.ledger import WorkerRef
+from kvmesh.telemetry.logs import request_scope
 from kvmesh.v1 import generation_pb2, worker_pb2
 from kvmesh.v1.status import Failure
 
@@ -185,9 +186,17 @@ class Run:
         """The request span (every worker call and release of the run runs under it)."""
         return trace.INVALID_SPAN if self.request_span is None else self.request_span.span
 
-    def traced(self) -> contextlib.AbstractContextManager[trace.Span]:
-        """The request span as the current span (its status is set by the front door only)."""
-        return trace.use_span(self.span, record_exception=False, set_status_on_exception=False)
+    @contextlib.contextmanager
+    def traced(self) -> Iterator[trace.Span]:
+        """The request span as the current span (its status is set by the front door only)
+        and the request id in scope for log lines: the run is driven from several tasks (the
+        HTTP door reads it from others than the one that admitted it)."""
+        span = self.span
+        with (
+            trace.use_span(span, record_exception=False, set_status_on_exception=False),
+            request_scope(self.request_id),
+        ):
+            yield span
 
     def event(self, name: str, **workers: str) -> None:
         """An event on the request span naming the chosen workers (`kvmesh.worker.ROLE`)."""

@@ -135,8 +135,9 @@ class OpenAIApp:
         n = parsed.n
         deadline = asyncio.get_running_loop().time() + self.door.request_seconds
         owner = self.door.owner(request.headers.items())
+        batch = len(parsed.requests) > 1  # each prompt's run: a request span of its own
         runs = [
-            numbered(self.door.generate(each, owner=owner), i * n, i)
+            numbered(self.door.generate(each, owner=owner, nested=batch), i * n, i)
             for i, each in enumerate(parsed.requests)
         ]
         prompt_param = "prompt" if kind == "completion" else "messages"

@@ -6,6 +6,7 @@ failed request's span is ERROR; JSON log lines carry level, request id and trace
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from typing import Any
 
@@ -197,3 +198,65 @@ def test_failed_request_marks_its_spans_error(traced: Any) -> None:
 def client_model(system: LocalSystem) -> str:
     with Client(system.endpoint) as client:
         return str(client.model_info().model_name)
+
+
+def post(system: LocalSystem, body: dict[str, Any], trace_id: str, caller: str) -> dict[str, Any]:
+    request = urllib.request.Request(
+        f"{system.http_url}/v1/completions", json.dumps(body).encode(),
+        {"content-type": "application/json", "traceparent": traceparent(caller, trace_id)},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=30) as response:
+        answer: dict[str, Any] = json.loads(response.read())
+    return answer
+
+
+def finished_line(system: LocalSystem, request_id: str) -> dict[str, Any]:
+    """The control plane's JSON 'request ID finished' line of `request_id` (waited for)."""
+    control = system.control
+    assert control is not None
+    deadline = time.monotonic() + 10.0
+    while True:
+        lines = [json.loads(line) for line in list(control.tail) if line.startswith("{")]
+        found = [x for x in lines if x["message"].startswith(f"request {request_id} finished")]
+        if found or time.monotonic() > deadline:
+            (line,) = found
+            return line
+        time.sleep(0.05)
+
+
+def test_http_request_log_line_carries_its_request_id(traced: Any) -> None:
+    """The HTTP door's request runs in other tasks than the one that admitted it; its
+    'finished' line still carries the request id (the response's `id`) and the trace id."""
+    system, receiver = traced
+    trace_id, caller = "7c4e1f0a9b2d43e58f6a7b8c9d0e1f21", "1a2b3c4d5e6f7081"
+    answer = post(system, {"prompt": "log me", "max_tokens": 2}, trace_id, caller)
+    receiver.wait(lambda: any(s.parent_id == caller for s in receiver.trace(trace_id)))
+    line = finished_line(system, answer["id"])
+    assert (line.get("request_id"), line.get("trace_id")) == (answer["id"], trace_id)
+
+
+def test_http_batch_prompts_each_get_a_request_span(traced: Any) -> None:
+    """A completion batch is one run per prompt (ids `<id>-<i>`): each has its own request
+    span, a child of the HTTP span, with its own id and usage; together they add up to the
+    response's usage (one span's attributes must not be overwritten by every prompt's run)."""
+    system, receiver = traced
+    trace_id, caller = "8d5f2a1b0c3e44f69a7b8c9d0e1f2a32", "2b3c4d5e6f708192"
+    prompts = ["short", "a rather longer prompt than the first one"]
+    body = {"prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    answer = post(system, body, trace_id, caller)
+    ids = {f"{answer['id']}-{i}" for i in range(len(prompts))}
+
+    def requests() -> list[Span]:
+        return [s for s in receiver.trace(trace_id) if "gen_ai.response.id" in s.attributes]
+
+    receiver.wait(lambda: len(requests()) == len(prompts))
+    spans = requests()
+    assert {s.attributes["gen_ai.response.id"] for s in spans} == ids
+    (http,) = [s for s in receiver.trace(trace_id) if s.parent_id == caller]
+    assert all(s.parent_id == http.span_id for s in spans)
+    usage = answer["usage"]
+    assert sum(s.attributes["gen_ai.usage.input_tokens"] for s in spans) == usage["prompt_tokens"]
+    assert sum(s.attributes["gen_ai.usage.output_tokens"] for s in spans) == 6
+    for request_id in ids:
+        line = finished_line(system, request_id)
+        assert (line.get("request_id"), line.get("trace_id")) == (request_id, trace_id)
