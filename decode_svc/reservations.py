@@ -34,6 +34,7 @@ from kvmesh.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvmesh.engine.sequence import Request
 from kvmesh.security import Security
 from kvmesh.service.server import close_within
+from kvmesh.telemetry.logs import request_scope
 from kvmesh.v1 import worker_pb2
 
 LOG = logging.getLogger("kvmesh.decode")
@@ -206,6 +207,7 @@ class ReservationTable:
                 if res.decoding:  # its Decode waits for the KV: end that wait (no-op once landed)
                     res.handle.expire_if_due()
                     continue
-                LOG.info("reservation of %s expired", res.request_id)
+                with request_scope(res.request_id):  # the log line's request_id field
+                    LOG.info("reservation of %s expired", res.request_id)
                 self.drop(res)
                 self.on_expire(res)

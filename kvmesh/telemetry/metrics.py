@@ -92,7 +92,11 @@ class WorkerMetrics:
             registry=r,
         )
         self.blocks = Gauge(
-            "kvmesh_kv_blocks", "KV blocks by state (free, used, cached).", ["state"], registry=r
+            "kvmesh_kv_blocks",
+            "KV blocks: used (held by requests) and free (the rest) partition the pool; cached "
+            "counts the free blocks that still hold a reusable prefix.",
+            ["state"],
+            registry=r,
         )
         if role == "prefill":
             self._transfer_families(r)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from test_svc_disagg import ControlDriver, backends_here
 from decode_svc.main import install as install_decode
 from kv_transfer.header import MsgType, frame_header
 from kv_transfer.receiver_core import WINDOW_GRACE_SECONDS
+from kvmesh.telemetry.logs import current_request_id
 from kvmesh.v1 import worker_pb2
 from prefill_svc.main import install as install_prefill
 
@@ -50,15 +52,35 @@ def test_decode_cancelled_mid_stream_frees_blocks_within_a_second(driver: Contro
     wait_until(lambda: all_free(driver), 1.0, "decode blocks freed after cancel")
 
 
+class RequestIds(logging.Handler):
+    """The request id in scope (the structured logs' `request_id` field) of each message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, str | None] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen[record.getMessage()] = current_request_id()
+
+
 def test_reservation_lease_expiry_frees_blocks(driver: ControlDriver) -> None:
     leases = driver.decode.role.servicer.metrics.reservation_leases
     granted, expired = (leases.labels(e)._value.get() for e in ("granted", "expired"))
-    request = driver.prepare("lease", list(range(1, 40)), max_tokens=4)
-    driver.reserve(request, generation=1, lease=0.3)
-    assert driver.decode.free_blocks() == NUM_BLOCKS - 3
-    wait_until(lambda: all_free(driver), 2.0, "reservation reclaimed by its lease")
-    wait_until(lambda: leases.labels("expired")._value.get() == expired + 1, 1.0, "counted")
+    logs, logger = RequestIds(), logging.getLogger("kvmesh.decode")
+    logger.addHandler(logs)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        request = driver.prepare("lease", list(range(1, 40)), max_tokens=4)
+        driver.reserve(request, generation=1, lease=0.3)
+        assert driver.decode.free_blocks() == NUM_BLOCKS - 3
+        wait_until(lambda: all_free(driver), 2.0, "reservation reclaimed by its lease")
+        wait_until(lambda: leases.labels("expired")._value.get() == expired + 1, 1.0, "counted")
+    finally:
+        logger.removeHandler(logs)
+        logger.setLevel(level)
     assert leases.labels("granted")._value.get() == granted + 1
+    assert logs.seen["reservation of lease expired"] == "lease"  # the line's request_id
 
 
 def test_decode_waiting_for_kv_that_never_comes_ends_with_its_lease(
