@@ -122,6 +122,17 @@ def text_offsets(tokens: list[str], text: str, start: int = 0) -> list[int]:
     return offsets
 
 
+def stop_reason(response: generation_pb2.GenerateResponse) -> int | str | None:
+    """vLLM's `stop_reason` of a completion's last response: the stop token id or the stop
+    string that ended it, None for EOS, a length or an abort."""
+    which = response.WhichOneof("stop_reason")
+    if which == "stop_token_id":
+        return response.stop_token_id
+    if which == "stop_string":
+        return response.stop_string
+    return None
+
+
 def joined_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
     """Completion logprobs of `first`'s tokens followed by `then`'s."""
     return {key: [*first[key], *then[key]] for key in first}
@@ -183,6 +194,7 @@ class Choice:
     length: int = 0  # characters so far (text offsets of completion logprobs)
     logprobs: list[generation_pb2.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string
     completion_tokens: int = 0
     started: bool = False  # its first chunk was streamed (what goes only there went)
 
@@ -217,11 +229,13 @@ class Answer:
             choice.completion_tokens = response.usage.completion_tokens
         if response.finish_reason in FINISH_REASONS:
             choice.finish_reason = FINISH_REASONS[response.finish_reason]
+            choice.stop_reason = stop_reason(response)
         if self.echo is not None and self.echo.prompt_only:
             response.text, choice.completion_tokens = "", 0
             del response.logprobs[:], response.token_ids[:]
             if choice.finish_reason in ("stop", "length"):
                 choice.finish_reason = "length"  # max_tokens 0 (an abort stays one)
+                choice.stop_reason = None
         return choice
 
     def usage(self) -> dict[str, Any]:
@@ -264,6 +278,7 @@ class Answer:
             entry["delta"] = delta
             entry["logprobs"] = chat_logprobs(logprobs) if self.logprobs is not None else None
         entry["finish_reason"] = choice.finish_reason
+        entry["stop_reason"] = choice.stop_reason
         choice.length += len(response.text)
         body = {**self.header(True), "choices": [entry]}
         if self.kind == "chat" and response.index == 0 and first:  # vLLM: at the top level
@@ -290,6 +305,7 @@ class Answer:
                 entry["message"] = {"role": "assistant", "content": text}
                 entry["logprobs"] = chat_logprobs(c.logprobs) if self.logprobs is not None else None
             entry["finish_reason"] = c.finish_reason
+            entry["stop_reason"] = c.stop_reason
             choices.append(entry)
         body = {**self.header(False), "choices": choices, "usage": self.usage()}
         if self.kind == "chat":  # vLLM: at the top level

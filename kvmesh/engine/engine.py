@@ -31,7 +31,7 @@ from kvmesh.engine.prompt_logprobs import PromptLogprobs, PromptRows, rows_of_st
 from kvmesh.engine.sampler import SamplingBatch, SamplingRow, TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import SchedulerOutput
-from kvmesh.engine.sequence import Request, Sequence
+from kvmesh.engine.sequence import Request, Sequence, SequenceStatus
 
 PromptInput = str | Seq[int]
 
@@ -280,7 +280,7 @@ class LLMEngine:
         if tracked.metrics.first_token_time is None:
             tracked.metrics.first_token_time = now
         text = tracked.texts[seq.seq_id]
-        out.new_text += text.append(new_ids)
+        out.new_text += text.append(_visible_ids(seq, new_ids))
         if seq.status.is_finished:
             out.new_text += text.flush()
         out.text = text.text
@@ -349,6 +349,18 @@ class LLMEngine:
             num_cached_tokens=request.seqs[0].num_cached_tokens,
             prompt_logprobs=scored.entries if scored and scored.complete else None,  # final
         )
+
+
+def _visible_ids(seq: Sequence, new_ids: list[int]) -> list[int]:
+    """The new ids that make text: all but a stop token (EOS or a stop token id) that just
+    ended the sequence, whose text is left out unless include_stop_str_in_output, as vLLM
+    leaves it out."""
+    stopped_by_token = seq.status is SequenceStatus.FINISHED_STOPPED and not isinstance(
+        seq.stop_reason, str
+    )
+    if stopped_by_token and new_ids and not seq.params.include_stop_str_in_output:
+        return new_ids[:-1]
+    return new_ids
 
 
 def _find_seq(request: Request, seq_id: str) -> Sequence:

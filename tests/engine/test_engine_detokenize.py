@@ -88,3 +88,26 @@ def test_min_tokens_defers_stop_strings(llm: LLM) -> None:
     joined, out = streamed(llm, "min", "The quick", params)
     assert joined == out.text == (full if later < 0 else full[:later])
     assert len(out.token_ids) >= 10
+
+
+def test_a_stop_token_leaves_its_text_out_unless_included(llm: LLM) -> None:
+    """The token that stops a completion (EOS with special tokens kept, a stop token id) is in
+    its token ids but not its text, streamed or not; include_stop_str_in_output keeps it (as
+    vLLM answers)."""
+    eos, x = 257, ord("x")  # the byte tokenizer's <eos>, and "x"
+    greedy = {"temperature": 0.0, "max_tokens": 6}
+    cases = [
+        (SamplingParams(logit_bias={eos: 100}, skip_special_tokens=False, **greedy), eos, ""),
+        (SamplingParams(logit_bias={x: 100}, stop_token_ids=[x], **greedy), x, ""),
+        (
+            SamplingParams(
+                logit_bias={x: 100}, stop_token_ids=[x], include_stop_str_in_output=True, **greedy
+            ),
+            x,
+            "x",
+        ),
+    ]
+    for i, (params, token, text) in enumerate(cases):
+        joined, out = streamed(llm, f"stop-token-{i}", "The quick", params)
+        assert out.token_ids == [token] and out.finish_reason == "stop"
+        assert joined == out.text == text

@@ -260,6 +260,39 @@ def test_logit_bias_steers_greedy_tokens_over_http_and_grpc(system: LocalSystem)
     wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
 
 
+def test_stop_reason_and_the_stop_tokens_text_as_vllm_answers(system: LocalSystem) -> None:
+    """Every choice carries vLLM's `stop_reason` (the stop token id or stop string; null for
+    EOS or a length), streamed (on the last chunk) or not; the token that stopped a choice (a
+    stop token id, EOS with special tokens kept) leaves its text out unless
+    include_stop_str_in_output, even as the first token (sampled by the prefill worker)."""
+    client = api(system)
+    model = client.models.list().data[0].id
+    x, eos = ord("x"), 257  # the byte tokenizer's "x" and <eos>
+    included = {"stop_token_ids": [x], "include_stop_str_in_output": True}
+    cases: list[tuple[dict[str, Any], str, object]] = [
+        ({"logit_bias": {str(x): 100}, "extra_body": {"stop_token_ids": [x]}}, "", x),
+        ({"logit_bias": {str(eos): 100}, "extra_body": {"skip_special_tokens": False}}, "", None),
+        ({"logit_bias": {str(x): 100}, "extra_body": included}, "x", x),
+        ({"logit_bias": {str(x): 100}, "stop": ["xx"]}, "", "xx"),
+        ({"logit_bias": {str(x): 100}, "extra_body": IGNORE_EOS}, "xxxx", None),
+    ]
+    for params, text, stop_reason in cases:
+        params = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, **params}
+        done = client.completions.create(**params).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **params)]
+        assert done.text == "".join(c.text for c in chunks) == text, params
+        assert (done.model_extra or {})["stop_reason"] == stop_reason, params
+        assert (chunks[-1].model_extra or {})["stop_reason"] == stop_reason, params
+        assert done.finish_reason == chunks[-1].finish_reason
+        assert done.finish_reason == ("length" if text == "xxxx" else "stop")
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "a"}],
+                                          max_tokens=4, temperature=0, stop=["xx"],
+                                          logit_bias={str(x): 100})  # fmt: skip
+    assert chat.choices[0].message.content == "" and chat.choices[0].finish_reason == "stop"
+    assert (chat.choices[0].model_extra or {})["stop_reason"] == "xx"
+    wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
+
+
 def test_client_leaving_mid_stream_frees_every_block(system: LocalSystem) -> None:
     client = api(system)
     model = client.models.list().data[0].id
