@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "kvmesh.engine.llm",
+    "Logprob": "kvmesh.engine.logprobs",
     "SamplingParams": "kvmesh.engine.sampling_params",
 }
 
@@ -24,4 +25,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Logprob", "SamplingParams", "__version__"]

@@ -7,7 +7,9 @@
     outputs = llm.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=True)   # vLLM's dicts
     outputs = llm.chat([{"role": "user", "content": "Hi"}])   # the model's chat template
 
-Keyword arguments are EngineConfig fields. Results come back in prompt order.
+Keyword arguments are EngineConfig fields. Results come back in prompt order. Logprobs read as
+vLLM's: `for token_id, lp in out.outputs[0].logprobs[i].items(): lp.logprob, lp.rank,
+lp.decoded_token` (and `out.prompt_logprobs`, None first), the texts as vLLM decodes them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kvmesh.engine.chat import Message, chat_prompt_ids
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine, PromptInput
 from kvmesh.engine.errors import InvalidParameterError
+from kvmesh.engine.logprobs import DecodedTokens
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
 
@@ -35,6 +38,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
+        self._decoded: DecodedTokens | None = None  # made when logprobs are first decoded
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -53,6 +57,7 @@ class LLM:
         prompts are validated before any runs (InvalidParameterError names the field, or the
         key of a dict prompt kvmesh cannot honour). `use_tqdm` True (or a tqdm-like factory)
         shows a progress bar of finished prompts on stderr (vLLM's option; off by default).
+        Logprobs carry each token's text (`Logprob.decoded_token`) unless detokenize=False.
         """
         batch = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(batch))
@@ -68,7 +73,9 @@ class LLM:
             for request_id in order:
                 self.engine.abort_request(request_id)
             raise
-        return self._run(order, use_tqdm)
+        outputs = self._run(order, use_tqdm)
+        self._decode_logprobs(outputs, params)
+        return outputs
 
     def _run(self, order: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         """Step until every request of `order` finished; their final outputs in that order."""
@@ -85,6 +92,24 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[request_id] for request_id in order]
+
+    def _decode_logprobs(self, outputs: list[RequestOutput], params: list[SamplingParams]) -> None:
+        """Give the logprobs of `outputs` (one per params) their tokens' texts, as vLLM's
+        `decoded_token` (none without a tokenizer or with detokenize=False)."""
+        tokenizer = self.engine.tokenizer
+        for output, p in zip(outputs, params, strict=True):
+            if tokenizer is None or not p.detokenize:
+                continue
+            if p.logprobs is None and p.prompt_logprobs is None:
+                continue
+            if self._decoded is None:
+                self._decoded = DecodedTokens(tokenizer)
+            if output.prompt_logprobs is not None:
+                output.prompt_logprobs = self._decoded.entries(output.prompt_logprobs)
+            for completion in output.outputs:
+                if completion.logprobs is not None:
+                    decoded = self._decoded.entries(completion.logprobs)
+                    completion.logprobs = [e for e in decoded if e is not None]
 
     def chat(
         self,

@@ -3,6 +3,8 @@
 `CompletionOutput` is one generated sequence (n of them per request), cumulative: token_ids
 and text so far. `new_token_ids` / `new_text` hold only what this output adds to the previous
 one of the same sequence (what a streaming client forwards). Times are `time.monotonic()`.
+Each logprobs entry is a `TokenLogprobs`, which reads as vLLM's `dict[int, Logprob]` too
+(`kvmesh.engine.logprobs`; `Logprob` is importable from here and from `kvmesh`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from kvmesh.engine.sampler import TokenLogprobs
+from kvmesh.engine.logprobs import Logprob, TokenLogprobs
+
+__all__ = [
+    "CompletionOutput",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "TokenLogprobs",
+]
 
 
 @dataclass

@@ -43,6 +43,7 @@ from kvmesh_kernels.cpu_fused import (
     top_cut,
 )
 
+from kvmesh.engine.logprobs import TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -163,18 +164,6 @@ def _stop_mask(row: SamplingRow, default_eos: tuple[int, ...]) -> tuple[int, ...
     if not params.ignore_eos:
         ids.extend(default_eos if row.eos_token_id is None else (row.eos_token_id,))
     return tuple(ids)
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Raw-model logprobs at one position: the sampled token's, its rank (1 = most likely) and
-    the top-n tokens in descending order (n = SamplingParams.logprobs, may be 0)."""
-
-    sampled_token_id: int
-    sampled_logprob: float
-    sampled_rank: int
-    top_token_ids: tuple[int, ...]
-    top_logprobs: tuple[float, ...]
 
 
 @dataclass(frozen=True)
