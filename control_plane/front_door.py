@@ -21,6 +21,7 @@ import grpc
 from control_plane.cluster import Cluster
 from control_plane.driver import Driver
 from control_plane.ledger import Release, WorkerRef
+from control_plane.limits import RequestLimits
 from control_plane.releases import send_releases
 from control_plane.request_span import RequestSpan, capture_from_env, mark_refused
 from control_plane.run import RpcFailure, Run, WorkerLost
@@ -62,6 +63,11 @@ class FrontDoor:
     @property
     def inflight(self) -> int:
         return len(self._runs)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The per-request size bounds every run is checked against."""
+        return self._cluster.config.limits
 
     def check_batch(self, requests: int) -> None:
         """Whether `requests` sent at once (an HTTP batch of prompts) can be admitted together:

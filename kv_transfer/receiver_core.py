@@ -207,8 +207,8 @@ class ReceiverCore:
     def on_begin(self, header: FrameHeader, dst_payload: bytes | bytearray | memoryview) -> None:
         """Sender announces the transfer and the destination ids it believes were reserved."""
         res = self._find(header)
-        if len(dst_payload) % 4:
-            raise self._fail(res, FrameError("dst_block_ids", "not a whole number of int32 ids"))
+        if not len(dst_payload) or len(dst_payload) % 4:
+            raise self._fail(res, FrameError("dst_block_ids", "empty, or not whole int32 ids"))
         theirs = torch.frombuffer(bytearray(dst_payload), dtype=torch.int32).to(torch.int64)
         with res.record.lock:
             if res.record.state is not TransferState.PENDING:

@@ -31,11 +31,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from control_plane.front_door import FrontDoor
+from control_plane.limits import RequestLimits
 from control_plane.openai_http.auth import ApiKeyMiddleware
 from control_plane.openai_http.errors import ApiError, from_failure, grpc_code
 from control_plane.openai_http.schema import Kind, ParsedRequest, parse
 from control_plane.openai_http.stream import DONE, Answer, Echo, sse
 from control_plane.run import RpcFailure
+from control_plane.validation import DEFAULT_LIMITS
 from kvmesh.v1 import generation_pb2
 
 LOG = logging.getLogger("kvmesh.control_plane.http")
@@ -161,9 +163,9 @@ class OpenAIApp:
         whose id is the request id."""
         raw = await read_body(request, self.max_body_bytes)
         if len(raw) > INLINE_BODY_BYTES:  # decoding a large body would hold up the loop
-            parsed = await asyncio.to_thread(parse_body, raw, kind)
+            parsed = await asyncio.to_thread(parse_body, raw, kind, self.door.limits)
         else:
-            parsed = parse_body(raw, kind)
+            parsed = parse_body(raw, kind, self.door.limits)
         if len(parsed.requests) > 1:  # a batch is admitted whole, before any run starts
             try:
                 self.door.check_batch(len(parsed.requests))
@@ -205,7 +207,7 @@ def too_large(limit: int) -> ApiError:
                     code="request_too_large")  # fmt: skip
 
 
-def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
+def parse_body(raw: bytes, kind: Kind, limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
     """The ParsedRequest of a raw body: ApiError 400 for invalid JSON, invalid UTF-8, too deep
     nesting, an unpaired surrogate escape, or a bad param (named). Safe in any thread."""
     try:
@@ -215,7 +217,7 @@ def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply") from None
     try:
-        return parse(body, kind)
+        return parse(body, kind, limits)
     except UnicodeEncodeError:  # a lone surrogate escape ("\ud800") in some string
         raise not_unicode(body) from None
 

@@ -11,8 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from control_plane.openai_http.errors import ApiError, bad_param
-from control_plane.run import MAX_TOKENS_UP_TO_CONTEXT
+import grpc
+
+from control_plane.limits import RequestLimits
+from control_plane.openai_http.errors import ApiError, bad_param, from_failure
+from control_plane.run import MAX_TOKENS_UP_TO_CONTEXT, RpcFailure
+from control_plane.validation import DEFAULT_LIMITS, FieldError, check_sampling
 from kvmesh.v1 import generation_pb2
 
 Kind = Literal["completion", "chat"]
@@ -104,8 +108,9 @@ def field(body: dict[str, Any], name: str, kind: str, default: Any = None) -> An
     return value
 
 
-def parse(body: Any, kind: Kind) -> ParsedRequest:
-    """The ParsedRequest of a decoded JSON body (ApiError 400 naming the bad param)."""
+def parse(body: Any, kind: Kind, limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
+    """The ParsedRequest of a decoded JSON body (ApiError 400 naming the bad param);
+    `limits`: the front door's, which a batch's shared sampling meets before it is copied."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     refuse_unimplemented(body, kind)
@@ -115,7 +120,7 @@ def parse(body: Any, kind: Kind) -> ParsedRequest:
         sampling=sampling(body, kind, prompt_only), cache_salt=cache_salt(body)
     )
     if kind == "completion":
-        requests = completion_requests(body, request)
+        requests = completion_requests(body, request, limits)
     else:
         request.chat.CopyFrom(chat_messages(body))
         requests = (request,)
@@ -189,7 +194,7 @@ def sampling(
             raise bad_param(name, f"must be {what}, got {value}")
         try:
             setattr(params, name, value)
-        except ValueError:  # beyond the wire type (int32)
+        except (ValueError, OverflowError):  # beyond the wire type (int32, or a float's range)
             raise bad_param(name, f"is out of range: {value}") from None
     max_length(body, kind, prompt_only, params)
     n = field(body, "n", "integer", 1)
@@ -264,10 +269,14 @@ def stop_strings(body: dict[str, Any]) -> list[str]:
 
 
 def completion_requests(
-    body: dict[str, Any], request: generation_pb2.GenerateRequest
+    body: dict[str, Any],
+    request: generation_pb2.GenerateRequest,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> tuple[generation_pb2.GenerateRequest, ...]:
     """One request per prompt of `prompt` (a string, a token list, or a batch of either: up
-    to MAX_CHOICES choices in all), after the fields only completions have."""
+    to MAX_CHOICES choices in all), after the fields only completions have. A batch's sampling
+    (stop lists, logit bias: as large as the body) meets the front door's `limits` before each
+    prompt gets its copy, so a body cannot claim hundreds of times its size."""
     completion_only(body, request)
     prompts = prompt_batch(body.get("prompt"))
     if len(prompts) * request.sampling.n > MAX_CHOICES:
@@ -275,6 +284,12 @@ def completion_requests(
             "prompt", f"{len(prompts)} prompts x n={request.sampling.n} choices exceed "
             f"{MAX_CHOICES} in one request",
         )  # fmt: skip
+    if len(prompts) > 1:
+        try:
+            check_sampling(request.sampling, limits)
+        except FieldError as error:  # answered as the run's own check would answer it
+            failure = RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(error), field=error.field)
+            raise from_failure(failure) from None
     requests = []
     for prompt in prompts:
         each = generation_pb2.GenerateRequest()

@@ -52,10 +52,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 import torch
@@ -96,8 +97,12 @@ def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 def _header(frame: pb.KVFrame) -> FrameHeader:
+    try:
+        kind = MsgType(frame.msg_type)
+    except ValueError:
+        raise FrameError("msg_type", f"unknown message type {frame.msg_type}") from None
     return FrameHeader(
-        MsgType(frame.msg_type),
+        kind,
         bytes(frame.transfer_id).ljust(16, b"\0")[:16],
         frame.epoch,
         frame.frame_index,
@@ -147,34 +152,45 @@ class _Servicer(pb_grpc.KVTransferServiceServicer):
 
         A transfer this stream began never outlives it: a stream that ends without END or
         CANCEL (the sender cancelled the call, or its deadline passed) ends it CANCELLED, one
-        that breaks off on an error ends it FAILED, at once rather than at the lease."""
-        begun: FrameHeader | None = None
+        that breaks off on an error ends it FAILED, at once rather than at the lease (every
+        transfer it began: a stream may begin more than one)."""
+        begun: list[FrameHeader] = []
+        error: TransferError = TransferCancelledError("the stream ended before END")
         try:
             async for message in request_iterator:
                 header = _raw_header(message)
                 result = self.r.apply_raw(header, message)
                 if result is not None:
                     return result
-                begun = header if header.msg_type is MsgType.BEGIN else begun
-            raise TransferCancelledError("the stream ended before END")
+                if header.msg_type is MsgType.BEGIN:
+                    begun.append(header)
+            raise error
         except TransferError as exc:
-            if begun is not None:
-                self.r.core.on_broken_off(begun, exc)
+            error = exc
             return pb.PushResult(state="FAILED", error_code=exc.code, message=str(exc))
         except asyncio.CancelledError:  # the sender cancelled the call or its deadline passed
-            if begun is not None:
-                self.r.core.on_broken_off(begun, TransferCancelledError("the call was cancelled"))
+            error = TransferCancelledError("the call was cancelled")
             raise
+        except Exception as exc:
+            error = PeerError(f"the stream broke off: {type(exc).__name__}")
+            raise
+        finally:  # a no-op for a transfer already ended (its END or CANCEL)
+            for header in begun:
+                self.r.core.on_broken_off(header, error)
 
     async def PushBlocksUnary(self, request: pb.KVFrame, context: grpc.aio.ServicerContext):
+        begun: FrameHeader | None = None
         try:
             head = _header(request)
             self.r.core.on_begin(head, _ids_bytes(request.dst_block_ids))
+            begun = head
             self.r.apply(request)
             return self.r.apply(
                 pb.KVFrame(msg_type=MsgType.END, transfer_id=head.transfer_id, epoch=head.epoch)
             )
         except TransferError as exc:
+            if begun is not None:  # the call that began it is over: so is the transfer
+                self.r.core.on_broken_off(begun, exc)
             return pb.PushResult(state="FAILED", error_code=exc.code, message=str(exc))
 
 
@@ -188,8 +204,10 @@ def _raw_header(message: bytes) -> FrameHeader:
     return header
 
 
-def _ids_bytes(ids: object) -> bytes:
-    return torch.tensor(list(ids), dtype=torch.int32).numpy().tobytes()  # type: ignore[call-overload]
+def _ids_bytes(ids: Sequence[int]) -> bytes:
+    """BEGIN's payload of proto ids (uint32: one beyond int32 reads as another id, refused
+    by the reservation check, never an overflow)."""
+    return struct.pack(f"<{len(ids)}I", *ids)
 
 
 class Receiver(KVReceiver):
@@ -258,7 +276,9 @@ class Receiver(KVReceiver):
         if header.msg_type is MsgType.BEGIN:
             self.core.on_begin(header, _ids_bytes(frame.dst_block_ids))
         elif header.msg_type is MsgType.FRAME:
-            self.core.on_frame(header, torch.frombuffer(frame.payload, dtype=torch.uint8))
+            payload = frame.payload
+            data = bytes_tensor(payload) if payload else torch.empty(0, dtype=torch.uint8)
+            self.core.on_frame(header, data)
         elif header.msg_type is MsgType.END:
             result = self.core.on_end(header, frame.payload)
             return pb.PushResult(state=result.state.name, num_bytes=result.num_bytes)

@@ -34,6 +34,9 @@ async def answer(cp: Harness, body: bytes, path: str = "/v1/completions") -> tup
     return status, payload["error"] if status >= 400 else payload
 
 
+HUGE = b"0" * 400  # appended to a 1: an integer beyond a float's range
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param", "text"),
     [
@@ -43,6 +46,13 @@ async def answer(cp: Harness, body: bytes, path: str = "/v1/completions") -> tup
         (b'{"prompt": "a", "stop": ["\\udfff"]}', 400, "stop", "not valid Unicode"),
         (b"[" * 100_000, 413, None, "larger than"),  # beyond the body limit first
         (b'{"prompt": "hi", "n": 1000}', 400, "n", "n"),
+        # an integer beyond a float's range for a float param: 400, not a 500
+        (
+            b'{"prompt": "hi", "repetition_penalty": 1' + HUGE + b"}",
+            400,
+            "repetition_penalty",
+            "range",
+        ),
     ],
 )
 def test_bad_bodies_are_refused_naming_the_param(
@@ -89,3 +99,38 @@ async def test_full_admission_is_429_with_retry_after() -> None:
         decode.gate.set()
         async for _ in holder:
             pass
+
+
+def peak_rss_mib() -> int:
+    """This process's peak resident memory since the last `reset_peak_rss` (MiB)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM"))
+    return int(line.split()[1]) // 1024
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets VmHWM to the current RSS
+
+
+@run_async
+async def test_a_batch_does_not_copy_an_oversized_sampling_per_prompt() -> None:
+    """256 prompts with 400,000 stop token ids (an 800 KB body): refused by the front door's
+    bound before each prompt gets its own copy of the list, which took 400 MiB (a 4 MiB body
+    with a logit_bias map, 6 GiB) and was refused once per prompt."""
+    async with control_plane(http_port=0) as cp:
+        prefill = await cp.add("p0", "prefill")
+        await cp.add("d0", "decode")
+        body = json.dumps(
+            {"prompt": [[1]] * 256, "stop_token_ids": [0] * 400_000}, separators=(",", ":")
+        ).encode()
+        reset_peak_rss()
+        before = peak_rss_mib()
+        got, error = await answer(cp, body)
+        grown = peak_rss_mib() - before
+        assert grown < 150, f"the refusal took {grown} MiB"
+        assert got == 400 and error["param"] == "stop_token_ids", error
+        assert error["message"].startswith("sampling.stop_token_ids: 400000 ids; at most 1024")
+        assert prefill.calls == []
+        requests = cp.server.cluster.metrics.requests
+        assert requests.labels("INVALID_ARGUMENT")._value.get() == 1.0, "refused once"
