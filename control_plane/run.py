@@ -217,6 +217,7 @@ class Run:
             text=worker.text,
             logprobs=worker.logprobs,
             finish_reason=worker.finish_reason,
+            prompt_tokens=self.timings.prompt_tokens,
         )
         out.prompt_logprobs.extend(worker.prompt_logprobs or self.prompt_logprobs)
         out.prompt_text = worker.prompt_text or self.prompt_text

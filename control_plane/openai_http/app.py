@@ -389,13 +389,21 @@ async def stream_events(
     """SSE events: one chunk per response, the usage chunk when asked, then [DONE].
 
     Starlette cancels this iterator when the client disconnects, which cancels the run."""
-    extra = {"usage": None} if parsed.include_usage else {}
+
+    def event(response: generation_pb2.GenerateResponse) -> str:
+        chunk = answer.chunk(response)
+        if parsed.continuous_usage:  # vLLM's continuous_usage_stats: every chunk's usage
+            chunk["usage"] = answer.choice_usage(response.index)
+        elif parsed.include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
+
     async with contextlib.aclosing(responses):
         for first in firsts:
-            yield sse({**answer.chunk(first), **extra})
+            yield event(first)
         try:
             async for response in responses:
-                yield sse({**answer.chunk(response), **extra})
+                yield event(response)
         except PromptFailure as failed:
             yield sse(failed.answer(parsed, prompt_param).body())
     if parsed.include_usage:

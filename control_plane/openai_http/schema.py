@@ -85,6 +85,7 @@ class ParsedRequest:
     prompt_only: bool = False  # echo with max_tokens 0: the prompt alone, nothing generated
     prompt_logprobs: int | None = None  # vLLM's field: the prompt's logprobs in the answer
     max_tokens_param: str = "max_tokens"  # the body's name for it (chat: max_completion_tokens)
+    continuous_usage: bool = False  # usage on every chunk (include_usage + continuous_usage_stats)
 
     @property
     def request(self) -> generation_pb2.GenerateRequest:
@@ -143,10 +144,11 @@ def parse(body: Any, kind: Kind, limits: RequestLimits = DEFAULT_LIMITS) -> Pars
     if options and not stream:  # as OpenAI and vLLM answer
         raise bad_param("stream_options", "is allowed only when stream is true")
     include_usage = field(options, "include_usage", "boolean", False)
+    continuous = field(options, "continuous_usage_stats", "boolean", False)  # vLLM's option
     return ParsedRequest(
         kind, field(body, "model", "string"), requests, stream, include_usage, logprobs,
         field(body, "user", "string"), echo, prompt_only, prompt_logprobs,
-        max_tokens_name(body, kind),
+        max_tokens_name(body, kind), include_usage and continuous,
     )  # fmt: skip
 
 

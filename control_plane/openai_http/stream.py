@@ -196,6 +196,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string
     completion_tokens: int = 0
+    streamed_tokens: int = 0  # token ids relayed so far (completion_tokens is the final count)
     started: bool = False  # its first chunk was streamed (what goes only there went)
 
 
@@ -230,13 +231,24 @@ class Answer:
         if response.finish_reason in FINISH_REASONS:
             choice.finish_reason = FINISH_REASONS[response.finish_reason]
             choice.stop_reason = stop_reason(response)
+        if response.prompt_tokens:
+            self.prompt_tokens.setdefault(prompt, response.prompt_tokens)
         if self.echo is not None and self.echo.prompt_only:
             response.text, choice.completion_tokens = "", 0
             del response.logprobs[:], response.token_ids[:]
             if choice.finish_reason in ("stop", "length"):
                 choice.finish_reason = "length"  # max_tokens 0 (an abort stays one)
                 choice.stop_reason = None
+        choice.streamed_tokens += len(response.token_ids)
         return choice
+
+    def choice_usage(self, index: int) -> dict[str, int]:
+        """vLLM's usage of one streamed chunk (`continuous_usage_stats`): the choice's prompt
+        and its tokens so far."""
+        choice = self.choices[index]
+        prompt = self.prompt_tokens.get(index // self.n, 0)
+        done = choice.completion_tokens if choice.finish_reason else choice.streamed_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def usage(self) -> dict[str, Any]:
         """Tokens of every prompt and every choice."""

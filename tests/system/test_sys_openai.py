@@ -57,6 +57,37 @@ def test_completion_matches_grpc_and_its_stream(system: LocalSystem) -> None:
     wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
 
 
+def check_continuous_usage(client: openai.OpenAI, prompts: list[list[int]], n: int = 1) -> None:
+    """vLLM's `continuous_usage_stats`: every chunk carries its choice's usage so far (the
+    prompt's tokens, the tokens streamed), the last usage chunk the whole request's."""
+    model = client.models.list().data[0].id
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    stream = client.completions.create(model=model, prompt=prompts, max_tokens=4, n=n, seed=1,
+                                       stream=True, stream_options=options,  # type: ignore[arg-type]
+                                       extra_body=IGNORE_EOS)  # fmt: skip
+    chunks = list(stream)
+    streamed: dict[int, int] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        streamed[choice.index] = streamed.get(choice.index, 0) + 1  # one token per chunk here
+        assert chunk.usage is not None
+        prompt = len(prompts[choice.index // n])
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (
+            prompt,
+            streamed[choice.index],
+        )
+        assert chunk.usage.total_tokens == prompt + streamed[choice.index]
+    final = chunks[-1]
+    assert final.choices == [] and final.usage is not None
+    assert final.usage.prompt_tokens == sum(len(p) for p in prompts)  # once per prompt, as vLLM
+    assert final.usage.completion_tokens == 4 * n * len(prompts) == sum(streamed.values())
+
+
+def test_continuous_usage_stats_on_every_chunk(system: LocalSystem) -> None:
+    check_continuous_usage(api(system), [PROMPT, [7, 3, 11]])
+    wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
+
+
 def test_a_batch_of_prompts_answers_as_the_prompts_one_by_one(system: LocalSystem) -> None:
     client = api(system)
     model = client.models.list().data[0].id
@@ -320,6 +351,7 @@ def test_n_completions_colocated_then_503_without_workers(tiny_model: str) -> No
                                            n=2, logprobs=1, seed=1)  # fmt: skip
         for choice in echoed.choices:  # the colocated worker scores the prompt itself
             check_echoed_prompt(choice, tiny_model, PROMPT)
+        check_continuous_usage(client, [PROMPT, [7, 3, 11]], n=2)
         system.supervisor.stop(system.workers[0].child, grace=5.0)
         wait_until(lambda: get_status(system, "/health") == 503, 10.0, "health 503")
         with pytest.raises(openai.InternalServerError) as caught:
