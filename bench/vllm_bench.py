@@ -100,6 +100,18 @@ def run_one_by_one(
     return sum(tokens.values()), seconds, [ttfts[f"w-{i}"] for i in range(len(requests))]
 
 
+def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
+    """The environment vLLM's CPU worker must run under, set over whatever the caller's
+    environment holds: the worker takes its thread count from OMP_NUM_THREADS (it disables
+    `torch.set_num_threads`) and its KV budget from VLLM_CPU_KVCACHE_SPACE, so an inherited
+    value would silently give vLLM another thread count or KV budget than kvmesh's run."""
+    return {
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -113,9 +125,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args()
     SAMPLING.update(temperature=args.temperature, top_p=args.top_p)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    os.environ.update(vllm_env(args.threads, args.kv_cache_gib))
 
     import torch
     from transformers import AutoConfig

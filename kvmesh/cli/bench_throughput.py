@@ -192,19 +192,28 @@ def run_all_at_once(
 
 
 def run_one_by_one(engine: Any, requests: list[tuple[list[int], int]]) -> tuple[int, float, list]:
-    """Request i + 1 arrives when request i has its first token."""
+    """Request i + 1 arrives when request i has its first token. Each TTFT is timed as
+    bench/vllm_bench.py times vLLM's: from just before `add_request` to the return of the
+    `step()` that gave the request its first token (the engine's own `metrics.ttft` starts
+    inside `add_request` and ends inside the step, which would favour kvmesh)."""
     start = time.monotonic()
     tokens, ttfts = 0, list[float]()
     for i, (prompt, out_len) in enumerate(requests):
+        request_id = f"w-{i}"
         params = bench_params(out_len)
-        engine.add_request(f"w-{i}", prompt, params)
+        added = time.monotonic()
+        engine.add_request(request_id, prompt, params)
         has_first = False
         while not has_first:
-            for output in engine.step():
-                has_first |= output.request_id == f"w-{i}"
-                tokens, ttfts = _account(output, tokens, ttfts)
-    more_tokens, _, more_ttfts = _drain(engine, start)
-    return tokens + more_tokens, time.monotonic() - start, ttfts + more_ttfts
+            outputs = engine.step()
+            has_first = any(
+                o.request_id == request_id and o.outputs and o.outputs[0].token_ids for o in outputs
+            )
+            for output in outputs:
+                tokens, _ = _account(output, tokens, [])
+        ttfts.append(time.monotonic() - added)
+    more_tokens, _, _ = _drain(engine, start)
+    return tokens + more_tokens, time.monotonic() - start, ttfts
 
 
 def _drain(engine: Any, start: float) -> tuple[int, float, list]:

@@ -153,3 +153,50 @@ def test_compare_cpu_gemm_runs_both_gemms_and_names_them(capsys: Any) -> None:
     assert linears["kvmesh"] == ours
     assert linears["kvmesh-torch-gemm"] in ("onednn", "plain")
     assert "tok_per_s kvmesh / kvmesh-torch-gemm" in report["ratios"]
+
+
+def test_vllm_script_sets_threads_and_kv_budget_over_the_environment(monkeypatch: Any) -> None:
+    """vLLM's CPU worker takes its threads from OMP_NUM_THREADS (it disables
+    `torch.set_num_threads`) and its KV budget from VLLM_CPU_KVCACHE_SPACE: an inherited value
+    must not win over `--threads` / `--kv-cache-gib`, or vLLM runs on another footing."""
+    import os
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    os.environ.update(_load_vllm_script().vllm_env(2, 1))
+    assert os.environ["OMP_NUM_THREADS"] == "2"
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def test_w3_ttft_is_timed_around_add_request_and_step_as_vllms() -> None:
+    """W3's TTFT runs from before `add_request` to the return of the step that gave the first
+    token (as bench/vllm_bench.py times vLLM), not the engine's own `metrics.ttft`."""
+    import time
+    from types import SimpleNamespace
+
+    class SlowEngine:
+        def __init__(self) -> None:
+            self.pending: list[str] = []
+
+        def add_request(self, request_id: str, prompt: list[int], params: Any) -> None:
+            time.sleep(0.01)  # input processing the engine's own arrival stamp leaves out
+            self.pending.append(request_id)
+
+        def step(self) -> list[Any]:
+            time.sleep(0.01)
+            done, self.pending = self.pending, []
+            completion = SimpleNamespace(token_ids=[7])
+            metrics = SimpleNamespace(ttft=0.001)
+            return [
+                SimpleNamespace(request_id=r, finished=True, outputs=[completion], metrics=metrics)
+                for r in done
+            ]
+
+        def has_unfinished(self) -> bool:
+            return bool(self.pending)
+
+    tokens, _, ttfts = bench_throughput.run_one_by_one(SlowEngine(), [([1, 2], 1)] * 3)
+    assert tokens == 3 and len(ttfts) == 3
+    assert min(ttfts) >= 0.02
