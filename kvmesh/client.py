@@ -370,6 +370,7 @@ def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 10_000),
         ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.http2.ping_timeout_ms", 5_000),  # grpc's own bound on a ping: else 1 minute
         ("grpc.http2.max_pings_without_data", 0),  # keep pinging a quiet call (a long prefill)
     ]
 
