@@ -18,11 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
-from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import start_http_server
 
 from control_plane.cluster import Cluster
 from control_plane.config import ControlConfig
@@ -31,6 +29,7 @@ from control_plane.front_door import FrontDoor
 from control_plane.generation_service import GenerationServicer
 from control_plane.openai_http.app import openai_app
 from control_plane.openai_http.server import HttpServer
+from kvmesh.telemetry.metrics_http import MetricsServer, start_metrics_server
 from kvmesh.telemetry.tracing import server_interceptors
 from kvmesh.v1 import generation_pb2, generation_pb2_grpc, wire, worker_pb2, worker_pb2_grpc
 
@@ -70,7 +69,7 @@ class ControlServer:
         self.internal_port = 0
         self.http: HttpServer | None = None
         self.metrics_address = ""  # host:port of the Prometheus endpoint, once started
-        self._metrics_http: WSGIServer | None = None
+        self._metrics_http: MetricsServer | None = None
         self.cluster.on_serving_change(self._serving_changed)
 
     @property
@@ -138,7 +137,7 @@ class ControlServer:
         if c.metrics_port is not None:
             try:
                 registry = self.cluster.metrics.registry
-                self._metrics_http, _ = start_http_server(c.metrics_port, c.host, registry)
+                self._metrics_http = start_metrics_server(registry, c.metrics_port, c.host)
             except OSError as error:
                 reason = error.strerror or str(error)
                 raise OSError(

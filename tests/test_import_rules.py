@@ -64,12 +64,14 @@ def test_packages_respect_layering(package: str) -> None:
     assert not bad, "\n".join(bad)
 
 
-# stubs; grpc-only auth and TLS; OpenTelemetry-only tracing and logging setup
+# stubs; grpc-only auth and TLS; OpenTelemetry-only tracing and logging setup; the
+# prometheus_client-only metrics port
 CONTROL_PLANE_KVMESH = (
     "kvmesh.v1",
     "kvmesh.security",
     "kvmesh.telemetry.tracing",
     "kvmesh.telemetry.logs",
+    "kvmesh.telemetry.metrics_http",
 )
 
 

@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvmesh.telemetry.metrics_http import start_metrics_server
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -147,5 +149,4 @@ def serve_metrics(metrics: WorkerMetrics, port: int, addr: str = "127.0.0.1") ->
 
     Returns the bound port.
     """
-    server, _thread = start_http_server(port, addr=addr, registry=metrics.registry)
-    return int(server.server_port)
+    return int(start_metrics_server(metrics.registry, port, addr).server_port)
