@@ -369,3 +369,73 @@ def test_the_helm_binary_and_helms_library_render_alike() -> None:
     cli = r.comparable(r.helm_template(CHART_AS_BASE, engine="cli"))
     sdk = r.comparable(r.helm_template(CHART_AS_BASE, engine="sdk"))
     assert cli == sdk
+
+
+# -- mesh and policies against what the sidecar and the CNI really do -----------------------
+
+
+def test_every_virtual_service_route_matches_the_port_it_routes_to(
+    renders: dict[str, list[r.Obj]],
+) -> None:
+    """Istio applies a VirtualService's routes to EVERY port of its host unless a match names a
+    port (pilot's TranslateRoute skips a route only for `match.port != listenPort`), and a
+    route's destination port then overrides the port the caller dialled. Service `kvmesh` has
+    gRPC 50051 and the OpenAI HTTP API 8000: an unported catch-all route sent in-mesh
+    `POST /v1/chat/completions` on 8000 to the gRPC server on 50051 (and scrapes of
+    kvmesh-control:9400 to 50052). Every match of a route must name its destination's port."""
+    checked = 0
+    for name, obj in unique_objects(renders):
+        if obj["kind"] != "VirtualService":
+            continue
+        for route in obj["spec"].get("http", []):
+            ports = {d["destination"]["port"]["number"] for d in route["route"]}
+            assert len(ports) == 1, f"{label(name, obj)} {route['name']}: one port per route"
+            matches = route.get("match") or [{}]
+            for match in matches:
+                assert match.get("port") in ports, (
+                    f"{label(name, obj)} route {route['name']}: match {match} applies to every "
+                    f"port of the host, not only {ports}"
+                )
+            checked += 1
+    assert checked, "no VirtualService route rendered"
+
+
+def test_meshed_pods_keep_their_metrics_on_the_metrics_port(
+    renders: dict[str, list[r.Obj]],
+) -> None:
+    """Istio's injector merges metrics by default: it OVERWRITES `prometheus.io/port` with the
+    agent's 15020 (`/stats/prometheus`). Scrapers (deploy/otel, KEDA's Prometheus) then go to
+    15020, which the NetworkPolicies do not admit (production: no metrics, no autoscaling),
+    and the PERMISSIVE 9400 of the PeerAuthentication is never used. Meshed kvmesh pods opt
+    out (`prometheus.istio.io/merge-metrics: "false"`), so they are scraped on 9400."""
+    for name, objects in kvmesh_renders(renders).items():
+        if not any(o["kind"] == "PeerAuthentication" for o in objects):
+            continue
+        for obj in objects:
+            template = obj.get("spec", {}).get("template", {}).get("metadata", {})
+            annotations = template.get("annotations", {})
+            if obj["kind"] == "Deployment" and obj["metadata"]["name"].startswith("kvmesh"):
+                assert annotations.get("prometheus.io/port") == "9400", label(name, obj)
+                assert annotations.get("prometheus.istio.io/merge-metrics") == "false", (
+                    f"{label(name, obj)}: Istio would rewrite prometheus.io/port to 15020"
+                )
+
+
+def test_with_gloo_decode_pods_reach_prefill_pods() -> None:
+    """gloo's pair connection goes from the peer with the higher address to the lower one's
+    ephemeral listener (measured: a receiver on 127.0.0.3 connects to the sender on
+    127.0.0.2), so for about half the prefill/decode pod pairs the DECODE pod opens the
+    connection to the PREFILL pod. With `transferBackend: gloo` the prefill NetworkPolicy must
+    admit decode pods (any port), or those transfers hang until the handshake times out."""
+    objects = r.helm_template(
+        {"transferBackend": "gloo", "networkPolicy": {"enabled": True},
+         "auth": {"existingSecret": "t"}}
+    )  # fmt: skip
+    policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
+    from_decode = [
+        rule for rule in policies["kvmesh-prefill"]["ingress"]
+        if "ports" not in rule and any(
+            p.get("podSelector", {}).get("matchLabels") == {"app.kubernetes.io/name": "kvmesh-decode"}
+            for p in rule.get("from", []))
+    ]  # fmt: skip
+    assert from_decode, "gloo: the prefill NetworkPolicy refuses the decode pods' connections"
