@@ -241,7 +241,11 @@ def test_ports_flags_probes_and_annotations_agree() -> None:
         _top, role_args = parsed_command(label, container)
         assert role_args is not None
         ports = named_ports(container)
-        assert set(ports) - {"http", "control"} == {"grpc", "metrics"}, f"{label}: ports {ports}"
+        assert set(ports) - {"http", "control", "kv-transfer"} == {"grpc", "metrics"}, label
+        transfer_port = getattr(role_args, "transfer_port", None) or None  # 0: free ports
+        assert transfer_port == ports.get("kv-transfer"), f"{label}: --transfer-port vs ports"
+        if obj["metadata"]["name"] == "kvmesh-decode":  # a mesh needs the receiver's port named
+            assert transfer_port is not None, f"{label}: the KV receiver on a declared port"
         if hasattr(role_args, "internal_port"):
             assert role_args.internal_port == ports["control"] == INTERNAL_PORT, label
         assert role_args.port == ports["grpc"], f"{label}: --port vs containerPort grpc"
