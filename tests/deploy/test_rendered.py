@@ -21,7 +21,12 @@ from typing import Any
 import pytest
 
 from tests.deploy import rendering as r
-from tests.deploy.test_deploy_manifests import METRIC, metric_names_in_code, parsed_command
+from tests.deploy.test_deploy_manifests import (
+    METRIC,
+    metric_names_in_code,
+    parsed_command,
+    prestop_seconds,
+)
 
 OLDEST_K8S = "1.30.0"
 OTEL_KINDS = {("ServiceAccount", "otel-collector"), ("Role", "otel-collector-pod-discovery"),
@@ -421,6 +426,27 @@ def test_meshed_pods_keep_their_metrics_on_the_metrics_port(
                 )
 
 
+def test_meshed_pods_sidecars_outlast_the_drain(renders: dict[str, list[r.Obj]]) -> None:
+    """Istio's sidecar stops `terminationDrainDuration` (default 5 s) after SIGTERM, and every
+    stream through it with it. A kvmesh pod drains for its preStop plus `--drain-seconds`: its
+    sidecar must serve that long, and stop within the pod's grace period."""
+    for name, objects in kvmesh_renders(renders).items():
+        if not any(o["kind"] == "PeerAuthentication" for o in objects):
+            continue
+        for obj in objects:
+            if obj["kind"] != "Deployment" or not obj["metadata"]["name"].startswith("kvmesh"):
+                continue
+            pod = obj["spec"]["template"]
+            config = json.loads(pod["metadata"]["annotations"].get("proxy.istio.io/config", "{}"))
+            drain = float(str(config.get("terminationDrainDuration", "5s")).removesuffix("s"))
+            container = pod["spec"]["containers"][0]
+            args = " ".join(container.get("args", []))
+            drain_flag = re.search(r"--drain-seconds[= ](\d+)", args)
+            needed = prestop_seconds(container) + (float(drain_flag.group(1)) if drain_flag else 0)
+            grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+            assert needed <= drain <= grace, f"{label(name, obj)}: sidecar drain {drain}s"
+
+
 def test_with_gloo_decode_pods_reach_prefill_pods() -> None:
     """gloo's pair connection goes from the peer with the higher address to the lower one's
     ephemeral listener (measured: a receiver on 127.0.0.3 connects to the sender on
@@ -432,10 +458,10 @@ def test_with_gloo_decode_pods_reach_prefill_pods() -> None:
          "auth": {"existingSecret": "t"}}
     )  # fmt: skip
     policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
+    decode = {"app.kubernetes.io/name": "kvmesh-decode"}
     from_decode = [
         rule for rule in policies["kvmesh-prefill"]["ingress"]
         if "ports" not in rule and any(
-            p.get("podSelector", {}).get("matchLabels") == {"app.kubernetes.io/name": "kvmesh-decode"}
-            for p in rule.get("from", []))
+            p.get("podSelector", {}).get("matchLabels") == decode for p in rule.get("from", []))
     ]  # fmt: skip
     assert from_decode, "gloo: the prefill NetworkPolicy refuses the decode pods' connections"
