@@ -29,6 +29,10 @@ BACKOFF_MIN_SECONDS = 0.1
 BACKOFF_MAX_SECONDS = 2.0
 DEFAULT_INTERVAL_SECONDS = 1.0
 RELEASE_REASON = "control plane released it"
+# gRPC's own reconnect backoff grows to 120 s while the control plane is down, and a call made
+# during it fails without trying to connect: bounded like the agent's own backoff, a control
+# plane back after a long outage (a rescheduled pod, a crash loop) is found within seconds.
+CHANNEL_OPTIONS = (("grpc.max_reconnect_backoff_ms", int(BACKOFF_MAX_SECONDS * 1000)),)
 
 
 class ControlAgent:
@@ -52,7 +56,7 @@ class ControlAgent:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._channel = self.security.aio_channel(self.target)
+        self._channel = self.security.aio_channel(self.target, CHANNEL_OPTIONS)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
