@@ -7,6 +7,7 @@ on CPU `DEFAULT_CPU_KV_BYTES`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 from kvmesh.engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_HOST_KV_GIB, EngineConfig
 from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.loader import LoadedModel, load_model
-from kvmesh.engine.runner import ModelRunner
+from kvmesh.engine.runner import ModelRunner, kv_cache_spec
 from kvmesh.engine.sampler import Sampler
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.memory import BlockManager
@@ -62,6 +63,12 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     loaded = load_model(config)
     max_model_len = resolve_max_model_len(config, loaded.hf_config)
     num_blocks = plan_num_blocks(config, loaded, max_model_len)
+    if loaded.device.type == "cpu":  # the pool is faulted in at start: it must fit in RAM
+        spec = kv_cache_spec(
+            loaded.hf_config, num_blocks, config.block_size, loaded.dtype, config.kv_dtype
+        )
+        field = "num_kv_blocks" if config.num_kv_blocks is not None else "kv_cache_memory"
+        check_host_memory(num_blocks * spec.bytes_per_block, field, "the KV cache")
     max_blocks = -(-max_model_len // config.block_size)
     runner = ModelRunner(
         loaded, num_blocks, config.block_size, config.kv_dtype, max_blocks, config.fresh_attention
@@ -107,6 +114,7 @@ def build_tiers(config: EngineConfig, runner: ModelRunner, model_id: str) -> Tie
         int(config.disk_kv_gib * GIB),
         config.disk_kv_persist,
     )
+    check_host_memory(settings.host_bytes, "host_kv_gib", "the host KV tier")
     try:
         return build_store(runner.kv_cache, settings, model_id)
     except ValueError as exc:
@@ -115,6 +123,35 @@ def build_tiers(config: EngineConfig, runner: ModelRunner, model_id: str) -> Tie
         if "disk" in text:
             field = "disk_kv_dir" if "folder" in text else "disk_kv_gib"
         raise InvalidParameterError(field, text) from None
+
+
+def check_host_memory(nbytes: int, field: str, what: str) -> None:
+    """InvalidParameterError naming `field` when `nbytes` of host memory are more than the host
+    has available now (what vLLM's CPU worker refuses too): the process stops at start rather
+    than failing to allocate, or being killed for memory once the pages are touched."""
+    available = host_available_bytes()
+    if available is not None and nbytes > available:
+        raise InvalidParameterError(
+            field,
+            f"{what} needs {nbytes / GIB:.2f} GiB but the host has {available / GIB:.2f} GiB of "
+            "memory available; lower it",
+        )
+
+
+def host_available_bytes() -> int | None:
+    """Memory this process can still get: /proc/meminfo's MemAvailable, capped by the
+    container's cgroup memory limit (v2, else v1); None where neither can be read."""
+    found: list[int] = []
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        with contextlib.suppress(OSError, ValueError), open(path) as limit:
+            text = limit.read().strip()
+            if text != "max" and int(text) < 1 << 60:  # v1 writes "no limit" as about 2**63
+                found.append(int(text))
+    return min(found) if found else None
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
@@ -153,6 +190,16 @@ def plan_num_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: in
     )
     if plan.num_blocks < 1:
         raise InvalidParameterError("kv_cache_memory", "budget holds no KV block")
+    needed = -(-max_model_len // config.block_size)
+    if plan.num_blocks < needed:  # as vLLM: every request up to the context would be refused
+        by_device = config.kv_cache_memory is None and loaded.device.type == "cuda"
+        field = "memory_utilization" if by_device else "kv_cache_memory"
+        raise InvalidParameterError(
+            field,
+            f"the KV budget holds {plan.num_blocks} blocks ({plan.token_capacity} tokens), "
+            f"fewer than the {needed} one sequence of max_model_len {max_model_len} needs; "
+            "raise it or lower --max-model-len",
+        )
     return plan.num_blocks
 
 

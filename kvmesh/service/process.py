@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn, Protocol
 
 from kvmesh.engine.errors import InvalidParameterError, UnsupportedModelError
+from kvmesh.service.engine_flags import engine_flags
 from kvmesh.service.options import ROLES, build_runtime, engine_config, parse
 from kvmesh.service.runtime import WorkerRuntime
 from kvmesh.service.server import WorkerServer, print_ready, run_until_signal
@@ -156,7 +157,17 @@ def serve_role(
     except UnsupportedModelError as error:  # raised while loading, before the ready line
         print(f"kvmesh serve {role}: model: {error}", file=sys.stderr)
         code = 2
+    except InvalidParameterError as error:  # an option the loaded model refuses (while loading)
+        print(f"kvmesh serve {role}: {option_error(error)}", file=sys.stderr)
+        code = 2
     return exit_process(code)
+
+
+def option_error(error: InvalidParameterError) -> str:
+    """`--flag: message` of an engine option refused once the model is known (max_model_len
+    beyond its positions, a KV budget without one block): the flag that sets the field."""
+    flags = {flag.field: flag.flags[0] for flag in engine_flags()}
+    return f"{flags.get(error.field, error.field)}: {error.message}"
 
 
 def stopped(stop: asyncio.Event, what: str) -> bool:

@@ -37,8 +37,16 @@ def new_epoch() -> int:
     return int.from_bytes(os.urandom(8), "little") or 1
 
 
+FINGERPRINT_SAMPLES = 64  # windows of each safetensors file's tensor data that are hashed
+FINGERPRINT_WINDOW = 4096
+
+
 def model_fingerprint(model_dir: Path) -> str:
-    """Hash of config.json and the safetensors headers: equal weights layout, equal hash."""
+    """Hash of config.json, the safetensors headers and samples of the tensor data: equal
+    weights, equal hash. The samples (FINGERPRINT_SAMPLES windows spread over each file's
+    data, all of it when smaller) tell apart checkpoints of one shape with other weights (a
+    fine-tune and its base, tiny models of two seeds), whose configs and headers are equal:
+    a prefill worker's KV must never reach a decode worker that runs other weights."""
     digest = hashlib.sha256()
     config = model_dir / "config.json"
     if config.exists():
@@ -47,7 +55,22 @@ def model_fingerprint(model_dir: Path) -> str:
         with path.open("rb") as handle:
             (size,) = struct.unpack("<Q", handle.read(8))
             digest.update(handle.read(min(size, 64 << 20)))
+            _hash_samples(handle, 8 + size, path.stat().st_size, digest)
     return digest.hexdigest()[:32]
+
+
+def _hash_samples(handle: Any, start: int, end: int, digest: Any) -> None:
+    """Hash FINGERPRINT_SAMPLES windows spread evenly over bytes [start, end) of `handle`
+    (first and last included), or every byte when the range is not larger than them."""
+    length = max(0, end - start)
+    if length <= FINGERPRINT_SAMPLES * FINGERPRINT_WINDOW:
+        handle.seek(start)
+        digest.update(handle.read(length))
+        return
+    step = (length - FINGERPRINT_WINDOW) / (FINGERPRINT_SAMPLES - 1)
+    for i in range(FINGERPRINT_SAMPLES):
+        handle.seek(start + int(i * step))
+        digest.update(handle.read(FINGERPRINT_WINDOW))
 
 
 def layout_of(engine: LLMEngine, fingerprint: str) -> worker_pb2.KVCacheLayout:
