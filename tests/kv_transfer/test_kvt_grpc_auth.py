@@ -11,12 +11,25 @@ import pytest
 import torch
 
 from kv_transfer import BlockStore, TransferRequest, get_backend, new_transfer_id
+from kv_transfer.interface import KVReceiver, KVSender
 from kvmesh.security import Security
 from kvmesh.v1 import wire
 
 SHAPE = (8, 2, 2, 4, 2, 8)  # [num_blocks, layers, 2, block_size, heads, head_dim]
 TOKEN = "kv-receiver-cluster-token-0123456789"
 HANDSHAKE = "/kvmesh.v1.KVTransferService/Handshake"
+
+
+def transfer(sender: KVSender, receiver: KVReceiver, src: BlockStore, dst: BlockStore) -> None:
+    """Move blocks 1-3 of `src` into `dst` over one stream; both ends report OK."""
+    request = TransferRequest(new_transfer_id(), 1)
+    ids = torch.tensor([1, 2, 3])
+    got = receiver.expect(request, ids, time.monotonic() + 10)
+    sent = sender.start_stream(request, ids, deadline=time.monotonic() + 10)
+    sent.add(0, ids)
+    sent.finish()
+    assert sent.wait(10).ok and got.wait(10).ok
+    assert torch.equal(dst.cache[ids], src.cache[ids])
 
 
 def test_token_first_then_decode_check_then_a_real_transfer() -> None:
@@ -39,14 +52,7 @@ def test_token_first_then_decode_check_then_a_real_transfer() -> None:
         src = BlockStore(torch.randn(SHAPE, generator=torch.Generator().manual_seed(0)))
         sender = grpc_backend.Sender(src, receiver.address, security=security)
         try:
-            request = TransferRequest(new_transfer_id(), 1)
-            ids = torch.tensor([1, 2, 3])
-            got = receiver.expect(request, ids, time.monotonic() + 10)
-            sent = sender.start_stream(request, ids, deadline=time.monotonic() + 10)
-            sent.add(0, ids)
-            sent.finish()
-            assert sent.wait(10).ok and got.wait(10).ok
-            assert torch.equal(dst.cache[ids], src.cache[ids])
+            transfer(sender, receiver, src, dst)
         finally:
             sender.close()
     finally:
