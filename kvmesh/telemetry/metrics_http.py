@@ -41,8 +41,10 @@ class _Handler(WSGIRequestHandler):
             self._head_bound.cancel()
 
     def parse_request(self) -> bool:
+        """Parses the request line and reads the headers: the head is whole once it returns."""
+        parsed = bool(super().parse_request())
         self._head_bound.cancel()  # the head arrived in time
-        return bool(super().parse_request())
+        return parsed
 
     def _cut(self) -> None:
         with contextlib.suppress(OSError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from kvmesh.memory.errors import SequenceExistsError
 from kvmesh.memory.tiers import blockfile
 from kvmesh.memory.tiers.blockfile import BlockMeta
+from kvmesh.memory.tiers.disk import DiskTier
 from tests.memory.tiers_harness import TieredRig, file_size_limit
 
 A = list(range(1, 14))  # 3 full blocks of 4 and one token
@@ -311,3 +313,13 @@ def test_a_block_file_that_cannot_be_deleted_costs_only_that_block(tmp_path: Pat
     assert rig.store.disk is not None and rig.store.disk.num_unremoved >= 1
     assert disk.used_blocks <= 2 and all(path.is_dir() for path in stuck)
     rig.manager.check_integrity()
+
+
+def test_closing_a_disk_tier_whose_folder_is_gone_releases_it(tmp_path: Path) -> None:
+    """close never raises: a folder removed under the tier (a temp cleaner, an I/O error on
+    listing) still has its lock released."""
+    folder = tmp_path / "kv"
+    disk = DiskTier(folder, 4, {"layout": 1}, 16)
+    shutil.rmtree(folder)
+    disk.close()
+    assert disk._lock is None

@@ -72,6 +72,13 @@ def test_an_idle_or_dripping_connection_is_cut_after_the_read_bound(server: Metr
     assert threading.active_count() <= threads
 
 
+def test_headers_dripped_after_a_prompt_request_line_are_cut(server: MetricsServer) -> None:
+    conn = connect(server)
+    conn.sendall(b"GET /metrics HTTP/1.1\r\n")  # the request line at once, the headers slowly
+    assert closed_after(conn, b"Host: x\r\nX-Slow: " + b"a" * 100) < 5 * READ
+    conn.close()
+
+
 def test_connections_beyond_the_cap_are_closed_at_once(server: MetricsServer) -> None:
     held = [connect(server), connect(server)]
     time.sleep(0.1)  # both are being served

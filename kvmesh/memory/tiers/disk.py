@@ -163,8 +163,13 @@ class DiskTier:
         return [p for p in self.folder.iterdir() if p.name.endswith(SUFFIX)]
 
     def _wipe(self) -> None:
-        """Delete every block file and torn write; never raises (files left are counted)."""
-        for path in [*self._block_files(), *self.folder.glob(f".*{SUFFIX}.*.tmp")]:
+        """Delete every block file and torn write; never raises (files left are counted, a
+        folder that cannot be listed, gone or failing, has nothing this can delete)."""
+        try:
+            paths = [*self._block_files(), *self.folder.glob(f".*{SUFFIX}.*.tmp")]
+        except OSError:
+            return
+        for path in paths:
             try:
                 block_hash: int | None = int(path.name.removesuffix(SUFFIX), 16)
             except ValueError:  # a torn write or a stranger's name
