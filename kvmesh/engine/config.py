@@ -161,6 +161,10 @@ class EngineConfig:
                 _positive(name, getattr(self, name))
         if not 0.0 < self.memory_utilization <= 1.0:
             raise InvalidParameterError("memory_utilization", "must be in (0, 1]")
+        if self.num_threads is not None and self.num_threads > MAX_NUM_THREADS:
+            raise InvalidParameterError(  # torch starts one OS thread each: far more crashes it
+                "num_threads", f"must be at most {MAX_NUM_THREADS}; got {self.num_threads}"
+            )
 
     def _check_tiers(self) -> None:
         for name in ("host_kv_gib", "disk_kv_gib"):
@@ -170,6 +174,7 @@ class EngineConfig:
 
 
 DEFAULT_CPU_KV_BYTES = 1024**3
+MAX_NUM_THREADS = 1024
 DEFAULT_HOST_KV_GIB = 1.0  # the host tier under a disk tier when host_kv_gib is not set
 
 

@@ -34,8 +34,8 @@ TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def parse_size(text: str) -> int:
-    """Bytes from `123`, `512MiB`, `2GiB`, `1G` (ValueError otherwise)."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    """Bytes from `123`, `512MiB`, `2GiB`, `1G`, `1TiB` (ValueError otherwise)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     value = text.strip().lower().removesuffix("ib").removesuffix("b")
     if value and value[-1] in units:
         return int(float(value[:-1]) * units[value[-1]])

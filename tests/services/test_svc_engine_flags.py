@@ -128,6 +128,9 @@ def test_invalid_flag_value_names_the_flag(
     with pytest.raises(SystemExit):
         parse("decode", ["--gpu-memory-utilization", "1.5"], environ={})
     assert "--gpu-memory-utilization: must be in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one OS thread each: 100,000 crashed the worker
+        parse("decode", ["--num-threads", "100000"], environ={})
+    assert "--num-threads: must be at most 1024" in capsys.readouterr().err
     monkeypatch.setenv("KVMESH_MAX_NUM_SEQS", "-1")
     assert main(["up", "--block-size", "8"]) == 2
     assert "KVMESH_MAX_NUM_SEQS='-1': must be a positive integer" in capsys.readouterr().err
@@ -148,3 +151,11 @@ def test_only_a_decode_worker_takes_a_transfer_port(role: str) -> None:
         parse(role, ["--transfer-port", "7000"], environ={})
     assert refused.value.code == 2
     assert parse("decode", ["--transfer-port", "7000"], environ={}).transfer_port == 7000
+
+
+def test_sizes_take_binary_units_up_to_tebibytes() -> None:
+    for text, size in (("512MiB", 512 << 20), ("2G", 2 << 30), ("1TiB", 1 << 40), ("4096", 4096)):
+        assert (
+            engine_config(parse("decode", ["--kv-cache-memory", text], environ={})).kv_cache_memory
+            == size
+        )
