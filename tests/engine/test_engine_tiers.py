@@ -194,15 +194,20 @@ def test_a_disk_that_refuses_writes_costs_hits_not_requests(
 def test_swap_preemption_keeps_greedy_output(
     checkpoint: Path, expected: list[list[int]], mode: str
 ) -> None:
-    """Preempted sequences come back with the same greedy tokens. `swap` swaps every one (the
+    """Preempted sequences come back with the same greedy tokens (a roomy engine's, whose first
+    tokens are transformers'; decodes grow past their prompt's blocks, so the pool of 9 blocks
+    runs out while they decode: prompt work alone never preempts). `swap` swaps every one (the
     host has room); `auto` picks by the rates it measures on this machine, so which way it goes
     depends on the load (the rule itself is tested on its own): every swapped block returns."""
+    longer = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # decodes grow
+    roomy = LLM(str(checkpoint), num_kv_blocks=64).generate(make_prompts(), longer)
+    assert [o.outputs[0].token_ids[:MAX_NEW] for o in roomy] == expected
     llm = LLM(
         str(checkpoint), num_kv_blocks=9, host_kv_gib=gib(32), preemption=mode,
         max_num_batched_tokens=64,
     )  # fmt: skip
-    outputs = llm.generate(make_prompts(), GREEDY)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
+    outputs = llm.generate(make_prompts(), longer)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in roomy]
     chooser = llm.engine.scheduler.state.chooser
     assert chooser is not None and llm.engine.scheduler.num_preemptions > 0
     assert chooser.num_swap + chooser.num_recompute == llm.engine.scheduler.num_preemptions

@@ -148,7 +148,8 @@ class Scheduler:
 
     def _plan_running(self, seq: Sequence, size: int) -> bool:
         """Plan a chunk of `size` tokens for a running sequence, preempting others for blocks;
-        False when `seq` itself was preempted."""
+        False when `seq` itself was preempted, or (prompt work already begun, with no prompt
+        work to evict) when it keeps its blocks and waits for a later step."""
         state = self.state
         start = seq.num_computed_tokens
         while True:
@@ -157,6 +158,8 @@ class Scheduler:
                 state.make_chunk(seq, start, size, result)
                 return True
             victim = policy.newest_unplanned(state, seq)
+            if victim is seq and start and policy.is_prefilling(seq):
+                return False  # holds its blocks and waits: a decode's need evicts it if any
             state.preempt(victim)
             self.num_preemptions += 1
             if victim is seq:

@@ -68,12 +68,25 @@ def enroll_static_batch(state: SchedulerState, config: SchedulerConfig) -> None:
 
 
 def newest_unplanned(state: SchedulerState, seq: Sequence) -> Sequence:
-    """The preemption victim when `seq` needs blocks (`seq` itself as the last resort)."""
+    """The preemption victim when `seq` needs blocks (`seq` itself as the last resort): the
+    newest running sequence not planned in this step. Prompt work never evicts a decode (as
+    vLLM's waiting work never evicts running work): a prefill-first step plans no decodes, and
+    a recomputing sequence evicting its decoding sibling, which then recomputed and evicted it
+    back, gained about one token per whole recompute."""
     planned = state.sync_planned()
+    prompt_work = is_prefilling(seq)
     for other in reversed(state.running):
-        if other is not seq and other.seq_id not in planned:
-            return other
+        if other is seq or other.seq_id in planned:
+            continue
+        if prompt_work and not is_prefilling(other):
+            continue
+        return other
     return seq
+
+
+def is_prefilling(seq: Sequence) -> bool:
+    """Whether `seq` still has prompt (or recompute) tokens to compute, not one decode."""
+    return len(seq.all_token_ids) - seq.num_computed_tokens != 1
 
 
 def _start(state: SchedulerState, config: SchedulerConfig, seq: Sequence, budget: int) -> int:
