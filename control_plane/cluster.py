@@ -15,6 +15,7 @@ from control_plane.ledger import EntryState, Ledger, WorkerRef
 from control_plane.metrics import ControlMetrics
 from control_plane.registry import Registry, WorkerRecord
 from kvmesh.security import Security
+from kvmesh.v1 import wire
 
 WorkerLostListener = Callable[[WorkerRef], None]
 ServingListener = Callable[[bool], Awaitable[None]]
@@ -26,12 +27,7 @@ class ChannelPool:
 
     def __init__(self, max_message_bytes: int, security: Security | None = None) -> None:
         self._security = security or Security()
-        self._options = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
-        ]
+        self._options = wire.client_options(max_message_bytes)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:

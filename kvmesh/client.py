@@ -363,16 +363,8 @@ class _CallOptions:
 def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, int]]:
     """Message limits, and keepalive pings while a call is open (also while no data flows):
     a server that froze or a connection that went half-open fails the call UNAVAILABLE
-    within about 15 s, even for a call without a deadline (kvmesh servers accept a ping every
-    5 s, `kvmesh.v1.wire.server_options`)."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.http2.ping_timeout_ms", 5_000),  # grpc's own bound on a ping: else 1 minute
-        ("grpc.http2.max_pings_without_data", 0),  # keep pinging a quiet call (a long prefill)
-    ]
+    within about 15 s, even for a call without a deadline (`kvmesh.v1.wire.client_options`)."""
+    return wire.client_options(max_message_bytes)
 
 
 class Stream:

@@ -89,13 +89,6 @@ SERVICE = "kvmesh.v1.KVTransferService"
 PUSH_FRAMES = f"/{SERVICE}/PushFrames"
 
 
-def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
-
-
 def _header(frame: pb.KVFrame) -> FrameHeader:
     try:
         kind = MsgType(frame.msg_type)
@@ -349,7 +342,7 @@ class Sender(KVSender):
         self.checksum = True  # the bytes cross a network: every payload is hashed
         security = security or Security()
         self._metadata = security.call_metadata()
-        self._channel = security.channel(address, message_options(max_message_bytes))
+        self._channel = security.channel(address, wire.client_options(max_message_bytes))
         self._stub = pb_grpc.KVTransferServiceStub(self._channel)
         self._push = self._channel.stream_unary(  # raw bytes out (no serializer)
             PUSH_FRAMES, request_serializer=None, response_deserializer=pb.PushResult.FromString

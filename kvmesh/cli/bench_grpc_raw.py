@@ -24,14 +24,15 @@ from typing import Any
 
 import grpc
 
-from kv_transfer.backends.grpc_stream import message_options, new_event_loop
+from kv_transfer.backends.grpc_stream import new_event_loop
 from kv_transfer.heap import keep_frames_in_heap
 from kv_transfer.interface import DEFAULT_FRAME_BYTES
 from kv_transfer.peer import reply
+from kvmesh.v1 import wire
 
 keep_frames_in_heap()
 METHOD = "/kvmesh.bench.RawBytes/Push"
-LIMIT = message_options(8 << 20)  # the backend's default message limit
+MESSAGE_BYTES = 8 << 20  # the backend's default message limit
 
 
 async def _count(messages: AsyncIterator[bytes], context: Any) -> bytes:
@@ -44,7 +45,7 @@ async def _count(messages: AsyncIterator[bytes], context: Any) -> bytes:
 def _serve(ready: threading.Event, port: list[int]) -> None:
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
-    server = grpc.aio.server(options=LIMIT)
+    server = grpc.aio.server(options=wire.server_options(MESSAGE_BYTES, 300.0))
     handler = grpc.stream_unary_rpc_method_handler(_count)  # bytes in, bytes out
     service, method = METHOD.strip("/").split("/")
     server.add_generic_rpc_handlers(
@@ -90,7 +91,9 @@ def main() -> None:
         if op == "quit":
             break
         if op == "connect":
-            channel = grpc.insecure_channel(command["address"], options=LIMIT)
+            channel = grpc.insecure_channel(
+                command["address"], options=wire.client_options(MESSAGE_BYTES)
+            )
             push = channel.stream_unary(METHOD, None, None)  # bytes both ways
             reply({"ok": True})
         elif op == "expect":

@@ -7,7 +7,6 @@ on CPU `DEFAULT_CPU_KV_BYTES`).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 
 from kvmesh.engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_HOST_KV_GIB, EngineConfig
 from kvmesh.engine.errors import InvalidParameterError
+from kvmesh.engine.host_memory import host_available_bytes
 from kvmesh.engine.loader import LoadedModel, load_model
 from kvmesh.engine.runner import ModelRunner, kv_cache_spec
 from kvmesh.engine.sampler import Sampler
@@ -136,22 +136,6 @@ def check_host_memory(nbytes: int, field: str, what: str) -> None:
             f"{what} needs {nbytes / GIB:.2f} GiB but the host has {available / GIB:.2f} GiB of "
             "memory available; lower it",
         )
-
-
-def host_available_bytes() -> int | None:
-    """Memory this process can still get: /proc/meminfo's MemAvailable, capped by the
-    container's cgroup memory limit (v2, else v1); None where neither can be read."""
-    found: list[int] = []
-    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        with contextlib.suppress(OSError, ValueError), open(path) as limit:
-            text = limit.read().strip()
-            if text != "max" and int(text) < 1 << 60:  # v1 writes "no limit" as about 2**63
-                found.append(int(text))
-    return min(found) if found else None
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:

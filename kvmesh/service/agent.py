@@ -21,7 +21,7 @@ import grpc
 
 from kvmesh.security import Security
 from kvmesh.service.runtime import WorkerRuntime
-from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import wire, worker_pb2, worker_pb2_grpc
 
 LOG = logging.getLogger("kvmesh.service.agent")
 RPC_TIMEOUT_SECONDS = 2.0
@@ -32,7 +32,10 @@ RELEASE_REASON = "control plane released it"
 # gRPC's own reconnect backoff grows to 120 s while the control plane is down, and a call made
 # during it fails without trying to connect: bounded like the agent's own backoff, a control
 # plane back after a long outage (a rescheduled pod, a crash loop) is found within seconds.
-CHANNEL_OPTIONS = (("grpc.max_reconnect_backoff_ms", int(BACKOFF_MAX_SECONDS * 1000)),)
+CONTROL_MESSAGE_BYTES = 4 * 1024 * 1024  # registrations and heartbeats: gRPC's default
+CHANNEL_OPTIONS = wire.client_options(
+    CONTROL_MESSAGE_BYTES, max_reconnect_backoff_ms=int(BACKOFF_MAX_SECONDS * 1000)
+)
 
 
 class ControlAgent:

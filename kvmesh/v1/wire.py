@@ -121,6 +121,32 @@ def _non_negative(text: str) -> int | None:
     return value if value >= 0 else None
 
 
+# -- clients -----------------------------------------------------------------------------------
+
+
+def client_options(
+    max_message_bytes: int, max_reconnect_backoff_ms: int | None = None
+) -> list[tuple[str, int]]:
+    """The options of every kvmesh gRPC channel (clients, the control plane's channels to
+    workers, the agents' to the control plane, KV senders): messages up to
+    `max_message_bytes`; keepalive pings while a call is open, also while no data flows (a long
+    prefill), so a peer that froze or a connection that went half-open fails its calls
+    UNAVAILABLE within about 15 s, even calls without a deadline (`server_options` accepts a
+    ping every 5 s); gRPC's reconnect backoff capped at `max_reconnect_backoff_ms` when given
+    (its own cap is 120 s)."""
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.http2.ping_timeout_ms", 5_000),  # grpc's own bound on a ping: else 1 minute
+        ("grpc.http2.max_pings_without_data", 0),  # keep pinging a quiet call
+    ]
+    if max_reconnect_backoff_ms is not None:
+        options.append(("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms))
+    return options
+
+
 # -- servers -----------------------------------------------------------------------------------
 
 
