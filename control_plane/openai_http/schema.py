@@ -52,20 +52,40 @@ TOKEN_ID_LIMIT = 2**31  # token ids travel as int32
 # param -> whether a value changes nothing (null always does). Any other value is a 400.
 _ANY_VALUE = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
               "structured_outputs", "truncate_prompt_tokens", "audio", "chat_template")  # fmt: skip
-_UNLESS_FALSE = ("use_beam_search", "return_tokens_as_token_ids", "continue_final_message")
+_UNLESS_FALSE = ("use_beam_search", "return_tokens_as_token_ids", "continue_final_message",
+                 "return_token_ids")  # fmt: skip
 _UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     **{name: lambda v: False for name in _ANY_VALUE},
     **{name: lambda v: v is False for name in _UNLESS_FALSE},
     "allowed_token_ids": lambda v: v == [],
     "bad_words": lambda v: v == [],
+    "logprob_token_ids": lambda v: v == [],
+    "thinking_token_budget": lambda v: v == -1,  # vLLM's "unlimited", as unset
+    "repetition_detection": lambda v: isinstance(v, dict) and not v.get("max_pattern_size"),
     "tool_choice": lambda v: v in ("none", "auto"),
     "add_generation_prompt": lambda v: v is True,
     "chat_template_kwargs": lambda v: v == {},
     "modalities": lambda v: v == ["text"],
 }
+# A message's fields (by its role; `task` of any) that vLLM passes to the chat template.
+_TEMPLATE_FIELDS = {
+    "assistant": ("reasoning", "reasoning_content"),
+    "tool": ("tool_call_id",),
+    "developer": ("tools",),
+}
 _UNIMPLEMENTED_FOR: dict[Kind, dict[str, Callable[[Any], bool]]] = {
-    "completion": {"add_special_tokens": lambda v: v is True},  # text prompts get their BOS
-    "chat": {"add_special_tokens": lambda v: v is False, "echo": lambda v: v is False},
+    "completion": {
+        "add_special_tokens": lambda v: v is True,  # text prompts get their BOS
+        "prompt_embeds": lambda v: False,
+    },
+    "chat": {
+        "add_special_tokens": lambda v: v is False,
+        "echo": lambda v: v is False,
+        # vLLM's chat template variables (reasoning_effort sets enable_thinking too)
+        "reasoning_effort": lambda v: False,
+        "documents": lambda v: False,
+        "return_prompt_text": lambda v: v is False,
+    },
 }
 
 
@@ -154,11 +174,15 @@ def parse(body: Any, kind: Kind, limits: RequestLimits = DEFAULT_LIMITS) -> Pars
 
 def refuse_unimplemented(body: dict[str, Any], kind: Kind) -> None:
     """A 400 naming the first field the server does not implement that is set to a value
-    which would change the answer (`_UNIMPLEMENTED`, `_UNIMPLEMENTED_FOR`)."""
+    which would change the answer (`_UNIMPLEMENTED`, `_UNIMPLEMENTED_FOR`), or a
+    `response_format` other than text (either endpoint: vLLM constrains completions too)."""
     for name, changes_nothing in {**_UNIMPLEMENTED, **_UNIMPLEMENTED_FOR[kind]}.items():
         value = body.get(name)
         if value is not None and not changes_nothing(value):
             raise bad_param(name, "is not supported")
+    response_format = field(body, "response_format", "object", {})
+    if response_format.get("type", "text") != "text":
+        raise bad_param("response_format", "only type 'text' is supported")
 
 
 def cache_salt(body: dict[str, Any]) -> bytes:
@@ -356,6 +380,9 @@ def chat_messages(body: dict[str, Any]) -> generation_pb2.ChatMessages:
             raise bad_param(f"{where}.role", "expected a non-empty string")
         if message.get("tool_calls"):  # a call this server would not render: never dropped
             raise bad_param(f"{where}.tool_calls", "tool calling is not supported")
+        for key in (*_TEMPLATE_FIELDS.get(role, ()), "task"):  # not rendered here
+            if message.get(key):
+                raise bad_param(f"{where}.{key}", "is not supported")
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise bad_param(f"{where}.name", "expected a string")
@@ -363,9 +390,6 @@ def chat_messages(body: dict[str, Any]) -> generation_pb2.ChatMessages:
         out.messages.add(role=role, content=content, name=name or "")
     if field(body, "tools", "array") or field(body, "functions", "array"):
         raise bad_param("tools", "tool calling is not supported")
-    response_format = field(body, "response_format", "object", {})
-    if response_format.get("type", "text") != "text":
-        raise bad_param("response_format", "only type 'text' is supported")
     return out
 
 
@@ -394,12 +418,13 @@ def completion_logprobs(body: dict[str, Any]) -> int | None:
 
 
 def chat_logprobs(body: dict[str, Any]) -> int | None:
-    """Chat: `logprobs` (bool) turns them on, `top_logprobs` (0..20) adds alternatives."""
+    """Chat: `logprobs` (bool) turns them on, `top_logprobs` (0..20) adds alternatives (more
+    than 0 only with logprobs)."""
     enabled = field(body, "logprobs", "boolean", False)
     top = field(body, "top_logprobs", "integer")
     if top is not None:
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise bad_param("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
-        if not enabled:
+        if top and not enabled:  # 0 asks for nothing (vLLM accepts it alone)
             raise bad_param("top_logprobs", "needs logprobs: true")
     return (top or 0) if enabled else None

@@ -388,6 +388,27 @@ CHAT = [{"role": "user", "content": "x"}]
         ("completion", {"prompt": "x", "bad_words": ["a"]}, "bad_words"),
         ("completion", {"prompt": "x", "return_tokens_as_token_ids": True},
          "return_tokens_as_token_ids"),
+        ("completion", {"prompt": "x", "response_format": {"type": "json_object"}},
+         "response_format"),
+        ("completion", {"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds"),
+        ("chat", {"messages": CHAT, "reasoning_effort": "low"}, "reasoning_effort"),
+        ("chat", {"messages": CHAT, "documents": []}, "documents"),
+        ("chat", {"messages": CHAT, "thinking_token_budget": 0}, "thinking_token_budget"),
+        ("chat", {"messages": CHAT, "repetition_detection": {"max_pattern_size": 2}},
+         "repetition_detection"),
+        ("chat", {"messages": CHAT, "logprobs": True, "logprob_token_ids": [1]},
+         "logprob_token_ids"),
+        ("completion", {"prompt": "x", "return_token_ids": True}, "return_token_ids"),
+        ("chat", {"messages": CHAT, "return_prompt_text": True}, "return_prompt_text"),
+        ("chat", {"messages": [*CHAT, {"role": "assistant", "content": "y",
+                                       "reasoning_content": "z"}]},
+         "messages[1].reasoning_content"),
+        ("chat", {"messages": [*CHAT, {"role": "tool", "content": "y", "tool_call_id": "c"}]},
+         "messages[1].tool_call_id"),
+        ("chat", {"messages": [{"role": "developer", "content": "y", "tools": [{}]}]},
+         "messages[0].tools"),
+        ("chat", {"messages": [{**CHAT[0], "task": "t"}]}, "messages[0].task"),
+        ("chat", {"messages": CHAT, "top_logprobs": 1}, "top_logprobs"),
     ],
 )  # fmt: skip
 def test_unimplemented_features_are_400_naming_the_field(kind: Any, body: Any, param: str) -> None:
@@ -406,11 +427,17 @@ def test_unimplemented_fields_at_their_no_op_values_are_accepted() -> None:
         "continue_final_message": False, "chat_template": None, "chat_template_kwargs": {},
         "add_special_tokens": False, "modalities": ["text"], "guided_json": None,
         "bad_words": [], "use_beam_search": False, "parallel_tool_calls": True,
+        "logprob_token_ids": [], "thinking_token_budget": -1, "return_token_ids": False,
+        "repetition_detection": {"max_pattern_size": 0}, "return_prompt_text": False,
+        "reasoning_effort": None, "documents": None, "top_logprobs": 0,
     }  # fmt: skip
     assert parse(chat, "chat").request.chat.messages[0].content == "x"
     assert parse({**chat, "tool_choice": "auto"}, "chat").request.chat.messages
+    unrendered = [{**CHAT[0], "reasoning": "r", "tool_call_id": "c"}]  # vLLM drops them too
+    assert parse({**chat, "messages": unrendered}, "chat").request.chat.messages[0].content == "x"
     completion = {"prompt": "x", "add_special_tokens": True, "allowed_token_ids": None,
-                  "return_tokens_as_token_ids": False, "truncate_prompt_tokens": None}  # fmt: skip
+                  "return_tokens_as_token_ids": False, "truncate_prompt_tokens": None,
+                  "response_format": {"type": "text"}, "prompt_embeds": None}  # fmt: skip
     assert parse(completion, "completion").request.text == "x"
 
 

@@ -324,6 +324,56 @@ def test_stop_reason_and_the_stop_tokens_text_as_vllm_answers(system: LocalSyste
     wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
 
 
+# vLLM fields that change the answer (a chat template's variables, decoding limits, more in the
+# body) which this server does not implement, as the openai client sends them: (endpoint, the
+# call's params, the param the 400 names). Each used to answer 200 as if it were absent.
+UNHONOURED: list[tuple[str, dict[str, Any], str]] = [
+    # vLLM constrains the completion to JSON; the tiny model's text is not JSON
+    ("completion", {"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    ("completion", {"extra_body": {"prompt_embeds": "AAAA"}}, "prompt_embeds"),  # the prompt
+    ("chat", {"reasoning_effort": "none"}, "reasoning_effort"),  # the template's enable_thinking
+    ("chat", {"extra_body": {"documents": [{"title": "t", "text": "x"}]}}, "documents"),
+    ("chat", {"extra_body": {"thinking_token_budget": 4}}, "thinking_token_budget"),
+    ("completion", {"extra_body": {"repetition_detection": {"max_pattern_size": 2,
+                                                           "min_count": 2}}},
+     "repetition_detection"),
+    ("chat", {"logprobs": True, "extra_body": {"logprob_token_ids": [7]}}, "logprob_token_ids"),
+    ("completion", {"extra_body": {"return_token_ids": True}}, "return_token_ids"),
+    ("chat", {"extra_body": {"return_prompt_text": True}}, "return_prompt_text"),
+    ("chat", {"messages": [{"role": "user", "content": "a"},
+                           {"role": "assistant", "content": "b", "reasoning": "c"},
+                           {"role": "user", "content": "d"}]}, "messages[1].reasoning"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "params", "param"), UNHONOURED)
+def test_vllm_fields_that_change_the_answer_are_refused_not_ignored(
+    system: LocalSystem, kind: str, params: dict[str, Any], param: str
+) -> None:
+    """A user switching from vLLM never gets an answer that silently lacks what a field asked
+    for: each is a 400 naming it (no run starts)."""
+    client = api(system)
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as caught:
+        if kind == "completion":
+            client.completions.create(model=model, prompt="x", max_tokens=4, **params)
+        else:
+            params = {"messages": [{"role": "user", "content": "a"}], **params}
+            client.chat.completions.create(model=model, max_tokens=4, **params)
+    assert caught.value.param == param
+
+
+def test_top_logprobs_zero_without_logprobs_is_accepted_as_vllm_accepts_it(
+    system: LocalSystem,
+) -> None:
+    """`top_logprobs: 0` asks for nothing (vLLM needs `logprobs` only for more): no logprobs."""
+    client = api(system)
+    model = client.models.list().data[0].id
+    done = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "a"}],
+                                          max_tokens=2, top_logprobs=0)  # fmt: skip
+    assert done.choices[0].logprobs is None
+
+
 def test_client_leaving_mid_stream_frees_every_block(system: LocalSystem) -> None:
     client = api(system)
     model = client.models.list().data[0].id
