@@ -131,6 +131,11 @@ class EngineConfig:
         PREEMPTIONS,
     )
     num_threads: int | None = _setting(None, "torch CPU threads (default: torch's)")
+    generation_config: str = _setting(
+        "auto",
+        "default sampling: auto (the model's generation_config.json, as vLLM), vllm (neutral "
+        "defaults) or a folder holding a generation_config.json",
+    )
     show_progress: bool = _setting(False, "print the KV capacity line at start")
 
     def __post_init__(self) -> None:
@@ -159,6 +164,8 @@ class EngineConfig:
         for name in optional:
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise InvalidParameterError("generation_config", "must be auto, vllm or a folder")
         if not 0.0 < self.memory_utilization <= 1.0:
             raise InvalidParameterError("memory_utilization", "must be in (0, 1]")
         if self.num_threads is not None and self.num_threads > MAX_NUM_THREADS:

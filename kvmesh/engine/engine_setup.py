@@ -7,13 +7,17 @@ on CPU `DEFAULT_CPU_KV_BYTES`).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from kvmesh.engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_HOST_KV_GIB, EngineConfig
 from kvmesh.engine.errors import InvalidParameterError
+from kvmesh.engine.generation_defaults import sampling_defaults
 from kvmesh.engine.host_memory import host_available_bytes
 from kvmesh.engine.loader import LoadedModel, load_model
 from kvmesh.engine.runner import ModelRunner, kv_cache_spec
@@ -43,6 +47,10 @@ class EngineParts:
     eos_token_id: int | None  # the first of eos_token_ids (ModelInfo's one id)
     tiers: TieredStore | None = None
     eos_token_ids: tuple[int, ...] = ()  # every EOS id: each stops and is masked by min_tokens
+    # the model's default sampling (`generation_defaults`): unset request fields take these
+    sampling_defaults: Mapping[str, Any] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
 
     def capacity_line(self) -> str:
         """Start-up summary: blocks, tokens, max concurrency at max model length."""
@@ -101,7 +109,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
     scheduler = Scheduler(scheduler_config, block_manager)
     first = eos[0] if eos else None
-    return EngineParts(loaded, runner, scheduler, Sampler(), max_model_len, first, tiers, eos)
+    defaults = sampling_defaults(config.generation_config, loaded.path, loaded.hf_config)
+    return EngineParts(
+        loaded, runner, scheduler, Sampler(), max_model_len, first, tiers, eos, defaults
+    )
 
 
 def build_tiers(config: EngineConfig, runner: ModelRunner, model_id: str) -> TieredStore | None:

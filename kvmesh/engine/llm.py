@@ -22,6 +22,7 @@ from kvmesh.engine.chat import Message, chat_prompt_ids
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine, PromptInput
 from kvmesh.engine.errors import InvalidParameterError
+from kvmesh.engine.generation_defaults import default_params
 from kvmesh.engine.logprobs import DecodedTokens
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
@@ -43,6 +44,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt without SamplingParams samples with: the model's generation_config
+        sampling (`EngineConfig.generation_config`), else the neutral defaults (vLLM's)."""
+        return default_params(self.engine.parts.sampling_defaults)
+
     def generate(
         self,
         prompts: PromptLike | Sequence[PromptLike],
@@ -53,14 +59,17 @@ class LLM:
         """Generate for every prompt (text, token ids, or vLLM's `{"prompt": text}` and
         `{"prompt_token_ids": ids}` dicts); one RequestOutput per prompt, in prompt order.
 
-        A single SamplingParams applies to all prompts; a sequence gives one per prompt. All
+        A single SamplingParams applies to all prompts; a sequence gives one per prompt; None,
+        the model's defaults (its generation_config.json's sampling, as vLLM's). All
         prompts are validated before any runs (InvalidParameterError names the field, or the
         key of a dict prompt kvmesh cannot honour). `use_tqdm` True (or a tqdm-like factory)
         shows a progress bar of finished prompts on stderr (vLLM's option; off by default).
         Logprobs carry each token's text (`Logprob.decoded_token`) unless detokenize=False.
         """
         batch = _as_prompt_list(prompts)
-        params = _params_per_prompt(sampling_params, len(batch))
+        params = _params_per_prompt(
+            sampling_params, len(batch), self.engine.parts.sampling_defaults
+        )
         for prompt in batch:
             self.engine.encode_prompt(prompt)
         order: list[str] = []
@@ -184,10 +193,13 @@ def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
 
 
 def _params_per_prompt(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    count: int,
+    defaults: Mapping[str, Any],
 ) -> list[SamplingParams]:
+    """One SamplingParams per prompt; None: the model's defaults (`generation_defaults`)."""
     if params is None:
-        return [SamplingParams()] * count
+        return [default_params(defaults)] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     listed = list(params)

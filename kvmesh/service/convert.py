@@ -7,7 +7,7 @@ engine's own rules (`InvalidParameterError` names the field).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvmesh.engine.outputs import CompletionOutput, RequestOutput
@@ -43,9 +43,32 @@ FINISH_REASONS = {
 }
 
 
-def sampling_from_proto(message: generation_pb2.SamplingParams) -> SamplingParams:
-    """Engine SamplingParams from the proto; raises InvalidParameterError naming the field.
-    max_tokens -1 is the engine's None: generate until the model's maximum length."""
+def with_defaults(
+    message: generation_pb2.SamplingParams, defaults: Mapping[str, Any]
+) -> generation_pb2.SamplingParams:
+    """`message` with the model's default sampling (`kvmesh.engine.generation_defaults`) in
+    the fields it leaves unset; its `max_new_tokens` (here `max_tokens`) bounds an open-ended
+    request (max_tokens -1), as vLLM bounds a request without a length."""
+    if not defaults:
+        return message
+    resolved = generation_pb2.SamplingParams()
+    resolved.CopyFrom(message)
+    for name, value in defaults.items():
+        if name == "max_tokens":
+            if message.HasField("max_tokens") and message.max_tokens == MAX_TOKENS_UP_TO_CONTEXT:
+                resolved.max_tokens = value
+        elif not message.HasField(name):
+            setattr(resolved, name, value)
+    return resolved
+
+
+def sampling_from_proto(
+    message: generation_pb2.SamplingParams, defaults: Mapping[str, Any] | None = None
+) -> SamplingParams:
+    """Engine SamplingParams from the proto, unset fields from `defaults` (`with_defaults`)
+    before the engine's own; raises InvalidParameterError naming the field. max_tokens -1 is
+    the engine's None: generate until the model's maximum length."""
+    message = with_defaults(message, defaults or {})
     kwargs: dict[str, Any] = {
         name: getattr(message, name) for name in _OPTIONAL_SAMPLING if message.HasField(name)
     }

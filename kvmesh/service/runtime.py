@@ -23,7 +23,7 @@ from kvmesh.engine.sampling_params import (
 )
 from kvmesh.engine.sequence import Request
 from kvmesh.models.resolve import model_name
-from kvmesh.service.convert import sampling_from_proto
+from kvmesh.service.convert import sampling_from_proto, with_defaults
 from kvmesh.service.limits import check_prompt_ids_size, check_prompt_size, check_sampling_size
 from kvmesh.service.prepare_pool import PreparePool, prompt_bytes
 from kvmesh.service.status import abort_with
@@ -184,7 +184,8 @@ class WorkerRuntime:
         if not message.request_id:
             raise InvalidParameterError("request_id", "must not be empty")
         self.check_size(message)
-        params = sampling_from_proto(message.sampling)
+        sampling = with_defaults(message.sampling, self.core.parts.sampling_defaults)
+        params = sampling_from_proto(sampling)
         ids = self.prompt_ids(message)
         # before build_request walks the ids in Python (holding the GIL the event loop needs)
         check_prompt_ids_size(len(ids), self.model.max_model_len, "prompt")
@@ -192,7 +193,7 @@ class WorkerRuntime:
         return worker_pb2.EngineRequest(
             request_id=message.request_id,
             prompt_ids=ids,
-            sampling=message.sampling,
+            sampling=sampling,
             cache_salt=message.cache_salt,
         )
 
@@ -227,7 +228,7 @@ class WorkerRuntime:
             raise InvalidParameterError("request_id", "must not be empty")
         check_prompt_ids_size(len(message.prompt_ids), self.model.max_model_len, "prompt.token_ids")
         check_sampling_size(message.sampling)
-        params = sampling_from_proto(message.sampling)
+        params = sampling_from_proto(message.sampling, self.core.parts.sampling_defaults)
         return self.build(
             message.request_id, message.prompt_ids, params, message.cache_salt, prefill_only
         )
