@@ -104,6 +104,7 @@ REPLY_SECONDS = 10.0  # receiver's bound on delivering one reply
 MAX_FRAME_BYTES = 256 << 20
 FRAME_BYTES = 16 << 20  # measured: 16 MiB frames took 0.6x the CPU of 2 MiB ones per byte
 _CLOSE = "!close"
+MAX_PENDING_LINKS = 16  # link handshakes a receiver runs at once (a link per sending peer)
 
 
 def _control_payload(header: FrameHeader, link: Link, deadline: float) -> bytes:
@@ -135,6 +136,7 @@ class Receiver(KVReceiver):
             raise OSError(f"--transfer-port: cannot bind {bind} (gloo): {exc}") from None
         self._port = int(self._store.port)
         self._links: set[Link] = set()  # guarded by _lock
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_LINKS)  # handshakes under way
         self._lock = threading.Lock()
         self._closed = False
         self._accepter = threading.Thread(target=self._accept_loop, name="kv-gloo-accept")
@@ -170,11 +172,41 @@ class Receiver(KVReceiver):
                 return
             if link_id == _CLOSE:  # only a wake-up: whoever reaches the store can push it
                 continue
-            thread = threading.Thread(target=self._serve, args=(link_id,), name="kv-gloo-link")
-            thread.daemon = True
-            thread.start()
+            self._start_link(link_id)
+
+    def _start_link(self, link_id: str) -> None:
+        """Serve `link_id` on its own thread, unless its HELLO is not in the store (a sender
+        writes it before it queues the id: anything else was pushed by whoever reached the
+        store, which is not authenticated) or `MAX_PENDING_LINKS` handshakes are under way
+        (each waits up to HANDSHAKE_SECONDS for its peer): such ids are dropped, so ids pushed
+        by anyone cannot pile up threads."""
+        if not self._store.check([f"kvmesh/link/{link_id}/hello"]):
+            return
+        if not self._pending.acquire(blocking=False):
+            return
+        thread = threading.Thread(target=self._serve, args=(link_id,), name="kv-gloo-link")
+        thread.daemon = True
+        thread.start()
 
     def _serve(self, link_id: str) -> None:
+        try:
+            link = self._handshake(link_id)
+        finally:
+            self._pending.release()
+        if link is None:
+            return
+        with self._lock:
+            self._links.add(link)
+        try:
+            self._loop(link)
+        finally:
+            link.abort()
+            with self._lock:
+                self._links.discard(link)
+
+    def _handshake(self, link_id: str) -> Link | None:
+        """Answer `link_id`'s HELLO and build its process group; None when refused or when
+        the sender did not follow through."""
         scope = f"kvmesh/link/{link_id}/"
         try:
             theirs, extras = split_hello(self._store.get(scope + "hello"))
@@ -190,7 +222,7 @@ class Receiver(KVReceiver):
                 ack["error"] = error_to_wire(exc).decode()
             self._store.set(scope + "ack", json.dumps(ack))
             if "error" in ack or not isinstance(max_frame, int):
-                return
+                return None
             group = new_group(
                 torch.distributed.PrefixStore(scope, self._store), RECEIVER_RANK, self._device,
                 self._host,
@@ -198,16 +230,8 @@ class Receiver(KVReceiver):
             for key in ("hello", "ack"):
                 self._store.delete_key(scope + key)
         except Exception:  # a half-open handshake: the sender times out and gives up
-            return
-        link = Link(group, SENDER_RANK, self._device, max_frame, window)
-        with self._lock:
-            self._links.add(link)
-        try:
-            self._loop(link)
-        finally:
-            link.abort()
-            with self._lock:
-                self._links.discard(link)
+            return None
+        return Link(group, SENDER_RANK, self._device, max_frame, window)
 
     def _loop(self, link: Link) -> None:
         begun: set[bytes] = set()

@@ -331,3 +331,31 @@ def test_a_strangers_close_message_does_not_stop_the_receiver(gloo: object) -> N
         sender.close()
     finally:
         receiver.close()
+
+
+def test_link_ids_pushed_by_anyone_do_not_pile_up_threads(gloo: object) -> None:
+    """The receiver's store is unauthenticated: ids queued without a HELLO start no thread,
+    and at most MAX_PENDING_LINKS handshakes run at once; a real sender is served after."""
+    import torch.distributed as dist
+
+    src, dst = store(2), store(1)
+    receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
+    host, port = gloo_link.split_host_port(receiver.address)
+    rogue = dist.TCPStore(host, port, None, False, gloo_link.td(5.0))
+    try:
+        before = threading.active_count()
+        for k in range(200):  # no HELLO: dropped at once
+            rogue.queue_push(gloo_link.QUEUE, f"rogue-{k}")
+        for k in range(40):  # a HELLO no sender follows through on: bounded
+            rogue.set(f"kvmesh/link/half-{k}/hello", b"{}")
+            rogue.queue_push(gloo_link.QUEUE, f"half-{k}")
+        time.sleep(1.0)
+        assert threading.active_count() - before <= gloo_mod.MAX_PENDING_LINKS
+        sender = gloo.Sender(src, receiver.address, frame_bytes=1024)  # type: ignore[attr-defined]
+        req = TransferRequest(new_transfer_id(), 1)
+        handle = receiver.expect(req, [3, 4], time.monotonic() + 10)
+        assert sender.send(req, [0, 1], [3, 4], deadline=time.monotonic() + 10).ok
+        assert handle.wait().ok and torch.equal(dst.cache[3:5], src.cache[0:2])
+        sender.close()
+    finally:
+        receiver.close()
