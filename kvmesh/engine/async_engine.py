@@ -25,6 +25,10 @@ bounded; it must be quick and must never wait on I/O; the prefill worker's KV ex
 hand finished blocks and the first token to a sender thread). A hook that raises is logged and
 removed.
 
+A request that fails in a step alone (its final output carries `error`, a RequestFailedError:
+the engine aborted it and freed its blocks) ends its stream with that error, its step hook
+removed without being called; the other streams and the engine thread go on.
+
 Leaving a stream early (break, cancel, disconnect, `close()`) runs its cleanup (abort by
 default) on the engine thread, which frees the request's blocks. The engine never imports
 grpc; importing this module does not import torch.
@@ -400,6 +404,10 @@ class AsyncLLMEngine:
     def _run_hooks(self, outputs: list[RequestOutput]) -> None:
         by_request = {output.request_id: output for output in outputs}
         for request_id, hook in list(self._hooks.items()):
+            failed = by_request.get(request_id)
+            if failed is not None and failed.error is not None:
+                self._hooks.pop(request_id, None)  # nothing of it is left to hand on
+                continue
             try:
                 hook(self.engine, request_id, by_request.get(request_id))
             except Exception:
@@ -417,14 +425,16 @@ class AsyncLLMEngine:
             self._streams[request_id] = (loop, sink)
 
     def _push(self, output: RequestOutput) -> None:
-        """Hand an output to its request's stream (engine thread; dropped when none)."""
+        """Hand an output to its request's stream (engine thread; dropped when none); a
+        failed request's output ends its stream with the error it carries."""
         with self._streams_lock:
             target = self._streams.get(output.request_id)
             if target is not None and output.finished:
                 del self._streams[output.request_id]
                 self._hooks.pop(output.request_id, None)
         if target is not None:
-            _post(target[0], target[1].put_nowait, output)
+            item = output if output.error is None else output.error
+            _post(target[0], target[1].put_nowait, item)
 
     def _drop_stream(
         self, engine: LLMEngine, request_id: str, sink: asyncio.Queue[Any], cleanup: Cleanup | None

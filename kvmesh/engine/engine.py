@@ -9,11 +9,16 @@ Per step:
     scheduler.update(plan, tokens)         # token stops, frees finished blocks
     detokenize, stop strings -> scheduler.finish_sequence, RequestOutput per touched request
 
+The last stage runs request by request: one that raises there (a tokenizer that cannot decode
+one of its ids, a bug confined to it) is aborted alone, its blocks freed, and its final output
+carries a `RequestFailedError` (`RequestOutput.error`); the other requests of the step go on.
+
 Not thread-safe: one thread drives it (the async engine serialises calls onto its worker).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -25,7 +30,7 @@ import torch
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.detokenizer import SequenceText
 from kvmesh.engine.engine_setup import EngineParts, build_engine_parts
-from kvmesh.engine.errors import InvalidParameterError
+from kvmesh.engine.errors import InvalidParameterError, RequestFailedError
 from kvmesh.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvmesh.engine.prompt_logprobs import PromptLogprobs, PromptRows, rows_of_step, score
 from kvmesh.engine.sampler import SamplingBatch, SamplingRow, TokenLogprobs
@@ -34,6 +39,7 @@ from kvmesh.engine.scheduler import SchedulerOutput
 from kvmesh.engine.sequence import Request, Sequence, SequenceStatus
 
 PromptInput = str | Seq[int]
+LOG = logging.getLogger("kvmesh.engine")
 
 
 @dataclass
@@ -126,7 +132,10 @@ class LLMEngine:
         self.scheduler.abort_request(request_id)
         if tracked is None:
             return None
-        return self._finish_output(tracked)
+        try:
+            return self._finish_output(tracked)
+        except Exception as exc:  # its held-back text did not decode: it ends failed
+            return self._fail(request_id, exc)
 
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
@@ -225,13 +234,53 @@ class LLMEngine:
         sampled = self._sample(plan, logits)
         changed = self.scheduler.update(plan, sampled)
         now = time.monotonic()
-        touched: dict[str, _Tracked] = {}
+        touched: dict[str, list[Sequence]] = {}
         for seq in changed:
-            tracked = self._tracked[seq.request_id]
-            self._record_token(tracked, seq, now)
-            touched[seq.request_id] = tracked
-        self._step_logprobs.clear()
-        return [self._emit(tracked) for tracked in touched.values()]
+            touched.setdefault(seq.request_id, []).append(seq)
+        outputs: list[RequestOutput] = []
+        try:
+            for request_id, seqs in touched.items():
+                output = self._post_process(request_id, seqs, now)
+                if output is not None:
+                    outputs.append(output)
+        finally:
+            self._step_logprobs.clear()
+        return outputs
+
+    def _post_process(
+        self, request_id: str, seqs: list[Sequence], now: float
+    ) -> RequestOutput | None:
+        """The step's output of one request (its new tokens detokenized, stop strings looked
+        for); a request that raises here fails alone (`_fail`)."""
+        try:
+            tracked = self._tracked[request_id]
+            for seq in seqs:
+                self._record_token(tracked, seq, now)
+            return self._emit(tracked)
+        except Exception as exc:
+            return self._fail(request_id, exc)
+
+    def _fail(self, request_id: str, error: Exception) -> RequestOutput | None:
+        """Abort a request that raised in the step (its blocks freed, forgotten here); its
+        final output, whose `error` names the request and the cause and whose unfinished
+        completions end with finish_reason "error", or None when it was not tracked."""
+        LOG.error("request %r failed in the engine step; aborted", request_id, exc_info=error)
+        self.scheduler.abort_request(request_id)
+        tracked = self._tracked.get(request_id)
+        self.forget_request(request_id)
+        if tracked is None:
+            return None
+        request = tracked.request
+        for index, seq in enumerate(request.seqs):
+            out = tracked.outputs.setdefault(
+                seq.seq_id, CompletionOutput(index=index, text="", token_ids=[])
+            )
+            if out.finish_reason is None:
+                out.finish_reason, out.stop_reason = "error", None
+        tracked.metrics.finished_time = time.monotonic()
+        output = self._snapshot(tracked, finished=True)
+        output.error = RequestFailedError(request_id, f"{type(error).__name__}: {error}")
+        return output
 
     @torch.inference_mode()
     def _score_prompts(self, rows: PromptRows, hidden: torch.Tensor) -> None:

@@ -46,3 +46,19 @@ class EmptyPromptError(InvalidParameterError):
 
 class UnsupportedModelError(ValueError):
     """A checkpoint whose architecture or features the engine cannot run; names what is missing."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request raised in the engine's step (a bug confined to it, or a tokenizer that
+    cannot decode one of its ids): that request was aborted, its blocks freed, and the others
+    of the step went on. Answered INTERNAL, naming the request and the cause."""
+
+    status_name = "INTERNAL"  # the gRPC status it is answered with (kvmesh.v1.status)
+
+    def __init__(self, request_id: str, cause: str) -> None:
+        self.request_id = request_id
+        self.cause = cause
+        super().__init__(f"request {request_id!r} failed in the engine and was aborted: {cause}")
+
+    def __reduce__(self) -> tuple[type[RequestFailedError], tuple[str, str]]:
+        return (type(self), (self.request_id, self.cause))

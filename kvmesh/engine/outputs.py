@@ -25,7 +25,8 @@ __all__ = [
 
 @dataclass
 class CompletionOutput:
-    """One sequence of a request. finish_reason: None while running, else stop|length|abort;
+    """One sequence of a request. finish_reason: None while running, else stop|length|abort
+    (error: its request failed in the engine, see `RequestOutput.error`);
     stop_reason: the stop string or stop token id that ended it (None for EOS and the rest).
     cumulative_logprob: the sum of the sampled tokens' logprobs when logprobs were asked for,
     else None (vLLM's field)."""
@@ -72,7 +73,8 @@ class RequestMetrics:
 class RequestOutput:
     """Everything about one request so far; `finished` when every sequence has finished.
     `prompt_logprobs` (when asked for, once the whole prompt is scored): one entry per prompt
-    token, None for the first."""
+    token, None for the first. `error` (a `RequestFailedError`, in the final output only): the
+    request raised in the engine's step and was aborted there; the others went on."""
 
     request_id: str
     prompt: str | None
@@ -82,3 +84,4 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: Exception | None = None
