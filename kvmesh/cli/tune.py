@@ -16,6 +16,7 @@ import json
 import math
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +81,14 @@ def run_tune(args: argparse.Namespace) -> int:
         print(json.dumps({"slo": slo, "workload": args.workload, "rows": rows,
                           "recommended": best, "plot": str(plot)}))  # fmt: skip
     else:
-        print_report(rows, best, slo, plot)
+        print_report(rows, best, slo, plot, system_flags(args))
     return 0 if best is not None else 1
+
+
+def system_flags(args: argparse.Namespace) -> list[str]:
+    """The `kvmesh up` flags of the system each setting ran on (its default is 1P+1D)."""
+    words = ["--colocated", "1"] if args.embedded == "colocated" else []
+    return words if args.threads is None else [*words, "--threads", str(args.threads)]
 
 
 def measure_all(args: argparse.Namespace, settings: list[Any] | None) -> list[dict[str, Any]]:
@@ -95,7 +102,7 @@ def measure_all(args: argparse.Namespace, settings: list[Any] | None) -> list[di
 
     rows = []
     for setting in settings:
-        extra = (*setting.flags(), *shlex.split(args.worker_args))
+        extra = (*shlex.split(args.worker_args), *setting.flags())  # the setting's flags win
         with embedded(Embedded(args.model, args.embedded, args.threads, extra)) as system:
             args.model = args.model or system.model_dir
             summary = asyncio.run(measure(args, system.endpoint, setting.name))
@@ -132,7 +139,7 @@ def _line(row: dict[str, Any]) -> str:
 
 
 def print_report(rows: list[dict[str, Any]], best: dict[str, Any] | None, slo: dict[str, Any],
-                 plot: Path) -> None:  # fmt: skip
+                 plot: Path, up_flags: Sequence[str] = ()) -> None:  # fmt: skip
     from rich.console import Console
     from rich.table import Table
 
@@ -158,7 +165,8 @@ def print_report(rows: list[dict[str, Any]], best: dict[str, Any] | None, slo: d
     elif best["flags"] is None:
         console.print("the running system meets the SLOs with its current flags")
     else:
-        console.print(f"recommended: {best['name']}\n  kvmesh up {' '.join(best['flags'])}")
+        command = shlex.join(["kvmesh", "up", *up_flags, *best["flags"]])
+        console.print(f"recommended: {best['name']}\n  {command}", markup=False, soft_wrap=True)
 
 
 def _ms(value: float | None) -> str:

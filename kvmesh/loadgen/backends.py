@@ -5,7 +5,11 @@ drives any OpenAI-compatible server (kvmesh's HTTP door, `vllm serve`) with http
 `/v1/completions` (token-id or text prompts) or `/v1/chat/completions` (text), with
 `stream_options.include_usage` for the token count. Both send greedy requests with EOS ignored
 (`ignore_eos`, an extension both kvmesh and vLLM accept). Every streamed event that carries
-output is one timestamp in `RequestRecord.chunk_times` (an event may hold several tokens).
+output is one timestamp in `RequestRecord.chunk_times` (an event may hold several tokens): a
+gRPC response with token ids, an HTTP event with a choice, its text empty or not (a token whose
+text the detokenizer holds back is still a token; vLLM's benchmark times these events alike).
+The prompt's length is the server's count (its usage) where it gives one, as vLLM's benchmark
+takes it: a chat template's tokens, text prompts in tokens.
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ class GrpcBackend:
                 if chunk.token_ids:
                     record.chunk_times.append(time.perf_counter())
                     record.output_tokens += len(chunk.token_ids)
+                if chunk.usage is not None and chunk.usage.prompt_tokens:
+                    record.prompt_len = chunk.usage.prompt_tokens
         except KvmeshError as error:
             record.error = str(error)
         return record
@@ -155,27 +161,19 @@ class OpenAIBackend:
                 async for event in _events(response.aiter_lines()):
                     if "error" in event:
                         record.error = f"stream error: {event['error']}"
-                    elif self._has_output(event):
+                    elif event.get("choices"):
                         record.chunk_times.append(time.perf_counter())
                         counted += 1
                     usage = event.get("usage")
                     if usage:
                         record.output_tokens = int(usage["completion_tokens"])
+                        if usage.get("prompt_tokens"):
+                            record.prompt_len = int(usage["prompt_tokens"])
         except httpx.HTTPError as error:
             record.error = f"{type(error).__name__}: {error}"
         if not record.output_tokens:  # no usage chunk: one token per event
             record.output_tokens = counted
         return record
-
-    def _has_output(self, event: dict[str, Any]) -> bool:
-        """A completion event with a choice, or a chat event with content (a chat stream may
-        open with a role-only delta)."""
-        choices = event.get("choices")
-        if not choices:
-            return False
-        if self.endpoint == "chat":
-            return bool(choices[0].get("delta", {}).get("content"))
-        return True
 
     async def close(self) -> None:
         await self.http.aclose()

@@ -4,7 +4,8 @@
 - TPOT (per request): (E2E - TTFT) / (output tokens - 1), requests of more than one token.
 - ITL: every gap between consecutive streamed outputs, all requests pooled.
 - Throughput over the run's duration (first send to last answer): requests/s, output tokens/s,
-  total (prompt + output) tokens/s.
+  total (prompt + output) tokens/s. Prompt tokens are the server's count (its usage) where it
+  gives one, as vLLM's benchmark counts them; output tokens likewise.
 - Goodput: requests/s (and output tokens/s) of requests that met every SLO given: TTFT <=
   `ttft_ms`, TPOT <= `tpot_ms`, and the request's own p99 inter-token gap <= `itl_ms`.
 Percentiles interpolate linearly between order statistics (numpy's default); times are in ms.
