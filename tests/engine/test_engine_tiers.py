@@ -4,6 +4,7 @@ tier serves hits after a restart; a prefix is reloaded for its own cache salt on
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 import shutil
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.engine import disagg
+from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.models.tiny import build_tiny_model
 from kvmesh.telemetry.tier_metrics import register_tier_metrics
 from tests.memory.tiers_harness import file_size_limit
@@ -108,6 +110,39 @@ def test_persistent_disk_tier_serves_hits_after_restart(
     tokens, cached = run_each(again, [make_prompts()[1]])
     assert tokens == [expected[1]] and cached[0] > 0
     assert tiers_of(again)["disk"].hits >= 1
+
+
+def test_an_engine_dropped_without_close_gives_its_disk_folder_back(
+    checkpoint: Path, expected: list[list[int]], tmp_path: Path
+) -> None:
+    """An engine let go without `close` (`del llm`, as notebooks and test loops do) releases
+    its disk folder once collected: another engine in this process starts on the folder and
+    serves the transformers output, and the dropped tier's block files are gone (they could
+    never hit again)."""
+    options = {"num_kv_blocks": 5, "host_kv_gib": gib(2), "disk_kv_dir": str(tmp_path)}
+    first = LLM(str(checkpoint), **options)
+    run_each(first, [make_prompts()[0], make_prompts()[2]])
+    assert tiers_of(first)["disk"].used_blocks >= 1
+    del first
+    gc.collect()
+    assert list(tmp_path.glob("*.kvblock")) == []
+    again = LLM(str(checkpoint), **options)
+    tokens, _ = run_each(again, [make_prompts()[1], make_prompts()[3]])
+    assert tokens == [expected[1], expected[3]]
+
+
+def test_a_disk_folder_that_cannot_be_made_is_refused_by_name(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """A disk tier folder the engine cannot create or lock (a file in its place here; a
+    read-only mount, no permission) fails the start naming `disk_kv_dir`, as a folder in use
+    does: the option error a worker reports as `--disk-kv-dir: ...`, not an OSError."""
+    taken = tmp_path / "taken"
+    taken.write_bytes(b"")
+    for folder in (taken, taken / "kv"):
+        with pytest.raises(InvalidParameterError, match="cannot be used") as error:
+            LLM(str(checkpoint), num_kv_blocks=5, disk_kv_dir=str(folder))
+        assert error.value.field == "disk_kv_dir"
 
 
 def salted_cached_tokens(llm: LLM, prompt: list[int], salt: bytes | None) -> int:

@@ -9,6 +9,8 @@ A file that fails verification at any time is deleted and counted in `num_corrup
 A file that cannot be deleted (read-only remount, I/O error) is forgotten all the same and
 counted in `num_unremoved`: files are named by their content's hash, so a file left behind can
 only ever be read as that block, and a later write of the hash replaces it.
+A tier collected without `close` (its engine dropped) still releases the folder's lock and,
+without `persist`, deletes its block files: the folder is free for the next engine.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -49,8 +52,10 @@ class DiskTier:
         if capacity <= 0:
             raise ValueError(f"disk tier capacity must be positive, got {capacity} blocks")
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._lock = _lock_folder(self.folder)
+        self._lock: int | None = _lock_folder(self.folder)
+        self._release = weakref.finalize(
+            self, _release_folder, self.folder, self._lock, persist, os.getpid()
+        )
         self.capacity = capacity
         self.layout = layout
         self.payload_bytes = payload_bytes
@@ -103,9 +108,8 @@ class DiskTier:
         if not self.persist:
             self._wipe()
             self._index.clear()
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+        self._release()  # the lock (once: a finalizer never runs twice)
+        self._lock = None
 
     # -- blocks ------------------------------------------------------------------------------
     def put(self, meta: BlockMeta, payload: bytes | memoryview) -> bool:
@@ -215,10 +219,30 @@ class DiskTier:
         assert len(self._index) <= self.capacity, "disk tier over capacity"
 
 
-def _lock_folder(folder: Path) -> int | None:
-    """An exclusive lock on the folder for this process's life: two engines sharing one disk
-    tier would delete each other's files. ValueError when another process holds it."""
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+def _release_folder(folder: Path, lock: int, persist: bool, owner: int) -> None:
+    """What a tier holds until it is closed or collected: without `persist` its block files
+    (best effort; `close` has deleted them already), then the folder's lock. Nothing in a
+    forked child (`owner` is the creating process): the files are its parent's."""
+    if os.getpid() != owner:
+        return
+    if not persist:
+        with contextlib.suppress(OSError):
+            for path in folder.glob(f"*{SUFFIX}"):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+    os.close(lock)
+
+
+def _lock_folder(folder: Path) -> int:
+    """The folder, made if missing, and an exclusive lock on it until its tier is closed or
+    collected: two engines sharing one disk tier would delete each other's files. ValueError
+    when another engine holds it, or when it cannot be made or locked (a file in its place, a
+    read-only mount, no permission)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as error:
+        raise ValueError(f"disk KV folder {folder} cannot be used: {error}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
