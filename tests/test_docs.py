@@ -1,12 +1,14 @@
 """The docs stand on their own: the README starts with the two commands, every page a doc names
 exists in the repository, a section named in another page exists there, and no doc points
 outside the repository. Their `kvmesh` commands use flags the parsers have, and a `kvmesh serve`
-command in a code block carries the cluster token it needs to start."""
+command in a code block carries the cluster token it needs to start. The repository paths they
+name exist, and so do the tests they cite."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 from pathlib import Path
 
@@ -165,3 +167,73 @@ def test_serve_commands_carry_a_cluster_token(page: Path) -> None:
             token = [w for w in words if w.split("=")[0] in TOKEN_FLAGS]
             token += [e for e in env if e.split("=")[0] in TOKEN_ENV]
             assert token, f"{page.name}: `{line.strip()}` exits 2: no cluster token"
+
+
+# Code the pages name (the same pages): a backticked path that starts with one of the
+# repository's folders (`kvmesh/engine/engine.py`, `deploy/k8s/`, `tests/x.py::test_y`; in a code
+# block too) exists; a shorter one (`native/layers.py`, `ledger.py` in its section's table) ends
+# some file's path; a cited test (`test_...`) is defined under tests/.
+PRUNED = {".git", ".venv", ".bench", "__pycache__", "node_modules"}
+TOP_FOLDERS = {
+    p.name
+    for p in ROOT.iterdir()
+    if p.is_dir() and not p.name.startswith(".") and not p.name.endswith(".egg-info")
+}
+CODE_SUFFIXES = {".py", ".pyi", ".proto", ".sh", ".cpp", ".h"}
+REPO_PATH = re.compile(r"((?:[\w-]+/)*[\w-]+\.[a-z]+|(?:[\w-]+/)+)(?:::(\w+))?")
+BLOCK_PATH = re.compile(rf"(?<![\w/.$-])(?:{'|'.join(sorted(TOP_FOLDERS))})/[\w./-]*")
+
+
+def repository_files() -> list[str]:
+    files = []
+    for folder, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in PRUNED and not d.endswith(".egg-info")]
+        files += [os.path.relpath(os.path.join(folder, name), ROOT) for name in names]
+    return files
+
+
+FILES = repository_files()
+
+
+def checked(path: str) -> bool:
+    """Not checked: a folder below the section's (`memory/`), a file name that is not source
+    code (`config.json`, a model's)."""
+    if path.split("/")[0] in TOP_FOLDERS:
+        return True
+    return not path.endswith("/") and ("/" in path or Path(path).suffix in CODE_SUFFIXES)
+
+
+def find(path: str) -> Path | None:
+    if path.split("/")[0] in TOP_FOLDERS:
+        return ROOT / path if (ROOT / path).exists() else None
+    found = [f for f in FILES if f == path or f.endswith("/" + path)]
+    return ROOT / found[0] if found else None
+
+
+@pytest.mark.parametrize("page", COMMAND_PAGES, ids=lambda p: p.name)
+def test_named_paths_exist(page: Path) -> None:
+    text = page.read_text()
+    for span in inline_code(text):
+        match = REPO_PATH.fullmatch(span.strip())
+        if match is None or not checked(match[1]):
+            continue
+        found = find(match[1])
+        assert found is not None, f"{page.name} names `{span}`, which does not exist"
+        if match[2] is not None:
+            assert re.search(rf"def {match[2]}\b", found.read_text()), (
+                f"{page.name} names `{span}`: {match[1]} defines no {match[2]}"
+            )
+    for line in code_blocks(text):
+        for path in BLOCK_PATH.findall(line):
+            if path.endswith("/") or "." in path.rsplit("/", 1)[-1]:  # not `deploy/NAME`
+                assert find(path) is not None, f"{page.name}: `{line.strip()}` names {path}"
+
+
+@pytest.mark.parametrize("page", COMMAND_PAGES, ids=lambda p: p.name)
+def test_cited_tests_exist(page: Path) -> None:
+    tests = [f for f in FILES if f.startswith("tests/") and f.endswith(".py")]
+    defined = {Path(f).stem for f in tests}
+    defined |= set(re.findall(r"def (test_\w+)", "\n".join((ROOT / f).read_text() for f in tests)))
+    for span in inline_code(page.read_text()):
+        for name in re.findall(r"(?<![\w/.])test_\w+(?![\w.])", span):
+            assert name in defined, f"{page.name} cites {name}, which no test under tests/ defines"
