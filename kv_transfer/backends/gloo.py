@@ -180,13 +180,19 @@ class Receiver(KVReceiver):
         store, which is not authenticated) or `MAX_PENDING_LINKS` handshakes are under way
         (each waits up to HANDSHAKE_SECONDS for its peer): such ids are dropped, so ids pushed
         by anyone cannot pile up threads."""
-        if not self._store.check([f"kvmesh/link/{link_id}/hello"]):
+        try:
+            if not self._store.check([f"kvmesh/link/{link_id}/hello"]):
+                return
+        except Exception:  # the store is going away (close): the accept loop decides
             return
         if not self._pending.acquire(blocking=False):
             return
         thread = threading.Thread(target=self._serve, args=(link_id,), name="kv-gloo-link")
         thread.daemon = True
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # no thread (the process is out of them): dropped, slot freed
+            self._pending.release()
 
     def _serve(self, link_id: str) -> None:
         try:

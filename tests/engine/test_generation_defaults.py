@@ -80,3 +80,14 @@ def test_wire_fields_unset_take_the_defaults() -> None:
     assert sampling_from_proto(open_ended, defaults).max_tokens == 5
     assert sampling_from_proto(open_ended).max_tokens is None
     assert not message.HasField("top_k")  # the caller's message is not changed
+
+
+def test_a_default_length_beyond_the_context_left_ends_at_the_context(model: Path) -> None:
+    """max_new_tokens 5 with 3 tokens of context left: the prompt is served up to the context
+    (vLLM takes the least of the two), not refused as an explicit length would be."""
+    llm = LLM(str(model), num_kv_blocks=32, max_model_len=64)
+    prompt = list(range(10, 71))  # 61 tokens of 64
+    (out,) = llm.generate([prompt])
+    assert 1 <= len(out.outputs[0].token_ids) <= 3
+    with pytest.raises(InvalidParameterError):
+        llm.generate([prompt], SamplingParams(max_tokens=5))
