@@ -30,7 +30,9 @@ the engine aborted it and freed its blocks) ends its stream with that error, its
 removed without being called; the other streams and the engine thread go on.
 
 Leaving a stream early (break, cancel, disconnect, `close()`) runs its cleanup (abort by
-default) on the engine thread, which frees the request's blocks. The engine never imports
+default) on the engine thread, which frees the request's blocks; only while the stream still
+holds its request id: a stream whose open was refused (another holds the id) or whose request
+already ended never cleans up the request that holds the id now. The engine never imports
 grpc; importing this module does not import torch.
 """
 
@@ -439,17 +441,22 @@ class AsyncLLMEngine:
     def _drop_stream(
         self, engine: LLMEngine, request_id: str, sink: asyncio.Queue[Any], cleanup: Cleanup | None
     ) -> object:
-        self._unsubscribe(request_id, sink)
-        return None if cleanup is None else cleanup(engine, request_id)
+        """Unsubscribe `sink`; run `cleanup` only when `sink` still held `request_id`: a stream
+        that never got the id (its open was refused: another stream holds it) or that lost it
+        (its request ended, or it was detached) must not clean up whoever holds it now."""
+        held = self._unsubscribe(request_id, sink)
+        return None if cleanup is None or not held else cleanup(engine, request_id)
 
-    def _unsubscribe(self, request_id: str, sink: asyncio.Queue[Any]) -> None:
+    def _unsubscribe(self, request_id: str, sink: asyncio.Queue[Any]) -> bool:
         """Stop routing `request_id`'s outputs to `sink` (any thread; a newer stream under the
-        same id is left alone)."""
+        same id is left alone); True when `sink` held it."""
         with self._streams_lock:
             target = self._streams.get(request_id)
-            if target is not None and target[1] is sink:
-                del self._streams[request_id]
-                self._hooks.pop(request_id, None)
+            if target is None or target[1] is not sink:
+                return False
+            del self._streams[request_id]
+            self._hooks.pop(request_id, None)
+            return True
 
     def _refresh_load(self) -> None:
         scheduler = self.engine.scheduler

@@ -5,6 +5,13 @@ decoded text ends in U+FFFD) is held until the character completes; `flush()` at
 sequence releases what is still held, so the streamed pieces always join to the full decode. A
 few prompt tokens serve as left context so tokenizers that drop a leading space on the first
 token still decode right.
+
+Held ids are re-decoded every step, so their number is bounded: past `_MAX_HELD_IDS` (only an
+output that stops making text does that: bytes that never complete a character, ids that
+decode to nothing) ids that make no text are left out of the window, and the settled part is
+committed, keeping the last `_OPEN_IDS` ids held (enough bytes to end any incomplete
+character), each step only when the decode of the window is unchanged by it, so the text
+stays the full decode.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from typing import Any
 
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
+_MAX_HELD_IDS = 16  # held ids (not yet in `text`) re-decoded each step before bounding them
+_OPEN_IDS = 4  # trailing ids kept held when bounding: a character spans at most 4 bytes
 
 
 class SequenceText:
@@ -76,12 +85,42 @@ class SequenceText:
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
         if len(after) <= len(before) or (after.endswith(_REPLACEMENT) and not final):
+            if not final and len(self._ids) - self._read > _MAX_HELD_IDS:
+                self._bound_held(before, after)
             return
-        self._prefix, self._read = self._read, len(self._ids)
+        self._commit(before, after, len(self._ids))
+
+    def _commit(self, before: str, after: str, read: int) -> None:
+        """`text` grows by `after` (the decode of the window up to `read`) past `before`."""
+        self._prefix, self._read = self._read, read
         start = len(self.text)
         self.text += after[len(before) :]
         if self._stop and self._generated >= self._min_tokens:
             self._find_stop(max(0, start - self._longest + 1))
+
+    def _bound_held(self, before: str, after: str) -> None:
+        """Bound the held ids (re-decoded each step): leave out those that make no text, then
+        commit what the ids before the last `_OPEN_IDS` decode to; each only when the
+        window's decode `after` shows it changes nothing (else they stay held, as before)."""
+        held = self._ids[self._read :]
+        kept = [i for i in held if self._decode([i])]
+        if len(kept) < len(held):
+            trimmed = [*self._ids[: self._read], *kept]
+            if self._decode(trimmed[self._prefix :]) == after:
+                self._ids = trimmed
+        split = len(self._ids) - _OPEN_IDS
+        if split - self._read <= _MAX_HELD_IDS - _OPEN_IDS:
+            return
+        tail = self._ids[split:]
+        if not all(self._decode([i]) for i in tail):
+            return  # fewer than _OPEN_IDS bytes after the split: a character may still end
+        settled = self._decode(self._ids[self._prefix : split])
+        if (
+            len(settled) > len(before)
+            and settled.startswith(before)
+            and settled + self._decode(tail) == after
+        ):
+            self._commit(before, settled, split)
 
     def _find_stop(self, search_from: int) -> None:
         """The earliest stop string found from `search_from` ends `text` (before it, or after
