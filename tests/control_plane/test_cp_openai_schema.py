@@ -56,6 +56,9 @@ def test_chat_without_a_length_generates_up_to_the_context() -> None:
     assert parse({"messages": messages}, "chat").request.sampling.max_tokens == -1
     assert parse({"messages": messages, "max_tokens": 5}, "chat").request.sampling.max_tokens == 5
     assert not parse({"prompt": "x"}, "completion").request.sampling.HasField("max_tokens")
+    # an explicit null is vLLM's None: up to the context (or the model's max_new_tokens)
+    null = parse({"prompt": "x", "max_tokens": None}, "completion")
+    assert null.request.sampling.max_tokens == -1
 
 
 def test_the_length_param_is_the_one_the_body_used() -> None:

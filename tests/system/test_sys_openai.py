@@ -414,3 +414,15 @@ def get_status(system: LocalSystem, path: str) -> int:
         return get(system, path)[0]
     except urllib.error.HTTPError as error:
         return error.code
+
+
+def test_completion_with_a_null_max_tokens_runs_to_the_context(system: LocalSystem) -> None:
+    """`max_tokens: null` is vLLM's None (up to the context), not OpenAI's default of 16."""
+    client = api(system)
+    model = client.models.list().data[0].id
+    prompt = [5 + i % 200 for i in range(2040)]  # 8 tokens of the 2048 context left
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=None,
+                                     temperature=0.0, extra_body=IGNORE_EOS)  # fmt: skip
+    assert done.usage is not None and done.usage.completion_tokens == 8
+    assert done.choices[0].finish_reason == "length"
+    wait_until(lambda: idle(system), 5.0, "blocks free after the request")
