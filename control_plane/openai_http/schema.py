@@ -237,15 +237,15 @@ def max_length(
     body: dict[str, Any], kind: Kind, prompt_only: bool, params: generation_pb2.SamplingParams
 ) -> None:
     """params.max_tokens from the body's max_tokens (chat: max_completion_tokens), 400 naming
-    the field the body used; unset for a completion without one (OpenAI's 16), -1 for such a
-    chat and for a completion whose max_tokens is null (vLLM: up to the context, or the model's
-    max_new_tokens)."""
+    the field the body used; unset for a completion without one or with null (OpenAI's 16, as
+    vLLM's `normalize_null_max_tokens` reads null), -1 for such a chat (vLLM: up to the
+    context, or the model's max_new_tokens)."""
     name = max_tokens_name(body, kind)
     max_tokens = field(body, name, "integer")
     if prompt_only:
         max_tokens = 1
     if max_tokens is None:
-        if kind == "chat" or name in body:
+        if kind == "chat":
             params.max_tokens = MAX_TOKENS_UP_TO_CONTEXT
         return
     if max_tokens < 1:

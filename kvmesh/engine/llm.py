@@ -14,7 +14,6 @@ lp.decoded_token` (and `out.prompt_logprobs`, None first), the texts as vLLM dec
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -45,15 +44,6 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def _within_context(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
-        """A default length that the context left after the prompt cannot hold becomes "up to
-        the context", as vLLM takes the least of the two."""
-        room = self.engine.parts.max_model_len - prompt_len
-        by_model = "max_tokens" in self.engine.parts.sampling_defaults
-        if by_model and params.max_tokens is not None and params.max_tokens > room:
-            return dataclasses.replace(params, max_tokens=None)
-        return params
-
     def get_default_sampling_params(self) -> SamplingParams:
         """What a prompt without SamplingParams samples with: the model's generation_config
         sampling (`EngineConfig.generation_config`), else the neutral defaults (vLLM's)."""
@@ -80,9 +70,8 @@ class LLM:
         params = _params_per_prompt(
             sampling_params, len(batch), self.engine.parts.sampling_defaults
         )
-        lengths = [len(self.engine.encode_prompt(prompt)[0]) for prompt in batch]
-        if sampling_params is None:  # the model's max_new_tokens: at most the context left
-            params = [self._within_context(p, n) for p, n in zip(params, lengths, strict=True)]
+        for prompt in batch:
+            self.engine.encode_prompt(prompt)
         order: list[str] = []
         try:
             for prompt, p in zip(batch, params, strict=True):

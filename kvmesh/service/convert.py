@@ -44,21 +44,19 @@ FINISH_REASONS = {
 
 
 def with_defaults(
-    message: generation_pb2.SamplingParams, defaults: Mapping[str, Any], room: int | None = None
+    message: generation_pb2.SamplingParams, defaults: Mapping[str, Any]
 ) -> generation_pb2.SamplingParams:
     """`message` with the model's default sampling (`kvmesh.engine.generation_defaults`) in
     the fields it leaves unset; its `max_new_tokens` (here `max_tokens`) bounds an open-ended
-    request (max_tokens -1), as vLLM bounds a request without a length: only where it is less
-    than `room` (the context the prompt leaves, when known), else the request stays -1 and
-    ends at the context, as vLLM's `get_max_tokens` takes the least of the two."""
+    request (max_tokens -1), as vLLM bounds a request without a length (the engine ends any
+    request at the context, so the least of the two applies)."""
     if not defaults:
         return message
     resolved = generation_pb2.SamplingParams()
     resolved.CopyFrom(message)
     for name, value in defaults.items():
         if name == "max_tokens":
-            open_ended = message.max_tokens == MAX_TOKENS_UP_TO_CONTEXT
-            if open_ended and message.HasField("max_tokens") and (room is None or value < room):
+            if message.HasField("max_tokens") and message.max_tokens == MAX_TOKENS_UP_TO_CONTEXT:
                 resolved.max_tokens = value
         elif not message.HasField(name):
             setattr(resolved, name, value)
@@ -68,13 +66,11 @@ def with_defaults(
 def sampling_from_proto(
     message: generation_pb2.SamplingParams,
     defaults: Mapping[str, Any] | None = None,
-    room: int | None = None,
 ) -> SamplingParams:
-    """Engine SamplingParams from the proto, unset fields from `defaults` (`with_defaults`,
-    `room` the context its prompt leaves) before the engine's own; raises
-    InvalidParameterError naming the field. max_tokens -1 is the engine's None: generate until
-    the model's maximum length."""
-    message = with_defaults(message, defaults or {}, room)
+    """Engine SamplingParams from the proto, unset fields from `defaults` (`with_defaults`)
+    before the engine's own; raises InvalidParameterError naming the field. max_tokens -1 is
+    the engine's None: generate until the model's maximum length."""
+    message = with_defaults(message, defaults or {})
     kwargs: dict[str, Any] = {
         name: getattr(message, name) for name in _OPTIONAL_SAMPLING if message.HasField(name)
     }

@@ -184,13 +184,12 @@ class WorkerRuntime:
         if not message.request_id:
             raise InvalidParameterError("request_id", "must not be empty")
         self.check_size(message)
-        defaults = self.core.parts.sampling_defaults
-        sampling_from_proto(message.sampling, defaults)  # checked before any tokenizing
+        sampling = with_defaults(message.sampling, self.core.parts.sampling_defaults)
+        params = sampling_from_proto(sampling)  # checked before any tokenizing
         ids = self.prompt_ids(message)
         # before build_request walks the ids in Python (holding the GIL the event loop needs)
         check_prompt_ids_size(len(ids), self.model.max_model_len, "prompt")
-        sampling = with_defaults(message.sampling, defaults, self.model.max_model_len - len(ids))
-        self.build(message.request_id, ids, sampling_from_proto(sampling), message.cache_salt)
+        self.build(message.request_id, ids, params, message.cache_salt)
         return worker_pb2.EngineRequest(
             request_id=message.request_id,
             prompt_ids=ids,
@@ -229,8 +228,7 @@ class WorkerRuntime:
             raise InvalidParameterError("request_id", "must not be empty")
         check_prompt_ids_size(len(message.prompt_ids), self.model.max_model_len, "prompt.token_ids")
         check_sampling_size(message.sampling)
-        room = self.model.max_model_len - len(message.prompt_ids)
-        params = sampling_from_proto(message.sampling, self.core.parts.sampling_defaults, room)
+        params = sampling_from_proto(message.sampling, self.core.parts.sampling_defaults)
         return self.build(
             message.request_id, message.prompt_ids, params, message.cache_salt, prefill_only
         )

@@ -56,9 +56,11 @@ def test_chat_without_a_length_generates_up_to_the_context() -> None:
     assert parse({"messages": messages}, "chat").request.sampling.max_tokens == -1
     assert parse({"messages": messages, "max_tokens": 5}, "chat").request.sampling.max_tokens == 5
     assert not parse({"prompt": "x"}, "completion").request.sampling.HasField("max_tokens")
-    # an explicit null is vLLM's None: up to the context (or the model's max_new_tokens)
+    # an explicit null is the default 16, as vLLM 0.32 reads it (normalize_null_max_tokens)
     null = parse({"prompt": "x", "max_tokens": None}, "completion")
-    assert null.request.sampling.max_tokens == -1
+    assert not null.request.sampling.HasField("max_tokens")
+    chat_null = parse({"messages": messages, "max_completion_tokens": None}, "chat")
+    assert chat_null.request.sampling.max_tokens == -1
 
 
 def test_the_length_param_is_the_one_the_body_used() -> None:

@@ -82,12 +82,16 @@ def test_wire_fields_unset_take_the_defaults() -> None:
     assert not message.HasField("top_k")  # the caller's message is not changed
 
 
-def test_a_default_length_beyond_the_context_left_ends_at_the_context(model: Path) -> None:
-    """max_new_tokens 5 with 3 tokens of context left: the prompt is served up to the context
-    (vLLM takes the least of the two), not refused as an explicit length would be."""
+def test_a_length_beyond_the_context_left_ends_at_the_context(model: Path) -> None:
+    """max_new_tokens 5 (or an explicit 5) with 3 tokens of context left: the prompt is served
+    up to the context and ends "length" (vLLM takes the least of the two); only a length
+    beyond the whole context is refused."""
     llm = LLM(str(model), num_kv_blocks=32, max_model_len=64)
     prompt = list(range(10, 71))  # 61 tokens of 64
     (out,) = llm.generate([prompt])
     assert 1 <= len(out.outputs[0].token_ids) <= 3
-    with pytest.raises(InvalidParameterError):
-        llm.generate([prompt], SamplingParams(max_tokens=5))
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(InvalidParameterError) as caught:
+        llm.generate([prompt], SamplingParams(max_tokens=65))
+    assert caught.value.field == "max_tokens"

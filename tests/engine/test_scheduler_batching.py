@@ -109,7 +109,7 @@ def test_requests_that_never_fit_are_rejected_naming_the_field() -> None:
         sched.add_request(request("a", 65))
     assert info.value.field == "prompt"
     with pytest.raises(PromptTooLongError) as info:
-        sched.add_request(request("a", 60, max_tokens=5))
+        sched.add_request(request("a", 4, max_tokens=65))  # more than the whole context
     assert info.value.field == "max_tokens"
     with pytest.raises(InvalidParameterError) as pool_info:
         sched.add_request(request("a", 30, max_tokens=3))  # 33 tokens > 8 blocks of 4

@@ -1,7 +1,7 @@
 """A real `kvmesh up` on a model whose generation_config.json sets `max_new_tokens`: a chat
 without a length whose prompt leaves less room in the context than that is served up to the
 context, as vLLM's `get_max_tokens` takes the least of the room left and the model's default,
-instead of refused naming a `max_tokens` the client never sent."""
+instead of refused naming a `max_tokens` the client never sent; an explicit length too."""
 
 from __future__ import annotations
 
@@ -54,11 +54,18 @@ def test_an_open_ended_chat_near_the_context_is_served_up_to_it(system: LocalSys
     )
     assert chat.usage is not None and chat.usage.completion_tokens == ROOM
     assert chat.choices[0].finish_reason == "length"
-    # an explicit length that does not fit is still the client's error
+    # an explicit length the prompt leaves no room for is served up to the context too, as
+    # vLLM clamps it; only a length beyond the whole context is refused
+    clamped = client.chat.completions.create(
+        model=model,
+        messages=filling_message(system.config.model, ROOM),  # type: ignore[arg-type]
+        max_tokens=MAX_NEW_TOKENS,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert clamped.usage is not None and clamped.usage.completion_tokens == ROOM
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(
-            model=model,
-            messages=filling_message(system.config.model, ROOM),  # type: ignore[arg-type]
-            max_tokens=MAX_NEW_TOKENS,
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4096
         )
     wait_until(lambda: idle(system), 5.0, "blocks free after the requests")

@@ -416,13 +416,26 @@ def get_status(system: LocalSystem, path: str) -> int:
         return error.code
 
 
-def test_completion_with_a_null_max_tokens_runs_to_the_context(system: LocalSystem) -> None:
-    """`max_tokens: null` is vLLM's None (up to the context), not OpenAI's default of 16."""
+def test_completion_with_a_null_max_tokens_generates_the_default_16(system: LocalSystem) -> None:
+    """`max_tokens: null` on completions is the default 16, as vLLM 0.32 answers it (its
+    `normalize_null_max_tokens`), not "up to the context"."""
+    client = api(system)
+    model = client.models.list().data[0].id
+    prompt = [5 + i % 200 for i in range(2020)]  # 28 tokens of the 2048 context left
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=None,
+                                     temperature=0.0, extra_body=IGNORE_EOS)  # fmt: skip
+    assert done.usage is not None and done.usage.completion_tokens == 16
+    assert done.choices[0].finish_reason == "length"
+    wait_until(lambda: idle(system), 5.0, "blocks free after the request")
+
+
+def test_max_tokens_beyond_the_context_left_is_clamped_as_vllm_does(system: LocalSystem) -> None:
+    """vLLM 0.32 refuses only max_tokens > max_model_len; a max_tokens the prompt leaves no
+    room for generates up to the context and finishes with "length" (its `get_max_tokens`)."""
     client = api(system)
     model = client.models.list().data[0].id
     prompt = [5 + i % 200 for i in range(2040)]  # 8 tokens of the 2048 context left
-    done = client.completions.create(model=model, prompt=prompt, max_tokens=None,
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=16,
                                      temperature=0.0, extra_body=IGNORE_EOS)  # fmt: skip
     assert done.usage is not None and done.usage.completion_tokens == 8
     assert done.choices[0].finish_reason == "length"
-    wait_until(lambda: idle(system), 5.0, "blocks free after the request")

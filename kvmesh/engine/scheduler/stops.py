@@ -40,8 +40,10 @@ def validate_request(
         raise PromptTooLongError(num_prompt, config.max_model_len)
     check_prompt_logprobs(request.params.prompt_logprobs, num_prompt)
     max_tokens = request.params.max_tokens
-    if max_tokens is not None and num_prompt + max_tokens > config.max_model_len:
-        raise PromptTooLongError(num_prompt + max_tokens, config.max_model_len, field="max_tokens")
+    if max_tokens is not None and max_tokens > config.max_model_len:
+        raise PromptTooLongError(max_tokens, config.max_model_len, field="max_tokens")
+    # a max_tokens the prompt leaves no room for runs up to the context and ends "length"
+    # (`max_total_tokens`, `stop_status`), as vLLM takes the least of the two
     total = max_total_tokens(request.params, num_prompt, config.max_model_len)
     needed = -(-total // block_size)
     if needed > num_blocks:
