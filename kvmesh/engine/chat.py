@@ -90,6 +90,15 @@ def chat_prompt_ids(
     """Token ids of the conversation (named `field`) rendered with the model's chat template
     plus the generation prompt (InvalidParameterError naming the field for a model without a
     template, bad messages or a template that refuses them)."""
+    text = chat_prompt_text(tokenizer, messages, max_model_len, field)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def chat_prompt_text(
+    tokenizer: Any, messages: Sequence[Message], max_model_len: int, field: str = "messages"
+) -> str:
+    """The text `chat_prompt_ids` encodes: the conversation rendered with the chat template
+    and the generation prompt (vLLM's `RequestOutput.prompt` of `LLM.chat`)."""
     if not has_chat_template(tokenizer):
         raise InvalidParameterError(field, "this model has no chat template")
     conversation = check_messages(messages, max_model_len, field)
@@ -100,4 +109,4 @@ def chat_prompt_ids(
     except Exception as exc:  # jinja2 errors, raise_exception() in the template
         raise InvalidParameterError(field, f"the chat template refused it: {exc}") from None
     check_text_size(len(text), max_model_len, field)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return str(text)

@@ -34,8 +34,9 @@ class SequenceText:
     `append` returns may lag it: while stop strings are set (and not included in the output),
     the last (longest stop string - 1) characters are held back, since a stop string starting
     there would cut them; a match returns only the text before it, `flush()` the held rest.
-    Stop strings are looked for only once `min_tokens` ids were appended (a match must end in
-    text decoded from then on). The returned pieces always join to the final `text`.
+    Stop strings are looked for only once more than `min_tokens` ids were appended (a match
+    must end in text decoded after the first `min_tokens` ids, as vLLM). The returned pieces
+    always join to the final `text`.
     """
 
     def __init__(
@@ -95,7 +96,7 @@ class SequenceText:
         self._prefix, self._read = self._read, read
         start = len(self.text)
         self.text += after[len(before) :]
-        if self._stop and self._generated >= self._min_tokens:
+        if self._stop and self._generated > self._min_tokens:
             self._find_stop(max(0, start - self._longest + 1))
 
     def _bound_held(self, before: str, after: str) -> None:

@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvmesh.engine.chat import Message, chat_prompt_ids
+from kvmesh.engine.chat import Message, chat_prompt_text
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine, PromptInput
 from kvmesh.engine.errors import InvalidParameterError
@@ -129,18 +129,23 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation (a list of {"role", "content"})
         or to each of a list of conversations, rendered with the model's chat template and
-        its generation prompt; outputs and `use_tqdm` as `generate`. InvalidParameterError
-        names the field (`messages`, `messages[i].role`, ... or `messages[k]...` for the k-th
-        conversation)."""
+        its generation prompt; outputs and `use_tqdm` as `generate`, each output's `prompt`
+        the rendered text (vLLM's). InvalidParameterError names the field (`messages`,
+        `messages[i].role`, ... or `messages[k]...` for the k-th conversation)."""
         conversations, single = _as_conversations(messages)
+        tokenizer: Any = self.engine.tokenizer  # not None once a template rendered
         max_len = self.engine.parts.max_model_len
-        prompts: list[PromptInput] = [
-            chat_prompt_ids(
-                self.engine.tokenizer, conv, max_len, "messages" if single else f"messages[{k}]"
-            )
+        texts = [
+            chat_prompt_text(tokenizer, conv, max_len, "messages" if single else f"messages[{k}]")
             for k, conv in enumerate(conversations)
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        prompts: list[PromptInput] = [
+            list(tokenizer.encode(text, add_special_tokens=False)) for text in texts
+        ]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text  # vLLM's: the rendered conversation
+        return outputs
 
 
 def _as_conversations(messages: Any) -> tuple[list[Any], bool]:

@@ -47,6 +47,17 @@ def test_chat_equals_generate_on_the_templates_ids(llm: LLM) -> None:
     assert single[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
 
 
+def test_a_chat_outputs_prompt_is_the_rendered_template(llm: LLM) -> None:
+    """As vLLM's `LLM.chat`, each RequestOutput's `prompt` is its conversation rendered by the
+    chat template with the generation prompt (the text its prompt_token_ids encode), not None."""
+    tokenizer = llm.get_tokenizer()
+    outputs = llm.chat([ONE, TWO], GREEDY)
+    for out, conv in zip(outputs, (ONE, TWO), strict=True):
+        text = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+        assert out.prompt == text
+        assert out.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
+
+
 def test_a_messages_name_reaches_the_template(llm: LLM) -> None:
     """OpenAI's `name` of a message is the template's `name` (this template writes
     `<|user:ann|>`); a message without one has no `name` key."""

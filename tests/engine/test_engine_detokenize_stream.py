@@ -151,3 +151,18 @@ def test_stop_strings_count_only_after_min_tokens(byte_tokenizer: Any) -> None:
     assert seq.stopped_by == "xy" and "".join(deltas) == seq.text == "xya"
     deltas, seq = stop_stream(byte_tokenizer, "xyab", "xy", min_tokens=3)
     assert seq.stopped_by is None and "".join(deltas) == seq.text == "xyab"
+
+
+def test_a_stop_string_ending_in_the_min_tokens_th_token_does_not_stop(
+    byte_tokenizer: Any,
+) -> None:
+    """vLLM looks for stop strings only once more than min_tokens tokens were generated
+    (vllm/v1/engine/detokenizer.py, `num_output_tokens() > min_tokens`), as min_tokens bans a
+    stop token id up to and including the min_tokens-th token: a match ending in that token is
+    text, the first one ending after it stops the sequence."""
+    deltas, seq = stop_stream(byte_tokenizer, "axyb", "xy", min_tokens=3)
+    assert seq.stopped_by is None and "".join(deltas) == seq.text == "axyb"
+    deltas, seq = stop_stream(byte_tokenizer, "axyxyb", "xy", min_tokens=3)
+    assert seq.stopped_by == "xy" and "".join(deltas) == seq.text == "axy"
+    deltas, seq = stop_stream(byte_tokenizer, "abz", "z", min_tokens=2)  # token 3 counts
+    assert seq.stopped_by == "z" and "".join(deltas) == seq.text == "ab"
