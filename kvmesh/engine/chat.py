@@ -90,7 +90,11 @@ def chat_prompt_ids(
     """Token ids of the conversation (named `field`) rendered with the model's chat template
     plus the generation prompt (InvalidParameterError naming the field for a model without a
     template, bad messages or a template that refuses them)."""
-    text = chat_prompt_text(tokenizer, messages, max_model_len, field)
+    return rendered_ids(tokenizer, chat_prompt_text(tokenizer, messages, max_model_len, field))
+
+
+def rendered_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a rendered conversation: the template wrote its special tokens already."""
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

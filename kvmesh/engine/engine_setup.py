@@ -109,7 +109,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
     scheduler = Scheduler(scheduler_config, block_manager)
     first = eos[0] if eos else None
-    defaults = sampling_defaults(config.generation_config, loaded.path, loaded.hf_config)
+    generation = getattr(loaded.model, "generation_config", None)
+    defaults = sampling_defaults(config.generation_config, generation)
     return EngineParts(
         loaded, runner, scheduler, Sampler(), max_model_len, first, tiers, eos, defaults
     )

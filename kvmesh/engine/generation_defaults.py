@@ -25,13 +25,15 @@ SAMPLING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", 
                  "top_k", "top_p", "min_p", "max_new_tokens")  # fmt: skip
 
 
-def sampling_defaults(setting: str, model_path: Path, hf_config: Any) -> Mapping[str, Any]:
-    """The sampling fields `setting` ("auto", "vllm" or a folder) sets for `model_path`'s model,
-    checked by SamplingParams' own rules (InvalidParameterError naming `generation_config`)."""
+def sampling_defaults(setting: str, model_generation: Any) -> Mapping[str, Any]:
+    """The sampling fields `setting` ("auto", "vllm" or a folder) sets, "auto" reading
+    `model_generation` (the GenerationConfig transformers loaded with the model: its
+    generation_config.json, else its config's generation keys, as vLLM falls back); checked by
+    SamplingParams' own rules (InvalidParameterError naming `generation_config`)."""
     if setting == NEUTRAL:
         return MappingProxyType({})
-    source = model_path if setting == "auto" else Path(setting)
-    diff = _diff_dict(source, hf_config, required=setting != "auto")
+    config = model_generation if setting == "auto" else _read_folder(Path(setting))
+    diff = {} if config is None else config.to_diff_dict()
     found = {key: diff[key] for key in SAMPLING_KEYS if diff.get(key) is not None}
     if "max_new_tokens" in found:
         found["max_tokens"] = found.pop("max_new_tokens")
@@ -39,12 +41,12 @@ def sampling_defaults(setting: str, model_path: Path, hf_config: Any) -> Mapping
         SamplingParams(**found)
     except (InvalidParameterError, TypeError) as exc:
         raise InvalidParameterError(
-            "generation_config", f"{source}: its sampling defaults are invalid: {exc}"
+            "generation_config", f"{_source(setting)}: its sampling defaults are invalid: {exc}"
         ) from None
     if found:
         LOG.warning(
-            "default sampling parameters set by %s's generation_config.json: %s "
-            "(--generation-config vllm keeps the neutral ones)", source, found,
+            "default sampling parameters set by %s: %s "
+            "(--generation-config vllm keeps the neutral ones)", _source(setting), found,
         )  # fmt: skip
     return MappingProxyType(found)
 
@@ -54,25 +56,22 @@ def default_params(defaults: Mapping[str, Any]) -> SamplingParams:
     return SamplingParams(**defaults)
 
 
-def _diff_dict(source: Path, hf_config: Any, required: bool) -> dict[str, Any]:
-    """What `source`'s generation config sets beyond transformers' defaults; without the file,
-    the generation keys of the model's own config (as vLLM falls back), or an error naming
-    `generation_config` for a folder given explicitly."""
+def _source(setting: str) -> str:
+    return "the model's generation_config.json" if setting == "auto" else setting
+
+
+def _read_folder(folder: Path) -> Any:
+    """The GenerationConfig of `folder`'s generation_config.json (InvalidParameterError naming
+    `generation_config` without one)."""
     from transformers import GenerationConfig
 
     with _quiet_transformers():
         try:
-            config = GenerationConfig.from_pretrained(source)
+            return GenerationConfig.from_pretrained(folder)
         except OSError as exc:
-            if required:
-                raise InvalidParameterError(
-                    "generation_config", f"no generation_config.json in {source}: {exc}"
-                ) from None
-            try:
-                config = GenerationConfig.from_model_config(hf_config)
-            except Exception:  # a config transformers cannot read generation keys from
-                return {}
-        return dict(config.to_diff_dict())
+            raise InvalidParameterError(
+                "generation_config", f"no generation_config.json in {folder}: {exc}"
+            ) from None
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvmesh.engine.chat import Message, chat_prompt_text
+from kvmesh.engine.chat import Message, chat_prompt_text, rendered_ids
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine, PromptInput
 from kvmesh.engine.errors import InvalidParameterError
@@ -139,9 +139,7 @@ class LLM:
             chat_prompt_text(tokenizer, conv, max_len, "messages" if single else f"messages[{k}]")
             for k, conv in enumerate(conversations)
         ]
-        prompts: list[PromptInput] = [
-            list(tokenizer.encode(text, add_special_tokens=False)) for text in texts
-        ]
+        prompts: list[PromptInput] = [rendered_ids(tokenizer, text) for text in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text  # vLLM's: the rendered conversation

@@ -63,14 +63,10 @@ def with_defaults(
     return resolved
 
 
-def sampling_from_proto(
-    message: generation_pb2.SamplingParams,
-    defaults: Mapping[str, Any] | None = None,
-) -> SamplingParams:
-    """Engine SamplingParams from the proto, unset fields from `defaults` (`with_defaults`)
-    before the engine's own; raises InvalidParameterError naming the field. max_tokens -1 is
-    the engine's None: generate until the model's maximum length."""
-    message = with_defaults(message, defaults or {})
+def sampling_from_proto(message: generation_pb2.SamplingParams) -> SamplingParams:
+    """Engine SamplingParams from the proto (unset fields: the engine's defaults; apply the
+    model's first with `with_defaults`); raises InvalidParameterError naming the field.
+    max_tokens -1 is the engine's None: generate until the model's maximum length."""
     kwargs: dict[str, Any] = {
         name: getattr(message, name) for name in _OPTIONAL_SAMPLING if message.HasField(name)
     }

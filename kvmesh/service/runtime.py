@@ -228,7 +228,8 @@ class WorkerRuntime:
             raise InvalidParameterError("request_id", "must not be empty")
         check_prompt_ids_size(len(message.prompt_ids), self.model.max_model_len, "prompt.token_ids")
         check_sampling_size(message.sampling)
-        params = sampling_from_proto(message.sampling, self.core.parts.sampling_defaults)
+        sampling = with_defaults(message.sampling, self.core.parts.sampling_defaults)
+        params = sampling_from_proto(sampling)
         return self.build(
             message.request_id, message.prompt_ids, params, message.cache_salt, prefill_only
         )

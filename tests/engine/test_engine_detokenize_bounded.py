@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_engine_detokenize import streamed
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.engine.detokenizer import SequenceText
@@ -48,22 +49,15 @@ def decoded_ids(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 def test_an_output_that_makes_no_text_is_decoded_in_bounded_work(
     llm: LLM, decoded_ids: list[int], token: int
 ) -> None:
-    engine, tokenizer = llm.engine, llm.get_tokenizer()
+    tokenizer = llm.get_tokenizer()
     params = SamplingParams(
         temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias={token: 100.0}
     )
-    engine.add_request(f"forced-{token}", "hello", params)
-    pieces, last = [], None
-    while engine.has_unfinished():
-        for output in engine.step():
-            pieces.append(output.outputs[0].new_text)
-            last = output
-    assert last is not None and last.finished
-    completion = last.outputs[0]
+    joined, completion = streamed(llm, f"forced-{token}", "hello", params)
     assert completion.token_ids == [token] * MAX_TOKENS
-    assert "".join(pieces) == completion.text
+    assert joined == completion.text
     assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-    assert decoded_ids[0] <= IDS_PER_TOKEN * MAX_TOKENS
+    assert 0 < decoded_ids[0] <= IDS_PER_TOKEN * MAX_TOKENS  # counted, and bounded
 
 
 @pytest.fixture(scope="module")

@@ -75,9 +75,9 @@ def test_wire_fields_unset_take_the_defaults() -> None:
     resolved = with_defaults(message, defaults)
     assert (resolved.temperature, resolved.top_k) == (0.0, 1)  # set stays, unset filled
     assert not resolved.HasField("max_tokens")  # a completion without a length keeps 16
-    assert sampling_from_proto(message, defaults).max_tokens == 16
+    assert sampling_from_proto(with_defaults(message, defaults)).max_tokens == 16
     open_ended = generation_pb2.SamplingParams(max_tokens=-1)  # a chat without a length
-    assert sampling_from_proto(open_ended, defaults).max_tokens == 5
+    assert sampling_from_proto(with_defaults(open_ended, defaults)).max_tokens == 5
     assert sampling_from_proto(open_ended).max_tokens is None
     assert not message.HasField("top_k")  # the caller's message is not changed
 

@@ -89,9 +89,7 @@ class Scheduler:
         if not (state.waiting or self._maybe_prefilling):
             return budget, False
         running = state.running
-        prefilling = [
-            seq for seq in running if len(seq.all_token_ids) - seq.num_computed_tokens != 1
-        ]
+        prefilling = [seq for seq in running if policy.is_prefilling(seq)]
         left = self._plan_prompts(budget, prefilling)
         if not state.step.num_chunks:
             return left, False

@@ -86,7 +86,7 @@ def newest_unplanned(state: SchedulerState, seq: Sequence) -> Sequence:
 
 def is_prefilling(seq: Sequence) -> bool:
     """Whether `seq` still has prompt (or recompute) tokens to compute, not one decode."""
-    return len(seq.all_token_ids) - seq.num_computed_tokens != 1
+    return seq.num_tokens - seq.num_computed_tokens != 1
 
 
 def _start(state: SchedulerState, config: SchedulerConfig, seq: Sequence, budget: int) -> int:

@@ -52,9 +52,9 @@ class DiskTier:
         if capacity <= 0:
             raise ValueError(f"disk tier capacity must be positive, got {capacity} blocks")
         self.folder = Path(folder)
-        self._lock: int | None = _lock_folder(self.folder)
+        lock = _lock_folder(self.folder)  # held until `_release` runs (close or collection)
         self._release = weakref.finalize(
-            self, _release_folder, self.folder, self._lock, persist, os.getpid()
+            self, _release_folder, self.folder, lock, persist, os.getpid()
         )
         self.capacity = capacity
         self.layout = layout
@@ -109,7 +109,6 @@ class DiskTier:
             self._wipe()
             self._index.clear()
         self._release()  # the lock (once: a finalizer never runs twice)
-        self._lock = None
 
     # -- blocks ------------------------------------------------------------------------------
     def put(self, meta: BlockMeta, payload: bytes | memoryview) -> bool:
