@@ -105,6 +105,7 @@ MAX_FRAME_BYTES = 256 << 20
 FRAME_BYTES = 16 << 20  # measured: 16 MiB frames took 0.6x the CPU of 2 MiB ones per byte
 _CLOSE = "!close"
 MAX_PENDING_LINKS = 16  # link handshakes a receiver runs at once (a link per sending peer)
+CLOSE_SECONDS = 5.0  # a closing receiver's wait for its handshakes under way to fail
 
 
 def _control_payload(header: FrameHeader, link: Link, deadline: float) -> bytes:
@@ -136,7 +137,8 @@ class Receiver(KVReceiver):
             raise OSError(f"--transfer-port: cannot bind {bind} (gloo): {exc}") from None
         self._port = int(self._store.port)
         self._links: set[Link] = set()  # guarded by _lock
-        self._pending = threading.BoundedSemaphore(MAX_PENDING_LINKS)  # handshakes under way
+        self._slots = MAX_PENDING_LINKS
+        self._pending = threading.BoundedSemaphore(self._slots)  # handshakes under way
         self._lock = threading.Lock()
         self._closed = False
         self._accepter = threading.Thread(target=self._accept_loop, name="kv-gloo-accept")
@@ -159,6 +161,15 @@ class Receiver(KVReceiver):
         for link in links:
             link.abort()
         self._store = None  # the last reference stops the store's server
+        self._await_handshakes(time.monotonic() + CLOSE_SECONDS)
+
+    def _await_handshakes(self, deadline: float) -> None:
+        """Wait until no handshake is under way (each holds a slot; with the store server
+        stopped they fail at once), at most until `deadline`: a thread still building a
+        group when the interpreter exits aborts the process."""
+        for _ in range(self._slots):
+            if not self._pending.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return
 
     def _accept_loop(self) -> None:
         waiter = self._store.clone()
@@ -177,15 +188,16 @@ class Receiver(KVReceiver):
     def _start_link(self, link_id: str) -> None:
         """Serve `link_id` on its own thread, unless its HELLO is not in the store (a sender
         writes it before it queues the id: anything else was pushed by whoever reached the
-        store, which is not authenticated) or `MAX_PENDING_LINKS` handshakes are under way
-        (each waits up to HANDSHAKE_SECONDS for its peer): such ids are dropped, so ids pushed
-        by anyone cannot pile up threads."""
+        store, which is not authenticated) or no handshake slot frees within
+        HANDSHAKE_SECONDS (`MAX_PENDING_LINKS` run at once, each waiting at most that long for
+        its peer): such ids are dropped, so ids pushed by anyone cannot pile up threads, and a
+        burst of real senders waits for a slot in queue order."""
         try:
             if not self._store.check([f"kvmesh/link/{link_id}/hello"]):
                 return
         except Exception:  # the store is going away (close): the accept loop decides
             return
-        if not self._pending.acquire(blocking=False):
+        if not self._take_slot(time.monotonic() + HANDSHAKE_SECONDS):
             return
         thread = threading.Thread(target=self._serve, args=(link_id,), name="kv-gloo-link")
         thread.daemon = True
@@ -193,6 +205,16 @@ class Receiver(KVReceiver):
             thread.start()
         except RuntimeError:  # no thread (the process is out of them): dropped, slot freed
             self._pending.release()
+
+    def _take_slot(self, deadline: float) -> bool:
+        """A handshake slot, waited for until `deadline` or until the receiver closes."""
+        while not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._pending.acquire(timeout=min(left, 0.25)):
+                return True
+        return False
 
     def _serve(self, link_id: str) -> None:
         try:
@@ -214,8 +236,9 @@ class Receiver(KVReceiver):
         """Answer `link_id`'s HELLO and build its process group; None when refused or when
         the sender did not follow through."""
         scope = f"kvmesh/link/{link_id}/"
-        try:
-            theirs, extras = split_hello(self._store.get(scope + "hello"))
+        try:  # a store client per handshake: one waiting for its peer blocks no other
+            client = self._store.clone()
+            theirs, extras = split_hello(client.get(scope + "hello"))
             ours = self.layout.to_bytes()
             max_frame = extras.get("max_frame")
             window = agreed_window(extras.get("window"), self._device)
@@ -226,15 +249,15 @@ class Receiver(KVReceiver):
                     raise FrameError("max_frame", f"must be in (0, {MAX_FRAME_BYTES}]")
             except TransferError as exc:
                 ack["error"] = error_to_wire(exc).decode()
-            self._store.set(scope + "ack", json.dumps(ack))
+            client.set(scope + "ack", json.dumps(ack))
             if "error" in ack or not isinstance(max_frame, int):
                 return None
             group = new_group(
-                torch.distributed.PrefixStore(scope, self._store), RECEIVER_RANK, self._device,
+                torch.distributed.PrefixStore(scope, client), RECEIVER_RANK, self._device,
                 self._host,
             )  # fmt: skip
             for key in ("hello", "ack"):
-                self._store.delete_key(scope + key)
+                client.delete_key(scope + key)
         except Exception:  # a half-open handshake: the sender times out and gives up
             return None
         return Link(group, SENDER_RANK, self._device, max_frame, window)

@@ -387,12 +387,13 @@ class LinkPool:
     ) -> Link:
         """HELLO under a new link id, the receiver's ack (awaited until `end`), then the
         group. A failed store operation raises `_HandshakeError`."""
-        address, store = rendezvous.address, rendezvous.store
+        address = rendezvous.address
         link_id = os.urandom(12).hex()
         scope = f"kvmesh/link/{link_id}/"
         extras = {"max_frame": max_frame, "window": window_for(device)}
         hello = layout.to_bytes() + b"\0" + json.dumps(extras).encode()
-        try:
+        try:  # a store client per handshake: concurrent ones to one receiver wait apart
+            store = rendezvous.store.clone()
             store.set(scope + "hello", hello)
             store.queue_push(QUEUE, link_id)
             store.wait([scope + "ack"], td(end - time.monotonic()))

@@ -5,6 +5,7 @@ flight (the window a sender asks for, a refusal mid-window)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -335,9 +336,7 @@ def test_a_strangers_close_message_does_not_stop_the_receiver(gloo: object) -> N
 
 def test_link_ids_pushed_by_anyone_do_not_pile_up_threads(gloo: object) -> None:
     """The receiver's store is unauthenticated: ids queued without a HELLO start no thread,
-    and a real sender is served after them. (The bound on handshakes under way,
-    MAX_PENDING_LINKS, is not exercised here: half-open handshakes that wait for their peer
-    hold the receiver's one store client, which serialises the accept loop behind them.)"""
+    and a real sender is served after them."""
     import torch.distributed as dist
 
     src, dst = store(2), store(1)
@@ -356,5 +355,75 @@ def test_link_ids_pushed_by_anyone_do_not_pile_up_threads(gloo: object) -> None:
         assert sender.send(req, [0, 1], [3, 4], deadline=time.monotonic() + 10).ok
         assert handle.wait().ok and torch.equal(dst.cache[3:5], src.cache[0:2])
         sender.close()
+    finally:
+        receiver.close()
+
+
+def _half_open(receiver: Any, count: int) -> Any:
+    """Queue `count` valid HELLOs whose sender never joins the group; the store client."""
+    host, port = gloo_link.split_host_port(receiver.address)
+    rogue = torch.distributed.TCPStore(host, port, None, False, gloo_link.td(5.0))
+    hello = receiver.layout.to_bytes() + b"\0" + json.dumps({"max_frame": 1024}).encode()
+    for k in range(count):
+        rogue.set(f"kvmesh/link/half-{k}/hello", hello)
+        rogue.queue_push(gloo_link.QUEUE, f"half-{k}")
+    return rogue
+
+
+def _handshake_threads() -> int:
+    return sum(t.name == "kv-gloo-link" for t in threading.enumerate())
+
+
+def test_a_handshake_whose_sender_never_joins_blocks_no_other(gloo: object) -> None:
+    """Each handshake has its own store client: HELLOs never followed through (each waits
+    HANDSHAKE_SECONDS for its peer) do not hold up a real sender's handshake, and closing the
+    receiver while they wait ends them (a group still being built at exit aborts the process)."""
+    src, dst = store(2), store(1)
+    receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
+    try:
+        rogue = _half_open(receiver, 3)
+        deadline = time.monotonic() + 5
+        while _handshake_threads() < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _handshake_threads() == 3  # all three wait for their peer
+        sender = gloo.Sender(src, receiver.address, frame_bytes=1024)  # type: ignore[attr-defined]
+        req = TransferRequest(new_transfer_id(), 1)
+        handle = receiver.expect(req, [3], time.monotonic() + 10)
+        assert sender.send(req, [0], [3], deadline=time.monotonic() + 10).ok
+        assert handle.wait().ok and torch.equal(dst.cache[3], src.cache[0])
+        sender.close()
+        del rogue
+    finally:
+        receiver.close()
+    assert _handshake_threads() == 0
+
+
+def test_handshakes_under_way_are_bounded(gloo: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most MAX_PENDING_LINKS handshakes run at once; further HELLOs wait for a slot (at
+    most HANDSHAKE_SECONDS) instead of starting threads, and a real sender is served once the
+    stalled ones time out."""
+    monkeypatch.setattr(gloo_mod, "MAX_PENDING_LINKS", 2)
+    monkeypatch.setattr(gloo_mod, "HANDSHAKE_SECONDS", 1.0)
+    monkeypatch.setattr(gloo_link, "HANDSHAKE_SECONDS", 1.0)
+    src, dst = store(2), store(1)
+    receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
+    try:
+        rogue = _half_open(receiver, 5)
+        most, end = 0, time.monotonic() + 2.5
+        while time.monotonic() < end:
+            most = max(most, _handshake_threads())
+            time.sleep(0.005)
+        assert most == 2
+        deadline = time.monotonic() + 10
+        while _handshake_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        monkeypatch.setattr(gloo_link, "HANDSHAKE_SECONDS", 10.0)
+        sender = gloo.Sender(src, receiver.address, frame_bytes=1024)  # type: ignore[attr-defined]
+        req = TransferRequest(new_transfer_id(), 1)
+        handle = receiver.expect(req, [5], time.monotonic() + 10)
+        assert sender.send(req, [1], [5], deadline=time.monotonic() + 10).ok
+        assert handle.wait().ok and torch.equal(dst.cache[5], src.cache[1])
+        sender.close()
+        del rogue
     finally:
         receiver.close()
