@@ -91,7 +91,9 @@ class EngineConfig:
         "batch-size buckets up to max_num_seqs (prompt and mixed steps run eagerly)",
     )
     block_size: int = _setting(16, "tokens per KV block")
-    kv_cache_memory: int | None = _setting(None, "KV pool budget in bytes, e.g. 256MiB")
+    kv_cache_memory: int | None = _setting(
+        None, "KV pool budget in bytes: 512MiB, 8GiB or 8Gi (binary), 8GB or 8G (decimal)"
+    )
     memory_utilization: float = _setting(0.9, "fraction of GPU memory for weights and KV")
     num_kv_blocks: int | None = _setting(None, "exact KV pool size in blocks (overrides budgets)")
     max_model_len: int | None = _setting(None, "longest sequence (default: the model's)")

@@ -225,7 +225,15 @@ _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
 
 def parse_bytes(value: int | str, field: str = "memory_bytes") -> int:
-    """`80GiB` → 80 × 2**30, `80GB` → 80 × 10**9, `512MiB`, `1.5TiB`, plain integers as bytes."""
+    """Bytes of a size: the one parser of every size kvmesh reads (`kvmesh plan --gpu-memory`,
+    `--kv-cache-memory` and `KVMESH_KV_CACHE_MEMORY`).
+
+    A plain number is bytes. An IEC suffix is binary and an SI one decimal, as in Kubernetes
+    quantities (`Gi`, `G`) and disk sizes (`GiB`, `GB`), letters in any case, `B` optional:
+    `2Gi` = `2GiB` = 2 × 2**30, `2G` = `2GB` = 2 × 10**9; likewise k/Ki, M/Mi, T/Ti, P/Pi.
+    A fraction is rounded down to whole bytes (`1.5TiB`). Anything else, and a size under one
+    byte, raises PlannerError (a ValueError) whose message starts with `field`.
+    """
     if isinstance(value, bool):
         raise PlannerError(f"{field}: {value!r} is not a size")
     if isinstance(value, int):
@@ -233,7 +241,10 @@ def parse_bytes(value: int | str, field: str = "memory_bytes") -> int:
         return value
     match = _BYTES_RE.match(str(value))
     if match is None or (match.group(3) and not match.group(2)):
-        raise PlannerError(f"{field}: cannot parse size {value!r} (examples: 80GiB, 80GB, 512MiB)")
+        raise PlannerError(
+            f"{field}: cannot parse size {value!r} (examples: 512MiB, 8GiB or 8Gi = 8 × 2**30, "
+            "8GB or 8G = 8 × 10**9, plain bytes)"
+        )
     number, prefix, binary, _ = match.groups()
     base = 1024 if binary else 1000
     result = int(float(number) * base ** _POWERS[prefix.lower()])

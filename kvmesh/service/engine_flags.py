@@ -20,6 +20,7 @@ from typing import Any
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.errors import InvalidParameterError
+from kvmesh.memory.planner import parse_bytes
 
 # field -> (main flag, aliases...); a field not listed is `--field-name`.
 FLAG_NAMES: dict[str, tuple[str, ...]] = {
@@ -27,19 +28,10 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "memory_utilization": ("--gpu-memory-utilization", "--memory-utilization"),
 }
 NEGATIVE_ALIASES = {"enable_chunked_prefill": "--no-chunked-prefill"}  # store False
-SIZE_FIELDS = ("kv_cache_memory",)  # accept 512MiB, 2GiB, 1G
-KIND_NAMES = {"int": "an integer", "float": "a number", "size": "a size like 512MiB", "str": ""}
+SIZE_FIELDS = ("kv_cache_memory",)  # parse_bytes: 512MiB, 2GiB = 2Gi = 2 × 2**30, 2GB = 2G = 2e9
+KIND_NAMES = {"int": "an integer", "float": "a number", "str": ""}
 ENV_PREFIX = "KVMESH_"
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def parse_size(text: str) -> int:
-    """Bytes from `123`, `512MiB`, `2GiB`, `1G`, `1TiB` (ValueError otherwise)."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    value = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if value and value[-1] in units:
-        return int(float(value[:-1]) * units[value[-1]])
-    return int(value)
 
 
 def parse_bool(text: str) -> bool:
@@ -49,8 +41,9 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected one of {', '.join(TRUE + FALSE)}")
 
 
+# kind -> parser; a "size" is parsed by `parse_bytes`, given the flag's name (EngineFlag.convert)
 PARSERS: dict[str, Callable[[str], Any]] = {
-    "bool": parse_bool, "int": int, "float": float, "size": parse_size, "str": str,
+    "bool": parse_bool, "int": int, "float": float, "str": str,
 }  # fmt: skip
 
 
@@ -75,6 +68,8 @@ class EngineFlag:
 
     def convert(self, text: str) -> Any:
         """The value of a command-line or environment string (ValueError when invalid)."""
+        if self.kind == "size":  # kvmesh.memory.planner's rule; the message names the flag
+            return parse_bytes(text, self.flags[0])
         try:
             value = PARSERS[self.kind](text)
         except ValueError:
@@ -139,7 +134,7 @@ def _typed(flag: EngineFlag) -> Callable[[str], Any]:
         return PARSERS[flag.kind]
 
     def size(text: str) -> int:
-        return parse_size(text)
+        return flag.convert(text)
 
     return size
 

@@ -6,7 +6,6 @@ single-EOS model keeps its one id. The disaggregated first-token check uses the 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from kvmesh import LLM, SamplingParams
 from kvmesh.engine import disagg
 from kvmesh.engine.sequence import Request
 from kvmesh.models.tiny import EOS_TOKEN_ID, build_tiny_model
+from tests.checkpoints import with_generation_config
 
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(12)]
 NEW = 12
@@ -43,13 +43,10 @@ def greedy(**fields: object) -> SamplingParams:
 def with_eos(plain: Path, folder: Path, generation: object, config: object = None) -> LLM:
     """A copy of the tiny model whose generation_config.json (and config.json, when given)
     name `generation` (`config`) as eos_token_id."""
-    shutil.copytree(plain, folder)
-    for name, value in (("generation_config.json", generation), ("config.json", config)):
-        if value is not None:
-            path = folder / name
-            fields = json.loads(path.read_text())
-            fields["eos_token_id"] = value
-            path.write_text(json.dumps(fields))
+    with_generation_config(plain, folder, eos_token_id=generation)
+    if config is not None:
+        path = folder / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": config}))
     return LLM(str(folder), num_kv_blocks=32)
 
 

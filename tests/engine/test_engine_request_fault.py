@@ -25,11 +25,10 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.errors import RequestFailedError
 from kvmesh.engine.llm import LLM
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.models.tiny import build_tiny_model
+from tests.checkpoints import BYT5_TOKENIZER_IDS, byt5_checkpoint
 
-TOKENIZER_IDS = 384  # ByT5Tokenizer decodes ids below this
 UNDECODABLE = 500  # in the model's vocabulary (1024), beyond the tokenizer's
-BIAS = {i: -100.0 for i in range(TOKENIZER_IDS, 1024)}
+BIAS = {i: -100.0 for i in range(BYT5_TOKENIZER_IDS, 1024)}
 GOOD = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias=BIAS)
 GOOD_N = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=10, logit_bias=BIAS, logprobs=2)
 GOOD_PROMPTS = {"a": list(range(40, 60)), "b": [72, 101, 108, 108, 111, 33, 32, 200]}
@@ -40,13 +39,7 @@ BAD = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with a ByT5Tokenizer (a Python tokenizer, no tokenizer.json)."""
-    from transformers import ByT5Tokenizer
-
-    folder = build_tiny_model(tmp_path_factory.mktemp("llama-byt5"), "llama", "test", seed=0)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (folder / name).unlink(missing_ok=True)
-    ByT5Tokenizer().save_pretrained(str(folder))
-    return folder
+    return byt5_checkpoint(tmp_path_factory.mktemp("llama-byt5"))
 
 
 def config(checkpoint: Path) -> EngineConfig:
@@ -72,7 +65,7 @@ def expected(checkpoint: Path) -> dict[str, list[tuple[list[int], str, str | Non
     while engine.has_unfinished():
         finished.update({o.request_id: texts(o) for o in engine.step() if o.finished})
     for outs in finished.values():
-        assert all(t < TOKENIZER_IDS for ids, _, _ in outs for t in ids)
+        assert all(t < BYT5_TOKENIZER_IDS for ids, _, _ in outs for t in ids)
     return finished
 
 

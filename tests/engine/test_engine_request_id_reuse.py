@@ -14,7 +14,6 @@ import pytest
 from kvmesh.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.errors import InvalidParameterError
-from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.models.tiny import build_tiny_model
 
@@ -35,12 +34,16 @@ def hold_engine_thread(engine: AsyncLLMEngine) -> threading.Event:
     return gate
 
 
-async def finish(stream: RequestStream) -> RequestOutput:
+async def runs_to_its_length(engine: AsyncLLMEngine, stream: RequestStream) -> None:
+    """Read `stream` to its end: its request finished "length" with all LONG.max_tokens
+    tokens, and every KV block of `engine` is free again."""
     last = None
     async for output in stream:
         last = output
     assert last is not None
-    return last
+    assert last.outputs[0].finish_reason == "length"
+    assert len(last.outputs[0].token_ids) == LONG.max_tokens
+    assert await free_blocks(engine) == NUM_BLOCKS
 
 
 async def still_held(engine: AsyncLLMEngine, request_id: str) -> bool:
@@ -78,10 +81,7 @@ def test_a_duplicate_open_given_up_leaves_the_holder_running(
                 engine.call_timeout = 60.0
             gate.set()
             assert await still_held(engine, "shared")  # B's cleanup ran before this
-            last = await finish(held)
-            assert last.outputs[0].finish_reason == "length"
-            assert len(last.outputs[0].token_ids) == LONG.max_tokens
-            assert await free_blocks(engine) == NUM_BLOCKS
+            await runs_to_its_length(engine, held)
             assert engine.num_unfinished == 0
         finally:
             await engine.shutdown()
@@ -99,10 +99,7 @@ def test_a_duplicate_open_is_refused_naming_request_id(checkpoint: Path) -> None
             with pytest.raises(InvalidParameterError) as refused:
                 await engine.add_request("shared", [40, 41, 42], LONG)
             assert refused.value.field == "request_id"
-            last = await finish(held)
-            assert last.outputs[0].finish_reason == "length"
-            assert len(last.outputs[0].token_ids) == LONG.max_tokens
-            assert await free_blocks(engine) == NUM_BLOCKS
+            await runs_to_its_length(engine, held)
         finally:
             await engine.shutdown()
 
@@ -125,10 +122,7 @@ def test_closing_a_stream_whose_request_ended_leaves_a_newer_holder_running(
             second = await engine.add_request("shared", [40, 41, 42], LONG)
             await first.aclose()  # A leaves; its aborted end was never read
             assert await still_held(engine, "shared")
-            last = await finish(second)
-            assert last.outputs[0].finish_reason == "length"
-            assert len(last.outputs[0].token_ids) == LONG.max_tokens
-            assert await free_blocks(engine) == NUM_BLOCKS
+            await runs_to_its_length(engine, second)
             assert engine.num_unfinished == 0
         finally:
             await engine.shutdown()

@@ -4,8 +4,6 @@ own fields win."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,23 +13,17 @@ from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.models.tiny import tiny_model_path
 from kvmesh.service.convert import sampling_from_proto, with_defaults
 from kvmesh.v1 import generation_pb2
+from tests.checkpoints import with_generation_config
 
 PROMPT = [5, 9, 2, 44, 17]
 MODEL_DEFAULTS = {"temperature": 0.7, "top_k": 1, "max_new_tokens": 5, "repetition_penalty": 1.1}
 
 
-def with_generation(folder: Path, **fields: object) -> Path:
-    """A copy of the tiny model whose generation_config.json also sets `fields`."""
-    shutil.copytree(tiny_model_path(), folder)
-    path = folder / "generation_config.json"
-    config = json.loads(path.read_text())
-    path.write_text(json.dumps({**config, **fields}))
-    return folder
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return with_generation(tmp_path_factory.mktemp("gen") / "model", **MODEL_DEFAULTS)
+    return with_generation_config(
+        tiny_model_path(), tmp_path_factory.mktemp("gen") / "model", **MODEL_DEFAULTS
+    )
 
 
 def token_ids(llm: LLM, params: SamplingParams | None) -> list[int]:
@@ -60,7 +52,7 @@ def test_neutral_defaults_and_explicit_fields(model: Path) -> None:
 
 
 def test_invalid_or_missing_generation_config_names_the_field(tmp_path: Path) -> None:
-    bad = with_generation(tmp_path / "bad", top_p=0.0)
+    bad = with_generation_config(tiny_model_path(), tmp_path / "bad", top_p=0.0)
     with pytest.raises(InvalidParameterError) as caught:
         LLM(str(bad), num_kv_blocks=32)
     assert caught.value.field == "generation_config" and "top_p" in str(caught.value)

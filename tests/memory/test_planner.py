@@ -121,6 +121,15 @@ def test_parse_bytes_units() -> None:
     assert parse_bytes(123) == 123
 
 
+@pytest.mark.parametrize("prefix", ["k", "M", "G", "T", "P"])
+def test_parse_bytes_iec_is_binary_and_si_decimal_as_kubernetes_reads_them(prefix: str) -> None:
+    power = "kMGTP".index(prefix) + 1
+    for spelling in (f"3{prefix}i", f"3{prefix}iB", f"3 {prefix.lower()}ib", f"3{prefix.upper()}I"):
+        assert parse_bytes(spelling) == 3 * 1024**power, spelling
+    for spelling in (f"3{prefix}", f"3{prefix}B", f"3 {prefix.lower()}b", f"3{prefix.upper()}"):
+        assert parse_bytes(spelling) == 3 * 1000**power, spelling
+
+
 @pytest.mark.parametrize("text", ["", "lots", "80XiB", "-1GiB", "0", "iB"])
 def test_parse_bytes_rejects_nonsense_naming_the_field(text: str) -> None:
     with pytest.raises(PlannerError, match=r"^gpu_memory:"):

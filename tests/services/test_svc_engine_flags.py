@@ -14,6 +14,7 @@ from kvmesh.cli import up
 from kvmesh.cli.main import build_parser, main
 from kvmesh.cli.up import UP_OWN_FIELDS, worker_argv, worker_engine_values
 from kvmesh.engine.config import EngineConfig
+from kvmesh.memory.planner import parse_bytes
 from kvmesh.service.engine_flags import EngineFlag, engine_flags, engine_values
 from kvmesh.service.options import engine_config, parse, parser
 
@@ -153,9 +154,32 @@ def test_only_a_decode_worker_takes_a_transfer_port(role: str) -> None:
     assert parse("decode", ["--transfer-port", "7000"], environ={}).transfer_port == 7000
 
 
-def test_sizes_take_binary_units_up_to_tebibytes() -> None:
-    for text, size in (("512MiB", 512 << 20), ("2G", 2 << 30), ("1TiB", 1 << 40), ("4096", 4096)):
-        assert (
-            engine_config(parse("decode", ["--kv-cache-memory", text], environ={})).kv_cache_memory
-            == size
-        )
+SIZES = (
+    ("512MiB", 512 << 20), ("2GiB", 2 << 30), ("2Gi", 2 << 30), ("1TiB", 1 << 40),
+    ("2G", 2 * 10**9), ("2GB", 2 * 10**9), ("1.5gb", 15 * 10**8), ("4096", 4096),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "size"), SIZES)
+def test_sizes_are_binary_with_iec_suffixes_and_decimal_with_si_ones(text: str, size: int) -> None:
+    """`--kv-cache-memory` and `KVMESH_KV_CACHE_MEMORY` read sizes as `kvmesh plan --gpu-memory`
+    does (Kubernetes' Gi/G): the same text is the same number of bytes everywhere."""
+    flag = parse("decode", ["--kv-cache-memory", text], environ={})
+    env = parse("decode", [], environ={"KVMESH_KV_CACHE_MEMORY": text})
+    assert engine_config(flag).kv_cache_memory == engine_config(env).kv_cache_memory == size
+    assert parse_bytes(text, "gpu_memory") == size
+
+
+@pytest.mark.parametrize("text", ["lots", "2X", "0", "-1GiB", "iB"])
+def test_a_bad_size_names_its_flag_or_variable(
+    text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse("decode", [f"--kv-cache-memory={text}"], environ={})
+    assert exit_info.value.code == 2
+    assert f"argument --kv-cache-memory: invalid size value: '{text}'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        parse("decode", [], environ={"KVMESH_KV_CACHE_MEMORY": text})
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"KVMESH_KV_CACHE_MEMORY={text!r}: --kv-cache-memory: " in err

@@ -10,7 +10,6 @@ a prompt token id the model accepts but the tokenizer cannot decode.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,11 +17,12 @@ import pytest
 from svc_harness import NUM_BLOCKS, RunningWorker, engine_config, start_worker, svc_loop, wait_until
 
 from decode_svc.colocated import install
-from kvmesh.models.tiny import build_tiny_model
 from kvmesh.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from tests.checkpoints import BYT5_TOKENIZER_IDS, byt5_checkpoint
 
 __all__ = ["svc_loop"]
-BIAS = {i: -100.0 for i in range(384, 1024)}  # the good requests' tokens stay decodable
+# the good requests' tokens stay decodable
+BIAS = {i: -100.0 for i in range(BYT5_TOKENIZER_IDS, 1024)}
 GOOD = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "logit_bias": BIAS}
 GOOD_PROMPTS = {"good-a": list(range(40, 60)), "good-b": [72, 101, 108, 108, 111, 33, 32, 200]}
 BAD_PROMPT = [72, 105, 500, 33]  # 500: in the model's vocabulary, not the tokenizer's
@@ -30,13 +30,8 @@ BAD_PROMPT = [72, 105, 500, 33]  # 500: in the model's vocabulary, not the token
 
 @pytest.fixture(scope="module")
 def worker(svc_loop: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from transformers import ByT5Tokenizer
-
-    folder = build_tiny_model(tmp_path_factory.mktemp("svc-byt5"), "llama", "test", seed=0)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (folder / name).unlink(missing_ok=True)
-    ByT5Tokenizer().save_pretrained(str(folder))
-    running = start_worker(svc_loop, engine_config(Path(folder)), "colocated", install)
+    folder = byt5_checkpoint(tmp_path_factory.mktemp("svc-byt5"))
+    running = start_worker(svc_loop, engine_config(folder), "colocated", install)
     yield running
     running.stop()
 

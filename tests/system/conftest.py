@@ -1,6 +1,6 @@
 """Shared by the system tests: one disaggregated system (1 prefill + 1 decode, shared memory),
 tracing to a real OTLP receiver, the offline engine on the same tiny test model, for greedy parity,
-and a tiny model with a chat template."""
+a tiny model with a chat template, and a plain 1 prefill + 1 decode system on it per module."""
 
 from __future__ import annotations
 
@@ -52,6 +52,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     build_tiny_model(folder, "llama", "test", 0)
     set_chat_template(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def openai_system(tiny_model: str) -> Iterator[LocalSystem]:
+    """A real `kvmesh up` on `tiny_model`: 1 prefill + 1 decode worker, the default transfer
+    backend, no tracing set up, the OpenAI HTTP door on a free port. Module scope: each test
+    module that asks for it gets its own system (no prefix cache or metrics shared with another
+    module), stopped after the module's last test."""
+    with local_system(model=tiny_model, http_port=0) as (started, _):
+        yield started
 
 
 @pytest.fixture(scope="session")

@@ -6,12 +6,10 @@ through the gRPC door (`GenerateRequest.cache_salt`) and the OpenAI door (vLLM's
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
-from sys_harness import local_system
 
 from kvmesh.cli.up import LocalSystem
 from kvmesh.client import Client
@@ -20,20 +18,14 @@ BLOCK = 16  # the tiny model's KV block size
 ONE_TOKEN = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def system(tiny_model: str) -> Iterator[LocalSystem]:
-    with local_system(model=tiny_model, http_port=0) as (started, _):
-        yield started
-
-
 def prompt(first: int) -> list[int]:
     """Four full blocks and a tail, unlike any other test's prompt."""
     return list(range(first, first + 4 * BLOCK + 3))
 
 
-def test_grpc_salts_never_share_and_equal_salts_do(system: LocalSystem) -> None:
+def test_grpc_salts_never_share_and_equal_salts_do(openai_system: LocalSystem) -> None:
     ids, hit = prompt(400), 4 * BLOCK
-    with Client(system.endpoint) as client:
+    with Client(openai_system.endpoint) as client:
 
         def cached(salt: bytes) -> int:
             usage = client.complete(ids, cache_salt=salt, **ONE_TOKEN).completions[0].usage
@@ -48,10 +40,10 @@ def cached_tokens(answer: Any) -> int:
     return int(answer.usage.prompt_tokens_details.cached_tokens)
 
 
-def test_openai_cache_salt_keeps_tenants_apart(system: LocalSystem) -> None:
+def test_openai_cache_salt_keeps_tenants_apart(openai_system: LocalSystem) -> None:
     """vLLM's `cache_salt` body field salts the prefix cache of completions and chat alike; a
     door that dropped it would serve tenant B from tenant A's KV (a hit across salts)."""
-    client = openai.OpenAI(base_url=f"{system.http_url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{openai_system.http_url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
 
     def complete(salt: str | None) -> int:
@@ -78,9 +70,9 @@ def test_openai_cache_salt_keeps_tenants_apart(system: LocalSystem) -> None:
     "salt, reason", [("", "non-empty"), (7, "expected string"), ("s" * 257, "256 bytes")]
 )
 def test_openai_bad_cache_salt_is_400_naming_it(
-    system: LocalSystem, salt: object, reason: str
+    openai_system: LocalSystem, salt: object, reason: str
 ) -> None:
-    client = openai.OpenAI(base_url=f"{system.http_url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{openai_system.http_url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(
             model=client.models.list().data[0].id, prompt="x", extra_body={"cache_salt": salt}

@@ -4,8 +4,6 @@ OpenAI door's requests that leave them unset sample with the model's (vLLM's
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Iterator
 
 import openai
@@ -13,6 +11,7 @@ import pytest
 from sys_harness import idle, local_system, wait_until
 
 from kvmesh.cli.up import LocalSystem
+from tests.checkpoints import with_generation_config
 
 PROMPT = [5, 9, 2, 44, 17]
 MAX_NEW_TOKENS = 5
@@ -20,11 +19,8 @@ MAX_NEW_TOKENS = 5
 
 @pytest.fixture(scope="module")
 def system(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSystem]:
-    folder = tmp_path_factory.mktemp("gen") / "model"
-    shutil.copytree(tiny_model, folder)
-    path = folder / "generation_config.json"
     fields = {"temperature": 0.8, "top_k": 1, "max_new_tokens": MAX_NEW_TOKENS}
-    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    folder = with_generation_config(tiny_model, tmp_path_factory.mktemp("gen") / "model", **fields)
     with local_system(model=str(folder), http_port=0) as (started, _):
         yield started
 

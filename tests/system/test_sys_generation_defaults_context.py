@@ -5,8 +5,6 @@ instead of refused naming a `max_tokens` the client never sent; an explicit leng
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Iterator
 
 import openai
@@ -14,6 +12,7 @@ import pytest
 from sys_harness import idle, local_system, wait_until
 
 from kvmesh.cli.up import LocalSystem
+from tests.checkpoints import with_generation_config
 
 MAX_NEW_TOKENS = 8
 ROOM = 3  # context left after the prompt: fewer than MAX_NEW_TOKENS
@@ -22,9 +21,7 @@ ROOM = 3  # context left after the prompt: fewer than MAX_NEW_TOKENS
 @pytest.fixture(scope="module")
 def system(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSystem]:
     folder = tmp_path_factory.mktemp("gen-ctx") / "model"
-    shutil.copytree(tiny_model, folder)
-    path = folder / "generation_config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), "max_new_tokens": MAX_NEW_TOKENS}))
+    with_generation_config(tiny_model, folder, max_new_tokens=MAX_NEW_TOKENS)
     with local_system(model=str(folder), http_port=0) as (started, _):
         yield started
 

@@ -5,7 +5,6 @@ n > 1 (colocated), and a client leaving mid-stream frees every block."""
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,6 @@ PROMPT = [5, 9, 2, 44, 17]
 IGNORE_EOS = {"ignore_eos": True}  # a kvmesh extension field, sent as extra_body
 
 
-@pytest.fixture(scope="module")
-def system(tiny_model: str) -> Iterator[LocalSystem]:
-    with local_system(model=tiny_model, http_port=0) as (started, _):
-        yield started
-
-
 def api(system: LocalSystem, **kwargs: object) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{system.http_url}/v1", api_key="unused", max_retries=0,
                          **kwargs)  # type: ignore[arg-type]  # fmt: skip
@@ -36,14 +29,14 @@ def get(system: LocalSystem, path: str) -> tuple[int, str]:
         return response.status, response.read().decode()
 
 
-def test_completion_matches_grpc_and_its_stream(system: LocalSystem) -> None:
-    client = api(system)
+def test_completion_matches_grpc_and_its_stream(openai_system: LocalSystem) -> None:
+    client = api(openai_system)
     model = client.models.list().data[0].id
-    assert model == Path(system.model_dir).name
+    assert model == Path(openai_system.model_dir).name
     max_tokens, temperature = GREEDY["max_tokens"], GREEDY["temperature"]
     done = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens,
                                      temperature=temperature, extra_body=IGNORE_EOS)  # fmt: skip
-    with Client(system.endpoint) as grpc_client:
+    with Client(openai_system.endpoint) as grpc_client:
         expected = grpc_client.complete(PROMPT, **GREEDY)
     assert done.choices[0].text == expected.text and done.choices[0].finish_reason == "length"
     assert done.usage is not None
@@ -54,7 +47,7 @@ def test_completion_matches_grpc_and_its_stream(system: LocalSystem) -> None:
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 5 + max_tokens
-    wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
+    wait_until(lambda: idle(openai_system), 5.0, "blocks free after the requests")
 
 
 def check_continuous_usage(client: openai.OpenAI, prompts: list[list[int]], n: int = 1) -> None:
@@ -83,13 +76,13 @@ def check_continuous_usage(client: openai.OpenAI, prompts: list[list[int]], n: i
     assert final.usage.completion_tokens == 4 * n * len(prompts) == sum(streamed.values())
 
 
-def test_continuous_usage_stats_on_every_chunk(system: LocalSystem) -> None:
-    check_continuous_usage(api(system), [PROMPT, [7, 3, 11]])
-    wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
+def test_continuous_usage_stats_on_every_chunk(openai_system: LocalSystem) -> None:
+    check_continuous_usage(api(openai_system), [PROMPT, [7, 3, 11]])
+    wait_until(lambda: idle(openai_system), 5.0, "blocks free after the requests")
 
 
-def test_a_batch_of_prompts_answers_as_the_prompts_one_by_one(system: LocalSystem) -> None:
-    client = api(system)
+def test_a_batch_of_prompts_answers_as_the_prompts_one_by_one(openai_system: LocalSystem) -> None:
+    client = api(openai_system)
     model = client.models.list().data[0].id
     prompts = [PROMPT, [7, 3, 11, 12], PROMPT[:2]]
     params: dict[str, Any] = {
@@ -108,7 +101,7 @@ def test_a_batch_of_prompts_answers_as_the_prompts_one_by_one(system: LocalSyste
     assert got == [c.logprobs.tokens for c in singles if c.logprobs is not None]
     assert batch.usage is not None and batch.usage.prompt_tokens == 11
     assert batch.usage.completion_tokens == 3 * GREEDY["max_tokens"]
-    wait_until(lambda: idle(system), 5.0, "blocks free after the batch")
+    wait_until(lambda: idle(openai_system), 5.0, "blocks free after the batch")
 
 
 def hf_prompt_logprobs(model_dir: str, prompt: list[int]) -> list[float]:
@@ -137,21 +130,21 @@ def check_echoed_prompt(choice: Any, model_dir: str, prompt: list[int]) -> None:
         assert 1 <= len(top) <= 2 and top[token] == logprob  # the most likely and the token
 
 
-def test_echo_returns_the_prompt_with_its_logprobs(system: LocalSystem) -> None:
+def test_echo_returns_the_prompt_with_its_logprobs(openai_system: LocalSystem) -> None:
     """lm-eval's loglikelihood request (echo, max_tokens 0, logprobs) and echo before a
     completion, disaggregated: the prefill worker scores the prompt."""
     from transformers import AutoTokenizer
 
-    client = api(system)
+    client = api(openai_system)
     model = client.models.list().data[0].id
     only = client.completions.create(model=model, prompt=PROMPT, echo=True, max_tokens=0,
                                      logprobs=1, temperature=0)  # fmt: skip
     (choice,) = only.choices
-    tokenizer = AutoTokenizer.from_pretrained(system.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(openai_system.model_dir)
     assert choice.text == tokenizer.decode(PROMPT, skip_special_tokens=False)
     assert choice.finish_reason == "length" and choice.logprobs is not None
     assert len(choice.logprobs.token_logprobs or []) == len(PROMPT)
-    check_echoed_prompt(choice, system.model_dir, PROMPT)
+    check_echoed_prompt(choice, openai_system.model_dir, PROMPT)
     assert only.usage is not None and only.usage.completion_tokens == 0
     params: dict[str, Any] = {"model": model, "max_tokens": 4, "temperature": 0,
                               "extra_body": IGNORE_EOS}  # fmt: skip
@@ -169,7 +162,7 @@ def test_echo_returns_the_prompt_with_its_logprobs(system: LocalSystem) -> None:
     scored = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body=extra)
     vllm_shape = (scored.choices[0].model_extra or {})["prompt_logprobs"]
     assert vllm_shape[0] is None and len(vllm_shape) == len(PROMPT)
-    expected = hf_prompt_logprobs(system.model_dir, PROMPT)
+    expected = hf_prompt_logprobs(openai_system.model_dir, PROMPT)
     for position, entry in enumerate(vllm_shape[1:], start=1):
         mine = entry[str(PROMPT[position])]
         assert mine["logprob"] == pytest.approx(expected[position - 1], abs=1e-3)
@@ -178,7 +171,8 @@ def test_echo_returns_the_prompt_with_its_logprobs(system: LocalSystem) -> None:
                                           messages=[{"role": "user", "content": "hi"}])  # fmt: skip
     chat_shape = (chat.model_extra or {})["prompt_logprobs"]
     assert chat_shape[0] is None and all(entry for entry in chat_shape[1:])
-    with Client(system.endpoint) as grpc_client:  # the same over gRPC, with the Python client
+    # the same over gRPC, with the Python client
+    with Client(openai_system.endpoint) as grpc_client:
         result = grpc_client.complete(PROMPT, prompt_logprobs=1, logprobs=1, **GREEDY)
     prompt_lp = result.prompt_logprobs
     assert result.prompt_text == tokenizer.decode(PROMPT, skip_special_tokens=False)
@@ -187,14 +181,14 @@ def test_echo_returns_the_prompt_with_its_logprobs(system: LocalSystem) -> None:
     assert all(lp.rank >= 1 and len(lp.top) == 1 for lp in prompt_lp[1:])
     (completion,) = result.completions
     assert [lp.token_id for lp in completion.logprobs] == completion.token_ids
-    wait_until(lambda: idle(system), 5.0, "blocks free after the echoes")
+    wait_until(lambda: idle(openai_system), 5.0, "blocks free after the echoes")
 
 
-def test_chat_matches_grpc_chat_with_token_logprobs(system: LocalSystem) -> None:
-    client = api(system)
+def test_chat_matches_grpc_chat_with_token_logprobs(openai_system: LocalSystem) -> None:
+    client = api(openai_system)
     model = client.models.list().data[0].id
     messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    with Client(system.endpoint) as grpc_client:
+    with Client(openai_system.endpoint) as grpc_client:
         expected = grpc_client.complete_chat(messages, **GREEDY)
     done = client.chat.completions.create(
         model=model, messages=messages, max_completion_tokens=GREEDY["max_tokens"],
@@ -218,10 +212,10 @@ def test_chat_matches_grpc_chat_with_token_logprobs(system: LocalSystem) -> None
     assert "".join(c.choices[0].delta.content or "" for c in stream) == expected.text
 
 
-def test_chat_logprob_bytes_are_the_tokens_own_bytes(system: LocalSystem) -> None:
+def test_chat_logprob_bytes_are_the_tokens_own_bytes(openai_system: LocalSystem) -> None:
     """A token that is part of a UTF-8 character reads as U+FFFD alone; its `bytes` are its
     own (0xC8 here, forced by logit_bias), not U+FFFD's, and the alternatives' too."""
-    client = api(system)
+    client = api(openai_system)
     model = client.models.list().data[0].id
     done = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=3,
@@ -237,8 +231,8 @@ def test_chat_logprob_bytes_are_the_tokens_own_bytes(system: LocalSystem) -> Non
             assert len(raw) == 1 or raw == alternative.token.encode()
 
 
-def test_logprobs_errors_health_and_metrics(system: LocalSystem) -> None:
-    client = api(system)
+def test_logprobs_errors_health_and_metrics(openai_system: LocalSystem) -> None:
+    client = api(openai_system)
     model = client.models.list().data[0].id
     done = client.completions.create(model=model, prompt="The KV", max_tokens=4, logprobs=2,
                                      temperature=0, extra_body=IGNORE_EOS)  # fmt: skip
@@ -265,17 +259,17 @@ def test_logprobs_errors_health_and_metrics(system: LocalSystem) -> None:
     assert caught.value.param == "top_p"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="not-" + model, prompt="x")
-    assert get(system, "/health")[0] == 200
-    status, text = get(system, "/metrics")
+    assert get(openai_system, "/health")[0] == 200
+    status, text = get(openai_system, "/metrics")
     assert status == 200 and 'kvmesh_control_requests_total{status="OK"}' in text
 
 
-def test_logit_bias_steers_greedy_tokens_over_http_and_grpc(system: LocalSystem) -> None:
+def test_logit_bias_steers_greedy_tokens_over_http_and_grpc(openai_system: LocalSystem) -> None:
     """+100 forces a token at every step, -100 bans the greedy choice; the HTTP door gives
     gRPC's answer; a token id outside the vocabulary is the worker's 400 naming the param."""
-    client = api(system)
+    client = api(openai_system)
     model = client.models.list().data[0].id
-    with Client(system.endpoint) as grpc_client:
+    with Client(openai_system.endpoint) as grpc_client:
         first = grpc_client.complete(PROMPT, **GREEDY).token_ids[0]
         forced = grpc_client.complete(PROMPT, logit_bias={7: 100.0}, **GREEDY)
         banned = grpc_client.complete(PROMPT, logit_bias={first: -100.0}, **GREEDY)
@@ -288,15 +282,15 @@ def test_logit_bias_steers_greedy_tokens_over_http_and_grpc(system: LocalSystem)
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=model, prompt="x", logit_bias={str(10**6): 1})
     assert caught.value.param == "logit_bias"
-    wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
+    wait_until(lambda: idle(openai_system), 5.0, "blocks free after the requests")
 
 
-def test_stop_reason_and_the_stop_tokens_text_as_vllm_answers(system: LocalSystem) -> None:
+def test_stop_reason_and_the_stop_tokens_text_as_vllm_answers(openai_system: LocalSystem) -> None:
     """Every choice carries vLLM's `stop_reason` (the stop token id or stop string; null for
     EOS or a length), streamed (on the last chunk) or not; the token that stopped a choice (a
     stop token id, EOS with special tokens kept) leaves its text out unless
     include_stop_str_in_output, even as the first token (sampled by the prefill worker)."""
-    client = api(system)
+    client = api(openai_system)
     model = client.models.list().data[0].id
     x, eos = ord("x"), 257  # the byte tokenizer's "x" and <eos>
     included = {"stop_token_ids": [x], "include_stop_str_in_output": True}
@@ -321,7 +315,7 @@ def test_stop_reason_and_the_stop_tokens_text_as_vllm_answers(system: LocalSyste
                                           logit_bias={str(x): 100})  # fmt: skip
     assert chat.choices[0].message.content == "" and chat.choices[0].finish_reason == "stop"
     assert (chat.choices[0].model_extra or {})["stop_reason"] == "xx"
-    wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
+    wait_until(lambda: idle(openai_system), 5.0, "blocks free after the requests")
 
 
 # vLLM fields that change the answer (a chat template's variables, decoding limits, more in the
@@ -348,11 +342,11 @@ UNHONOURED: list[tuple[str, dict[str, Any], str]] = [
 
 @pytest.mark.parametrize(("kind", "params", "param"), UNHONOURED)
 def test_vllm_fields_that_change_the_answer_are_refused_not_ignored(
-    system: LocalSystem, kind: str, params: dict[str, Any], param: str
+    openai_system: LocalSystem, kind: str, params: dict[str, Any], param: str
 ) -> None:
     """A user switching from vLLM never gets an answer that silently lacks what a field asked
     for: each is a 400 naming it (no run starts)."""
-    client = api(system)
+    client = api(openai_system)
     model = client.models.list().data[0].id
     with pytest.raises(openai.BadRequestError) as caught:
         if kind == "completion":
@@ -364,26 +358,26 @@ def test_vllm_fields_that_change_the_answer_are_refused_not_ignored(
 
 
 def test_top_logprobs_zero_without_logprobs_is_accepted_as_vllm_accepts_it(
-    system: LocalSystem,
+    openai_system: LocalSystem,
 ) -> None:
     """`top_logprobs: 0` asks for nothing (vLLM needs `logprobs` only for more): no logprobs."""
-    client = api(system)
+    client = api(openai_system)
     model = client.models.list().data[0].id
     done = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "a"}],
                                           max_tokens=2, top_logprobs=0)  # fmt: skip
     assert done.choices[0].logprobs is None
 
 
-def test_client_leaving_mid_stream_frees_every_block(system: LocalSystem) -> None:
-    client = api(system)
+def test_client_leaving_mid_stream_frees_every_block(openai_system: LocalSystem) -> None:
+    client = api(openai_system)
     model = client.models.list().data[0].id
-    metrics = system.control_metrics
+    metrics = openai_system.control_metrics
     cancelled = sample(metrics, "kvmesh_control_requests_total", status="CANCELLED")
     stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=1500,
                                        extra_body=IGNORE_EOS, stream=True)  # fmt: skip
     next(iter(stream))
     stream.close()
-    wait_until(lambda: idle(system), 5.0, "blocks free after the client left")
+    wait_until(lambda: idle(openai_system), 5.0, "blocks free after the client left")
     assert sample(metrics, "kvmesh_control_requests_total", status="CANCELLED") == cancelled + 1
 
 
@@ -416,23 +410,27 @@ def get_status(system: LocalSystem, path: str) -> int:
         return error.code
 
 
-def test_completion_with_a_null_max_tokens_generates_the_default_16(system: LocalSystem) -> None:
+def test_completion_with_a_null_max_tokens_generates_the_default_16(
+    openai_system: LocalSystem,
+) -> None:
     """`max_tokens: null` on completions is the default 16, as vLLM 0.32 answers it (its
     `normalize_null_max_tokens`), not "up to the context"."""
-    client = api(system)
+    client = api(openai_system)
     model = client.models.list().data[0].id
     prompt = [5 + i % 200 for i in range(2020)]  # 28 tokens of the 2048 context left
     done = client.completions.create(model=model, prompt=prompt, max_tokens=None,
                                      temperature=0.0, extra_body=IGNORE_EOS)  # fmt: skip
     assert done.usage is not None and done.usage.completion_tokens == 16
     assert done.choices[0].finish_reason == "length"
-    wait_until(lambda: idle(system), 5.0, "blocks free after the request")
+    wait_until(lambda: idle(openai_system), 5.0, "blocks free after the request")
 
 
-def test_max_tokens_beyond_the_context_left_is_clamped_as_vllm_does(system: LocalSystem) -> None:
+def test_max_tokens_beyond_the_context_left_is_clamped_as_vllm_does(
+    openai_system: LocalSystem,
+) -> None:
     """vLLM 0.32 refuses only max_tokens > max_model_len; a max_tokens the prompt leaves no
     room for generates up to the context and finishes with "length" (its `get_max_tokens`)."""
-    client = api(system)
+    client = api(openai_system)
     model = client.models.list().data[0].id
     prompt = [5 + i % 200 for i in range(2040)]  # 8 tokens of the 2048 context left
     done = client.completions.create(model=model, prompt=prompt, max_tokens=16,

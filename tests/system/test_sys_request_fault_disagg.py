@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -19,23 +18,19 @@ import pytest
 from sys_harness import CONTROL_ARGS, WORKER_ARGS, idle, used_blocks, wait_until
 
 from kvmesh.cli.up import LocalSystem, UpConfig
-from kvmesh.models.tiny import build_tiny_model
+from tests.checkpoints import BYT5_TOKENIZER_IDS, byt5_checkpoint
 
-BIAS = {str(i): -100 for i in range(384, 1024)}  # the good request's tokens stay decodable
+# the good request's tokens stay decodable
+BIAS = {str(i): -100 for i in range(BYT5_TOKENIZER_IDS, 1024)}
 GOOD_PROMPT = [40 + i % 50 for i in range(200)]
 BAD_PROMPT = [*GOOD_PROMPT[:-3], 500, 33, 34]
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSystem]:
-    from transformers import ByT5Tokenizer
-
-    folder = build_tiny_model(tmp_path_factory.mktemp("sys-byt5"), "llama", "test", seed=0)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (folder / name).unlink(missing_ok=True)
-    ByT5Tokenizer().save_pretrained(str(folder))
+    folder = byt5_checkpoint(tmp_path_factory.mktemp("sys-byt5"))
     config = UpConfig(
-        model=str(Path(folder)),
+        model=str(folder),
         port=0,
         http_port=0,
         startup_timeout=240.0,
