@@ -15,11 +15,12 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
 
 import grpc
 
 from control_plane.cluster import Cluster
-from control_plane.driver import Driver
+from control_plane.driver import DECODE_SKIP_CODES, Driver, map_error
 from control_plane.ledger import Release, WorkerRef
 from control_plane.limits import RequestLimits
 from control_plane.releases import send_releases
@@ -29,13 +30,15 @@ from control_plane.run_metrics import record_run
 from control_plane.validation import FieldError, check_generate_request, check_request_id
 from kvmesh.security.credentials import bearer
 from kvmesh.telemetry.logs import bind_request_id
-from kvmesh.v1 import generation_pb2, status
+from kvmesh.v1 import generation_pb2, status, worker_pb2, worker_pb2_grpc
 
 LOG = logging.getLogger("kvmesh.control_plane")
 MAX_TRIES = 2
 ABORT_WAIT_SECONDS = 1.0
 DRAIN_MARGIN = 1.25  # drain bound = margin x the longest run's estimate + slack, capped
 DRAIN_SLACK_SECONDS = 1.0
+TOKENIZE_SECONDS = 30.0  # one tokenizer call on a worker
+TOKENIZE_SKIP_CODES = DECODE_SKIP_CODES  # a busy or draining worker: the next one is tried
 DRAINING = "the control plane is draining; retry on another replica or after it restarts"
 
 
@@ -464,6 +467,56 @@ class FrontDoor:
         info.CopyFrom(workers[0].info.model)
         info.mode = mode
         return info
+
+    # -- tokenizing (the HTTP door's /tokenize and /detokenize) ------------------------------
+
+    async def tokenize(self, request: generation_pb2.GenerateRequest) -> list[int]:
+        """The prompt's token ids exactly as a run of `request` would prefill them: the
+        worker's own Prepare (validation, chat template, tokenizer) on a prefill or colocated
+        worker of the serving set. RpcFailure as a run's checks answer (INVALID_ARGUMENT naming
+        the field), UNAVAILABLE without a worker."""
+        try:
+            request.request_id = check_generate_request(request, self._cluster.config.limits)
+        except FieldError as error:
+            raise as_failure(error) from None
+        call = worker_pb2.PrepareRequest(request=request)
+        prepared = await self._tokenizer_call("prepare", "Prepare", call)
+        return list(prepared.request.prompt_ids)
+
+    async def detokenize(
+        self, token_ids: list[int], token_strs: bool = False
+    ) -> tuple[str, list[str]]:
+        """The ids' text as the served model's tokenizer decodes them (special tokens kept)
+        and, with `token_strs`, each id's token string; RpcFailure INVALID_ARGUMENT naming
+        `token_ids` for ids outside the vocabulary, UNAVAILABLE without a worker."""
+        call = worker_pb2.DetokenizeRequest(token_ids=token_ids, token_strs=token_strs)
+        answer = await self._tokenizer_call("detokenize", "Detokenize", call)
+        return answer.text, list(answer.token_strs)
+
+    async def _tokenizer_call(self, what: str, method: str, message: Any) -> Any:
+        """A unary PrefillService call on the serving set's prefill (or colocated) workers,
+        least loaded first, the next one tried when a worker is gone or busy."""
+        serving = self._cluster.registry.serving_set()
+        live = self._cluster.registry.alive_by_role()
+        if serving is None:
+            workers = []
+        elif serving[0] == "disaggregated":
+            layouts = [d.layout for d in serving[1]]
+            workers = [p for p in live["prefill"] if p.layout in layouts]
+        else:
+            workers = serving[1]
+        last = "no usable workers: need a prefill and a decode worker of equal layouts, or a "
+        last += "colocated worker"
+        for worker in sorted(workers, key=lambda w: w.load.waiting + w.load.running):
+            stub = worker_pb2_grpc.PrefillServiceStub(self._cluster.channels.get(worker.address))
+            try:
+                return await getattr(stub, method)(message, timeout=TOKENIZE_SECONDS)
+            except grpc.aio.AioRpcError as error:
+                failure = map_error(error, worker, what)
+                if isinstance(failure, RpcFailure) and failure.code not in TOKENIZE_SKIP_CODES:
+                    raise failure from None
+                last = str(failure)
+        raise RpcFailure(grpc.StatusCode.UNAVAILABLE, last, self._cluster.config.retry_after_ms)
 
     @property
     def request_seconds(self) -> float:

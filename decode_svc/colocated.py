@@ -97,6 +97,11 @@ class ColocatedPrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     ) -> worker_pb2.PrepareResponse:
         return await self.runtime.serve_prepare(request, context)
 
+    async def Detokenize(
+        self, request: worker_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.DetokenizeResponse:
+        return await self.runtime.serve_detokenize(request, context)
+
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:

@@ -1,12 +1,13 @@
 """The Starlette app of the HTTP door: an adapter over the FrontDoor's request path.
 
 Routes: GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST
-/v1/chat/completions, GET /health (200 while a usable worker set is registered, else 503),
-GET /metrics (the control plane's Prometheus registry). A request's id ("cmpl-…",
-"chatcmpl-…") is its front-door request id. Failures before the first token are HTTP errors
-in OpenAI's shape (an unexpected exception a 500 server_error); a failure after it ends the
-stream with an `error` event. A client that goes away, streaming or not, cancels the run, which
-releases its blocks on every worker as a gRPC cancel does.
+/v1/chat/completions, GET /health (200 while a usable worker set is registered, else 503; GET
+and POST /ping the same), GET /metrics (the control plane's Prometheus registry), and vLLM's
+POST /tokenize, POST /detokenize (through a worker's tokenizer) and GET /version. A request's
+id ("cmpl-…", "chatcmpl-…") is its front-door request id. Failures before the first token are
+HTTP errors in OpenAI's shape (an unexpected exception a 500 server_error); a failure after it
+ends the stream with an `error` event. A client that goes away, streaming or not, cancels the
+run, which releases its blocks on every worker as a gRPC cancel does.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from importlib import metadata
+from typing import Any, TypeVar
 
 from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -34,7 +36,13 @@ from control_plane.front_door import FrontDoor
 from control_plane.limits import RequestLimits
 from control_plane.openai_http.auth import ApiKeyMiddleware
 from control_plane.openai_http.errors import ApiError, from_failure, grpc_code
-from control_plane.openai_http.schema import Kind, ParsedRequest, parse
+from control_plane.openai_http.schema import (
+    Kind,
+    ParsedRequest,
+    parse,
+    parse_detokenize,
+    parse_tokenize,
+)
 from control_plane.openai_http.stream import DONE, Answer, Echo, sse
 from control_plane.run import RpcFailure
 from control_plane.validation import DEFAULT_LIMITS
@@ -46,6 +54,7 @@ Responses = AsyncGenerator[generation_pb2.GenerateResponse, None]
 ID_PREFIX: dict[Kind, str] = {"completion": "cmpl", "chat": "chatcmpl"}
 DEFAULT_BODY_BYTES = 4 << 20
 INLINE_BODY_BYTES = 64 << 10  # larger bodies are decoded off the event loop
+VERSION = metadata.version("kvmesh")
 
 
 class ClientGone(Exception):
@@ -74,7 +83,11 @@ class OpenAIApp:
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ping", self.health, methods=["GET", "POST"]),
+            Route("/version", self.version, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
         handlers = {ApiError: api_error, HTTPException: http_error, Exception: server_error}
@@ -94,6 +107,10 @@ class OpenAIApp:
     async def health(self, request: Request) -> Response:
         ready = self.door.serving
         return JSONResponse({"status": "ok" if ready else "unavailable"}, 200 if ready else 503)
+
+    async def version(self, request: Request) -> Response:
+        """The server's version (vLLM's /version: its own package's)."""
+        return JSONResponse({"version": VERSION})
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
@@ -119,6 +136,41 @@ class OpenAIApp:
             return self.door.model_info()
         except RpcFailure as failure:
             raise from_failure(failure) from None
+
+    # -- tokenizing (vLLM's extra endpoints) -------------------------------------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a completion's prompt or a chat's messages as the token ids a
+        generation request would prefill (the worker's own Prepare: chat template, tokenizer),
+        with the model's context length, and with `return_token_strs` each id's token."""
+        parsed = await json_body(request, self.max_body_bytes, parse_tokenize)
+        info = self.served(parsed.model)
+        prompt_param = "messages" if parsed.request.WhichOneof("prompt") == "chat" else "prompt"
+        try:
+            ids = await self.door.tokenize(parsed.request)
+            strs = (await self.door.detokenize(ids, True))[1] if parsed.return_token_strs else None
+        except RpcFailure as failure:
+            raise from_failure(failure, prompt_param) from None
+        return JSONResponse({"count": len(ids), "max_model_len": info.max_model_len,
+                             "tokens": ids, "token_strs": strs})  # fmt: skip
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: token ids as the model's tokenizer decodes them together."""
+        model, tokens = await json_body(request, self.max_body_bytes, parse_detokenize)
+        self.served(model)
+        try:
+            text, _ = await self.door.detokenize(tokens)
+        except RpcFailure as failure:
+            raise from_failure(failure, "tokens") from None
+        return JSONResponse({"prompt": text})
+
+    def served(self, model: str | None) -> generation_pb2.ModelInfo:
+        """The served model's info; ApiError 404 model_not_found when `model` names another."""
+        info = self.model_info()
+        if model is not None and model != info.model_name:
+            raise ApiError(404, f"model {model!r} is not served (serving {info.model_name!r})",
+                           param="model", code="model_not_found")  # fmt: skip
+        return info
 
     # -- generation ------------------------------------------------------------------------
 
@@ -171,10 +223,7 @@ class OpenAIApp:
                 self.door.check_batch(len(parsed.requests))
             except RpcFailure as failure:
                 raise from_failure(failure) from None
-        served = self.model_info().model_name
-        if parsed.model is not None and parsed.model != served:
-            raise ApiError(404, f"model {parsed.model!r} is not served (serving {served!r})",
-                           param="model", code="model_not_found")  # fmt: skip
+        served = self.served(parsed.model).model_name
         echo = None
         if parsed.echo:
             echo = Echo([r.text for r in parsed.requests], prompt_only=parsed.prompt_only)
@@ -200,6 +249,28 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def json_body(request: Request, limit: int, parser: Callable[[Any], T]) -> T:
+    """`parser` of the decoded JSON body (off the event loop when large): ApiError 413 beyond
+    `limit` bytes, 400 when not JSON, too deeply nested, or holding an unpaired surrogate."""
+    raw = await read_body(request, limit)
+
+    def decoded() -> T:
+        try:
+            body = json.loads(raw)
+        except ValueError:  # includes UnicodeDecodeError: the body is not UTF-8
+            raise ApiError(400, "the request body is not valid JSON (UTF-8)") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply") from None
+        try:
+            return parser(body)
+        except UnicodeEncodeError:  # a lone surrogate escape ("\ud800") in some string
+            raise not_unicode(body) from None
+
+    if len(raw) > INLINE_BODY_BYTES:
+        return await asyncio.to_thread(decoded)
+    return decoded()
 
 
 def too_large(limit: int) -> ApiError:
@@ -386,7 +457,8 @@ async def stream_events(
     responses: Responses,
     prompt_param: str,
 ) -> AsyncGenerator[str, None]:
-    """SSE events: one chunk per response, the usage chunk when asked, then [DONE].
+    """SSE events: a chat's role chunk per choice (vLLM's and OpenAI's first chunks, sent when
+    the first token is there), one chunk per response, the usage chunk when asked, then [DONE].
 
     Starlette cancels this iterator when the client disconnects, which cancels the run."""
 
@@ -399,6 +471,10 @@ async def stream_events(
         return sse(chunk)
 
     async with contextlib.aclosing(responses):
+        if answer.kind == "chat":  # every choice's role first, as vLLM sends it
+            prompt = prompt_tokens(firsts[0]) if parsed.continuous_usage else None
+            for index in range(parsed.n):
+                yield sse(answer.role_chunk(index, prompt, parsed.include_usage))
         for first in firsts:
             yield event(first)
         try:
@@ -409,6 +485,13 @@ async def stream_events(
     if parsed.include_usage:
         yield sse(answer.usage_chunk())
     yield DONE
+
+
+def prompt_tokens(response: generation_pb2.GenerateResponse) -> int:
+    """The prompt's length as a run's first response tells it."""
+    return response.prompt_tokens or (
+        response.usage.prompt_tokens if response.HasField("usage") else 0
+    )
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -461,10 +544,10 @@ def openai_app(
 ) -> ASGIApp:
     """The HTTP door's app; with `api_keys`, every /v1 route requires one of them
     (`on_refused` is called for each request refused); bodies over `max_body_bytes` get 413.
-    Traced by the OpenTelemetry ASGI middleware: a SERVER span per request (but /health and
-    /metrics), child of the caller's W3C `traceparent`; the front door makes it the request
+    Traced by the OpenTelemetry ASGI middleware: a SERVER span per request (but /health, /ping
+    and /metrics), child of the caller's W3C `traceparent`; the front door makes it the request
     span."""
     app = OpenAIApp(door, registry, api_keys, on_refused, max_body_bytes).asgi()
     return OpenTelemetryMiddleware(  # type: ignore[no-any-return]
-        app, excluded_urls="/health,/metrics", exclude_spans=["receive", "send"]
+        app, excluded_urls="/health,/ping,/metrics", exclude_spans=["receive", "send"]
     )

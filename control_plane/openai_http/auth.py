@@ -1,6 +1,8 @@
 """API keys on the HTTP door: `Authorization: Bearer KEY` (what OpenAI clients send with
-`api_key=`) on every /v1 route; missing or wrong answers 401 in OpenAI's error shape before the
-route runs. /health and /metrics stay open for probes and scrapers."""
+`api_key=`) on every /v1 route and on /tokenize and /detokenize (they use the workers'
+tokenizers: vLLM leaves them open, kvmesh does not); missing or wrong answers 401 in OpenAI's
+error shape before the route runs. /health, /ping, /version and /metrics stay open for probes
+and scrapers."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from control_plane.openai_http.errors import ApiError
 from kvmesh.security.credentials import bearer, matches
 
 GUARDED_PREFIX = "/v1/"
+GUARDED_PATHS = ("/tokenize", "/detokenize")
 
 
 class ApiKeyMiddleware:
@@ -25,7 +28,10 @@ class ApiKeyMiddleware:
         self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not str(scope.get("path", "")).startswith(GUARDED_PREFIX):
+        path = str(scope.get("path", ""))
+        if scope["type"] != "http" or not (
+            path.startswith(GUARDED_PREFIX) or path in GUARDED_PATHS
+        ):
             await self.app(scope, receive, send)
             return
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]

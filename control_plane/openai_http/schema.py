@@ -430,3 +430,77 @@ def chat_logprobs(body: dict[str, Any]) -> int | None:
         if top and not enabled:  # 0 asks for nothing (vLLM accepts it alone)
             raise bad_param("top_logprobs", "needs logprobs: true")
     return (top or 0) if enabled else None
+
+
+# /tokenize fields whose other values would change the ids: field -> whether a value is the
+# one the generation endpoints use (null always is). Any other value is a 400 naming it.
+_TOKENIZE_AS_GENERATED: dict[Kind, dict[str, Callable[[Any], bool]]] = {
+    "completion": {"add_special_tokens": lambda v: v is True},  # text prompts get their BOS
+    "chat": {
+        "add_generation_prompt": lambda v: v is True,
+        "continue_final_message": lambda v: v is False,
+        "add_special_tokens": lambda v: v is False,  # the template writes them
+        "chat_template": lambda v: False,
+        "chat_template_kwargs": lambda v: v == {},
+        "mm_processor_kwargs": lambda v: v == {},
+    },
+}
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """vLLM's /tokenize body: a completion's `prompt` or a chat's `messages`, as the request
+    whose prompt the workers prepare (its token ids are the answer)."""
+
+    model: str | None
+    request: generation_pb2.GenerateRequest
+    return_token_strs: bool
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    """vLLM's completion form ({model, prompt, add_special_tokens}) or chat form ({model,
+    messages, add_generation_prompt, continue_final_message, add_special_tokens,
+    chat_template_kwargs, ...}: with `messages`); ApiError 400 naming the bad field, also for
+    a setting that would give other ids than the generation endpoints use."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    kind: Kind = "chat" if "messages" in body else "completion"
+    model = field(body, "model", "string")
+    strs = field(body, "return_token_strs", "boolean", False)
+    if kind == "chat":
+        agp, cfm = (
+            field(body, n, "boolean") for n in ("add_generation_prompt", "continue_final_message")
+        )
+        if cfm and (agp is None or agp):  # vLLM's default add_generation_prompt is true
+            raise bad_param("continue_final_message",
+                            "cannot be true together with add_generation_prompt")  # fmt: skip
+    for name, as_generated in _TOKENIZE_AS_GENERATED[kind].items():
+        value = body.get(name)
+        if value is not None and not as_generated(value):
+            raise bad_param(name, "only the value the generation endpoints use is supported")
+    request = generation_pb2.GenerateRequest(
+        sampling=generation_pb2.SamplingParams(max_tokens=1)  # the prompt alone is checked
+    )
+    if kind == "chat":
+        request.chat.CopyFrom(chat_messages(body))
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise bad_param("prompt", "expected a non-empty string (or give messages)")
+        request.text = prompt
+    return TokenizeRequest(model, request, strs)
+
+
+def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
+    """vLLM's /detokenize body {model, tokens}: the model and the token ids (ints in
+    [0, 2**31)); ApiError 400 naming `tokens` or the bad `tokens[i]`."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = field(body, "model", "string")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise bad_param("tokens", "expected an array of token ids")
+    for i, token in enumerate(tokens):
+        if not is_token_id(token):
+            raise bad_param(f"tokens[{i}]", f"expected a token id in [0, {TOKEN_ID_LIMIT})")
+    return model, tokens

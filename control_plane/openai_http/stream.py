@@ -271,7 +271,7 @@ class Answer:
     def chunk(self, response: generation_pb2.GenerateResponse) -> dict[str, Any]:
         """The stream chunk of one response (recorded in the answer too)."""
         choice = self.add(response)
-        # the choice's first chunk carries the echoed prompt, the role and prompt_logprobs
+        # the choice's first chunk carries the echoed prompt and prompt_logprobs
         first, choice.started = not choice.started, True
         logprobs = list(response.logprobs)
         entry: dict[str, Any] = {"index": response.index}
@@ -284,10 +284,7 @@ class Answer:
             if first:
                 self._with_prompt_logprobs(entry, response.index)
         else:
-            delta: dict[str, Any] = {"content": response.text}
-            if first:
-                delta = {"role": "assistant", **delta}
-            entry["delta"] = delta
+            entry["delta"] = {"content": response.text}  # the role went in `role_chunk`
             entry["logprobs"] = chat_logprobs(logprobs) if self.logprobs is not None else None
         entry["finish_reason"] = choice.finish_reason
         entry["stop_reason"] = choice.stop_reason
@@ -295,6 +292,23 @@ class Answer:
         body = {**self.header(True), "choices": [entry]}
         if self.kind == "chat" and response.index == 0 and first:  # vLLM: at the top level
             self._with_prompt_logprobs(body, 0)
+        return body
+
+    def role_chunk(
+        self, index: int, prompt_tokens: int | None = None, usage: bool = False
+    ) -> dict[str, Any]:
+        """A streamed chat's first chunk of choice `index`, before its text: the role and empty
+        content, as vLLM and OpenAI send it once per choice; with `prompt_tokens`, vLLM's
+        `continuous_usage_stats` usage (nothing generated yet), else with `usage` (asked for)
+        a null usage as every chunk but the last has."""
+        entry = {"index": index, "delta": {"role": "assistant", "content": ""},
+                 "logprobs": None, "finish_reason": None}  # fmt: skip
+        body = {**self.header(True), "choices": [entry]}
+        if prompt_tokens is not None:
+            body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                             "total_tokens": prompt_tokens}  # fmt: skip
+        elif usage:
+            body["usage"] = None
         return body
 
     def keep(self, response: generation_pb2.GenerateResponse) -> None:

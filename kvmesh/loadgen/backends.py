@@ -7,7 +7,9 @@ drives any OpenAI-compatible server (kvmesh's HTTP door, `vllm serve`) with http
 (`ignore_eos`, an extension both kvmesh and vLLM accept). Every streamed event that carries
 output is one timestamp in `RequestRecord.chunk_times` (an event may hold several tokens): a
 gRPC response with token ids, an HTTP event with a choice, its text empty or not (a token whose
-text the detokenizer holds back is still a token; vLLM's benchmark times these events alike).
+text the detokenizer holds back is still a token; vLLM's benchmark times these events alike),
+a chat's first event too: the role with empty content, sent with the first token (vLLM's
+benchmark takes its time as the first token's); it alone is no token when counting events.
 The prompt's length is the server's count (its usage) where it gives one, as vLLM's benchmark
 takes it: a chat template's tokens, text prompts in tokens.
 """
@@ -163,7 +165,7 @@ class OpenAIBackend:
                         record.error = f"stream error: {event['error']}"
                     elif event.get("choices"):
                         record.chunk_times.append(time.perf_counter())
-                        counted += 1
+                        counted += not is_role_chunk(event)
                     usage = event.get("usage")
                     if usage:
                         record.output_tokens = int(usage["completion_tokens"])
@@ -177,6 +179,12 @@ class OpenAIBackend:
 
     async def close(self) -> None:
         await self.http.aclose()
+
+
+def is_role_chunk(event: dict[str, Any]) -> bool:
+    """A chat stream's first event of a choice: its role and empty content, no token."""
+    delta = event["choices"][0].get("delta") or {}
+    return "role" in delta and not delta.get("content")
 
 
 async def _events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:

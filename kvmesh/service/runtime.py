@@ -26,7 +26,7 @@ from kvmesh.models.resolve import model_name
 from kvmesh.service.convert import sampling_from_proto, with_defaults
 from kvmesh.service.limits import check_prompt_ids_size, check_prompt_size, check_sampling_size
 from kvmesh.service.prepare_pool import PreparePool, prompt_bytes
-from kvmesh.service.status import abort_with
+from kvmesh.service.status import ServiceError, abort_with
 from kvmesh.v1 import generation_pb2, worker_pb2
 
 LAYOUT_NAME = "block-major-v1"
@@ -164,6 +164,42 @@ class WorkerRuntime:
         except Exception as exc:
             await abort_with(context, exc)
             raise
+
+    async def serve_detokenize(
+        self, request: worker_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.DetokenizeResponse:
+        """PrefillService.Detokenize of every role: the ids decoded by the model's tokenizer
+        (in a thread of the prepare pool), INVALID_ARGUMENT naming `token_ids` for more ids
+        than the context holds or a negative id, FAILED_PRECONDITION for a model without a
+        tokenizer."""
+        try:
+            ids = list(request.token_ids)
+            self.check_detokenize(ids)
+            work = lambda: self.detokenize(ids, request.token_strs)  # noqa: E731
+            text, strs = await self.prepare_pool.run(4 * len(ids), work)
+            return worker_pb2.DetokenizeResponse(text=text, token_strs=strs)
+        except Exception as exc:
+            await abort_with(context, exc)
+            raise
+
+    def check_detokenize(self, ids: list[int]) -> None:
+        if self.core.tokenizer is None:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
+        check_prompt_ids_size(len(ids), self.model.max_model_len, "token_ids")
+        if any(i < 0 for i in ids):
+            raise InvalidParameterError("token_ids", "token ids must be >= 0")
+
+    def detokenize(self, ids: list[int], token_strs: bool) -> tuple[str, list[str]]:
+        """The ids' text, special tokens kept (transformers' `decode`, as vLLM's /detokenize:
+        an id the tokenizer does not know decodes to nothing), and with `token_strs` each id's
+        vocabulary entry (`convert_ids_to_tokens`; "" for an unknown id)."""
+        tokenizer = self.core.tokenizer
+        assert tokenizer is not None  # check_detokenize
+        text = str(tokenizer.decode(ids)) if ids else ""
+        strs = []
+        if token_strs:
+            strs = [t or "" for t in tokenizer.convert_ids_to_tokens(ids)]
+        return text, strs
 
     async def prepare_request(
         self, message: generation_pb2.GenerateRequest

@@ -185,6 +185,22 @@ class PrepareResponse(_message.Message):
     request: EngineRequest
     def __init__(self, request: _Optional[_Union[EngineRequest, _Mapping]] = ...) -> None: ...
 
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_ids", "token_strs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_strs: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_strs: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text", "token_strs")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_strs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, text: _Optional[str] = ..., token_strs: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
     __slots__ = ("request", "prompt", "generation", "lease_seconds")
     REQUEST_FIELD_NUMBER: _ClassVar[int]

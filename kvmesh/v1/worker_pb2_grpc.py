@@ -175,6 +175,11 @@ class PrefillServiceStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/kvmesh.v1.PrefillService/Detokenize',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -212,6 +217,16 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """Decode token ids with the served model's tokenizer (the HTTP door's /detokenize, and the
+        token strings of /tokenize); an id the tokenizer does not know decodes to nothing.
+        INVALID_ARGUMENT naming `token_ids` for more ids than the model's context, or a negative
+        one; FAILED_PRECONDITION for a model without a tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +249,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.DetokenizeRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -345,6 +365,33 @@ class PrefillService:
             '/kvmesh.v1.PrefillService/Release',
             kvmesh_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.PrefillService/Detokenize',
+            kvmesh_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+import httpx
 import openai
 import pytest
 from cp_harness import Harness, control_plane, run_async, status_of, text_request
@@ -192,6 +193,14 @@ async def test_api_keys_guard_the_http_door_with_openai_errors() -> None:
         counter = cp.server.cluster.metrics.registry.get_sample_value
         assert counter("kvmesh_control_auth_refused_total", {"door": "http"}) == 5
         assert (await asyncio.to_thread(http_get, f"{cp.server.http.url}/health", {}))[0] == 200
+        for path in ("/ping", "/version"):  # open, as /health
+            assert (await asyncio.to_thread(http_get, f"{cp.server.http.url}{path}", {}))[0] == 200
+        for path in ("/tokenize", "/detokenize"):  # they use the workers' tokenizers: guarded
+            body = {"prompt": "hi", "tokens": [1]}
+            refused = await asyncio.to_thread(httpx.post, f"{cp.server.http.url}{path}", json=body)
+            assert (
+                refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+            )
         assert len(cp.server.cluster.ledger) == 0 and not cp.workers[0].calls
         api = openai.AsyncOpenAI(base_url=url, api_key=KEYS[1], max_retries=0)
         done = await api.completions.create(model="tiny", prompt="hi", max_tokens=2)

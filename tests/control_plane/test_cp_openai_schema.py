@@ -192,10 +192,18 @@ def test_final_answers_sum_usage_over_choices_and_shape_logprobs() -> None:
 
 def test_stream_chunks_send_the_role_once_and_offsets_continue() -> None:
     chat = Answer("chat", "chatcmpl-1", "m", logprobs=None)
+    roles = [chat.role_chunk(i) for i in (0, 1)]  # vLLM's first chunks: the role, no text
+    assert [r["choices"] for r in roles] == [
+        [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+          "finish_reason": None}] for i in (0, 1)
+    ]  # fmt: skip
+    assert "usage" not in roles[0] and roles[0]["object"] == "chat.completion.chunk"
+    assert chat.role_chunk(0, usage=True)["usage"] is None
+    assert chat.role_chunk(1, 7)["usage"] == {"prompt_tokens": 7, "completion_tokens": 0,
+                                              "total_tokens": 7}  # fmt: skip
     chunks = [chat.chunk(r) for r in responses()]
     deltas = [c["choices"][0]["delta"] for c in chunks]
-    assert deltas == [{"role": "assistant", "content": "é"},
-                      {"role": "assistant", "content": "ab"}, {"content": "c"}]  # fmt: skip
+    assert deltas == [{"content": "é"}, {"content": "ab"}, {"content": "c"}]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "stop", "stop"]
     assert chunks[0]["object"] == "chat.completion.chunk"
     assert chunks[0]["choices"][0]["logprobs"] is None
