@@ -436,6 +436,7 @@ class Sender(KVSender):
         self._max_frame = self.max_frame_bytes
         self._staging: list[torch.Tensor] = []  # uint8 [max_frame] each, made when first needed
         self._close_lock = threading.Lock()
+        self._closed = False  # guarded by _close_lock: a closed sender takes no new link
         self._link: Link | None = POOL.take(address, self.layout, self.device, self._max_frame)
 
     @property
@@ -451,6 +452,7 @@ class Sender(KVSender):
         this sender is still running on it; otherwise its state is unknown and it is aborted."""
         with self._close_lock:
             link, self._link = self._link, None
+            self._closed = True
         if link is None:
             return
         if self._active:
@@ -483,13 +485,14 @@ class Sender(KVSender):
             return link, self._begin(link, plan, waiter)
         except TransferError as exc:
             again = isinstance(exc, PeerError) and link.broken and link.born < began
+            again = again and not self._closed  # close() broke it: the receiver is fine
             self._drop_broken(link)
             if not again:
                 raise
             POOL.forget(self.address, link.rendezvous)
             waiter.check()
-        link = self._link = POOL.connect(
-            self.address, self.layout, self.device, self._max_frame, waiter.deadline
+        link = self._adopt(
+            POOL.connect(self.address, self.layout, self.device, self._max_frame, waiter.deadline)
         )
         try:
             return link, self._begin(link, plan, waiter)
@@ -505,10 +508,21 @@ class Sender(KVSender):
             if link is not None:
                 link.abort()
             self._link = None
-            link = self._link = POOL.take(
-                self.address, self.layout, self.device, self._max_frame, deadline
+            link = self._adopt(
+                POOL.take(self.address, self.layout, self.device, self._max_frame, deadline)
             )
         return link
+
+    def _adopt(self, link: Link) -> Link:
+        """Make `link` (just taken or built: nothing sent on it yet) this sender's link,
+        unless the sender was closed: then the link goes back to the pool (close() has run, so
+        nothing else would give it back) and the transfer fails with PeerError."""
+        with self._close_lock:
+            if not self._closed:
+                self._link = link
+                return link
+        POOL.give(self.address, self.layout, link)
+        raise PeerError("sender closed")
 
     def _drop_broken(self, link: Link) -> None:
         """Abort `link` when it is broken (out of step, or its peer gone): never reused."""

@@ -249,6 +249,17 @@ class Rendezvous:
             self.watch.close()
             raise PeerError(f"cannot reach gloo receiver {address}: {exc}") from None
 
+    def client(self, end: float) -> Any:
+        """A new store client of this receiver, for one handshake: its connect and every
+        operation on it give up at `end`. A plain connect comes first: the store client would
+        retry a refused connection (a receiver stopped since this rendezvous was made, its
+        close not seen yet) for its whole timeout, past `end`; refused, it raises at once."""
+        host, port = split_host_port(self.address)
+        socket.create_connection((host, port), timeout=max(0.001, end - time.monotonic())).close()
+        return dist.TCPStore(
+            host, port, None, False, td(end - time.monotonic()), wait_for_workers=False
+        )
+
     @property
     def gone(self) -> bool:
         """Never blocks: has the store server closed the watch connection?"""
@@ -393,7 +404,7 @@ class LinkPool:
         extras = {"max_frame": max_frame, "window": window_for(device)}
         hello = layout.to_bytes() + b"\0" + json.dumps(extras).encode()
         try:  # a store client per handshake: concurrent ones to one receiver wait apart
-            store = rendezvous.store.clone()
+            store = rendezvous.client(end)
             store.set(scope + "hello", hello)
             store.queue_push(QUEUE, link_id)
             store.wait([scope + "ack"], td(end - time.monotonic()))

@@ -427,3 +427,59 @@ def test_handshakes_under_way_are_bounded(gloo: object, monkeypatch: pytest.Monk
         del rogue
     finally:
         receiver.close()
+
+
+def test_a_handshake_through_a_kept_store_client_of_a_stopped_receiver_keeps_its_deadline(
+    gloo: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool keeps a store client per receiver; a handshake makes its own client to the
+    same address. When that receiver has stopped and its close was not seen yet (across hosts
+    it can lag), that client's connect is refused: the handshake must give up on it at once
+    (PeerError, the next transfer builds anew) or at its deadline, not retry the connect for
+    the store's whole timeout (HANDSHAKE_SECONDS) past the caller's deadline."""
+    monkeypatch.setattr(gloo_link.Rendezvous, "gone", property(lambda self: False))
+    src = store(2)
+    receiver = gloo.Receiver(store(1))  # type: ignore[attr-defined]
+    address = receiver.address
+    sender = gloo.Sender(src, address, frame_bytes=1024)  # type: ignore[attr-defined]
+    sender.close()  # idle in the pool; its store client is kept
+    receiver.close()  # the port now refuses connections
+    began = time.monotonic()
+    with pytest.raises(PeerError):
+        gloo_link.POOL.connect(address, src.layout, src.cache.device, 2048, began + 3)
+    assert time.monotonic() - began < 1.5
+
+
+def test_closing_a_sender_while_its_begin_awaits_accept_touches_no_other_link(
+    gloo: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sender closed while its BEGIN waits for ACCEPT aborts its own link, so the transfer
+    fails. That failure is the sender's own doing, not a receiver that stopped: the pool must
+    not forget the receiver's store client nor abort the idle links other senders gave back,
+    and the closed sender must not build a new link (nobody would ever give it back)."""
+    src = store(2)
+    receiver = gloo.Receiver(store(1))  # type: ignore[attr-defined]
+    senders = [gloo.Sender(src, receiver.address, frame_bytes=1024) for _ in range(3)]  # type: ignore[attr-defined]
+    sender, idle = senders[0], [s._link for s in senders[1:]]
+    for other in senders[1:]:
+        other.close()  # idle in the pool
+    begin, entered = receiver.core.on_begin, threading.Event()
+
+    def slow_begin(header: FrameHeader, data: bytes) -> None:
+        entered.set()
+        time.sleep(0.5)
+        begin(header, data)
+
+    monkeypatch.setattr(receiver.core, "on_begin", slow_begin)
+    try:
+        req = TransferRequest(new_transfer_id(), 1)
+        got = receiver.expect(req, [3], time.monotonic() + 10)
+        handle = sender.start(req, [0], [3], deadline=time.monotonic() + 10)
+        assert entered.wait(5)  # BEGIN arrived, ACCEPT not yet sent
+        sender.close()
+        assert handle.wait(15).state is TransferState.FAILED
+        assert got.wait(5).state is TransferState.FAILED
+        assert not any(link.closed for link in idle)
+        assert sender._link is None
+    finally:
+        receiver.close()
