@@ -38,8 +38,8 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
         left = deadline - time.monotonic()
         if left <= 0:
             raise DeadlineExpiredError("deadline passed waiting for the peer")
-        sock.settimeout(left)
         try:
+            sock.settimeout(left)  # inside: a socket closed by another thread raises here
             n = sock.recv_into(view[got:])
         except TimeoutError:
             raise DeadlineExpiredError("deadline passed waiting for the peer") from None

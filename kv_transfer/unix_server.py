@@ -40,9 +40,20 @@ class UnixServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            with self._lock:
-                self._conns.add(conn)
+            if not self._register(conn):
+                conn.close()
+                return
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _register(self, conn: socket.socket) -> bool:
+        """Add `conn` to the connections close() shuts down; False once the server is closed:
+        close() may have run since accept() returned, its sweep missing this connection (a
+        closed server would serve it, a thread kept up to the idle bound)."""
+        with self._lock:
+            if self._closed:  # close() sets it before its sweep takes the lock
+                return False
+            self._conns.add(conn)
+            return True
 
     def _serve(self, conn: socket.socket) -> None:
         try:

@@ -37,6 +37,7 @@ class SenderPool:
         self.security = security
         self._idle: dict[tuple[str, str], list[KVSender]] = defaultdict(list)
         self._lock = threading.Lock()
+        self._closed = False  # guarded by _lock: a closed pool keeps no sender
 
     def take_idle(self, backend: str, endpoint: str) -> KVSender | None:
         """An idle sender to `endpoint`, or None (never blocks: safe on the event loop). Idle
@@ -56,9 +57,12 @@ class SenderPool:
         return sender
 
     def release(self, backend: str, endpoint: str, sender: KVSender) -> None:
+        """Keep `sender` for reuse, or close it: beyond MAX_IDLE_PER_PEER, or once the pool is
+        closed (a transfer thread that outlived the pool's close gives its sender back late:
+        pooled then, nothing would ever close it)."""
         with self._lock:
             idle = self._idle[(backend, endpoint)]
-            if len(idle) < MAX_IDLE_PER_PEER:
+            if not self._closed and len(idle) < MAX_IDLE_PER_PEER:
                 idle.append(sender)
                 return
         sender.close()
@@ -80,7 +84,9 @@ class SenderPool:
             return [s for (name, _), group in self._idle.items() if name == backend for s in group]
 
     def close(self) -> None:
+        """Close the idle senders; a sender released from now on is closed, not kept."""
         with self._lock:
+            self._closed = True
             senders = [s for group in self._idle.values() for s in group]
             self._idle.clear()
         for sender in senders:

@@ -207,9 +207,3 @@ class Sender(shm.Sender):
         """A piece's device copy lands before the write lock is let go: a sender stopped
         (cancelled, closed) leaves no copy queued behind it."""
         torch.cuda.synchronize(window.device)
-
-    def close(self) -> None:
-        with self._write_lock:  # after the piece being written, if any
-            if self._conn is not None:
-                self._conn.close()
-            self._conn = self._ring = self._window = None

@@ -218,6 +218,8 @@ class Receiver(KVReceiver):
         self._idle_seconds = max_connection_idle_seconds
         self._loop = new_event_loop()
         self._server: grpc.aio.Server | None = None
+        self._close_lock = threading.Lock()
+        self._closed = False  # guarded by _close_lock: close() runs once
         self._port, self._bind_error = 0, ""
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(bind, max_message_bytes, ready))
@@ -257,7 +259,11 @@ class Receiver(KVReceiver):
             return
         self._loop.run_until_complete(self._server.start())
         ready.set()
-        self._loop.run_forever()
+        try:
+            self._loop.run_forever()
+        finally:  # stopped by close(): its selector, wake-up pipe and eventfd go with it
+            with contextlib.suppress(Exception):
+                self._loop.close()
 
     @property
     def address(self) -> str:
@@ -310,6 +316,13 @@ class Receiver(KVReceiver):
         return None
 
     def close(self) -> None:
+        """Stop the server (calls under way are cancelled: their transfers end) and its
+        loop, whose descriptors are closed. Idempotent: a second call, or one racing the
+        first, returns at once (a stopped loop would never run a second stop)."""
+        with self._close_lock:
+            closed, self._closed = self._closed, True
+        if closed:
+            return
         if self._server is not None:
             fut = asyncio.run_coroutine_threadsafe(self._server.stop(0.5), self._loop)
             with contextlib.suppress(Exception):

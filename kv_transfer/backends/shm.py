@@ -116,6 +116,7 @@ class Sender(KVSender):
         self._opened: bytes | None = None  # transfer whose BEGIN `_open` sent on this connection
         self._slot_bytes = self.max_frame_bytes
         self._close_lock = threading.Lock()  # close() runs on the caller's and transfer threads
+        self._closed = False  # set by close(): a closed sender never connects again
         # held while a copy into the receiver's window runs: close() waits for it, so once the
         # connection is closed (the receiver's sign that writes ended) nothing more is written
         self._write_lock = threading.Lock()
@@ -209,8 +210,16 @@ class Sender(KVSender):
         return _map_region(conn, extras)
 
     def close(self) -> None:
-        """Idempotent and safe from two threads at once (a transfer aborting on its deadline
-        while the owner closes): each resource is taken under the lock, closed once."""
+        """Close for good (the owner's call): the connection and ring now, and no transfer
+        connects again (one started after, or racing, close() fails with PeerError). Idempotent
+        and safe from two threads at once."""
+        self._closed = True  # before _drop: a reconnect that misses the drop sees the flag
+        self._drop()
+
+    def _drop(self) -> None:
+        """Close the connection and ring (an aborted transfer's: the next transfer reconnects).
+        Idempotent and safe from two threads at once (a transfer aborting on its deadline while
+        the owner closes): each resource is taken under the lock, closed once."""
         with self._write_lock, self._close_lock:
             conn, segment = self._conn, self._segment
             self._conn = self._segment = self._ring = self._window = None
@@ -235,7 +244,7 @@ class Sender(KVSender):
             conn.settimeout(OPEN_SECONDS)
             self._send_begin(conn, plan)
         except TransferError:
-            self.close()
+            self._drop()
             return
         self._opened = plan.request.transfer_id
 
@@ -252,7 +261,7 @@ class Sender(KVSender):
 
     def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
         if self._conn is None:
-            self._connect(min(waiter.deadline, time.monotonic() + HANDSHAKE_SECONDS))
+            self._reconnect(min(waiter.deadline, time.monotonic() + HANDSHAKE_SECONDS))
         try:
             if self._window is not None:
                 self._run_registered(plan, waiter)
@@ -262,18 +271,32 @@ class Sender(KVSender):
             self._abort(plan, exc)
             raise
 
+    def _reconnect(self, deadline: float) -> None:
+        """Connect anew (an earlier abort dropped the connection), unless the sender was
+        closed: then PeerError. A close() during the handshake found nothing to close, so a
+        connection made meanwhile is dropped here: its owner is done with the sender and would
+        never close it (it kept the receiver's connection thread and, registered, a mapping of
+        its cache)."""
+        if self._closed:
+            raise PeerError("the sender was closed")
+        self._connect(deadline)
+        if self._closed:  # close() ran during the handshake, before the connection was set
+            self._drop()
+            raise PeerError("the sender was closed")
+
     def _abort(self, plan: SendPlan, exc: BaseException) -> None:
         """Tell the receiver (best effort), then drop the connection: its state is unknown."""
         if self._conn is not None and isinstance(exc, TransferError):
             tid, epoch = plan.request.transfer_id, plan.request.epoch
             with contextlib.suppress(TransferError):
                 send_msg(self._conn, frame_header(MsgType.CANCEL, tid, epoch))
-        self.close()
+        self._drop()
 
     def _run_registered(self, plan: SendPlan, waiter: Waiter) -> None:
         """BEGIN → window; per frame: copy into the window, commit; END → DONE."""
-        assert self._conn is not None and self._window is not None
-        conn, window = self._conn, self._window
+        conn, window = self._connection(), self._window
+        if window is None:  # dropped by close() since _transfer looked
+            raise PeerError("the sender was closed")
         tid, epoch = plan.request.transfer_id, plan.request.epoch
         self._begin(conn, plan)
         grant = Grant.decode(self._expect_msg(MsgType.ACCEPT, waiter)[1])
@@ -329,15 +352,16 @@ class Sender(KVSender):
     def _poll_refusal(self, tid: bytes) -> None:
         """Raise at once if the receiver refused a commit or cancelled transfer `tid` (no
         waiting; a revoke of an earlier transfer is ignored)."""
-        assert self._conn is not None
-        while select.select([self._conn], [], [], 0)[0]:
-            header, payload = recv_msg(self._conn, time.monotonic() + HANDSHAKE_SECONDS)
+        conn = self._connection()
+        while _readable(conn, 0):
+            header, payload = recv_msg(conn, time.monotonic() + HANDSHAKE_SECONDS)
             if header.msg_type is not MsgType.CANCEL or header.transfer_id == tid:
                 raise _peer_reason(header, payload)
 
     def _run(self, plan: SendPlan, waiter: Waiter) -> None:
-        assert self._conn is not None and self._ring is not None
-        conn, ring = self._conn, self._ring
+        conn, ring = self._connection(), self._ring
+        if ring is None:  # dropped by close() since _transfer looked
+            raise PeerError("the sender was closed")
         self._begin(conn, plan)
         self._expect(MsgType.ACCEPT, waiter)
         free = list(range(self._slots))
@@ -356,6 +380,14 @@ class Sender(KVSender):
         send_msg(conn, *plan.end_frame())
         self._expect(MsgType.DONE, waiter)
 
+    def _connection(self) -> socket.socket:
+        """The connection; PeerError once close() (or an abort) dropped it: a transfer whose
+        sender was closed under it fails as one whose connection broke."""
+        conn = self._conn
+        if conn is None:
+            raise PeerError("the sender was closed")
+        return conn
+
     def _publish(self, slot: torch.Tensor) -> None:
         """Make a filled slot visible to the receiver before its FRAME header goes out."""
 
@@ -364,16 +396,24 @@ class Sender(KVSender):
 
     def _expect_msg(self, kind: MsgType, waiter: Waiter) -> tuple[FrameHeader, bytearray]:
         """Next message must be `kind`; ERROR and CANCEL raise the peer's reason."""
-        assert self._conn is not None
         while True:
             left = waiter.check()
-            readable, _, _ = select.select([self._conn], [], [], min(left, 0.05))
-            if not readable:  # poll slice: re-check cancel and deadline
+            conn = self._connection()  # each slice: close() may have dropped it meanwhile
+            if not _readable(conn, min(left, 0.05)):  # poll slice: re-check cancel and deadline
                 continue
-            header, payload = recv_msg(self._conn, waiter.deadline)
+            header, payload = recv_msg(conn, waiter.deadline)
             if header.msg_type is kind:
                 return header, payload
             raise _peer_reason(header, payload, kind)
+
+
+def _readable(conn: socket.socket, timeout: float) -> bool:
+    """Whether `conn` has something to read within `timeout` s; PeerError when it was closed
+    (by close() on another thread) before or during the wait."""
+    try:
+        return bool(select.select([conn], [], [], timeout)[0])
+    except (OSError, ValueError):  # ValueError: a closed socket's descriptor is -1
+        raise PeerError("the sender was closed") from None
 
 
 def _map_region(conn: socket.socket, extras: dict[str, object]) -> torch.Tensor:

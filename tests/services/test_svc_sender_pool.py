@@ -52,3 +52,22 @@ def test_take_idle_never_hands_out_a_sender_of_a_vanished_receiver() -> None:
     finally:
         pool.close()
         receiver.close()
+
+
+def test_a_sender_given_back_after_the_pool_closed_is_closed() -> None:
+    """A prefill worker closing cancels its prefills, then closes the pool; a transfer thread
+    still ending gives its sender back later (`_give_back`), after the pool closed. Pooled
+    then, nothing would ever close it: its connection, the receiver's connection thread and
+    (registered) the mapping of the decode worker's cache lived as long as the process."""
+    cache, _, region = shared_tensors(SHAPE, torch.float32)
+    receiver = shm.Receiver(BlockStore(cache, region=region))
+    pool = SenderPool(BlockStore(torch.zeros(SHAPE)), ["shm"])
+    try:
+        sender = pool.acquire("shm", receiver.address)
+        assert isinstance(sender, shm.Sender) and sender.registered
+        pool.close()
+        pool.release("shm", receiver.address, sender)
+        assert pool.idle("shm") == [] and not sender.registered  # closed, not pooled
+    finally:
+        pool.close()
+        receiver.close()
