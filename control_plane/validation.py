@@ -15,6 +15,7 @@ from kvmesh.v1 import generation_pb2
 MAX_REQUEST_ID_CHARS = 128
 CHILD_SEPARATOR = "#"  # workers name a request's extra completions "{request_id}#{i}"
 DEFAULT_LIMITS = RequestLimits()
+MAX_TEMPLATE_KWARGS_BYTES = 65536  # a chat's template variables (JSON text; the workers' bound)
 
 
 class FieldError(ValueError):
@@ -56,8 +57,17 @@ def check_text(text: str, limits: RequestLimits) -> None:
 
 def check_chat(chat: generation_pb2.ChatMessages, limits: RequestLimits = DEFAULT_LIMITS) -> None:
     """At least one message and at most `max_messages`, each with a non-empty role, role and
-    name within `max_role_bytes`, the contents together within `max_prompt_bytes` (the
-    template's checks are the worker's)."""
+    name within `max_role_bytes`, the contents (and documents) together within
+    `max_prompt_bytes`, the template variables within MAX_TEMPLATE_KWARGS_BYTES (the
+    template's checks, the JSON's included, are the worker's)."""
+    if len(chat.template_kwargs) > MAX_TEMPLATE_KWARGS_BYTES or (
+        utf8_size(chat.template_kwargs) > MAX_TEMPLATE_KWARGS_BYTES
+    ):
+        raise FieldError(
+            "prompt.chat.template_kwargs",
+            f"is {utf8_size(chat.template_kwargs)} bytes; at most {MAX_TEMPLATE_KWARGS_BYTES} "
+            "are accepted",
+        )
     messages = chat.messages
     if not messages:
         raise FieldError("prompt.chat.messages", "must contain at least one message")
@@ -66,7 +76,13 @@ def check_chat(chat: generation_pb2.ChatMessages, limits: RequestLimits = DEFAUL
             "prompt.chat.messages",
             f"{len(messages)} messages; at most {limits.max_messages} accepted",
         )
-    total = 0
+    total = utf8_size(chat.documents) if len(chat.documents) <= limits.max_prompt_bytes else 0
+    if len(chat.documents) > limits.max_prompt_bytes or total > limits.max_prompt_bytes:
+        raise FieldError(
+            "prompt.chat.documents",
+            f"is {utf8_size(chat.documents)} bytes; at most {limits.max_prompt_bytes} are "
+            "accepted with the contents",
+        )
     for i, message in enumerate(messages):
         if not message.role:
             raise FieldError(f"prompt.chat.messages[{i}].role", "must not be empty")

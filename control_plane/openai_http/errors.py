@@ -33,6 +33,14 @@ _HTTP_CODE = {
 # A worker's field name (the start of its INVALID_ARGUMENT message) -> the request's param.
 _PROMPT_FIELDS = ("prompt", "text", "token_ids", "chat")
 _FIELD = re.compile(r"^(?:sampling\.)?([A-Za-z_]+)")
+# A worker's name of a chat template option -> vLLM's request field.
+_CHAT_OPTIONS = {
+    "prompt.chat.template_kwargs": "chat_template_kwargs",
+    "prompt.chat.documents": "documents",
+    "prompt.chat.continue_final_message": "continue_final_message",
+    "prompt.chat.add_generation_prompt": "add_generation_prompt",
+}
+_CHAT_OPTION = re.compile(r"^(prompt\.chat\.[a-z_]+)(?=$|[.\[:])")
 
 
 class ApiError(Exception):
@@ -84,7 +92,12 @@ def from_failure(failure: RpcFailure, prompt_param: str = "prompt") -> ApiError:
     message = failure.message
     if failure.retry_after_ms is not None:
         headers["Retry-After"] = str(max(1, math.ceil(failure.retry_after_ms / 1000)))
-    if failure.code == grpc.StatusCode.INVALID_ARGUMENT:
+    option = _CHAT_OPTION.match(failure.field or failure.message)
+    if failure.code == grpc.StatusCode.INVALID_ARGUMENT and option and option[1] in _CHAT_OPTIONS:
+        param = _CHAT_OPTIONS[option[1]]  # the message names the worker's field: renamed
+        if message.startswith(option[1]):
+            message = param + message[len(option[1]) :]
+    elif failure.code == grpc.StatusCode.INVALID_ARGUMENT:
         match = _FIELD.match(failure.field or failure.message)
         if match:
             param = match.group(1)

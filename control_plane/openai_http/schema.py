@@ -7,6 +7,7 @@ stop-string limits) stay with the prefill worker, whose errors name the same fie
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -16,7 +17,12 @@ import grpc
 from control_plane.limits import RequestLimits
 from control_plane.openai_http.errors import ApiError, bad_param, from_failure
 from control_plane.run import MAX_TOKENS_UP_TO_CONTEXT, RpcFailure
-from control_plane.validation import DEFAULT_LIMITS, FieldError, check_sampling
+from control_plane.validation import (
+    DEFAULT_LIMITS,
+    MAX_TEMPLATE_KWARGS_BYTES,
+    FieldError,
+    check_sampling,
+)
 from kvmesh.v1 import generation_pb2
 
 Kind = Literal["completion", "chat"]
@@ -52,8 +58,7 @@ TOKEN_ID_LIMIT = 2**31  # token ids travel as int32
 # param -> whether a value changes nothing (null always does). Any other value is a 400.
 _ANY_VALUE = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
               "structured_outputs", "truncate_prompt_tokens", "audio", "chat_template")  # fmt: skip
-_UNLESS_FALSE = ("use_beam_search", "return_tokens_as_token_ids", "continue_final_message",
-                 "return_token_ids")  # fmt: skip
+_UNLESS_FALSE = ("use_beam_search", "return_tokens_as_token_ids", "return_token_ids")
 _UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     **{name: lambda v: False for name in _ANY_VALUE},
     **{name: lambda v: v is False for name in _UNLESS_FALSE},
@@ -63,10 +68,15 @@ _UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "thinking_token_budget": lambda v: v == -1,  # vLLM's "unlimited", as unset
     "repetition_detection": lambda v: isinstance(v, dict) and not v.get("max_pattern_size"),
     "tool_choice": lambda v: v in ("none", "auto"),
-    "add_generation_prompt": lambda v: v is True,
-    "chat_template_kwargs": lambda v: v == {},
     "modalities": lambda v: v == ["text"],
 }
+# Why a field is refused, where "is not supported" would not say it.
+_UNTRUSTED_TEMPLATE = (
+    "a chat template given with the request is not trusted (vLLM serves one only when started "
+    "with --trust-request-chat-template; kvmesh has no such flag): the model's own template "
+    "renders every conversation"
+)
+_REFUSED_WHY = {"chat_template": _UNTRUSTED_TEMPLATE}
 # A message's fields (by its role; `task` of any) that vLLM passes to the chat template.
 _TEMPLATE_FIELDS = {
     "assistant": ("reasoning", "reasoning_content"),
@@ -75,15 +85,12 @@ _TEMPLATE_FIELDS = {
 }
 _UNIMPLEMENTED_FOR: dict[Kind, dict[str, Callable[[Any], bool]]] = {
     "completion": {
-        "add_special_tokens": lambda v: v is True,  # text prompts get their BOS
         "prompt_embeds": lambda v: False,
     },
     "chat": {
-        "add_special_tokens": lambda v: v is False,
         "echo": lambda v: v is False,
-        # vLLM's chat template variables (reasoning_effort sets enable_thinking too)
+        # vLLM's chat template variable (it sets enable_thinking too)
         "reasoning_effort": lambda v: False,
-        "documents": lambda v: False,
         "return_prompt_text": lambda v: v is False,
     },
 }
@@ -143,7 +150,7 @@ def parse(body: Any, kind: Kind, limits: RequestLimits = DEFAULT_LIMITS) -> Pars
     if kind == "completion":
         requests = completion_requests(body, request, limits)
     else:
-        request.chat.CopyFrom(chat_messages(body))
+        request.chat.CopyFrom(chat_messages(body, documents=True))
         requests = (request,)
     logprobs = completion_logprobs(body) if kind == "completion" else chat_logprobs(body)
     prompt_logprobs = field(body, "prompt_logprobs", "integer")
@@ -179,7 +186,7 @@ def refuse_unimplemented(body: dict[str, Any], kind: Kind) -> None:
     for name, changes_nothing in {**_UNIMPLEMENTED, **_UNIMPLEMENTED_FOR[kind]}.items():
         value = body.get(name)
         if value is not None and not changes_nothing(value):
-            raise bad_param(name, "is not supported")
+            raise bad_param(name, _REFUSED_WHY.get(name, "is not supported"))
     response_format = field(body, "response_format", "object", {})
     if response_format.get("type", "text") != "text":
         raise bad_param("response_format", "only type 'text' is supported")
@@ -348,7 +355,11 @@ def prompt_batch(prompt: Any) -> list[str | list[int]]:
 
 
 def completion_only(body: dict[str, Any], request: generation_pb2.GenerateRequest) -> None:
-    """The fields only completions have."""
+    """The fields only completions have (vLLM's `add_special_tokens`: false tokenizes a text
+    prompt without the tokenizer's special tokens, e.g. its BOS)."""
+    special = field(body, "add_special_tokens", "boolean")
+    if special is not None:
+        request.add_special_tokens = special
     if field(body, "suffix", "string"):
         raise bad_param("suffix", "is not supported")
     best_of = field(body, "best_of", "integer")
@@ -366,9 +377,10 @@ def is_token_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(is_token_id(t) for t in value)
 
 
-def chat_messages(body: dict[str, Any]) -> generation_pb2.ChatMessages:
+def chat_messages(body: dict[str, Any], documents: bool = False) -> generation_pb2.ChatMessages:
     """`messages`: roles, contents (a string, or text parts joined by newlines) and names (for
-    the chat template)."""
+    the chat template), and how the template renders them (`chat_options`; with `documents`,
+    vLLM's chat completions field of that name too: its /tokenize has none)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_param("messages", "expected a non-empty array of messages")
@@ -392,7 +404,50 @@ def chat_messages(body: dict[str, Any]) -> generation_pb2.ChatMessages:
         out.messages.add(role=role, content=content, name=name or "")
     if field(body, "tools", "array") or field(body, "functions", "array"):
         raise bad_param("tools", "tool calling is not supported")
+    chat_options(body, out, documents)
     return out
+
+
+def chat_options(
+    body: dict[str, Any], out: generation_pb2.ChatMessages, documents: bool = False
+) -> None:
+    """vLLM's chat template fields into `out`: `add_generation_prompt` (default true; set on
+    the wire only when given), `continue_final_message` (400 with add_generation_prompt true,
+    given or by default, as vLLM answers), `add_special_tokens`, `chat_template_kwargs` (an
+    object, as compact JSON text of at most MAX_TEMPLATE_KWARGS_BYTES; its `chat_template` is
+    refused as `chat_template` is, its `tools` as tools are) and, with `documents`, vLLM's
+    `documents` (a list of objects of strings). The workers resolve the variables."""
+    agp = field(body, "add_generation_prompt", "boolean")
+    cfm = field(body, "continue_final_message", "boolean", False)
+    if cfm and agp is not False:  # vLLM's default add_generation_prompt is true
+        raise bad_param("continue_final_message",
+                        "cannot be true together with add_generation_prompt")  # fmt: skip
+    if agp is not None:
+        out.add_generation_prompt = agp
+    out.continue_final_message = cfm
+    out.add_special_tokens = field(body, "add_special_tokens", "boolean", False)
+    kwargs = field(body, "chat_template_kwargs", "object")
+    if kwargs:
+        if kwargs.get("chat_template") is not None:
+            raise bad_param("chat_template_kwargs", f"chat_template: {_UNTRUSTED_TEMPLATE}")
+        if kwargs.get("tools"):
+            raise bad_param("chat_template_kwargs", "tools: tool calling is not supported")
+        try:
+            text = json.dumps(kwargs, ensure_ascii=False, separators=(",", ":"))
+        except (ValueError, RecursionError):  # nested too deeply to encode
+            raise bad_param("chat_template_kwargs", "is nested too deeply") from None
+        size = len(text.encode())
+        if size > MAX_TEMPLATE_KWARGS_BYTES:
+            raise bad_param("chat_template_kwargs", f"is {size} bytes as JSON; at most "
+                            f"{MAX_TEMPLATE_KWARGS_BYTES} are accepted")  # fmt: skip
+        out.template_kwargs = text
+    docs = field(body, "documents", "array") if documents else None
+    if docs is not None:
+        for i, document in enumerate(docs):
+            ok = isinstance(document, dict) and all(isinstance(v, str) for v in document.values())
+            if not ok:
+                raise bad_param(f"documents[{i}]", "expected an object of strings")
+        out.documents = json.dumps(docs, ensure_ascii=False, separators=(",", ":"))
 
 
 def content_text(content: Any, where: str) -> str:
@@ -432,16 +487,13 @@ def chat_logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if enabled else None
 
 
-# /tokenize fields whose other values would change the ids: field -> whether a value is the
-# one the generation endpoints use (null always is). Any other value is a 400 naming it.
+# /tokenize fields that are not implemented: field -> whether a value changes nothing (null
+# always does). Any other value is a 400 naming it (the chat template options are served as
+# the chat endpoint serves them).
 _TOKENIZE_AS_GENERATED: dict[Kind, dict[str, Callable[[Any], bool]]] = {
-    "completion": {"add_special_tokens": lambda v: v is True},  # text prompts get their BOS
+    "completion": {},
     "chat": {
-        "add_generation_prompt": lambda v: v is True,
-        "continue_final_message": lambda v: v is False,
-        "add_special_tokens": lambda v: v is False,  # the template writes them
         "chat_template": lambda v: False,
-        "chat_template_kwargs": lambda v: v == {},
         "mm_processor_kwargs": lambda v: v == {},
     },
 }
@@ -460,24 +512,17 @@ class TokenizeRequest:
 def parse_tokenize(body: Any) -> TokenizeRequest:
     """vLLM's completion form ({model, prompt, add_special_tokens}) or chat form ({model,
     messages, add_generation_prompt, continue_final_message, add_special_tokens,
-    chat_template_kwargs, ...}: with `messages`); ApiError 400 naming the bad field, also for
-    a setting that would give other ids than the generation endpoints use."""
+    chat_template_kwargs, ...}: with `messages`; `documents` is not a field of it, as in
+    vLLM); ApiError 400 naming the bad field, also for a request chat template."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     kind: Kind = "chat" if "messages" in body else "completion"
     model = field(body, "model", "string")
     strs = field(body, "return_token_strs", "boolean", False)
-    if kind == "chat":
-        agp, cfm = (
-            field(body, n, "boolean") for n in ("add_generation_prompt", "continue_final_message")
-        )
-        if cfm and (agp is None or agp):  # vLLM's default add_generation_prompt is true
-            raise bad_param("continue_final_message",
-                            "cannot be true together with add_generation_prompt")  # fmt: skip
     for name, as_generated in _TOKENIZE_AS_GENERATED[kind].items():
         value = body.get(name)
         if value is not None and not as_generated(value):
-            raise bad_param(name, "only the value the generation endpoints use is supported")
+            raise bad_param(name, _REFUSED_WHY.get(name, "is not supported"))
     request = generation_pb2.GenerateRequest(
         sampling=generation_pb2.SamplingParams(max_tokens=1)  # the prompt alone is checked
     )
@@ -488,6 +533,9 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         if not isinstance(prompt, str) or not prompt:
             raise bad_param("prompt", "expected a non-empty string (or give messages)")
         request.text = prompt
+        special = field(body, "add_special_tokens", "boolean")
+        if special is not None:
+            request.add_special_tokens = special
     return TokenizeRequest(model, request, strs)
 
 

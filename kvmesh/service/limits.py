@@ -6,7 +6,7 @@ protobuf already knows, so a refused request costs no more than its parsing did.
 
 from __future__ import annotations
 
-from kvmesh.engine.chat import max_prompt_chars
+from kvmesh.engine.chat import MAX_TEMPLATE_KWARGS_BYTES, max_prompt_chars
 from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
@@ -49,8 +49,9 @@ def check_prompt_ids_size(count: int, max_model_len: int, field: str) -> None:
 
 def check_prompt_size(message: generation_pb2.GenerateRequest, max_model_len: int) -> None:
     """The prompt of a client request is small enough to be tokenized at all: text and chat
-    contents within `max_prompt_chars` UTF-8 bytes, token ids within the context, at most
-    MAX_MESSAGES messages."""
+    contents (documents included) within `max_prompt_chars` UTF-8 bytes, token ids within the
+    context, at most MAX_MESSAGES messages, template variables within
+    MAX_TEMPLATE_KWARGS_BYTES."""
     limit = max_prompt_chars(max_model_len)
     which = message.WhichOneof("prompt")
     if which == "text":
@@ -63,7 +64,15 @@ def check_prompt_size(message: generation_pb2.GenerateRequest, max_model_len: in
             raise InvalidParameterError(
                 "prompt.chat.messages", f"at most {MAX_MESSAGES} messages, got {len(messages)}"
             )
+        chat = message.chat
+        if len(chat.template_kwargs) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise InvalidParameterError(
+                "prompt.chat.template_kwargs",
+                f"{len(chat.template_kwargs)} characters; at most "
+                f"{MAX_TEMPLATE_KWARGS_BYTES} bytes are accepted",
+            )
         total = sum(len(m.content) + len(m.role) + len(m.name) for m in messages)
+        total += len(chat.documents)  # rendered into the prompt
         if total > limit:
             raise InvalidParameterError(
                 "prompt.chat.messages",

@@ -75,13 +75,16 @@ class PreparePool:
 
 
 def prompt_bytes(message: generation_pb2.GenerateRequest) -> int:
-    """The size of a client request's prompt: text or chat contents (characters), token ids
-    count 4 bytes each (cheap: no encoding)."""
+    """The size of a client request's prompt: text or chat contents (characters; a chat's
+    template variables and documents too), token ids count 4 bytes each (cheap: no
+    encoding)."""
     which = message.WhichOneof("prompt")
     if which == "text":
         return len(message.text)
     if which == "chat":
-        return sum(len(m.content) + len(m.role) + len(m.name) for m in message.chat.messages)
+        chat = message.chat
+        extra = len(chat.template_kwargs) + len(chat.documents)
+        return extra + sum(len(m.content) + len(m.role) + len(m.name) for m in chat.messages)
     if which == "token_ids":
         return 4 * len(message.token_ids.ids)
     return 0

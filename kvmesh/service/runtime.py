@@ -12,7 +12,14 @@ from typing import Any
 import grpc
 
 from kvmesh.engine.async_engine import AsyncLLMEngine
-from kvmesh.engine.chat import chat_prompt_ids, check_text_size, has_chat_template
+from kvmesh.engine.chat import (
+    ChatOptions,
+    chat_prompt_ids,
+    check_text_size,
+    has_chat_template,
+    parse_documents,
+    parse_template_kwargs,
+)
 from kvmesh.engine.disagg import build_request
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.errors import InvalidParameterError
@@ -246,15 +253,23 @@ class WorkerRuntime:
             if not message.text:
                 raise InvalidParameterError("prompt", "must contain at least one token")
             check_text_size(len(message.text), max_len, "prompt.text")
-            return list(tokenizer.encode(message.text))
+            special = not message.HasField("add_special_tokens") or message.add_special_tokens
+            return list(tokenizer.encode(message.text, add_special_tokens=special))
         if which == "chat":
             if not has_chat_template(tokenizer):
                 raise InvalidParameterError("prompt.chat", "this model has no chat template")
+            if message.HasField("add_special_tokens"):
+                raise InvalidParameterError(
+                    "add_special_tokens", "is for text prompts: set chat.add_special_tokens"
+                )
             chat = [
                 {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
                 for m in message.chat.messages
             ]
-            return chat_prompt_ids(tokenizer, chat, max_len, "prompt.chat.messages")
+            options = chat_options(message.chat, max_len)
+            return chat_prompt_ids(
+                tokenizer, chat, max_len, "prompt.chat.messages", options, "prompt.chat."
+            )
         raise InvalidParameterError("prompt", "set text, token_ids or chat")
 
     def request_from(self, message: worker_pb2.EngineRequest, prefill_only: bool) -> Request:
@@ -279,3 +294,17 @@ class WorkerRuntime:
             if exc.field == "prompt_token_ids":
                 raise InvalidParameterError("prompt.token_ids", exc.message) from None
             raise
+
+
+def chat_options(chat: generation_pb2.ChatMessages, max_model_len: int) -> ChatOptions:
+    """The rendering options of a conversation (InvalidParameterError naming
+    `prompt.chat.template_kwargs` or `prompt.chat.documents` for bad JSON)."""
+    return ChatOptions(
+        add_generation_prompt=(
+            not chat.HasField("add_generation_prompt") or chat.add_generation_prompt
+        ),
+        continue_final_message=chat.continue_final_message,
+        add_special_tokens=chat.add_special_tokens,
+        template_kwargs=parse_template_kwargs(chat.template_kwargs, "prompt.chat.template_kwargs"),
+        documents=parse_documents(chat.documents, max_model_len, "prompt.chat.documents"),
+    )

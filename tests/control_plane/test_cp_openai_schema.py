@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -381,15 +382,10 @@ CHAT = [{"role": "user", "content": "x"}]
         ("chat", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
         ("chat", {"messages": CHAT, "tool_choice": {"type": "function"}}, "tool_choice"),
         ("chat", {"messages": CHAT, "echo": True}, "echo"),
-        ("chat", {"messages": CHAT, "add_generation_prompt": False}, "add_generation_prompt"),
         ("chat", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
         ("chat", {"messages": CHAT, "chat_template": "{{ x }}"}, "chat_template"),
-        ("chat", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}},
-         "chat_template_kwargs"),
-        ("chat", {"messages": CHAT, "add_special_tokens": True}, "add_special_tokens"),
         ("chat", {"messages": CHAT, "modalities": ["text", "audio"]}, "modalities"),
         ("chat", {"messages": CHAT, "audio": {"voice": "alloy"}}, "audio"),
-        ("completion", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
         ("completion", {"prompt": "x", "guided_choice": ["a", "b"]}, "guided_choice"),
         ("completion", {"prompt": "x", "guided_json": {}}, "guided_json"),
         ("chat", {"messages": CHAT, "guided_regex": "a+"}, "guided_regex"),
@@ -405,7 +401,6 @@ CHAT = [{"role": "user", "content": "x"}]
          "response_format"),
         ("completion", {"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds"),
         ("chat", {"messages": CHAT, "reasoning_effort": "low"}, "reasoning_effort"),
-        ("chat", {"messages": CHAT, "documents": []}, "documents"),
         ("chat", {"messages": CHAT, "thinking_token_budget": 0}, "thinking_token_budget"),
         ("chat", {"messages": CHAT, "repetition_detection": {"max_pattern_size": 2}},
          "repetition_detection"),
@@ -452,6 +447,65 @@ def test_unimplemented_fields_at_their_no_op_values_are_accepted() -> None:
                   "return_tokens_as_token_ids": False, "truncate_prompt_tokens": None,
                   "response_format": {"type": "text"}, "prompt_embeds": None}  # fmt: skip
     assert parse(completion, "completion").request.text == "x"
+
+
+def test_chat_template_options_travel_in_the_chat_message() -> None:
+    """vLLM's chat template fields become ChatMessages fields (unset when not given, so the
+    workers render as before); chat_template_kwargs and documents travel as compact JSON text;
+    a completion's add_special_tokens is the request's."""
+    plain = parse({"messages": CHAT}, "chat").request.chat
+    assert not plain.HasField("add_generation_prompt") and not plain.continue_final_message
+    assert not plain.add_special_tokens and plain.template_kwargs == plain.documents == ""
+    kwargs = {"enable_thinking": False, "n": 3, "nested": {"é": [1, 2.5, None]}}
+    documents = [{"title": "T", "text": "body"}]
+    body = {"messages": [*CHAT, {"role": "assistant", "content": "It is"}],
+            "add_generation_prompt": False, "continue_final_message": True,
+            "add_special_tokens": True, "chat_template_kwargs": kwargs,
+            "documents": documents}  # fmt: skip
+    chat = parse(body, "chat").request.chat
+    assert chat.HasField("add_generation_prompt") and not chat.add_generation_prompt
+    assert chat.continue_final_message and chat.add_special_tokens
+    assert json.loads(chat.template_kwargs) == kwargs and json.loads(chat.documents) == documents
+    assert " " not in chat.template_kwargs and "é" in chat.template_kwargs  # compact, UTF-8
+    assert parse({"messages": CHAT, "add_generation_prompt": True}, "chat").request.chat.HasField(
+        "add_generation_prompt"
+    )
+    completion = parse({"prompt": "x", "add_special_tokens": False}, "completion").request
+    assert completion.HasField("add_special_tokens") and not completion.add_special_tokens
+    assert not parse({"prompt": "x"}, "completion").request.HasField("add_special_tokens")
+    batch = parse({"prompt": ["a", [1, 2]], "add_special_tokens": False}, "completion")
+    assert all(r.HasField("add_special_tokens") for r in batch.requests)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
+        ({"continue_final_message": True, "add_generation_prompt": True},
+         "continue_final_message", "add_generation_prompt"),
+        ({"add_generation_prompt": "yes"}, "add_generation_prompt", "boolean"),
+        ({"continue_final_message": 1}, "continue_final_message", "boolean"),
+        ({"add_special_tokens": "true"}, "add_special_tokens", "boolean"),
+        ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "object"),
+        ({"chat_template_kwargs": "{}"}, "chat_template_kwargs", "object"),
+        ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs",
+         "--trust-request-chat-template"),
+        ({"chat_template_kwargs": {"tools": [{"type": "function"}]}}, "chat_template_kwargs",
+         "tool calling"),
+        ({"chat_template_kwargs": {"x": "y" * 70000}}, "chat_template_kwargs", "65536"),
+        ({"chat_template": "{{ 1 }}"}, "chat_template", "--trust-request-chat-template"),
+        ({"documents": "abc"}, "documents", "array"),
+        ({"documents": [{"title": 1}]}, "documents[0]", "strings"),
+        ({"documents": [{"title": "a"}, "b"]}, "documents[1]", "strings"),
+    ],
+)  # fmt: skip
+def test_bad_chat_template_options_are_400_naming_the_field(
+    body: dict[str, Any], param: str, says: str
+) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse({"messages": CHAT, **body}, "chat")
+    assert caught.value.status == 400 and caught.value.param == param
+    assert caught.value.message.startswith(f"{param}: ") and says in caught.value.message
 
 
 def test_chat_text_parts_join_with_newlines_as_vllm_joins_them() -> None:

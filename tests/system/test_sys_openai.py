@@ -326,7 +326,7 @@ UNHONOURED: list[tuple[str, dict[str, Any], str]] = [
     ("completion", {"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
     ("completion", {"extra_body": {"prompt_embeds": "AAAA"}}, "prompt_embeds"),  # the prompt
     ("chat", {"reasoning_effort": "none"}, "reasoning_effort"),  # the template's enable_thinking
-    ("chat", {"extra_body": {"documents": [{"title": "t", "text": "x"}]}}, "documents"),
+    ("chat", {"extra_body": {"chat_template": "{{ 'x' }}"}}, "chat_template"),  # not trusted
     ("chat", {"extra_body": {"thinking_token_budget": 4}}, "thinking_token_budget"),
     ("completion", {"extra_body": {"repetition_detection": {"max_pattern_size": 2,
                                                            "min_count": 2}}},
