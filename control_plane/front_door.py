@@ -486,9 +486,10 @@ class FrontDoor:
     async def detokenize(
         self, token_ids: list[int], token_strs: bool = False
     ) -> tuple[str, list[str]]:
-        """The ids' text as the served model's tokenizer decodes them (special tokens kept)
-        and, with `token_strs`, each id's token string; RpcFailure INVALID_ARGUMENT naming
-        `token_ids` for ids outside the vocabulary, UNAVAILABLE without a worker."""
+        """The ids' text as the served model's tokenizer decodes them (special tokens kept; an
+        id it does not know decodes to nothing) and, with `token_strs`, each id's token string;
+        RpcFailure INVALID_ARGUMENT naming `token_ids` for more ids than the model's context or
+        a negative one, UNAVAILABLE without a worker."""
         call = worker_pb2.DetokenizeRequest(token_ids=token_ids, token_strs=token_strs)
         answer = await self._tokenizer_call("detokenize", "Detokenize", call)
         return answer.text, list(answer.token_strs)

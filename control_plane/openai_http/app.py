@@ -33,9 +33,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from control_plane.front_door import FrontDoor
-from control_plane.limits import RequestLimits
 from control_plane.openai_http.auth import ApiKeyMiddleware
-from control_plane.openai_http.errors import ApiError, from_failure, grpc_code
+from control_plane.openai_http.errors import ApiError, bad_param, from_failure, grpc_code
 from control_plane.openai_http.schema import (
     Kind,
     ParsedRequest,
@@ -45,7 +44,6 @@ from control_plane.openai_http.schema import (
 )
 from control_plane.openai_http.stream import DONE, Answer, Echo, sse
 from control_plane.run import RpcFailure
-from control_plane.validation import DEFAULT_LIMITS
 from kvmesh.v1 import generation_pb2
 
 LOG = logging.getLogger("kvmesh.control_plane.http")
@@ -155,9 +153,12 @@ class OpenAIApp:
                              "tokens": ids, "token_strs": strs})  # fmt: skip
 
     async def detokenize(self, request: Request) -> Response:
-        """vLLM's /detokenize: token ids as the model's tokenizer decodes them together."""
+        """vLLM's /detokenize: token ids as the model's tokenizer decodes them together; more
+        ids than the model's context are a 400 naming `tokens` before any worker call."""
         model, tokens = await json_body(request, self.max_body_bytes, parse_detokenize)
-        self.served(model)
+        max_len = self.served(model).max_model_len
+        if len(tokens) > max_len:
+            raise bad_param("tokens", f"{len(tokens)} ids; at most {max_len} (the context)")
         try:
             text, _ = await self.door.detokenize(tokens)
         except RpcFailure as failure:
@@ -213,11 +214,8 @@ class OpenAIApp:
     async def accept(self, request: Request, kind: Kind) -> tuple[ParsedRequest, Answer]:
         """The parsed body (ApiError 400/404/503 before any run starts) and its answer,
         whose id is the request id."""
-        raw = await read_body(request, self.max_body_bytes)
-        if len(raw) > INLINE_BODY_BYTES:  # decoding a large body would hold up the loop
-            parsed = await asyncio.to_thread(parse_body, raw, kind, self.door.limits)
-        else:
-            parsed = parse_body(raw, kind, self.door.limits)
+        limits = self.door.limits
+        parsed = await json_body(request, self.max_body_bytes, lambda b: parse(b, kind, limits))
         if len(parsed.requests) > 1:  # a batch is admitted whole, before any run starts
             try:
                 self.door.check_batch(len(parsed.requests))
@@ -276,21 +274,6 @@ async def json_body(request: Request, limit: int, parser: Callable[[Any], T]) ->
 def too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than {limit} bytes",
                     code="request_too_large")  # fmt: skip
-
-
-def parse_body(raw: bytes, kind: Kind, limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
-    """The ParsedRequest of a raw body: ApiError 400 for invalid JSON, invalid UTF-8, too deep
-    nesting, an unpaired surrogate escape, or a bad param (named). Safe in any thread."""
-    try:
-        body = json.loads(raw)
-    except ValueError:  # includes UnicodeDecodeError: the body is not UTF-8
-        raise ApiError(400, "the request body is not valid JSON (UTF-8)") from None
-    except RecursionError:
-        raise ApiError(400, "the request body is nested too deeply") from None
-    try:
-        return parse(body, kind, limits)
-    except UnicodeEncodeError:  # a lone surrogate escape ("\ud800") in some string
-        raise not_unicode(body) from None
 
 
 def not_unicode(body: object) -> ApiError:

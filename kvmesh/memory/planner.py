@@ -247,7 +247,10 @@ def parse_bytes(value: int | str, field: str = "memory_bytes") -> int:
         )
     number, prefix, binary, _ = match.groups()
     base = 1024 if binary else 1000
-    result = int(float(number) * base ** _POWERS[prefix.lower()])
+    try:
+        result = int(float(number) * base ** _POWERS[prefix.lower()])
+    except OverflowError:  # more digits than a float holds
+        raise PlannerError(f"{field}: size {value!r} is too large") from None
     _require_positive_int(result, field)
     return result
 

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import os
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,8 +181,8 @@ class WorkerRuntime:
         than the context holds or a negative id, FAILED_PRECONDITION for a model without a
         tokenizer."""
         try:
+            self.check_detokenize(request.token_ids)  # before the ids are copied
             ids = list(request.token_ids)
-            self.check_detokenize(ids)
             work = lambda: self.detokenize(ids, request.token_strs)  # noqa: E731
             text, strs = await self.prepare_pool.run(4 * len(ids), work)
             return worker_pb2.DetokenizeResponse(text=text, token_strs=strs)
@@ -189,7 +190,7 @@ class WorkerRuntime:
             await abort_with(context, exc)
             raise
 
-    def check_detokenize(self, ids: list[int]) -> None:
+    def check_detokenize(self, ids: Sequence[int]) -> None:
         if self.core.tokenizer is None:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
         check_prompt_ids_size(len(ids), self.model.max_model_len, "token_ids")

@@ -165,10 +165,10 @@ def test_invalid_utf8_is_invalid_argument_naming_the_field(
 
 
 def chat(
-    count: int, content: str = "hi", role: str = "user", name: str = ""
+    count: int, content: str = "hi", role: str = "user", name: str = "", **options: str
 ) -> generation_pb2.ChatMessages:
     message = generation_pb2.ChatMessage(role=role, content=content, name=name)
-    return generation_pb2.ChatMessages(messages=[message] * count)
+    return generation_pb2.ChatMessages(messages=[message] * count, **options)
 
 
 @pytest.mark.parametrize(
@@ -181,6 +181,12 @@ def chat(
         ({"chat": chat(3, "y" * 400)}, "prompt.chat.messages[2].content"),
         ({"chat": chat(1, role="r" * 65)}, "prompt.chat.messages[0].role"),
         ({"chat": chat(1, name="n" * 65)}, "prompt.chat.messages[0].name"),
+        ({"chat": chat(1, template_kwargs="{}" + " " * 65535)}, "prompt.chat.template_kwargs"),
+        ({"chat": chat(1, template_kwargs='{"x": "' + "é" * 32766 + '"}')},
+         "prompt.chat.template_kwargs"),  # 32774 characters, 65542 bytes
+        ({"chat": chat(1, documents="[" + " " * 1000 + "]")}, "prompt.chat.documents"),
+        ({"chat": chat(3, "y" * 200, documents="[" + " " * 598 + "]")},
+         "prompt.chat.messages[2].content"),  # counted with the contents
         ({"text": "x", "sampling": generation_pb2.SamplingParams(n=5)}, "sampling.n"),
         ({"text": "x", "sampling": generation_pb2.SamplingParams(max_tokens=-2)},
          "sampling.max_tokens"),  # -1 is no bound but the context

@@ -134,3 +134,18 @@ async def test_a_batch_does_not_copy_an_oversized_sampling_per_prompt() -> None:
         assert prefill.calls == []
         requests = cp.server.cluster.metrics.requests
         assert requests.labels("INVALID_ARGUMENT")._value.get() == 1.0, "refused once"
+
+
+@run_async
+async def test_detokenize_bounds_the_ids_by_the_context_before_any_worker_call() -> None:
+    """More ids than the model's context (a 4 MiB body holds two million) are a 400 naming
+    `tokens` from the door itself: no worker is sent them."""
+    async with control_plane(http_port=0) as cp:
+        prefill = await cp.add("p0", "prefill")
+        await cp.add("d0", "decode")
+        max_len = cp.server.front_door.model_info().max_model_len
+        body = json.dumps({"tokens": [1] * (max_len + 1)}).encode()
+        got, error = await answer(cp, body, "/detokenize")
+        assert got == 400 and error["param"] == "tokens", error
+        assert error["message"].startswith(f"tokens: {max_len + 1} ids; at most {max_len}")
+        assert prefill.calls == []
