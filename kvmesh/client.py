@@ -8,9 +8,15 @@
         scored = client.complete("Hi", max_tokens=1, logprobs=2, prompt_logprobs=2)
         # scored.completions[0].logprobs, scored.prompt_logprobs: Logprob entries
         reply = client.complete_chat([{"role": "user", "content": "Hi"}], max_tokens=32)
+        more = client.complete_chat(messages, add_generation_prompt=False,
+                                    continue_final_message=True,
+                                    chat_template_kwargs={"enable_thinking": False})
 
 Sampling keywords are the fields of `kvmesh.v1.SamplingParams` (vLLM's names); unset ones take
-the server's defaults. `timeout` (seconds) is the gRPC deadline of the call, i.e. the request's
+the server's defaults. Chat calls take vLLM's chat template options (`add_generation_prompt`,
+`continue_final_message`, `add_special_tokens`, `chat_template_kwargs`, `documents`; see
+`chat_messages`); a text prompt's `add_special_tokens=False` leaves out the tokenizer's BOS.
+`timeout` (seconds) is the gRPC deadline of the call, i.e. the request's
 deadline. Every gRPC failure is raised as a `KvmeshError` subclass carrying the status code and
 the server's message. A call refused before any response arrived — RESOURCE_EXHAUSTED with the
 server's retry delay (admission full), or UNAVAILABLE — is retried within bounds (`retry`, a
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import threading
 import time
@@ -56,7 +63,18 @@ FINISH_REASONS = {
 }
 _REPEATED_SAMPLING = frozenset({"stop", "stop_token_ids"})
 Messages = Sequence[Mapping[str, str]]  # [{"role": "user", "content": "..."}, ...]
-Prompt = str | Sequence[int] | Messages  # text, token ids or a conversation
+# text, token ids, a conversation, or one with its rendering options (`chat_messages`)
+Prompt = str | Sequence[int] | Messages | generation_pb2.ChatMessages
+# Keywords a chat call takes for `chat_messages` (vLLM's chat request fields).
+CHAT_OPTIONS = frozenset(
+    {"add_generation_prompt", "continue_final_message", "add_special_tokens",
+     "chat_template_kwargs", "documents"}
+)  # fmt: skip
+# Keywords of vLLM's chat requests the server cannot honour: refused by name.
+_REFUSED = {
+    "chat_template": "is not supported: the server renders with the model's own chat template",
+    "tools": "is not supported: tool calling is not supported",
+}
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -280,14 +298,20 @@ def build_request(
     prompt: Prompt,
     request_id: str | None = None,
     cache_salt: bytes = b"",
+    add_special_tokens: bool | None = None,
     **sampling: Any,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest for text, token ids or a conversation (a list of {"role", "content"}
-    mappings); unknown sampling keywords raise TypeError naming them."""
+    mappings, or `chat_messages`' ChatMessages); `add_special_tokens` is a text prompt's (None:
+    the server's default, true). Unknown sampling keywords raise TypeError naming them."""
     request = generation_pb2.GenerateRequest(
         request_id=request_id or f"cli-{uuid.uuid4().hex}", cache_salt=cache_salt
     )
-    if isinstance(prompt, str):
+    if add_special_tokens is not None:
+        request.add_special_tokens = _flag(add_special_tokens, "add_special_tokens")
+    if isinstance(prompt, generation_pb2.ChatMessages):
+        request.chat.CopyFrom(prompt)
+    elif isinstance(prompt, str):
         request.text = prompt
     elif prompt and isinstance(prompt[0], Mapping):
         request.chat.CopyFrom(chat_messages(cast(Messages, prompt)))
@@ -295,6 +319,9 @@ def build_request(
         request.token_ids.ids.extend(int(i) for i in cast(Sequence[int], prompt))
     known = generation_pb2.SamplingParams.DESCRIPTOR.fields_by_name
     for name, value in sampling.items():
+        if name in _REFUSED or name in CHAT_OPTIONS:
+            refused = _REFUSED.get(name, "is an option of a chat call (chat, complete_chat)")
+            raise TypeError(f"{name} {refused}")
         if name not in known:
             raise TypeError(f"unknown sampling field {name!r}")
         if value is None:
@@ -308,10 +335,39 @@ def build_request(
     return request
 
 
-def chat_messages(messages: Messages) -> generation_pb2.ChatMessages:
-    """The wire form of a conversation; TypeError for an item that is not a mapping of strings
-    with role and content (and optionally name; the server checks the rest)."""
+def chat_messages(
+    messages: Messages,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    documents: Sequence[Mapping[str, str]] | None = None,
+) -> generation_pb2.ChatMessages:
+    """The wire form of a conversation and how the server renders it, vLLM's chat request
+    fields with their defaults and meaning: `add_generation_prompt` (open the assistant's
+    turn), `continue_final_message` (leave the final message open for the model to continue;
+    needs add_generation_prompt=False), `add_special_tokens` (the tokenizer's special tokens on
+    top of the template's), `chat_template_kwargs` (extra template variables, e.g.
+    `{"enable_thinking": False}`; sent as JSON) and `documents` (the template's `documents`, a
+    list of mappings of strings; sent as JSON). TypeError for an item that is not a mapping of
+    strings with role and content (and optionally name), or an option of the wrong type;
+    ValueError for options JSON cannot encode. The server checks the rest (INVALID_ARGUMENT
+    naming e.g. `prompt.chat.template_kwargs`), and refuses a `chat_template` among the
+    variables."""
     chat = generation_pb2.ChatMessages()
+    if not _flag(add_generation_prompt, "add_generation_prompt"):
+        chat.add_generation_prompt = False  # unset: true
+    chat.continue_final_message = _flag(continue_final_message, "continue_final_message")
+    chat.add_special_tokens = _flag(add_special_tokens, "add_special_tokens")
+    if chat_template_kwargs is not None:
+        if not isinstance(chat_template_kwargs, Mapping):
+            raise TypeError("chat_template_kwargs must be a mapping of template variables")
+        chat.template_kwargs = _json(dict(chat_template_kwargs), "chat_template_kwargs")
+    if documents is not None:
+        if isinstance(documents, (str, bytes, Mapping)) or not isinstance(documents, Sequence):
+            raise TypeError("documents must be a list of mappings of strings")
+        chat.documents = _json(list(documents), "documents")
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise TypeError(f"messages[{i}] must be a mapping with role and content")
@@ -321,6 +377,21 @@ def chat_messages(messages: Messages) -> generation_pb2.ChatMessages:
         except (KeyError, TypeError) as exc:
             raise TypeError(f"messages[{i}] needs string role and content ({exc})") from None
     return chat
+
+
+def _flag(value: Any, name: str) -> bool:
+    """`value` when it is a bool; TypeError naming `name` otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False")
+    return value
+
+
+def _json(value: Any, name: str) -> str:
+    """`value` as compact JSON text; ValueError naming `name` when JSON cannot hold it."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"{name} must be JSON-encodable: {exc}") from None
 
 
 # -- clients ---------------------------------------------------------------------------------
@@ -505,11 +576,13 @@ class Client:
 
     def generate(
         self, prompt: Prompt, *, request_id: str | None = None, timeout: float | None = None,
-        cache_salt: bytes = b"", metadata: Metadata | None = None, **sampling: Any,
+        cache_salt: bytes = b"", metadata: Metadata | None = None,
+        add_special_tokens: bool | None = None, **sampling: Any,
     ) -> Stream:  # fmt: skip
         """Start a request (text, token ids, or a conversation as chat takes it); iterate the
-        returned Stream for its chunks."""
-        request = build_request(prompt, request_id, cache_salt, **sampling)
+        returned Stream for its chunks. `add_special_tokens=False` tokenizes a text prompt
+        without the tokenizer's special tokens (BOS); None, the server's default (with)."""
+        request = build_request(prompt, request_id, cache_salt, add_special_tokens, **sampling)
         deadline = timeout or self.timeout
         call_metadata = self._options.metadata(metadata)
 
@@ -523,13 +596,25 @@ class Client:
         stream = self.generate(prompt, **kwargs)
         return collect(stream.request_id, list(stream))
 
-    def chat(self, messages: Messages, **kwargs: Any) -> Stream:
-        """Start a chat request: `messages` rendered with the model's chat template (with the
-        assistant's turn opened); other arguments as generate."""
-        return self.generate(_as_chat(messages), **kwargs)
+    def chat(
+        self, messages: Messages, *, add_generation_prompt: bool = True,
+        continue_final_message: bool = False, add_special_tokens: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        documents: Sequence[Mapping[str, str]] | None = None, **kwargs: Any,
+    ) -> Stream:  # fmt: skip
+        """Start a chat request: `messages` rendered with the model's chat template (by
+        default with the assistant's turn opened), the options as `chat_messages` takes them
+        (vLLM's names, defaults and meaning); other arguments as generate."""
+        chat = chat_messages(
+            _as_chat(messages), add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            add_special_tokens=add_special_tokens, chat_template_kwargs=chat_template_kwargs,
+            documents=documents,
+        )  # fmt: skip
+        return self.generate(chat, **kwargs)
 
     def complete_chat(self, messages: Messages, **kwargs: Any) -> Result:
-        """Run a chat request to the end (arguments as chat)."""
+        """Run a chat request to the end (arguments, the chat options included, as chat)."""
         stream = self.chat(messages, **kwargs)
         return collect(stream.request_id, list(stream))
 
@@ -604,11 +689,13 @@ class AsyncClient:
 
     async def generate(
         self, prompt: Prompt, *, request_id: str | None = None, timeout: float | None = None,
-        cache_salt: bytes = b"", metadata: Metadata | None = None, **sampling: Any,
+        cache_salt: bytes = b"", metadata: Metadata | None = None,
+        add_special_tokens: bool | None = None, **sampling: Any,
     ) -> AsyncIterator[Chunk]:  # fmt: skip
         """Async iterator of a request's chunks; closing it early cancels the request. A call
-        refused before its first response is retried within `retry`'s bounds."""
-        request = build_request(prompt, request_id, cache_salt, **sampling)
+        refused before its first response is retried within `retry`'s bounds. Arguments as
+        Client.generate."""
+        request = build_request(prompt, request_id, cache_salt, add_special_tokens, **sampling)
         retries = self.retry.start(timeout or self.timeout)
         call_metadata = self._options.metadata(metadata)
         while True:
@@ -633,11 +720,15 @@ class AsyncClient:
         return collect(request_id, chunks)
 
     def chat(self, messages: Messages, **kwargs: Any) -> AsyncIterator[Chunk]:
-        """Async iterator of a chat request's chunks (arguments as Client.chat)."""
-        return self.generate(_as_chat(messages), **kwargs)
+        """Async iterator of a chat request's chunks (arguments, the chat options included, as
+        Client.chat)."""
+        chat, rest = _chat_call(messages, kwargs)
+        return self.generate(chat, **rest)
 
     async def complete_chat(self, messages: Messages, **kwargs: Any) -> Result:
-        return await self.complete(_as_chat(messages), **kwargs)
+        """Run a chat request to the end (arguments as Client.chat)."""
+        chat, rest = _chat_call(messages, kwargs)
+        return await self.complete(chat, **rest)
 
     async def abort(
         self, request_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
@@ -667,6 +758,15 @@ class AsyncClient:
         except grpc.RpcError:
             return False
         return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _chat_call(
+    messages: Messages, kwargs: dict[str, Any]
+) -> tuple[generation_pb2.ChatMessages, dict[str, Any]]:
+    """The ChatMessages of a chat call's messages and chat options, and its other keywords."""
+    options = {k: v for k, v in kwargs.items() if k in CHAT_OPTIONS}
+    rest = {k: v for k, v in kwargs.items() if k not in CHAT_OPTIONS}
+    return chat_messages(_as_chat(messages), **options), rest
 
 
 def _as_chat(messages: Messages) -> list[Mapping[str, str]]:

@@ -5,9 +5,10 @@
 text already holds the template's special tokens (BOS included), so it is tokenized without
 adding them again. `ChatOptions` carries vLLM's chat request fields (`add_generation_prompt`,
 `continue_final_message`, `add_special_tokens`, `chat_template_kwargs`, `documents`), resolved
-as vLLM 0.32 resolves them (`template_arguments`). Every input is bounded before any rendering
-or tokenizing work (`check_text_size`), so a worker can run the work off its event loop knowing
-it is short.
+as vLLM 0.32 resolves them (`template_arguments`), and the offline API's `chat_template` (a
+template of the caller's rendering instead of the model's). Every input is bounded before any
+rendering or tokenizing work (`check_text_size`), so a worker can run the work off its event
+loop knowing it is short.
 Errors are `InvalidParameterError` naming the field (`field` is the caller's name for it).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -39,13 +40,16 @@ _OVERRIDDEN_KWARGS = frozenset({"add_generation_prompt", "continue_final_message
 class ChatOptions:
     """How a conversation is rendered and tokenized (vLLM's chat request fields):
     `template_kwargs` are the extra template variables, `documents` the template's
-    `documents` (None: none)."""
+    `documents` (None: none), `template` a chat template (Jinja text, or the name of one of
+    the tokenizer's named templates) rendering instead of the model's: the offline API's
+    `chat_template`, whose caller owns the process; the served paths never set it."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     documents: list[dict[str, str]] | None = None
+    template: str | None = None
 
 
 DEFAULT_OPTIONS = ChatOptions()
@@ -169,11 +173,20 @@ def template_arguments(
     named = _argument_names(tokenizer) | _OVERRIDDEN_KWARGS | {"tokenize", "documents"}
     if documents is None and kwargs.get("documents") is not None:
         documents = check_documents(kwargs["documents"], f"{field}.documents")
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str):  # named templates: the one apply_chat_template uses
-        template = tokenizer.get_chat_template()
-    variables = _template_variables(template)
+    variables = _template_variables(_template_text(tokenizer, options.template))
     return {k: v for k, v in kwargs.items() if k in variables and k not in named}, documents
+
+
+def _template_text(tokenizer: Any, template: str | None) -> str:
+    """The Jinja text apply_chat_template renders with `template` (None: the model's own; a
+    name: the tokenizer's template of that name); "" when there is none."""
+    own = getattr(tokenizer, "chat_template", None)
+    if template is None and isinstance(own, str):
+        return own
+    try:  # named templates: the one apply_chat_template picks
+        return str(tokenizer.get_chat_template(template))
+    except Exception:  # no template of that name or none at all: rendering says why
+        return template or ""
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -271,8 +284,9 @@ def chat_prompt_text(
     """The text `chat_prompt_ids` encodes: the conversation rendered with the chat template
     as `options` ask (vLLM's `RequestOutput.prompt` of `LLM.chat`). A template that raises is
     InvalidParameterError naming what it refused: the template variables, documents or
-    continue_final_message when it renders without them, else the messages."""
-    if not has_chat_template(tokenizer):
+    continue_final_message when it renders without them, `chat_template` for an
+    `options.template` that does not parse, else the messages."""
+    if tokenizer is None or (options.template is None and not has_chat_template(tokenizer)):
         raise InvalidParameterError(field, "this model has no chat template")
     conversation = check_messages(messages, max_model_len, field)
     if options.continue_final_message and options.add_generation_prompt:
@@ -284,6 +298,8 @@ def chat_prompt_text(
         text = _render(tokenizer, conversation, options, kwargs, documents)
     except Exception as exc:  # jinja2 errors, raise_exception() in the template
         blamed = _refused(tokenizer, conversation, options, kwargs, documents, where) or field
+        if options.template is not None and _is_syntax_error(exc):
+            blamed = f"{where}chat_template"
         raise InvalidParameterError(blamed, f"the chat template refused it: {exc}") from None
     check_text_size(len(text), max_model_len, field)
     return str(text)
@@ -301,6 +317,8 @@ def _render(
         extra["documents"] = documents
     if options.continue_final_message:
         extra["continue_final_message"] = True
+    if options.template is not None:
+        extra["chat_template"] = options.template
     text = tokenizer.apply_chat_template(
         conversation,
         tokenize=False,
@@ -328,7 +346,7 @@ def _refused(
         steps.append((documents_field, {}, None, options))
     if options.continue_final_message:
         steps.append(
-            ("continue_final_message", {}, None, ChatOptions(options.add_generation_prompt))
+            ("continue_final_message", {}, None, replace(options, continue_final_message=False))
         )
     for name, fewer_kwargs, fewer_documents, fewer_options in steps:
         try:
@@ -337,3 +355,10 @@ def _refused(
             continue
         return f"{where}{name}"
     return None
+
+
+def _is_syntax_error(exc: BaseException) -> bool:
+    """Whether `exc` is a template that does not parse (not one raising while it renders)."""
+    import jinja2
+
+    return isinstance(exc, jinja2.TemplateSyntaxError)

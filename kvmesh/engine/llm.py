@@ -6,6 +6,8 @@
     outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32))
     outputs = llm.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=True)   # vLLM's dicts
     outputs = llm.chat([{"role": "user", "content": "Hi"}])   # the model's chat template
+    outputs = llm.chat(messages, add_generation_prompt=False, continue_final_message=True,
+                       chat_template_kwargs={"enable_thinking": False})   # vLLM's options
 
 Keyword arguments are EngineConfig fields. Results come back in prompt order. Logprobs read as
 vLLM's: `for token_id, lp in out.outputs[0].logprobs[i].items(): lp.logprob, lp.rank,
@@ -18,7 +20,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvmesh.engine.chat import Message, chat_prompt_text, rendered_ids
+from kvmesh.engine.chat import ChatOptions, Message, chat_prompt_text, rendered_ids
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine, PromptInput
 from kvmesh.engine.errors import InvalidParameterError
@@ -30,6 +32,8 @@ from kvmesh.engine.sampling_params import SamplingParams
 # The keys of vLLM's TextPrompt and TokensPrompt that kvmesh honours; any other one (multimodal
 # data, a cache salt, ...) would change the answer, so it is refused by name.
 DICT_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+# The keys of vLLM's `LLM.chat(tokenization_kwargs=...)` that kvmesh honours.
+TOKENIZATION_KEYS = frozenset({"add_special_tokens"})
 PromptLike = PromptInput | Mapping[str, Any]
 
 
@@ -126,24 +130,123 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | Callable[..., Any] = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tokenization_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation (a list of {"role", "content"})
         or to each of a list of conversations, rendered with the model's chat template and
         its generation prompt; outputs and `use_tqdm` as `generate`, each output's `prompt`
         the rendered text (vLLM's). InvalidParameterError names the field (`messages`,
-        `messages[i].role`, ... or `messages[k]...` for the k-th conversation)."""
+        `messages[i].role`, ... or `messages[k]...` for the k-th conversation).
+
+        The rendering options are vLLM's `LLM.chat` keywords, with its defaults and meaning:
+        `add_generation_prompt` (append the header opening the assistant's turn),
+        `continue_final_message` (leave the final message open for the model to continue;
+        needs add_generation_prompt=False), `chat_template_kwargs` (extra template variables,
+        e.g. `{"enable_thinking": False}` or `{"documents": [...]}`; variables the template
+        does not read and apply_chat_template's own arguments are dropped, the keywords here
+        win), `tokenization_kwargs={"add_special_tokens": True}` (the tokenizer's special
+        tokens on top of the template's; its only key kvmesh takes) and `chat_template` (a
+        Jinja template, or a named template of the tokenizer, rendering instead of the
+        model's; as in vLLM `chat_template_kwargs["chat_template"]` is one too). `tools` is
+        refused (tool calling is not supported).
+        """
+        options = _chat_options(
+            chat_template, add_generation_prompt, continue_final_message, tools,
+            chat_template_kwargs, tokenization_kwargs,
+        )  # fmt: skip
         conversations, single = _as_conversations(messages)
         tokenizer: Any = self.engine.tokenizer  # not None once a template rendered
         max_len = self.engine.parts.max_model_len
         texts = [
-            chat_prompt_text(tokenizer, conv, max_len, "messages" if single else f"messages[{k}]")
+            _offline_names(
+                chat_prompt_text,
+                tokenizer,
+                conv,
+                max_len,
+                "messages" if single else f"messages[{k}]",
+                options,
+            )
             for k, conv in enumerate(conversations)
         ]
-        prompts: list[PromptInput] = [rendered_ids(tokenizer, text) for text in texts]
+        prompts: list[PromptInput] = [
+            rendered_ids(tokenizer, text, options.add_special_tokens) for text in texts
+        ]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text  # vLLM's: the rendered conversation
         return outputs
+
+
+def _chat_options(
+    chat_template: Any,
+    add_generation_prompt: Any,
+    continue_final_message: Any,
+    tools: Any,
+    chat_template_kwargs: Any,
+    tokenization_kwargs: Any,
+) -> ChatOptions:
+    """The ChatOptions of `LLM.chat`'s keywords (InvalidParameterError naming the keyword, or
+    `keyword.KEY`, for a value kvmesh cannot honour)."""
+    for name, flag in (
+        ("add_generation_prompt", add_generation_prompt),
+        ("continue_final_message", continue_final_message),
+    ):
+        if not isinstance(flag, bool):
+            raise InvalidParameterError(name, "must be True or False")
+    if tools:
+        raise InvalidParameterError("tools", "tool calling is not supported")
+    kwargs = _mapping(chat_template_kwargs, "chat_template_kwargs")
+    if kwargs.get("tools"):
+        raise InvalidParameterError("chat_template_kwargs.tools", "tool calling is not supported")
+    template = kwargs.pop("chat_template", None)  # vLLM: the keyword wins over this one
+    where = "chat_template_kwargs.chat_template"
+    if chat_template is not None:
+        template, where = chat_template, "chat_template"
+    if template is not None and not isinstance(template, str):
+        raise InvalidParameterError(where, "must be the text of a Jinja template (or its name)")
+    tokenization = _mapping(tokenization_kwargs, "tokenization_kwargs")
+    for key in tokenization:
+        if key not in TOKENIZATION_KEYS:
+            raise InvalidParameterError(
+                f"tokenization_kwargs.{key}", "is not supported (add_special_tokens is)"
+            )
+    special = tokenization.get("add_special_tokens", False)
+    if not isinstance(special, bool):
+        raise InvalidParameterError(
+            "tokenization_kwargs.add_special_tokens", "must be True or False"
+        )
+    return ChatOptions(
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        add_special_tokens=special,
+        template_kwargs=kwargs,
+        template=template,
+    )
+
+
+def _mapping(value: Any, name: str) -> dict[str, Any]:
+    """A keyword's dict (None: empty) with string keys; InvalidParameterError naming it."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise InvalidParameterError(name, "must be a dict with string keys")
+    return dict(value)
+
+
+def _offline_names(render: Callable[..., str], *args: Any) -> str:
+    """`render(*args)` with an InvalidParameterError naming the template variables by the
+    offline keyword (`chat_template_kwargs...` for `template_kwargs...`)."""
+    try:
+        return render(*args)
+    except InvalidParameterError as exc:
+        if exc.field.startswith("template_kwargs"):
+            raise InvalidParameterError("chat_" + exc.field, exc.message) from None
+        raise
 
 
 def _as_conversations(messages: Any) -> tuple[list[Any], bool]:

@@ -3,12 +3,14 @@ the tiny test model whose chat template reads `enable_thinking` and `documents` 
 bad `mode`: `add_generation_prompt`, `continue_final_message`, `add_special_tokens`,
 `chat_template_kwargs` and `documents` render exactly what transformers' apply_chat_template
 renders with the same arguments, on /tokenize's chat form, /v1/chat/completions (through the
-official `openai` client's `extra_body`, as vLLM's clients send them) and the gRPC API; a
+official `openai` client's `extra_body`, as vLLM's clients send them) and the gRPC API (raw,
+and through `kvmesh.client`'s chat keywords of the same names); a
 completion's `add_special_tokens: false` leaves out the BOS; bad values are a 400 (gRPC:
 INVALID_ARGUMENT) naming the field."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +23,7 @@ import pytest
 from sys_harness import idle, local_system, wait_until
 
 from kvmesh.cli.up import LocalSystem
+from kvmesh.client import AsyncClient, Client, InvalidArgument
 from kvmesh.v1 import generation_pb2, generation_pb2_grpc
 
 # BOS, any documents, each message as `<|role|>\ncontent\n`, the assistant's header with the
@@ -273,4 +276,91 @@ def test_grpc_chat_options_render_and_are_validated(system: LocalSystem, tokeniz
             grpc_generate(system, request)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert field.replace("\\", "") in (caught.value.details() or ""), caught.value.details()
+    wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
+
+
+@pytest.mark.parametrize(("fields", "messages", "arguments"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])  # fmt: skip
+def test_the_python_client_sends_each_option(
+    system: LocalSystem, tokenizer: Any, fields: dict[str, Any], messages: Any,
+    arguments: dict[str, Any],
+) -> None:  # fmt: skip
+    """`kvmesh.client`'s chat calls take vLLM's field names as keywords and set ChatMessages'
+    fields: the server prefills exactly transformers' ids for the same arguments (its
+    prompt_tokens), and the greedy text is the completion of those ids."""
+    expected = expected_ids(tokenizer, messages, **arguments)
+    with Client(system.endpoint, timeout=30) as client:
+        chat = client.complete_chat(messages, **fields, **GREEDY, ignore_eos=True)
+        by_ids = client.complete(expected, **GREEDY, ignore_eos=True)
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(expected)
+    assert (chat.token_ids, chat.text) == (by_ids.token_ids, by_ids.text)
+    wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
+
+
+def test_the_python_clients_documents_text_and_async_calls(
+    system: LocalSystem, tokenizer: Any
+) -> None:
+    """`documents` (winning over the variables'), a text prompt's `add_special_tokens=False`,
+    and AsyncClient's chat and complete_chat with the same keywords."""
+    with Client(system.endpoint, timeout=30) as client:
+        for documents, variables in ((DOCUMENTS, None), ([], {"documents": DOCUMENTS})):
+            result = client.complete_chat(MESSAGES, documents=documents,
+                                          chat_template_kwargs=variables, **GREEDY)  # fmt: skip
+            expected = expected_ids(tokenizer, MESSAGES, documents=documents)
+            assert result.usage is not None and result.usage.prompt_tokens == len(expected)
+        for special, expected in (
+            (None, tokenizer.encode("héllo")),
+            (False, tokenizer.encode("héllo", add_special_tokens=False)),
+        ):
+            result = client.complete("héllo", add_special_tokens=special, **GREEDY)
+            assert result.usage is not None and result.usage.prompt_tokens == len(expected)
+    options: dict[str, Any] = {"add_generation_prompt": False, "continue_final_message": True,
+                               "add_special_tokens": True,
+                               "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    expected = expected_ids(tokenizer, PARTIAL, True, add_generation_prompt=False,
+                            continue_final_message=True)  # fmt: skip
+
+    async def run() -> tuple[int, int]:
+        async with AsyncClient(system.endpoint, timeout=30) as client:
+            result = await client.complete_chat(PARTIAL, **options, **GREEDY)
+            chunks = [c async for c in client.chat(PARTIAL, **options, **GREEDY)]
+        last = chunks[-1].usage
+        assert result.usage is not None and last is not None
+        return result.usage.prompt_tokens, last.prompt_tokens
+
+    assert asyncio.run(run()) == (len(expected), len(expected))
+    wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
+
+
+@pytest.mark.parametrize(
+    ("keywords", "error", "says"),
+    [
+        ({"add_generation_prompt": "no"}, TypeError, "add_generation_prompt"),
+        ({"add_special_tokens": 1}, TypeError, "add_special_tokens"),
+        ({"chat_template_kwargs": [1]}, TypeError, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"x": float("nan")}}, ValueError, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"x": object()}}, ValueError, "chat_template_kwargs"),
+        ({"documents": "one"}, TypeError, "documents"),
+        ({"chat_template": "{{ 'x' }}"}, TypeError, "chat_template is not supported"),
+        ({"tools": [{"type": "function"}]}, TypeError, "tools is not supported"),
+        ({"continue_final_message": True}, InvalidArgument, "prompt.chat.continue_final_message"),
+        ({"chat_template_kwargs": {"mode": "z"}}, InvalidArgument, "prompt.chat.template_kwargs"),
+        ({"chat_template_kwargs": {"chat_template": "x"}}, InvalidArgument,
+         "prompt.chat.template_kwargs.chat_template"),
+        ({"documents": [{"title": 1}]}, InvalidArgument, "prompt.chat.documents[0]"),
+    ],
+)  # fmt: skip
+def test_the_python_clients_bad_options_raise_clearly(
+    system: LocalSystem, keywords: dict[str, Any], error: type[Exception], says: str
+) -> None:
+    """Bad types are refused before sending (TypeError, or ValueError for what JSON cannot hold,
+    naming the keyword); the server's refusals are InvalidArgument naming the wire field."""
+    with Client(system.endpoint, timeout=30) as client:
+        with pytest.raises(error) as caught:
+            client.complete_chat(MESSAGES, **keywords, **GREEDY)
+        assert says in str(caught.value), caught.value
+        with pytest.raises(TypeError, match="option of a chat call"):
+            client.complete("héllo", continue_final_message=True)
+        with pytest.raises(InvalidArgument, match="add_special_tokens"):
+            client.complete(MESSAGES, add_special_tokens=True, **GREEDY)  # a text prompt's
     wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
