@@ -129,10 +129,24 @@ def has_amx() -> bool:
     return "amx_bf16" in isa_level().split(",")
 
 
+ISA_CAPS = ("KVMESH_CPU_KERNEL_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
 def machine() -> dict[str, str]:
     """What a benchmark ran on: the CPU's model name and `isa_level()` ("unknown" where
-    /proc/cpuinfo does not say)."""
-    return {"cpu": _cpuinfo("model name") or "unknown", "isa": isa_level() or "unknown"}
+    /proc/cpuinfo does not say), and `isa_caps` naming each set variable of `ISA_CAPS` that
+    held the kernels (kvmesh's, torch's, oneDNN's) below the CPU's ISA."""
+    found = {"cpu": _cpuinfo("model name") or "unknown", "isa": isa_level() or "unknown"}
+    caps = [f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name)]
+    if caps:
+        found["isa_caps"] = ",".join(caps)
+    return found
+
+
+def isa_text(host: dict[str, str]) -> str:
+    """A `machine()` result's ISA for a report line, with the caps it ran under."""
+    caps = host.get("isa_caps")
+    return f"{host['isa']}; capped: {caps}" if caps else host["isa"]
 
 
 def published_path(key: str | None = None) -> Path:

@@ -43,7 +43,7 @@ def register(subparsers: Any) -> None:
 
 
 def run_cold_start(args: argparse.Namespace) -> int:
-    from kvmesh_kernels.cpu_build import machine
+    from kvmesh_kernels.cpu_build import isa_text, machine
 
     from kvmesh.cli.up import LocalSystem, UpConfig, resolve_model
 
@@ -67,7 +67,7 @@ def run_cold_start(args: argparse.Namespace) -> int:
               "ttft_s": ttfts, "first_over_last": ttfts[0] / ttfts[-1],
               "first_over_median": ttfts[0] / statistics.median(ttfts[1:]), "workers": warmups,
               "phases_ms": [phases for _, phases in timed],
-              "isa": machine()["isa"]}  # fmt: skip
+              "isa": isa_text(machine())}  # fmt: skip
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0
 

@@ -163,12 +163,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_tables(result: dict[str, Any]) -> None:
+    from kvmesh_kernels.cpu_build import isa_text
     from rich.console import Console
     from rich.table import Table
 
     shape = ", ".join(f"{k}={v}" for k, v in result["shape"].items())
     host = result["machine"]
-    table = Table(title=f"paged decode vs contiguous SDPA ({shape}; {host['cpu']}, {host['isa']})")
+    title = f"paged decode vs contiguous SDPA ({shape}; {host['cpu']}, {isa_text(host)})"
+    table = Table(title=title)
     cols = ("context", "contiguous ms", "reference ms", "fused ms", "reference / contig")
     for col in (*cols, "fused / contig", "fused / contig range"):
         table.add_column(col, justify="right")

@@ -509,9 +509,10 @@ def _print(report: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(report))
         return
-    print(
-        f"workload {report['workload']} on {report['machine']['cpu']} ({report['machine']['isa']})"
-    )
+    from kvmesh_kernels.cpu_build import isa_text
+
+    host = report["machine"]
+    print(f"workload {report['workload']} on {host['cpu']} ({isa_text(host)})")
     for run in report["runs"]:
         print(
             f"  {run['name']:<22} {run['tokens']:>7} tok {run['seconds']:>8.2f} s "

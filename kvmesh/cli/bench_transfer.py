@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(nbytes: int, times: dict[str, list[float]]) -> dict[str, Any]:
-    from kvmesh_kernels.cpu_build import machine
+    from kvmesh_kernels.cpu_build import isa_text, machine
 
     best = {name: nbytes / min(ts) / 1e9 for name, ts in times.items()}
     rounds = {
@@ -207,7 +207,7 @@ def _report(nbytes: int, times: dict[str, list[float]]) -> dict[str, Any]:
     report: dict[str, Any] = {
         "bytes": nbytes,
         "dtype": "bfloat16",
-        "isa": machine()["isa"],
+        "isa": isa_text(machine()),
         "load_average": round(os.getloadavg()[0], 2),
         "memcpy_gbps": round(best["memcpy"], 3),
         "gbps": {k: round(v, 3) for k, v in best.items()},

@@ -113,3 +113,12 @@ def test_two_processes_building_into_one_fresh_cache_both_load_one_build(tmp_pat
     assert reports[1]["published"] == str(published) and published.is_file()
     assert sum("building the fused CPU kernels" in err for _, err in results) == 1
     assert [p.name for p in published.parent.iterdir() if p.is_file()] == [cpu_build.LIB_NAME]
+
+
+def test_machine_names_the_isa_caps_a_benchmark_ran_under(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in cpu_build.ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    assert "isa_caps" not in cpu_build.machine()
+    monkeypatch.setenv("KVMESH_CPU_KERNEL_ISA", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpu_build.machine()["isa_caps"] == "KVMESH_CPU_KERNEL_ISA=avx2,ONEDNN_MAX_CPU_ISA=AVX2"

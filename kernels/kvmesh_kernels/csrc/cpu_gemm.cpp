@@ -7,7 +7,10 @@
 //           needs an even K. The layout is the same for every ISA.
 //   tile    R rows x 32 columns of float32 sums in registers (AVX-512: up to 12 rows, two
 //           16-float vectors each; AVX2: up to 6 rows, the panel in two parts of two 8-float
-//           vectors), each row's step of x broadcast. bfloat16: vdpbf16ps adds both exact
+//           vectors, summed in one pass over the panel up to two rows, else one pass per part,
+//           the second part's lines prefetched by the first pass of a panel's first tile: the
+//           panel streams from memory in consecutive lines either way; docs/BENCHMARKS.md
+//           "AVX2 GEMM at a few rows"), each row's step of x broadcast. bfloat16: vdpbf16ps adds both exact
 //           products of a pair into float32 (subnormal inputs read as zero: oneDNN's bfloat16
 //           GEMM on these CPUs uses the same instruction); float32: one FMA per k, k in order.
 //   threads each takes a contiguous range of 32-column panels (an even split to one panel),

@@ -18,12 +18,36 @@ inline __attribute__((always_inline)) void store_silu(typename E::T* y, typename
     y[i] = D::store(kvmesh_fused::silu_mul_elem<D, true>(gv[i], uv[i]));
 }
 
-// rows x 32 columns of y from the panel (k / kStep steps), in parts of two vectors of kCols
-// output columns; while the first part runs, `lines_per_step` cache lines of `next` per step
-// are prefetched (none when next is null). bias: the panel's 32 float32 values or null.
-// kSilu: each part's two vectors are gate and up of the same kCols columns, and the tile
-// writes silu(gate) * up of them (kCols per part, 16 per panel; no bias).
+// A part's sums (lo, hi: rows x two vectors) into y: with bias (float32 of the panel or
+// null), or (kSilu) as silu(gate) * up.
 template <class E, int R, bool kSilu>
+inline __attribute__((always_inline)) void store_part(typename E::T* y, int64_t ldy,
+                                                      const float* bias, int64_t part,
+                                                      const typename E::Acc* lo,
+                                                      const typename E::Acc* hi) {
+  if constexpr (kSilu) {
+    typename E::T* out = y + part * E::kCols;
+    for (int r = 0; r < R; ++r) store_silu<E>(out + r * ldy, lo[r], hi[r]);
+    return;
+  }
+  const float* part_bias = bias != nullptr ? bias + part * 2 * E::kCols : nullptr;
+  typename E::T* out = y + part * 2 * E::kCols;
+  for (int r = 0; r < R; ++r) {
+    E::store(out + r * ldy, lo[r], part_bias);
+    E::store(out + r * ldy + E::kCols, hi[r], part_bias ? part_bias + E::kCols : nullptr);
+  }
+}
+
+// rows x 32 columns of y from the panel (k / kStep steps), in parts of two vectors of kCols
+// output columns (AVX2: two parts), each pass over the panel's steps summing kTogether parts:
+// all of them when their sums fit the registers (AVX2 up to two rows), else one. While the
+// first pass runs, `lines_per_step` cache lines of `next` per step are prefetched (none when
+// next is null), and, in a panel's first tile (kFirst), the later passes' lines of each step:
+// the panel streams from memory in consecutive lines, not in one strided pass per part.
+// bias: the panel's 32 float32 values or null. kSilu: each part's two vectors are gate and up
+// of the same kCols columns, and the tile writes silu(gate) * up of them (kCols per part, 16
+// per panel; no bias).
+template <class E, int R, bool kSilu, bool kFirst>
 inline __attribute__((always_inline)) void tile(const Gemm<typename E::T>& g,
                                                 const typename E::T* x,
                                                 const typename E::T* panel, typename E::T* y,
@@ -31,36 +55,40 @@ inline __attribute__((always_inline)) void tile(const Gemm<typename E::T>& g,
                                                 const char* next, int64_t lines_per_step) {
   constexpr int64_t kStride = kPanel * E::kStep;  // elements per step of the panel
   constexpr int64_t kParts = kPanel / (2 * E::kCols);
+  constexpr int64_t kPartElems = 2 * E::kCols * E::kStep;  // a part's elements per step
+  constexpr int64_t kTogether = kParts > 1 && R <= 2 ? kParts : 1;
   const int64_t steps = g.k / E::kStep;
-  for (int64_t part = 0; part < kParts; ++part) {
-    const typename E::T* cols = panel + part * 2 * E::kCols * E::kStep;
-    typename E::Acc lo[R], hi[R];
-    for (int r = 0; r < R; ++r) lo[r] = hi[r] = E::zero();
+  for (int64_t first = 0; first < kParts; first += kTogether) {
+    const typename E::T* cols = panel + first * kPartElems;
+    typename E::Acc lo[kTogether][R], hi[kTogether][R];
+    for (int64_t q = 0; q < kTogether; ++q)
+      for (int r = 0; r < R; ++r) lo[q][r] = hi[q][r] = E::zero();
     for (int64_t s = 0; s < steps; ++s) {
-      const typename E::B b0 = E::load(cols + s * kStride);
-      const typename E::B b1 = E::load(cols + s * kStride + E::kCols * E::kStep);
+      typename E::B b0[kTogether], b1[kTogether];
+      for (int64_t q = 0; q < kTogether; ++q) {
+        b0[q] = E::load(cols + s * kStride + q * kPartElems);
+        b1[q] = E::load(cols + s * kStride + q * kPartElems + E::kCols * E::kStep);
+      }
+      if constexpr (kFirst && kTogether < kParts)
+        if (first == 0)  // the rest of this step's columns, read by the later passes
+          for (int64_t q = kTogether; q < kParts; ++q)
+            _mm_prefetch(reinterpret_cast<const char*>(cols + s * kStride + q * kPartElems),
+                         _MM_HINT_T0);
       if (next != nullptr)
         for (int64_t j = 0; j < lines_per_step; ++j)
           _mm_prefetch(next + (s * lines_per_step + j) * kLine, _MM_HINT_T1);
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
         const typename E::B a = E::broadcast(x + r * g.ldx + E::kStep * s);
-        lo[r] = E::madd(lo[r], a, b0);
-        hi[r] = E::madd(hi[r], a, b1);
+        for (int64_t q = 0; q < kTogether; ++q) {
+          lo[q][r] = E::madd(lo[q][r], a, b0[q]);
+          hi[q][r] = E::madd(hi[q][r], a, b1[q]);
+        }
       }
     }
     next = nullptr;
-    if constexpr (kSilu) {
-      typename E::T* out = y + part * E::kCols;
-      for (int r = 0; r < R; ++r) store_silu<E>(out + r * ldy, lo[r], hi[r]);
-      continue;
-    }
-    const float* part_bias = bias != nullptr ? bias + part * 2 * E::kCols : nullptr;
-    typename E::T* out = y + part * 2 * E::kCols;
-    for (int r = 0; r < R; ++r) {
-      E::store(out + r * ldy, lo[r], part_bias);
-      E::store(out + r * ldy + E::kCols, hi[r], part_bias ? part_bias + E::kCols : nullptr);
-    }
+    for (int64_t q = 0; q < kTogether; ++q) store_part<E, R, kSilu>(y, ldy, bias, first + q,
+                                                                  lo[q], hi[q]);
   }
 }
 
@@ -68,20 +96,21 @@ template <class E>
 using TileFn = void (*)(const Gemm<typename E::T>&, const typename E::T*, const typename E::T*,
                         typename E::T*, int64_t, const float*, const char*, int64_t);
 
-template <class E, int R, bool kSilu>
+template <class E, int R, bool kSilu, bool kFirst>
 void tile_fn(const Gemm<typename E::T>& g, const typename E::T* x, const typename E::T* panel,
              typename E::T* y, int64_t ldy, const float* bias, const char* next,
              int64_t lines_per_step) {
-  tile<E, R, kSilu>(g, x, panel, y, ldy, bias, next, lines_per_step);
+  tile<E, R, kSilu, kFirst>(g, x, panel, y, ldy, bias, next, lines_per_step);
 }
 
-template <class E, bool kSilu, int... R>
+template <class E, bool kSilu, bool kFirst, int... R>
 constexpr std::array<TileFn<E>, sizeof...(R) + 1> tiles_of(std::integer_sequence<int, R...>) {
-  return {nullptr, &tile_fn<E, R + 1, kSilu>...};
+  return {nullptr, &tile_fn<E, R + 1, kSilu, kFirst>...};
 }
 
-template <class E, bool kSilu>
-constexpr auto kTiles = tiles_of<E, kSilu>(std::make_integer_sequence<int, kMaxRows>{});
+// kTiles<E, kSilu, kFirst>[rows]: the tile of `rows` rows (kFirst: a panel's first tile)
+template <class E, bool kSilu, bool kFirst>
+constexpr auto kTiles = tiles_of<E, kSilu, kFirst>(std::make_integer_sequence<int, kMaxRows>{});
 
 // Rows [m0, m1) of panels [p0, p1): per panel every tile of the rows, the next panel of the
 // range prefetched during the first. The last panel's columns past N go to a scratch row
@@ -105,8 +134,9 @@ void run_panels(const Gemm<typename E::T>& g, int64_t m0, int64_t m1, int64_t p0
       const int64_t rows = std::min<int64_t>(kMaxRows, m1 - m);
       T* y = g.y + m * g.ldy + p * (kSilu ? kPanel / 2 : kPanel);
       T* target = cols == kPanel ? y : scratch;
-      kTiles<E, kSilu>[rows](g, g.x + m * g.ldx, panel, target, cols == kPanel ? g.ldy : kPanel,
-                             bias, next, lines_per_step);
+      const auto& tiles = m == m0 ? kTiles<E, kSilu, true> : kTiles<E, kSilu, false>;
+      tiles[rows](g, g.x + m * g.ldx, panel, target, cols == kPanel ? g.ldy : kPanel, bias, next,
+                  lines_per_step);
       next = nullptr;
       if (cols != kPanel)
         for (int64_t r = 0; r < rows; ++r)
