@@ -168,6 +168,8 @@ def template_arguments(
     and so is every apply_chat_template argument (`tokenize`, `padding`, ...) but `documents`,
     which applies when `options.documents` is None; `add_generation_prompt` and
     `continue_final_message` are the options' own."""
+    if not options.template_kwargs:  # every request without variables: nothing to resolve
+        return {}, options.documents
     kwargs = dict(options.template_kwargs)
     documents = options.documents
     named = _argument_names(tokenizer) | _OVERRIDDEN_KWARGS | {"tokenize", "documents"}

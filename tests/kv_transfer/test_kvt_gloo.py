@@ -30,6 +30,22 @@ def store(seed: int, shape: tuple[int, ...] = SHAPE) -> BlockStore:
     return BlockStore(torch.randn(shape, generator=gen).to(torch.bfloat16))
 
 
+def _one_transfer(
+    gloo: Any, receiver: Any, src: BlockStore, src_ids: list[int], dst_ids: list[int]
+) -> None:
+    """A new sender moves `src_ids` of `src` into `dst_ids` of `receiver`'s store: both sides
+    end ok and the blocks arrive exactly."""
+    sender = gloo.Sender(src, receiver.address, frame_bytes=1024)
+    try:
+        req = TransferRequest(new_transfer_id(), 1)
+        handle = receiver.expect(req, dst_ids, time.monotonic() + 10)
+        assert sender.send(req, src_ids, dst_ids, deadline=time.monotonic() + 10).ok
+        assert handle.wait().ok
+        assert torch.equal(receiver.store.cache[dst_ids], src.cache[src_ids])
+    finally:
+        sender.close()
+
+
 @pytest.fixture(scope="module")
 def gloo() -> object:
     return get_backend("gloo")
@@ -324,12 +340,7 @@ def test_a_strangers_close_message_does_not_stop_the_receiver(gloo: object) -> N
         )
         stranger.queue_push(gloo_link.QUEUE, gloo_mod._CLOSE)
         time.sleep(0.2)  # the accept loop pops it first
-        sender = gloo.Sender(src, receiver.address, frame_bytes=1024)  # type: ignore[attr-defined]
-        req = TransferRequest(new_transfer_id(), 1)
-        handle = receiver.expect(req, [3], time.monotonic() + 10)
-        assert sender.send(req, [0], [3], deadline=time.monotonic() + 10).ok
-        assert handle.wait().ok and torch.equal(dst.cache[3], src.cache[0])
-        sender.close()
+        _one_transfer(gloo, receiver, src, [0], [3])
     finally:
         receiver.close()
 
@@ -349,12 +360,7 @@ def test_link_ids_pushed_by_anyone_do_not_pile_up_threads(gloo: object) -> None:
             rogue.queue_push(gloo_link.QUEUE, f"rogue-{k}")
         time.sleep(1.0)
         assert threading.active_count() - before <= gloo_mod.MAX_PENDING_LINKS
-        sender = gloo.Sender(src, receiver.address, frame_bytes=1024)  # type: ignore[attr-defined]
-        req = TransferRequest(new_transfer_id(), 1)
-        handle = receiver.expect(req, [3, 4], time.monotonic() + 10)
-        assert sender.send(req, [0, 1], [3, 4], deadline=time.monotonic() + 10).ok
-        assert handle.wait().ok and torch.equal(dst.cache[3:5], src.cache[0:2])
-        sender.close()
+        _one_transfer(gloo, receiver, src, [0, 1], [3, 4])
     finally:
         receiver.close()
 
@@ -386,12 +392,7 @@ def test_a_handshake_whose_sender_never_joins_blocks_no_other(gloo: object) -> N
         while _handshake_threads() < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert _handshake_threads() == 3  # all three wait for their peer
-        sender = gloo.Sender(src, receiver.address, frame_bytes=1024)  # type: ignore[attr-defined]
-        req = TransferRequest(new_transfer_id(), 1)
-        handle = receiver.expect(req, [3], time.monotonic() + 10)
-        assert sender.send(req, [0], [3], deadline=time.monotonic() + 10).ok
-        assert handle.wait().ok and torch.equal(dst.cache[3], src.cache[0])
-        sender.close()
+        _one_transfer(gloo, receiver, src, [0], [3])
         del rogue
     finally:
         receiver.close()
@@ -418,12 +419,7 @@ def test_handshakes_under_way_are_bounded(gloo: object, monkeypatch: pytest.Monk
         while _handshake_threads() and time.monotonic() < deadline:
             time.sleep(0.05)
         monkeypatch.setattr(gloo_link, "HANDSHAKE_SECONDS", 10.0)
-        sender = gloo.Sender(src, receiver.address, frame_bytes=1024)  # type: ignore[attr-defined]
-        req = TransferRequest(new_transfer_id(), 1)
-        handle = receiver.expect(req, [5], time.monotonic() + 10)
-        assert sender.send(req, [1], [5], deadline=time.monotonic() + 10).ok
-        assert handle.wait().ok and torch.equal(dst.cache[5], src.cache[1])
-        sender.close()
+        _one_transfer(gloo, receiver, src, [1], [5])
         del rogue
     finally:
         receiver.close()

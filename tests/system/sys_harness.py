@@ -97,3 +97,12 @@ def wait_until(predicate: Callable[[], bool], seconds: float, what: str) -> floa
 def idle(system: LocalSystem) -> bool:
     """No blocks held on any worker and no ledger entry."""
     return not any(used_blocks(system).values()) and ledger_entries(system) == 0
+
+
+def openai_client(system: LocalSystem, **kwargs: Any) -> Any:
+    """The official `openai` client of `system`'s HTTP door (no retries, any key unless
+    `api_key` is given; other `kwargs` go to `openai.OpenAI`)."""
+    import openai
+
+    options: dict[str, Any] = {"api_key": "unused", "max_retries": 0, **kwargs}
+    return openai.OpenAI(base_url=f"{system.http_url}/v1", **options)

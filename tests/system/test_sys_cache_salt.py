@@ -10,6 +10,7 @@ from typing import Any
 
 import openai
 import pytest
+from sys_harness import openai_client
 
 from kvmesh.cli.up import LocalSystem
 from kvmesh.client import Client
@@ -43,7 +44,7 @@ def cached_tokens(answer: Any) -> int:
 def test_openai_cache_salt_keeps_tenants_apart(openai_system: LocalSystem) -> None:
     """vLLM's `cache_salt` body field salts the prefix cache of completions and chat alike; a
     door that dropped it would serve tenant B from tenant A's KV (a hit across salts)."""
-    client = openai.OpenAI(base_url=f"{openai_system.http_url}/v1", api_key="unused", max_retries=0)
+    client = openai_client(openai_system)
     model = client.models.list().data[0].id
 
     def complete(salt: str | None) -> int:
@@ -72,7 +73,7 @@ def test_openai_cache_salt_keeps_tenants_apart(openai_system: LocalSystem) -> No
 def test_openai_bad_cache_salt_is_400_naming_it(
     openai_system: LocalSystem, salt: object, reason: str
 ) -> None:
-    client = openai.OpenAI(base_url=f"{openai_system.http_url}/v1", api_key="unused", max_retries=0)
+    client = openai_client(openai_system)
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(
             model=client.models.list().data[0].id, prompt="x", extra_body={"cache_salt": salt}

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import openai
 import pytest
-from sys_harness import idle, local_system, wait_until
+from sys_harness import idle, local_system, openai_client, wait_until
 
 from kvmesh.cli.up import LocalSystem
 from tests.checkpoints import with_generation_config
@@ -25,12 +24,8 @@ def system(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield started
 
 
-def api(system: LocalSystem) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{system.http_url}/v1", api_key="unused", max_retries=0)
-
-
 def test_unset_sampling_takes_the_models_generation_config(system: LocalSystem) -> None:
-    client = api(system)
+    client = openai_client(system)
     model = client.models.list().data[0].id
     # top_k 1 from the model: every seed gives the most likely tokens
     texts = {

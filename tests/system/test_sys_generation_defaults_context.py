@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from sys_harness import idle, local_system, wait_until
+from sys_harness import idle, local_system, openai_client, wait_until
 
 from kvmesh.cli.up import LocalSystem
 from tests.checkpoints import with_generation_config
@@ -41,7 +41,7 @@ def filling_message(model: str, room: int) -> list[dict[str, str]]:
 
 
 def test_an_open_ended_chat_near_the_context_is_served_up_to_it(system: LocalSystem) -> None:
-    client = openai.OpenAI(base_url=f"{system.http_url}/v1", api_key="unused", max_retries=0)
+    client = openai_client(system)
     model = client.models.list().data[0].id
     chat = client.chat.completions.create(
         model=model,

@@ -10,7 +10,7 @@ from typing import Any
 
 import openai
 import pytest
-from sys_harness import GREEDY, idle, local_system, sample, wait_until
+from sys_harness import GREEDY, idle, local_system, openai_client, sample, wait_until
 
 from kvmesh.cli.up import LocalSystem
 from kvmesh.client import Client
@@ -19,18 +19,13 @@ PROMPT = [5, 9, 2, 44, 17]
 IGNORE_EOS = {"ignore_eos": True}  # a kvmesh extension field, sent as extra_body
 
 
-def api(system: LocalSystem, **kwargs: object) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{system.http_url}/v1", api_key="unused", max_retries=0,
-                         **kwargs)  # type: ignore[arg-type]  # fmt: skip
-
-
 def get(system: LocalSystem, path: str) -> tuple[int, str]:
     with urllib.request.urlopen(f"{system.http_url}{path}", timeout=5) as response:
         return response.status, response.read().decode()
 
 
 def test_completion_matches_grpc_and_its_stream(openai_system: LocalSystem) -> None:
-    client = api(openai_system)
+    client = openai_client(openai_system)
     model = client.models.list().data[0].id
     assert model == Path(openai_system.model_dir).name
     max_tokens, temperature = GREEDY["max_tokens"], GREEDY["temperature"]
@@ -77,12 +72,12 @@ def check_continuous_usage(client: openai.OpenAI, prompts: list[list[int]], n: i
 
 
 def test_continuous_usage_stats_on_every_chunk(openai_system: LocalSystem) -> None:
-    check_continuous_usage(api(openai_system), [PROMPT, [7, 3, 11]])
+    check_continuous_usage(openai_client(openai_system), [PROMPT, [7, 3, 11]])
     wait_until(lambda: idle(openai_system), 5.0, "blocks free after the requests")
 
 
 def test_a_batch_of_prompts_answers_as_the_prompts_one_by_one(openai_system: LocalSystem) -> None:
-    client = api(openai_system)
+    client = openai_client(openai_system)
     model = client.models.list().data[0].id
     prompts = [PROMPT, [7, 3, 11, 12], PROMPT[:2]]
     params: dict[str, Any] = {
@@ -135,7 +130,7 @@ def test_echo_returns_the_prompt_with_its_logprobs(openai_system: LocalSystem) -
     completion, disaggregated: the prefill worker scores the prompt."""
     from transformers import AutoTokenizer
 
-    client = api(openai_system)
+    client = openai_client(openai_system)
     model = client.models.list().data[0].id
     only = client.completions.create(model=model, prompt=PROMPT, echo=True, max_tokens=0,
                                      logprobs=1, temperature=0)  # fmt: skip
@@ -185,7 +180,7 @@ def test_echo_returns_the_prompt_with_its_logprobs(openai_system: LocalSystem) -
 
 
 def test_chat_matches_grpc_chat_with_token_logprobs(openai_system: LocalSystem) -> None:
-    client = api(openai_system)
+    client = openai_client(openai_system)
     model = client.models.list().data[0].id
     messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     with Client(openai_system.endpoint) as grpc_client:
@@ -215,7 +210,7 @@ def test_chat_matches_grpc_chat_with_token_logprobs(openai_system: LocalSystem) 
 def test_chat_logprob_bytes_are_the_tokens_own_bytes(openai_system: LocalSystem) -> None:
     """A token that is part of a UTF-8 character reads as U+FFFD alone; its `bytes` are its
     own (0xC8 here, forced by logit_bias), not U+FFFD's, and the alternatives' too."""
-    client = api(openai_system)
+    client = openai_client(openai_system)
     model = client.models.list().data[0].id
     done = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=3,
@@ -232,7 +227,7 @@ def test_chat_logprob_bytes_are_the_tokens_own_bytes(openai_system: LocalSystem)
 
 
 def test_logprobs_errors_health_and_metrics(openai_system: LocalSystem) -> None:
-    client = api(openai_system)
+    client = openai_client(openai_system)
     model = client.models.list().data[0].id
     done = client.completions.create(model=model, prompt="The KV", max_tokens=4, logprobs=2,
                                      temperature=0, extra_body=IGNORE_EOS)  # fmt: skip
@@ -267,7 +262,7 @@ def test_logprobs_errors_health_and_metrics(openai_system: LocalSystem) -> None:
 def test_logit_bias_steers_greedy_tokens_over_http_and_grpc(openai_system: LocalSystem) -> None:
     """+100 forces a token at every step, -100 bans the greedy choice; the HTTP door gives
     gRPC's answer; a token id outside the vocabulary is the worker's 400 naming the param."""
-    client = api(openai_system)
+    client = openai_client(openai_system)
     model = client.models.list().data[0].id
     with Client(openai_system.endpoint) as grpc_client:
         first = grpc_client.complete(PROMPT, **GREEDY).token_ids[0]
@@ -290,7 +285,7 @@ def test_stop_reason_and_the_stop_tokens_text_as_vllm_answers(openai_system: Loc
     EOS or a length), streamed (on the last chunk) or not; the token that stopped a choice (a
     stop token id, EOS with special tokens kept) leaves its text out unless
     include_stop_str_in_output, even as the first token (sampled by the prefill worker)."""
-    client = api(openai_system)
+    client = openai_client(openai_system)
     model = client.models.list().data[0].id
     x, eos = ord("x"), 257  # the byte tokenizer's "x" and <eos>
     included = {"stop_token_ids": [x], "include_stop_str_in_output": True}
@@ -346,7 +341,7 @@ def test_vllm_fields_that_change_the_answer_are_refused_not_ignored(
 ) -> None:
     """A user switching from vLLM never gets an answer that silently lacks what a field asked
     for: each is a 400 naming it (no run starts)."""
-    client = api(openai_system)
+    client = openai_client(openai_system)
     model = client.models.list().data[0].id
     with pytest.raises(openai.BadRequestError) as caught:
         if kind == "completion":
@@ -361,7 +356,7 @@ def test_top_logprobs_zero_without_logprobs_is_accepted_as_vllm_accepts_it(
     openai_system: LocalSystem,
 ) -> None:
     """`top_logprobs: 0` asks for nothing (vLLM needs `logprobs` only for more): no logprobs."""
-    client = api(openai_system)
+    client = openai_client(openai_system)
     model = client.models.list().data[0].id
     done = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "a"}],
                                           max_tokens=2, top_logprobs=0)  # fmt: skip
@@ -369,7 +364,7 @@ def test_top_logprobs_zero_without_logprobs_is_accepted_as_vllm_accepts_it(
 
 
 def test_client_leaving_mid_stream_frees_every_block(openai_system: LocalSystem) -> None:
-    client = api(openai_system)
+    client = openai_client(openai_system)
     model = client.models.list().data[0].id
     metrics = openai_system.control_metrics
     cancelled = sample(metrics, "kvmesh_control_requests_total", status="CANCELLED")
@@ -385,7 +380,7 @@ def test_n_completions_colocated_then_503_without_workers(tiny_model: str) -> No
     with local_system(model=tiny_model, http_port=0, prefill=0, decode=0, colocated=1) as (
         system, _,
     ):  # fmt: skip
-        client = api(system)
+        client = openai_client(system)
         model = client.models.list().data[0].id
         done = client.completions.create(model=model, prompt="Hello", n=2, max_tokens=6, seed=1,
                                          extra_body=IGNORE_EOS)  # fmt: skip
@@ -415,7 +410,7 @@ def test_completion_with_a_null_max_tokens_generates_the_default_16(
 ) -> None:
     """`max_tokens: null` on completions is the default 16, as vLLM 0.32 answers it (its
     `normalize_null_max_tokens`), not "up to the context"."""
-    client = api(openai_system)
+    client = openai_client(openai_system)
     model = client.models.list().data[0].id
     prompt = [5 + i % 200 for i in range(2020)]  # 28 tokens of the 2048 context left
     done = client.completions.create(model=model, prompt=prompt, max_tokens=None,
@@ -430,7 +425,7 @@ def test_max_tokens_beyond_the_context_left_is_clamped_as_vllm_does(
 ) -> None:
     """vLLM 0.32 refuses only max_tokens > max_model_len; a max_tokens the prompt leaves no
     room for generates up to the context and finishes with "length" (its `get_max_tokens`)."""
-    client = api(openai_system)
+    client = openai_client(openai_system)
     model = client.models.list().data[0].id
     prompt = [5 + i % 200 for i in range(2040)]  # 8 tokens of the 2048 context left
     done = client.completions.create(model=model, prompt=prompt, max_tokens=16,

@@ -20,7 +20,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from sys_harness import idle, local_system, wait_until
+from sys_harness import idle, local_system, openai_client, wait_until
 
 from kvmesh.cli.up import LocalSystem
 from kvmesh.client import AsyncClient, Client, InvalidArgument
@@ -68,10 +68,6 @@ def tokenizer(model_dir: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-def api(system: LocalSystem) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{system.http_url}/v1", api_key="unused", max_retries=0)
 
 
 def tokenize(system: LocalSystem, body: dict[str, Any]) -> httpx.Response:
@@ -122,7 +118,7 @@ def test_tokenize_and_chat_render_as_apply_chat_template(
     response = tokenize(system, {"messages": messages, **fields})
     assert response.status_code == 200, response.text
     assert response.json()["tokens"] == expected
-    client = api(system)
+    client = openai_client(system)
     model = client.models.list().data[0].id
     chat = client.chat.completions.create(
         model=model, messages=messages, extra_body={**fields, "ignore_eos": True}, **GREEDY
@@ -159,7 +155,7 @@ def test_each_option_changes_the_ids_as_it_should(system: LocalSystem, tokenizer
 def test_documents_reach_the_chat_template_of_a_chat(system: LocalSystem, tokenizer: Any) -> None:
     """vLLM's chat `documents` (its /tokenize has no such field and ignores it, as vLLM does);
     the request's documents win over the template variables'."""
-    client = api(system)
+    client = openai_client(system)
     model = client.models.list().data[0].id
     for extra, documents in (
         ({"documents": DOCUMENTS}, DOCUMENTS),
@@ -175,7 +171,7 @@ def test_documents_reach_the_chat_template_of_a_chat(system: LocalSystem, tokeni
 
 
 def test_completion_without_special_tokens_has_no_bos(system: LocalSystem, tokenizer: Any) -> None:
-    client = api(system)
+    client = openai_client(system)
     model, text = client.models.list().data[0].id, "héllo there"
     plain = tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.encode(text) == [tokenizer.bos_token_id, *plain]
@@ -214,7 +210,7 @@ def test_bad_options_are_a_400_naming_the_field(
 ) -> None:
     """On the chat endpoint (the openai client raises BadRequestError) and /tokenize alike; a
     template that raises on the variables is refused for that request alone."""
-    client = api(system)
+    client = openai_client(system)
     model = client.models.list().data[0].id
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=model, messages=MESSAGES, extra_body=fields,

@@ -6,13 +6,11 @@ chat's chunks as vLLM and OpenAI send them: the role first, once per choice."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
-from sys_harness import idle, local_system, wait_until
+from sys_harness import idle, openai_client, wait_until
 
 from kvmesh.cli.up import LocalSystem
 
@@ -21,9 +19,8 @@ GREEDY: dict[str, Any] = {"max_tokens": 6, "temperature": 0.0, "extra_body": {"i
 
 
 @pytest.fixture(scope="module")
-def system(tiny_model: str) -> Iterator[LocalSystem]:
-    with local_system(model=tiny_model, http_port=0) as (started, _):
-        yield started
+def system(openai_system: LocalSystem) -> LocalSystem:
+    return openai_system
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +30,12 @@ def tokenizer(tiny_model: str) -> Any:
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-def api(system: LocalSystem) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{system.http_url}/v1", api_key="unused", max_retries=0)
-
-
 def post(system: LocalSystem, path: str, body: object) -> httpx.Response:
     return httpx.post(f"{system.http_url}{path}", json=body, timeout=30)
 
 
 def model_of(system: LocalSystem) -> str:
-    return api(system).models.list().data[0].id
+    return openai_client(system).models.list().data[0].id
 
 
 def template_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -62,7 +55,7 @@ def test_tokenize_text_gives_the_ids_a_completion_prefills(
     max_len = httpx.get(f"{system.http_url}/v1/models").json()["data"][0]["max_model_len"]
     assert body == {"count": len(expected), "max_model_len": max_len, "tokens": expected,
                     "token_strs": None}  # fmt: skip
-    client = api(system)
+    client = openai_client(system)
     by_text = client.completions.create(model=model, prompt=text, **GREEDY)
     by_ids = client.completions.create(model=model, prompt=body["tokens"], **GREEDY)
     assert by_text.usage is not None and by_text.usage.prompt_tokens == body["count"]
@@ -84,7 +77,7 @@ def test_tokenize_messages_gives_the_ids_a_chat_prefills(
     tokens = response.json()["tokens"]
     assert tokens == template_ids(tokenizer, MESSAGES)
     assert response.json()["count"] == len(tokens)
-    chat = api(system).chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
+    chat = openai_client(system).chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
     assert chat.usage is not None and chat.usage.prompt_tokens == len(tokens)
     wait_until(lambda: idle(system), 5.0, "blocks free after the requests")
 
@@ -159,7 +152,7 @@ def test_version_and_ping(system: LocalSystem) -> None:
 
 
 def test_streamed_chat_sends_each_choices_role_first(system: LocalSystem) -> None:
-    stream = api(system).chat.completions.create(
+    stream = openai_client(system).chat.completions.create(
         model=model_of(system), messages=MESSAGES, n=2, seed=3, temperature=0.9, max_tokens=4,
         stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
     )  # fmt: skip
