@@ -86,8 +86,9 @@ def open_receivers(
     whichever backend the sender picks. Backends that cannot run here are skipped. Network
     receivers bind `host` on `port`, `port + 1`, ... in `backends` order (0: free ports); a port
     chosen that way which cannot be bound is an OSError naming --transfer-port, never a skip.
-    The gRPC receiver requires `security`'s cluster token (and TLS when set) and closes a
-    connection idle for `max_connection_idle_seconds`, as the worker's own port does."""
+    The gRPC and gloo receivers require `security`'s cluster token (the gRPC one TLS too, when
+    set); the gRPC receiver closes a connection idle for `max_connection_idle_seconds`, as the
+    worker's own port does (gloo links keep their own idle limit)."""
     core = ReceiverCore(store)
     receivers: dict[str, KVReceiver] = {}
     ports = receiver_ports(backends, port)
@@ -95,10 +96,10 @@ def open_receivers(
         options: dict[str, Any] = {}
         if name in ports:
             options["bind"] = bind_address(host, ports[name])
-        if name in AUTHENTICATED_BACKENDS:
+        if name == "grpc":
             options["max_connection_idle_seconds"] = max_connection_idle_seconds
-            if security is not None:
-                options["security"] = security
+        if name in AUTHENTICATED_BACKENDS and security is not None:
+            options["security"] = security
         try:
             receiver = get_backend(name).Receiver(store, **options)
         except (ImportError, ValueError, OSError, RuntimeError) as exc:

@@ -22,8 +22,8 @@ _MODULES = {
     "cuda_ipc": "kv_transfer.backends.cuda_ipc",
 }
 BACKENDS = {name: _MODULES[name] for name in BACKEND_NAMES}  # name -> module, every name
-# Backends whose Sender and Receiver take `security=` (cluster token, TLS).
-AUTHENTICATED_BACKENDS = ("grpc",)
+# Backends whose Sender and Receiver take `security=` (cluster token; TLS on grpc only).
+AUTHENTICATED_BACKENDS = ("grpc", "gloo")
 
 _LAZY = {
     "KVLayout": "kv_transfer.layout",

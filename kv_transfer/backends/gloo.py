@@ -3,7 +3,12 @@
 Rendezvous: the receiver serves a `TCPStore` on its advertised `host:port`. A sender pushes a
 HELLO (layout + largest frame) under a random link id; the receiver answers with its layout or
 a refusal, and both build a two-rank process group (receiver rank 0, sender rank 1) over a
-`PrefixStore` of that link. Groups are expensive, so a link is pooled per peer and reused by
+`PrefixStore` of that link. Given the cluster token (`security=`), both sides sign what they
+write and check what they read (`gloo_handshake`): the receiver drops a HELLO without a valid
+proof before it takes a handshake slot, unanswered, and the sender refuses an unsigned answer
+(`AuthenticationError`). Without a token the receiver trusts whoever reaches its store. The
+receiver deletes a link's store keys once its handshake failed or was refused, or the link
+closed. Groups are expensive, so a link is pooled per peer and reused by
 every later transfer; a link whose wait failed or timed out is aborted and rebuilt on the next
 transfer. A link whose receiver stopped since it was built (a worker restarted at the same
 address) is rebuilt before use when the pool already saw the receiver go (`Link.gone`, also
@@ -56,10 +61,11 @@ import json
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kv_transfer.backends import gloo_handshake
 from kv_transfer.backends.gloo_link import (
     HANDSHAKE_SECONDS,
     IDLE_SECONDS,
@@ -95,6 +101,9 @@ from kv_transfer.interface import (
 from kv_transfer.layout import split_hello
 from kv_transfer.state import TransferRecord
 
+if TYPE_CHECKING:
+    from kvmesh.security import Security
+
 if not torch.distributed.is_available():  # pragma: no cover - builds without distributed
     raise ImportError("torch.distributed is not available in this torch build")
 
@@ -120,12 +129,19 @@ def _control_payload(header: FrameHeader, link: Link, deadline: float) -> bytes:
 
 
 class Receiver(KVReceiver):
-    """Serves a TCPStore at `bind` (`HOST:PORT`, port 0 picks one) and one thread per link."""
+    """Serves a TCPStore at `bind` (`HOST:PORT`, port 0 picks one) and one thread per link.
+    With `security`'s cluster token, only HELLOs proving it are served (TLS does not apply)."""
 
     def __init__(
-        self, store: BlockStore, *, bind: str = "127.0.0.1:0", advertise: str | None = None
+        self,
+        store: BlockStore,
+        *,
+        bind: str = "127.0.0.1:0",
+        advertise: str | None = None,
+        security: Security | None = None,
     ) -> None:
         super().__init__(store)
+        self._token = security.token if security is not None else None
         host, port = split_host_port(bind)
         self._host = advertise or (host if host not in ("0.0.0.0", "::") else socket.getfqdn())
         self._device = store.cache.device
@@ -174,6 +190,8 @@ class Receiver(KVReceiver):
     def _accept_loop(self) -> None:
         waiter = self._store.clone()
         waiter.set_timeout(td(60.0))
+        reader = self._store.clone()  # HELLOs: present when queued, so read at once
+        reader.set_timeout(td(1.0))
         while not self._closed:
             try:
                 link_id = waiter.queue_pop(QUEUE).decode()
@@ -183,28 +201,49 @@ class Receiver(KVReceiver):
                 return
             if link_id == _CLOSE:  # only a wake-up: whoever reaches the store can push it
                 continue
-            self._start_link(link_id)
+            self._start_link(reader, link_id)
 
-    def _start_link(self, link_id: str) -> None:
+    def _start_link(self, reader: Any, link_id: str) -> None:
         """Serve `link_id` on its own thread, unless its HELLO is not in the store (a sender
         writes it before it queues the id: anything else was pushed by whoever reached the
-        store, which is not authenticated) or no handshake slot frees within
-        HANDSHAKE_SECONDS (`MAX_PENDING_LINKS` run at once, each waiting at most that long for
-        its peer): such ids are dropped, so ids pushed by anyone cannot pile up threads, and a
-        burst of real senders waits for a slot in queue order."""
+        store), does not prove the cluster token when the receiver has one, or no handshake
+        slot frees within HANDSHAKE_SECONDS (`MAX_PENDING_LINKS` run at once, each waiting at
+        most that long for its peer). Such ids are dropped, so ids pushed by anyone cannot pile
+        up threads, a HELLO without the token never takes a slot, and a burst of real senders
+        waits for a slot in queue order. The HELLO is read once, here, and deleted from the
+        store: the handshake answers what was checked."""
+        key = gloo_handshake.scope(link_id) + "hello"
         try:
-            if not self._store.check([f"kvmesh/link/{link_id}/hello"]):
+            if not reader.check([key]):
                 return
+            hello = reader.get(key)
+            reader.delete_key(key)
         except Exception:  # the store is going away (close): the accept loop decides
+            return
+        if not self._proven(link_id, hello):
             return
         if not self._take_slot(time.monotonic() + HANDSHAKE_SECONDS):
             return
-        thread = threading.Thread(target=self._serve, args=(link_id,), name="kv-gloo-link")
-        thread.daemon = True
+        thread = threading.Thread(
+            target=self._serve, args=(link_id, hello), name="kv-gloo-link", daemon=True
+        )
         try:
             thread.start()
         except RuntimeError:  # no thread (the process is out of them): dropped, slot freed
             self._pending.release()
+
+    def _proven(self, link_id: str, hello: bytes) -> bool:
+        """Whether `hello` proves the cluster token (always, without one)."""
+        if self._token is None:
+            return True
+        layout, _, extras = hello.partition(b"\0")
+        try:
+            fields = json.loads(extras)
+        except ValueError:
+            return False
+        return isinstance(fields, dict) and gloo_handshake.verified(
+            self._token, "hello", link_id, layout, fields
+        )
 
     def _take_slot(self, deadline: float) -> bool:
         """A handshake slot, waited for until `deadline` or until the receiver closes."""
@@ -216,10 +255,19 @@ class Receiver(KVReceiver):
                 return True
         return False
 
-    def _serve(self, link_id: str) -> None:
-        try:
-            link = self._handshake(link_id)
+    def _serve(self, link_id: str, hello: bytes) -> None:
+        """Run `link_id`'s handshake (holding a slot), then its link; the link's store keys
+        are deleted once the handshake failed or was refused, or the link closed."""
+        client = None
+        link = None
+        try:  # a store client per handshake: one waiting for its peer blocks no other
+            client = self._store.clone()
+            link = self._handshake(client, link_id, hello)
+        except Exception:  # the store is gone (close)
+            pass
         finally:
+            if link is None and client is not None:
+                gloo_handshake.forget(client, link_id)
             self._pending.release()
         if link is None:
             return
@@ -231,14 +279,15 @@ class Receiver(KVReceiver):
             link.abort()
             with self._lock:
                 self._links.discard(link)
+            gloo_handshake.forget(client, link_id)
 
-    def _handshake(self, link_id: str) -> Link | None:
-        """Answer `link_id`'s HELLO and build its process group; None when refused or when
-        the sender did not follow through."""
-        scope = f"kvmesh/link/{link_id}/"
-        try:  # a store client per handshake: one waiting for its peer blocks no other
-            client = self._store.clone()
-            theirs, extras = split_hello(client.get(scope + "hello"))
+    def _handshake(self, client: Any, link_id: str, hello: bytes) -> Link | None:
+        """Answer `hello` (signed with the cluster token when the receiver has one) and build
+        the link's process group; None when refused (once the sender collected the refusal,
+        or HANDSHAKE_SECONDS passed) or when the sender did not follow through."""
+        scope = gloo_handshake.scope(link_id)
+        try:
+            theirs, extras = split_hello(hello)
             ours = self.layout.to_bytes()
             max_frame = extras.get("max_frame")
             window = agreed_window(extras.get("window"), self._device)
@@ -249,15 +298,16 @@ class Receiver(KVReceiver):
                     raise FrameError("max_frame", f"must be in (0, {MAX_FRAME_BYTES}]")
             except TransferError as exc:
                 ack["error"] = error_to_wire(exc).decode()
+            ack = gloo_handshake.sign(self._token, "ack", link_id, b"", ack)
             client.set(scope + "ack", json.dumps(ack))
             if "error" in ack or not isinstance(max_frame, int):
+                _await_collected(client, scope + "ack", time.monotonic() + HANDSHAKE_SECONDS)
                 return None
             group = new_group(
                 torch.distributed.PrefixStore(scope, client), RECEIVER_RANK, self._device,
                 self._host,
             )  # fmt: skip
-            for key in ("hello", "ack"):
-                client.delete_key(scope + key)
+            client.delete_key(scope + "ack")  # the sender read it before it joined
         except Exception:  # a half-open handshake: the sender times out and gives up
             return None
         return Link(group, SENDER_RANK, self._device, max_frame, window)
@@ -347,6 +397,16 @@ class Receiver(KVReceiver):
             return _error_reply(link, header, exc)
 
 
+def _await_collected(client: Any, key: str, deadline: float) -> None:
+    """Wait until the sender deleted `key` (it does once it read it), at most until
+    `deadline`, or until the store fails."""
+    pause = 0.005
+    with contextlib.suppress(Exception):
+        while client.check([key]) and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+
 class _Replies:
     """A receiver's answers on one link, in order. An answer's sends are finished only before
     the next answer goes out: a gloo send completes once the sender posts the receive, and
@@ -425,9 +485,13 @@ class Sender(KVSender):
         *,
         frame_bytes: int = FRAME_BYTES,
         checksum: bool | None = None,
+        security: Security | None = None,
     ) -> None:
+        """With `security`'s cluster token, HELLOs are signed and only a receiver whose answer
+        proves the token is linked with (else `AuthenticationError`); TLS does not apply."""
         super().__init__(store, frame_bytes)
         self.address = address
+        self._token = security.token if security is not None else None
         self.device = store.cache.device
         # Host payloads may cross hosts: always hashed. Device (NCCL) payloads are not hashed.
         if checksum is False and self.device.type == "cpu":
@@ -437,7 +501,7 @@ class Sender(KVSender):
         self._staging: list[torch.Tensor] = []  # uint8 [max_frame] each, made when first needed
         self._close_lock = threading.Lock()
         self._closed = False  # guarded by _close_lock: a closed sender takes no new link
-        self._link: Link | None = POOL.take(address, self.layout, self.device, self._max_frame)
+        self._link: Link | None = self._take()
 
     @property
     def stale(self) -> bool:
@@ -458,7 +522,13 @@ class Sender(KVSender):
         if self._active:
             link.abort()
         else:
-            POOL.give(self.address, self.layout, link)
+            POOL.give(self.address, self.layout, link, self._token)
+
+    def _take(self, deadline: float | None = None) -> Link:
+        """An idle pooled link to the receiver, or a new one (built until `deadline`)."""
+        return POOL.take(
+            self.address, self.layout, self.device, self._max_frame, deadline, self._token
+        )
 
     def _transfer(self, plan: SendPlan, record: TransferRecord, waiter: Waiter) -> None:
         link, inflight = self._open_link(plan, waiter)
@@ -492,7 +562,14 @@ class Sender(KVSender):
             POOL.forget(self.address, link.rendezvous)
             waiter.check()
         link = self._adopt(
-            POOL.connect(self.address, self.layout, self.device, self._max_frame, waiter.deadline)
+            POOL.connect(
+                self.address,
+                self.layout,
+                self.device,
+                self._max_frame,
+                waiter.deadline,
+                self._token,
+            )
         )
         try:
             return link, self._begin(link, plan, waiter)
@@ -508,9 +585,7 @@ class Sender(KVSender):
             if link is not None:
                 link.abort()
             self._link = None
-            link = self._adopt(
-                POOL.take(self.address, self.layout, self.device, self._max_frame, deadline)
-            )
+            link = self._adopt(self._take(deadline))
         return link
 
     def _adopt(self, link: Link) -> Link:
@@ -521,7 +596,7 @@ class Sender(KVSender):
             if not self._closed:
                 self._link = link
                 return link
-        POOL.give(self.address, self.layout, link)
+        POOL.give(self.address, self.layout, link, self._token)
         raise PeerError("sender closed")
 
     def _drop_broken(self, link: Link) -> None:

@@ -32,7 +32,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from kv_transfer.backends import gloo_handshake
 from kv_transfer.errors import (
+    AuthenticationError,
     DeadlineExpiredError,
     FrameError,
     PeerError,
@@ -276,11 +278,12 @@ class Rendezvous:
 
 
 class LinkPool:
-    """Idle links per (receiver address, layout); a link is built only when none is idle.
-    Idle links and rendezvous of a receiver that is gone are dropped, never handed out."""
+    """Idle links per (receiver address, layout, cluster token); a link is built only when none
+    is idle. Idle links and rendezvous of a receiver that is gone are dropped, never handed
+    out. A link built with a token proved it to the receiver, and the receiver to it."""
 
     def __init__(self) -> None:
-        self._idle: dict[tuple[str, bytes], list[Link]] = {}
+        self._idle: dict[tuple[str, bytes, str], list[Link]] = {}
         self._stores: dict[str, Rendezvous] = {}
         self._lock = threading.Lock()
 
@@ -291,9 +294,10 @@ class LinkPool:
         device: torch.device,
         max_frame: int,
         deadline: float | None = None,
+        token: str | None = None,
     ) -> Link:
-        """An idle link to `address`, or a new one (`connect`)."""
-        key = (address, layout.to_bytes())
+        """An idle link to `address` built with `token`, or a new one (`connect`)."""
+        key = (address, layout.to_bytes(), token or "")
         with self._lock:
             idle = self._idle.get(key, [])
             while idle:
@@ -302,14 +306,15 @@ class LinkPool:
                 if fresh and not link.gone and link.max_frame >= max_frame:
                     return link
                 link.abort()
-        return self.connect(address, layout, device, max_frame, deadline)
+        return self.connect(address, layout, device, max_frame, deadline, token)
 
-    def give(self, address: str, layout: KVLayout, link: Link) -> None:
+    def give(self, address: str, layout: KVLayout, link: Link, token: str | None = None) -> None:
+        """Keep `link` (built with `token`) for reuse, or abort it."""
         if link.gone:
             link.abort()
             return
         with self._lock:
-            idle = self._idle.setdefault((address, layout.to_bytes()), [])
+            idle = self._idle.setdefault((address, layout.to_bytes(), token or ""), [])
             if len(idle) < _POOL_PER_PEER:
                 idle.append(link)
                 return
@@ -334,7 +339,7 @@ class LinkPool:
         with self._lock:
             if self._stores.get(address) is rendezvous:
                 del self._stores[address]
-            for (peer, _), idle in self._idle.items():
+            for (peer, *_), idle in self._idle.items():
                 if peer == address:
                     doomed += [link for link in idle if link.rendezvous is rendezvous]
                     idle[:] = [link for link in idle if link.rendezvous is not rendezvous]
@@ -348,16 +353,19 @@ class LinkPool:
         device: torch.device,
         max_frame: int,
         deadline: float | None = None,
+        token: str | None = None,
     ) -> Link:
         """A new link to `address` (the idle ones are left alone). The receiver's answer is
         awaited until `deadline` (at most `HANDSHAKE_SECONDS`). A store client kept from an
         earlier handshake that fails before that (a receiver that restarted since) is dropped,
-        and the handshake is tried once more with a new one: it only names a new link id."""
+        and the handshake is tried once more with a new one: it only names a new link id.
+        With `token` the HELLO is signed and an answer that does not prove it is refused
+        (`AuthenticationError`)."""
         end = time.monotonic() + HANDSHAKE_SECONDS
         end = end if deadline is None else min(end, deadline)
         rendezvous, kept = self._rendezvous(address, end)
         try:
-            return self._handshake(rendezvous, layout, device, max_frame, end)
+            return self._handshake(rendezvous, layout, device, max_frame, end, token)
         except _HandshakeError as exc:
             with self._lock:
                 if self._stores.get(address) is rendezvous:
@@ -366,7 +374,7 @@ class LinkPool:
                 raise exc.final(deadline) from None
         rendezvous, _ = self._rendezvous(address, end)
         try:
-            return self._handshake(rendezvous, layout, device, max_frame, end)
+            return self._handshake(rendezvous, layout, device, max_frame, end, token)
         except _HandshakeError as exc:
             raise exc.final(deadline) from None
 
@@ -395,23 +403,33 @@ class LinkPool:
         device: torch.device,
         max_frame: int,
         end: float,
+        token: str | None,
     ) -> Link:
-        """HELLO under a new link id, the receiver's ack (awaited until `end`), then the
-        group. A failed store operation raises `_HandshakeError`."""
+        """HELLO under a new link id (signed with `token`), the receiver's ack (awaited until
+        `end`, deleted once read), then the group. A failed store operation raises
+        `_HandshakeError`, an ack not proving `token` `AuthenticationError`."""
         address = rendezvous.address
         link_id = os.urandom(12).hex()
-        scope = f"kvmesh/link/{link_id}/"
+        scope = gloo_handshake.scope(link_id)
+        ours = layout.to_bytes()
         extras = {"max_frame": max_frame, "window": window_for(device)}
-        hello = layout.to_bytes() + b"\0" + json.dumps(extras).encode()
+        extras = gloo_handshake.sign(token, "hello", link_id, ours, extras)
+        hello = ours + b"\0" + json.dumps(extras).encode()
         try:  # a store client per handshake: concurrent ones to one receiver wait apart
             store = rendezvous.client(end)
             store.set(scope + "hello", hello)
             store.queue_push(QUEUE, link_id)
             store.wait([scope + "ack"], td(end - time.monotonic()))
             ack = json.loads(store.get(scope + "ack"))
-        except Exception as exc:
+        except Exception as exc:  # the receiver deletes the HELLO when it reads it
             expired = time.monotonic() >= end - 0.001
             raise _HandshakeError(address, str(exc)[:300], expired) from None
+        with contextlib.suppress(Exception):
+            store.delete_key(scope + "ack")  # the receiver waits for that to end a refusal
+        if not isinstance(ack, dict):
+            raise PeerError(f"gloo receiver {address} answered nonsense")
+        if not gloo_handshake.verified(token, "ack", link_id, b"", ack):
+            raise AuthenticationError(f"gloo receiver {address} did not prove the cluster token")
         layout.check_compatible(KVLayout.from_bytes(str(ack.get("layout", "")).encode()))
         if "error" in ack:
             raise parse_wire_error(str(ack["error"]).encode())
