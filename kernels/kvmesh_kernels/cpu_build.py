@@ -53,6 +53,7 @@ HEADERS = (
     SOURCE.with_name("fused_common.h"),
     SOURCE.with_name("cpu_attention_avx512.h"),
     SOURCE.with_name("cpu_gemm_tiles.h"),
+    SOURCE.with_name("cpu_gemm_amx.h"),
 )  # in the key
 CFLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)

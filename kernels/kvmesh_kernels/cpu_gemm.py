@@ -1,7 +1,8 @@
-"""kvmesh's GEMM for linear layers on x86-64 CPUs (`csrc/cpu_gemm.cpp`): bfloat16 (AVX-512
-with AVX512_BF16) and float32 (AVX-512, or AVX2 + FMA).
+"""kvmesh's GEMM for linear layers on x86-64 CPUs (`csrc/cpu_gemm.cpp`): bfloat16 (AMX tiles,
+or AVX-512 with AVX512_BF16) and float32 (AVX-512, or AVX2 + FMA).
 
     gemm_supported(dtype) -> bool              the library is built and this CPU runs it
+    gemm_path(dtype) -> str                    which path: none, avx2, avx512, amx
     weight_fits(w) -> bool                     pack_weight takes w
     pack_weight(w) -> PackedWeight             w [out, in] (bfloat16: in even), packed once
     pack_bias(bias, packed) -> float32 bias    padded to whole panels, once
@@ -17,8 +18,9 @@ The path is chosen at run time (`KVMESH_CPU_KERNEL_ISA` caps it). `gate_up_silu`
 SiLU-and-mul in the GEMM's epilogue, from the sums in registers, so the [..., 2 * I] product
 is never written or read back; it equals `linear` followed by `cpu_fused.silu_mul` bit for bit
 on the same path. bfloat16 is oneDNN's
-arithmetic on these CPUs (vdpbf16ps: pairs of exact products added into float32, subnormal
-inputs read as zero, round to nearest even at the end), float32 one FMA per k in order; the
+arithmetic on these CPUs (vdpbf16ps, or tdpbf16ps on AMX: pairs of exact products added into
+float32, subnormal inputs read as zero, round to nearest even at the end), float32 one FMA per
+k in order; the
 order of the float32 additions differs from oneDNN's and MKL's, so results match them to
 rounding, not bit for bit. The gain is in decode-sized steps, where every step streams the
 weights from memory: the kernel prefetches each thread's next weight panel while it computes
@@ -47,6 +49,17 @@ def gemm_supported(dtype: torch.dtype) -> bool:
     lib = library()
     code = _DTYPE_CODES.get(dtype)
     return lib is not None and code is not None and bool(lib.kvmesh_cpu_gemm_supported(code))
+
+
+PATHS = ("none", "avx2", "avx512", "amx")  # kvmesh_cpu_gemm_path's codes, in order
+
+
+def gemm_path(dtype: torch.dtype) -> str:
+    """The path this CPU runs for `dtype` under `KVMESH_CPU_KERNEL_ISA` (one of PATHS): amx
+    is bfloat16 on AMX tiles (inner sizes that are multiples of 32; others take avx512)."""
+    lib = library()
+    code = _DTYPE_CODES.get(dtype)
+    return "none" if lib is None or code is None else PATHS[lib.kvmesh_cpu_gemm_path(code)]
 
 
 def weight_fits(weight: torch.Tensor) -> bool:

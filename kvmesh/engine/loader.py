@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from kvmesh_kernels.cache import HEAD_DIMS
 from kvmesh_kernels.cpu_build import has_amx
+from kvmesh_kernels.cpu_gemm import gemm_path as kvmesh_gemm_path
 
 from kvmesh.engine.attention import register_attention
 from kvmesh.engine.config import EngineConfig
@@ -143,14 +144,14 @@ def native_linears(
     config: EngineConfig, hf_config: Any, dtype: torch.dtype, device: torch.device
 ) -> str:
     """The native executor's linear kind (`native.layers.LINEAR_KINDS`): kvmesh's GEMM on a
-    CPU that runs it for `dtype` (`cpu_gemm` kvmesh, or auto on a CPU without AMX, where it was
-    measured), else oneDNN-packed for CPU bf16/fp16, and for CPU float32 as `float32_packing`
-    says (auto: measured at load on the model's widest GEMM); plain `F.linear` otherwise."""
-    if config.cpu_gemm == "kvmesh" or (config.cpu_gemm == "auto" and not has_amx()):
+    CPU that runs it for `dtype` (`cpu_gemm` kvmesh, or auto unless `amx_wins`), else
+    oneDNN-packed for CPU bf16/fp16, and for CPU float32 as `float32_packing` says (auto:
+    measured at load on the model's widest GEMM); plain `F.linear` otherwise."""
+    if config.cpu_gemm == "kvmesh" or (config.cpu_gemm == "auto" and not amx_wins(dtype)):
         if kvmesh_gemm_applies(dtype, device):
             return "kvmesh"
     elif config.cpu_gemm == "auto" and device.type == "cpu":
-        logger.info("AMX CPU: torch's GEMM (kvmesh's was not measured against AMX)")
+        logger.info("AMX CPU without kvmesh's AMX path: oneDNN's AMX GEMM for %s", dtype)
     if config.cpu_gemm == "kvmesh" and device.type == "cpu":
         logger.warning("cpu_gemm=kvmesh: this CPU or build has no %s GEMM of kvmesh's", dtype)
     if packing_applies(dtype, device):
@@ -163,6 +164,15 @@ def native_linears(
     wins = float32_packing_wins(hidden, 2 * int(hf_config.intermediate_size))
     logger.info("float32 linears: %s (measured at load)", "oneDNN-packed" if wins else "MKL")
     return "onednn" if wins else "plain"
+
+
+def amx_wins(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's AMX tiles beat kvmesh's GEMM for `dtype` on this CPU: bfloat16 on a CPU
+    with AMX where kvmesh's own AMX path does not run (a compiler or Linux kernel without it,
+    or a `KVMESH_CPU_KERNEL_ISA` cap), whose AVX512_BF16 path takes 1.3-8x oneDNN's time at
+    4-256 rows. float32 has no AMX path (kvmesh's GEMM ran W1 1.06-1.22x faster than oneDNN's
+    float32 there); BENCHMARKS.md "kvmesh's GEMM on AMX"."""
+    return dtype == torch.bfloat16 and has_amx() and kvmesh_gemm_path(dtype) != "amx"
 
 
 def load_tokenizer(path: Path) -> Any | None:

@@ -319,22 +319,34 @@ def test_rotary_of_adjacent_q_and_k_is_one_call_and_equals_two(
 def test_linear_kind_follows_cpu_gemm_and_the_cpu(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """auto takes kvmesh's GEMM where the CPU runs it and has no AMX; kvmesh where the CPU
-    cannot run it warns and falls back; torch follows float32_packing in float32."""
+    """auto takes kvmesh's GEMM where the CPU runs it, except bfloat16 on an AMX CPU where
+    kvmesh's own AMX path does not run; kvmesh where the CPU cannot run it warns and falls
+    back; torch follows float32_packing in float32."""
     from types import SimpleNamespace
 
     from kvmesh.engine import loader
 
     cpu, hf = torch.device("cpu"), SimpleNamespace(hidden_size=64, intermediate_size=128)
 
-    def kind(gemm: str, dtype: torch.dtype, runs: bool, amx: bool, packing: str = "off") -> str:
+    def kind(
+        gemm: str,
+        dtype: torch.dtype,
+        runs: bool,
+        amx: bool,
+        packing: str = "off",
+        path: str = "avx512",
+    ) -> str:
         monkeypatch.setattr(loader, "kvmesh_gemm_applies", lambda d, dev: runs)
         monkeypatch.setattr(loader, "has_amx", lambda: amx)
+        monkeypatch.setattr(loader, "kvmesh_gemm_path", lambda d: path)
         config = EngineConfig(cpu_gemm=gemm, float32_packing=packing)
         return loader.native_linears(config, hf, dtype, cpu)
 
     assert kind("auto", torch.float32, runs=True, amx=False) == "kvmesh"
-    assert kind("auto", torch.float32, runs=True, amx=True) == "plain"  # not measured on AMX
+    assert kind("auto", torch.float32, runs=True, amx=True) == "kvmesh"  # AMX has no float32
+    assert kind("auto", torch.bfloat16, runs=True, amx=True) == "onednn"  # oneDNN's AMX wins
+    assert kind("auto", torch.bfloat16, runs=True, amx=True, path="amx") == "kvmesh"
+    assert kind("auto", torch.bfloat16, runs=True, amx=False) == "kvmesh"
     assert kind("kvmesh", torch.float32, runs=True, amx=True) == "kvmesh"
     assert kind("torch", torch.float32, runs=True, amx=False) == "plain"
     if torch.backends.mkldnn.is_available():

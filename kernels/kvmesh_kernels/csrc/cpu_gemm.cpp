@@ -45,6 +45,10 @@
 #include <cstring>
 #include <string>
 #include <utility>
+#include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 // The SiLU epilogue's arithmetic must not be contracted (fused_common.h); the GEMM's own
 // multiply-adds are explicit FMA intrinsics, which this does not touch.
@@ -138,6 +142,16 @@ struct F32 {
 }  // namespace avx512
 #pragma GCC pop_options
 
+#if __GNUC__ >= 11
+#define KVG_AMX 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16")
+namespace amx {
+#include "cpu_gemm_amx.h"
+}  // namespace amx
+#pragma GCC pop_options
+#endif
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
@@ -169,10 +183,23 @@ struct F32 {
 
 namespace {
 
-enum class Path { kNone, kAvx2, kAvx512 };
+enum class Path { kNone, kAvx2, kAvx512, kAmx };
+
+// Whether this thread may use AMX tiles: the CPU has AMX-TILE and AMX-BF16 and Linux grants
+// the process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA; kernels before
+// 5.16 refuse it, and the path is then not taken).
+bool amx_granted() {
+#ifdef KVG_AMX
+  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+#else
+  return false;
+#endif
+}
 
 // The path this CPU runs for dtype (0 = float32, 1 = bfloat16), under KVMESH_CPU_KERNEL_ISA's
-// cap; read once per dtype.
+// cap (any cap, avx512bf16 included, keeps bfloat16 off AMX); read once per dtype.
 Path path_for(int dtype) {
 #ifdef KVG_BUILT
   static const auto pick = [](int dt) {
@@ -184,6 +211,7 @@ Path path_for(int dtype) {
                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
     const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
     if (cap == "baseline") return Path::kNone;
+    if (dt == 1 && bf16 && cap.empty() && amx_granted()) return Path::kAmx;
     if (dt == 1) return bf16 && cap != "avx2" ? Path::kAvx512 : Path::kNone;
     if (avx512 && cap != "avx2") return Path::kAvx512;
     return avx2 ? Path::kAvx2 : Path::kNone;
@@ -217,6 +245,10 @@ extern "C" int kvmesh_cpu_gemm_supported(int dtype) {
   return path_for(dtype) != Path::kNone ? 1 : 0;
 }
 
+// The path of dtype on this CPU: 0 none, 1 AVX2, 2 AVX-512 (bfloat16: AVX512_BF16), 3 AMX
+// (bfloat16 with an inner size that is a multiple of 32; other sizes take AVX512_BF16).
+extern "C" int kvmesh_cpu_gemm_path(int dtype) { return static_cast<int>(path_for(dtype)); }
+
 // The packed size in elements of an [n, k] weight; a bias is padded to panels * 32 floats.
 extern "C" int64_t kvmesh_cpu_gemm_packed_elems(int64_t n, int64_t k) {
   return panels_of(n) * kPanel * k;
@@ -244,7 +276,7 @@ extern "C" int kvmesh_cpu_gemm_pack(int dtype, const void* w, int64_t ldw, int64
 // (j / 16) * 32 + ((j % 16) / w) * 2w + j % w (up: + w).
 extern "C" int kvmesh_cpu_gemm_silu_width(int dtype) {
   const Path path = path_for(dtype);
-  if (path == Path::kAvx512) return 16;
+  if (path == Path::kAvx512 || path == Path::kAmx) return 16;
   if (path == Path::kAvx2) return 8;
   return 0;
 }
@@ -268,6 +300,12 @@ int run_gemm(int dtype, const void* x, int64_t ldx, const void* packed, const fl
     const Gemm<uint16_t> g{static_cast<const uint16_t*>(x), ldx,
                            static_cast<const uint16_t*>(packed), bias,
                            static_cast<uint16_t*>(y), ldy, m, n, k, prefetch};
+#ifdef KVG_AMX
+    if (path == Path::kAmx && amx::fits(k)) {
+      amx::gemm<kSilu>(g, threads);
+      return 0;
+    }
+#endif
     avx512::gemm<avx512::Bf16, kSilu>(g, threads);
     return 0;
   }
