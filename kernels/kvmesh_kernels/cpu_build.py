@@ -186,16 +186,34 @@ def build() -> Path:
     return built
 
 
+# Defined for a build without the GEMM's AMX path (cpu_gemm_amx.h), whose tile instructions an
+# assembler older than binutils 2.36 does not take although the compiler does.
+NO_AMX_FLAG = "-DKVMESH_NO_AMX"
+
+
 def _compile(key: str, build_dir: Path) -> Path:
-    """A fresh build in `build_dir` (whatever a dead builder left there is removed first)."""
+    """A fresh build in `build_dir` (whatever a dead builder left there is removed first); when
+    it fails, once more without the AMX path, so that an old assembler costs that path only."""
+    try:
+        return _compile_with(f"kvmesh_cpu_attn_{key}", build_dir, CFLAGS)
+    except Exception as exc:  # compiler or assembler error: retried once, then raised
+        lines = str(exc).strip().splitlines()
+        why = lines[-1] if lines else type(exc).__name__
+        logger.info("CPU kernel build failed (%s); building again without the AMX path", why)
+        built = _compile_with(f"kvmesh_cpu_attn_{key}_noamx", build_dir, (*CFLAGS, NO_AMX_FLAG))
+        logger.warning("CPU kernels built without the GEMM's AMX path (first build: %s)", why)
+        return built
+
+
+def _compile_with(name: str, build_dir: Path, cflags: tuple[str, ...]) -> Path:
     from torch.utils import cpp_extension
 
     shutil.rmtree(build_dir, ignore_errors=True)
     build_dir.mkdir(parents=True)
     path = cpp_extension.load(
-        name=f"kvmesh_cpu_attn_{key}",
+        name=name,
         sources=[str(p) for p in SOURCES],
-        extra_cflags=list(CFLAGS),
+        extra_cflags=list(cflags),
         extra_ldflags=list(LDFLAGS),
         build_directory=str(build_dir),
         is_python_module=False,

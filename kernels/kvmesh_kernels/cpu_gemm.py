@@ -52,6 +52,7 @@ def gemm_supported(dtype: torch.dtype) -> bool:
 
 
 PATHS = ("none", "avx2", "avx512", "amx")  # kvmesh_cpu_gemm_path's codes, in order
+AMX_K = 32  # the amx path runs inner sizes that are multiples of this (one tile row's k)
 
 
 def gemm_path(dtype: torch.dtype) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from kvmesh_kernels.cache import HEAD_DIMS
 from kvmesh_kernels.cpu_build import has_amx
+from kvmesh_kernels.cpu_gemm import AMX_K
 from kvmesh_kernels.cpu_gemm import gemm_path as kvmesh_gemm_path
 
 from kvmesh.engine.attention import register_attention
@@ -147,7 +148,9 @@ def native_linears(
     CPU that runs it for `dtype` (`cpu_gemm` kvmesh, or auto unless `amx_wins`), else
     oneDNN-packed for CPU bf16/fp16, and for CPU float32 as `float32_packing` says (auto:
     measured at load on the model's widest GEMM); plain `F.linear` otherwise."""
-    if config.cpu_gemm == "kvmesh" or (config.cpu_gemm == "auto" and not amx_wins(dtype)):
+    if config.cpu_gemm == "kvmesh" or (
+        config.cpu_gemm == "auto" and not amx_wins(dtype, hf_config)
+    ):
         if kvmesh_gemm_applies(dtype, device):
             return "kvmesh"
     elif config.cpu_gemm == "auto" and device.type == "cpu":
@@ -166,13 +169,27 @@ def native_linears(
     return "onednn" if wins else "plain"
 
 
-def amx_wins(dtype: torch.dtype) -> bool:
+def amx_wins(dtype: torch.dtype, hf_config: Any) -> bool:
     """Whether oneDNN's AMX tiles beat kvmesh's GEMM for `dtype` on this CPU: bfloat16 on a CPU
     with AMX where kvmesh's own AMX path does not run (a compiler or Linux kernel without it,
-    or a `KVMESH_CPU_KERNEL_ISA` cap), whose AVX512_BF16 path takes 1.3-8x oneDNN's time at
-    4-256 rows. float32 has no AMX path (kvmesh's GEMM ran W1 1.06-1.22x faster than oneDNN's
-    float32 there); BENCHMARKS.md "kvmesh's GEMM on AMX"."""
-    return dtype == torch.bfloat16 and has_amx() and kvmesh_gemm_path(dtype) != "amx"
+    or a `KVMESH_CPU_KERNEL_ISA` cap) or would not run every linear (an inner size that is not
+    a multiple of AMX_K takes its AVX512_BF16 path, 1.3-8x oneDNN's time at 4-256 rows).
+    float32 has no AMX path (kvmesh's GEMM ran W1 1.06-1.22x faster than oneDNN's float32
+    there); BENCHMARKS.md "kvmesh's GEMM on AMX"."""
+    if dtype != torch.bfloat16 or not has_amx():
+        return False
+    if kvmesh_gemm_path(dtype) != "amx":
+        return True
+    return any(size % AMX_K for size in linear_inner_sizes(hf_config))
+
+
+def linear_inner_sizes(hf_config: Any) -> list[int]:
+    """The in_features of a Llama-family layer's linears: hidden (q|k|v, gate|up), heads x
+    head_dim (o) and intermediate (down)."""
+    hidden = int(hf_config.hidden_size)
+    heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(hf_config, "head_dim", 0) or (hidden // heads if heads else 0))
+    return [hidden, heads * head_dim or hidden, int(hf_config.intermediate_size)]
 
 
 def load_tokenizer(path: Path) -> Any | None:

@@ -344,8 +344,13 @@ def test_linear_kind_follows_cpu_gemm_and_the_cpu(
 
     assert kind("auto", torch.float32, runs=True, amx=False) == "kvmesh"
     assert kind("auto", torch.float32, runs=True, amx=True) == "kvmesh"  # AMX has no float32
-    assert kind("auto", torch.bfloat16, runs=True, amx=True) == "onednn"  # oneDNN's AMX wins
+    # oneDNN's AMX wins (packed where oneDNN runs bfloat16 natively, as on every AMX CPU)
+    onednn = "onednn" if loader.packing_applies(torch.bfloat16, cpu) else "plain"
+    assert kind("auto", torch.bfloat16, runs=True, amx=True) == onednn
     assert kind("auto", torch.bfloat16, runs=True, amx=True, path="amx") == "kvmesh"
+    odd = SimpleNamespace(hidden_size=48, intermediate_size=128)  # k = 48: not AMX-sized
+    monkeypatch.setattr(loader, "kvmesh_gemm_path", lambda d: "amx")
+    assert loader.native_linears(EngineConfig(), odd, torch.bfloat16, cpu) == onednn
     assert kind("auto", torch.bfloat16, runs=True, amx=False) == "kvmesh"
     assert kind("kvmesh", torch.float32, runs=True, amx=True) == "kvmesh"
     assert kind("torch", torch.float32, runs=True, amx=False) == "plain"

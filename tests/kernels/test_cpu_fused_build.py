@@ -86,6 +86,32 @@ def test_build_failure_warns_once_and_falls_back(
     assert dispatch._fused_cpu(query, layer) is None
 
 
+def test_a_build_that_fails_is_retried_once_without_the_amx_path(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """An assembler older than binutils 2.36 refuses the AMX tile instructions (not runnable
+    here: the compile is stood in for): the second build defines KVMESH_NO_AMX and is kept."""
+    calls: list[tuple[str, ...]] = []
+
+    def compile_with(name: str, build_dir: Path, cflags: tuple[str, ...]) -> Path:
+        calls.append(cflags)
+        if cpu_build.NO_AMX_FLAG not in cflags:
+            raise RuntimeError("Error building extension\nno such instruction: `tileloadd'")
+        return tmp_path / "built.so"
+
+    monkeypatch.setattr(cpu_build, "_compile_with", compile_with)
+    with caplog.at_level(logging.INFO, logger=cpu_build.__name__):
+        assert cpu_build._compile("key", tmp_path / "build") == tmp_path / "built.so"
+    assert calls == [cpu_build.CFLAGS, (*cpu_build.CFLAGS, cpu_build.NO_AMX_FLAG)]
+    assert "without the GEMM's AMX path" in caplog.text and "tileloadd" in caplog.text
+
+
+def test_the_no_amx_define_removes_the_amx_path() -> None:
+    """The define the retry adds is the one the source tests (and the path's only guard)."""
+    source = cpu_build.SOURCE.with_name("cpu_gemm.cpp").read_text()
+    assert f"!defined({cpu_build.NO_AMX_FLAG.removeprefix('-D')})" in source
+
+
 BUILD_AND_REPORT = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)

@@ -5,6 +5,8 @@ SiLU-and-mul, and a cap that keeps bfloat16 on AVX512_BF16. Skipped on CPUs with
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from capped_isa import run_capped
@@ -24,8 +26,8 @@ def operands(rows: int, out_features: int, in_features: int, seed: int) -> tuple
     return w, x, b
 
 
-@pytest.mark.parametrize("rows", [1, 15, 16, 17, 31, 32, 33, 47, 100])
-@pytest.mark.parametrize("out_features,in_features", [(32, 32), (80, 64), (700, 576)])
+@pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 31, 32, 33, 47, 100])
+@pytest.mark.parametrize("out_features,in_features", [(32, 32), (40, 64), (80, 64), (700, 576)])
 def test_tiles_match_torch(rows: int, out_features: int, in_features: int) -> None:
     w, x, b = operands(rows, out_features, in_features, seed=rows + out_features)
     packed = cpu_gemm.pack_weight(w)
@@ -61,10 +63,26 @@ def test_silu_epilogue_is_its_gemm_then_silu_mul(rows: int) -> None:
 
 
 def test_inner_size_not_a_multiple_of_32_takes_avx512bf16() -> None:
-    """k = 48 cannot fill a tile's 32 k: the AVX512_BF16 path runs it, to the same rounding."""
+    """k = 48 cannot fill a tile's 32 k: the AVX512_BF16 path runs it, to the same rounding,
+    and its SiLU epilogue with the AMX path's interleave (16) is still its GEMM then SiLU."""
     w, x, b = operands(20, 64, 48, seed=9)
     packed = cpu_gemm.pack_weight(w)
     assert_matches_torch(cpu_gemm.linear(x, packed, cpu_gemm.pack_bias(b, packed)), x, w, b)
+    expected = cpu_fused.silu_mul(cpu_gemm.linear(x, packed, None))
+    assert torch.equal(cpu_gemm.gate_up_silu(x, cpu_gemm.pack_gate_up(w)), expected)
+
+
+def test_python_threads_at_once_keep_their_own_rows() -> None:
+    """Calls from several threads at once (each its own row count, so its own tail block and
+    tile work) give what each gives alone."""
+    w, x, _ = operands(70, 96, 576, seed=11)
+    packed = cpu_gemm.pack_weight(w)
+    sizes = [1, 17, 40, 70, 5, 33]
+    alone = [cpu_gemm.linear(x[:n], packed, None) for n in sizes]
+    with ThreadPoolExecutor(max_workers=len(sizes)) as pool:
+        for _ in range(5):
+            together = list(pool.map(lambda n: cpu_gemm.linear(x[:n], packed, None), sizes))
+            assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
 
 
 CAPPED_CHECK = """

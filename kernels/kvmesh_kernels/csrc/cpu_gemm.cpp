@@ -1,5 +1,6 @@
-// Linear layers on x86-64 CPUs, bfloat16 (AVX-512 with AVX512_BF16) and float32 (AVX-512, or
-// AVX2 + FMA): y [M, N] = x [M, K] . W^T (+ bias), W [N, K] packed once at load, float32 sums.
+// Linear layers on x86-64 CPUs, bfloat16 (AMX tiles: cpu_gemm_amx.h; or AVX-512 with
+// AVX512_BF16) and float32 (AVX-512, or AVX2 + FMA): y [M, N] = x [M, K] . W^T (+ bias), W [N, K]
+// packed once at load, float32 sums.
 //
 //   packed  per 32-column panel, for each step of k (a pair of k in bfloat16, one k in
 //           float32), the 32 columns' weights side by side: [ceil(N / 32)][K / step][32][step],
@@ -32,7 +33,8 @@
 //           so the result equals the GEMM followed by that kernel bit for bit.
 //
 // The path is chosen at run time by the CPU's features; KVMESH_CPU_KERNEL_ISA (baseline |
-// avx2) caps it as it caps the attention kernel's (baseline: no path; avx2: float32 only).
+// avx2 | avx512 | avx512bf16) caps it as it caps the attention kernel's (baseline: no path;
+// avx2: float32 only; any cap keeps bfloat16 off AMX).
 // Plain C ABI, no torch headers; kvmesh_cpu_gemm_supported(dtype) says whether this build and
 // CPU run it (GCC 10 or later on x86-64).
 
@@ -47,8 +49,10 @@
 #include <utility>
 #include <vector>
 
+#ifdef __linux__
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 // The SiLU epilogue's arithmetic must not be contracted (fused_common.h); the GEMM's own
 // multiply-adds are explicit FMA intrinsics, which this does not touch.
@@ -142,7 +146,10 @@ struct F32 {
 }  // namespace avx512
 #pragma GCC pop_options
 
-#if __GNUC__ >= 11
+// The AMX path: GCC 11 or later on Linux (the tile state is granted by arch_prctl), unless
+// the build defines KVMESH_NO_AMX (cpu_build.py does when the assembler refused the first
+// build: binutils before 2.36 do not take the tile instructions).
+#if __GNUC__ >= 11 && defined(__linux__) && !defined(KVMESH_NO_AMX)
 #define KVG_AMX 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16")
@@ -216,9 +223,15 @@ Path path_for(int dtype) {
     if (avx512 && cap != "avx2") return Path::kAvx512;
     return avx2 ? Path::kAvx2 : Path::kNone;
   };
-  static const Path f32 = pick(0), bf16 = pick(1);
-  if (dtype == 0) return f32;
-  if (dtype == 1) return bf16;
+  // each dtype's path on first use: the AMX grant is asked for only when bfloat16 is
+  if (dtype == 0) {
+    static const Path f32 = pick(0);
+    return f32;
+  }
+  if (dtype == 1) {
+    static const Path bf16 = pick(1);
+    return bf16;
+  }
 #endif
   (void)dtype;
   return Path::kNone;

@@ -145,6 +145,8 @@ inline __attribute__((always_inline)) void panel_blocks(const uint16_t* a0, int6
 // following it.
 template <bool kSilu>
 struct PairRunner {
+  PairRunner(const Gemm<uint16_t>& gemm, const uint16_t* tail_rows, int64_t whole)
+      : g(gemm), tail(tail_rows), whole_end(whole) {}  // sums left unset: stashed before read
   const Gemm<uint16_t>& g;
   const uint16_t* tail;
   int64_t whole_end;
@@ -189,7 +191,7 @@ struct PairRunner {
 template <bool kSilu>
 void run_panels(const Gemm<uint16_t>& g, const uint16_t* tail, int64_t whole_end, int64_t m0,
                 int64_t m1, int64_t p0, int64_t p1) {
-  PairRunner<kSilu> pairs{g, tail, whole_end, {}, {}, 0};
+  PairRunner<kSilu> pairs(g, tail, whole_end);
   const int64_t panel_bytes = g.k * kPanel * 2;
   const auto next_of = [&](int64_t p, int64_t m) -> const char* {
     if (!g.prefetch || p + 1 >= p1 || m != m0) return nullptr;
@@ -214,6 +216,8 @@ void gemm(const Gemm<uint16_t>& g, int64_t threads) {
   thread_local std::vector<uint16_t> tail_rows;
   const uint16_t* tail = nullptr;
   if (whole_end < g.m) {
+    // written before the parallel region: the tile loads' asm declares no memory read, so the
+    // region's call boundary is what orders these writes before them
     tail_rows.assign(kTileRows * g.k, 0);
     for (int64_t r = whole_end; r < g.m; ++r)
       std::memcpy(tail_rows.data() + (r - whole_end) * g.k, g.x + r * g.ldx,
