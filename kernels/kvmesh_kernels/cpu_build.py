@@ -196,13 +196,23 @@ def _compile(key: str, build_dir: Path) -> Path:
     it fails, once more without the AMX path, so that an old assembler costs that path only."""
     try:
         return _compile_with(f"kvmesh_cpu_attn_{key}", build_dir, CFLAGS)
-    except Exception as exc:  # compiler or assembler error: retried once, then raised
+    except Exception as exc:  # an assembler without the tile instructions: retried once
+        if not _refused_tiles(str(exc)):
+            raise
         lines = str(exc).strip().splitlines()
         why = lines[-1] if lines else type(exc).__name__
         logger.info("CPU kernel build failed (%s); building again without the AMX path", why)
         built = _compile_with(f"kvmesh_cpu_attn_{key}_noamx", build_dir, (*CFLAGS, NO_AMX_FLAG))
         logger.warning("CPU kernels built without the GEMM's AMX path (first build: %s)", why)
         return built
+
+
+def _refused_tiles(error: str) -> bool:
+    """Whether a failed build's output says the assembler did not take an AMX instruction (any
+    other failure is not retried: a source error, a full disk, an interrupted build)."""
+    return "no such instruction" in error and any(
+        name in error for name in ("tileloadd", "tilestored", "ldtilecfg", "tdpbf16ps", "tilezero")
+    )
 
 
 def _compile_with(name: str, build_dir: Path, cflags: tuple[str, ...]) -> Path:

@@ -148,13 +148,18 @@ def native_linears(
     CPU that runs it for `dtype` (`cpu_gemm` kvmesh, or auto unless `amx_wins`), else
     oneDNN-packed for CPU bf16/fp16, and for CPU float32 as `float32_packing` says (auto:
     measured at load on the model's widest GEMM); plain `F.linear` otherwise."""
+    on_cpu = device.type == "cpu"  # a GPU engine never asks for the CPU kernel library
     if config.cpu_gemm == "kvmesh" or (
-        config.cpu_gemm == "auto" and not amx_wins(dtype, hf_config)
+        config.cpu_gemm == "auto" and not (on_cpu and amx_wins(dtype, hf_config))
     ):
         if kvmesh_gemm_applies(dtype, device):
             return "kvmesh"
-    elif config.cpu_gemm == "auto" and device.type == "cpu":
-        logger.info("AMX CPU without kvmesh's AMX path: oneDNN's AMX GEMM for %s", dtype)
+    elif config.cpu_gemm == "auto" and on_cpu:
+        logger.info(
+            "AMX CPU: oneDNN's AMX GEMM for %s (kvmesh's AMX path %s)",
+            dtype,
+            "does not run here" if kvmesh_gemm_path(dtype) != "amx" else "takes no odd inner size",
+        )
     if config.cpu_gemm == "kvmesh" and device.type == "cpu":
         logger.warning("cpu_gemm=kvmesh: this CPU or build has no %s GEMM of kvmesh's", dtype)
     if packing_applies(dtype, device):
@@ -174,8 +179,8 @@ def amx_wins(dtype: torch.dtype, hf_config: Any) -> bool:
     with AMX where kvmesh's own AMX path does not run (a compiler or Linux kernel without it,
     or a `KVMESH_CPU_KERNEL_ISA` cap) or would not run every linear (an inner size that is not
     a multiple of AMX_K takes its AVX512_BF16 path, 1.3-8x oneDNN's time at 4-256 rows).
-    float32 has no AMX path (kvmesh's GEMM ran W1 1.06-1.22x faster than oneDNN's float32
-    there); BENCHMARKS.md "kvmesh's GEMM on AMX"."""
+    float32 has no AMX path (kvmesh's GEMM ran W1 1.22x faster than oneDNN's float32 there,
+    1.06x in a disturbed repeat); BENCHMARKS.md "kvmesh's GEMM on AMX"."""
     if dtype != torch.bfloat16 or not has_amx():
         return False
     if kvmesh_gemm_path(dtype) != "amx":

@@ -349,8 +349,18 @@ def test_linear_kind_follows_cpu_gemm_and_the_cpu(
     assert kind("auto", torch.bfloat16, runs=True, amx=True) == onednn
     assert kind("auto", torch.bfloat16, runs=True, amx=True, path="amx") == "kvmesh"
     odd = SimpleNamespace(hidden_size=48, intermediate_size=128)  # k = 48: not AMX-sized
+    monkeypatch.setattr(loader, "kvmesh_gemm_applies", lambda d, dev: True)
+    monkeypatch.setattr(loader, "has_amx", lambda: True)
     monkeypatch.setattr(loader, "kvmesh_gemm_path", lambda d: "amx")
     assert loader.native_linears(EngineConfig(), odd, torch.bfloat16, cpu) == onednn
+
+    def no_library(dtype: torch.dtype) -> str:
+        raise AssertionError("a CUDA engine asked for the CPU GEMM's path")
+
+    monkeypatch.setattr(loader, "kvmesh_gemm_path", no_library)
+    monkeypatch.setattr(loader, "kvmesh_gemm_applies", lambda d, dev: dev.type == "cpu")
+    cuda = torch.device("cuda")
+    assert loader.native_linears(EngineConfig(), hf, torch.bfloat16, cuda) == "plain"
     assert kind("auto", torch.bfloat16, runs=True, amx=False) == "kvmesh"
     assert kind("kvmesh", torch.float32, runs=True, amx=True) == "kvmesh"
     assert kind("torch", torch.float32, runs=True, amx=False) == "plain"

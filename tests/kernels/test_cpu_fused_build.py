@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -106,10 +107,44 @@ def test_a_build_that_fails_is_retried_once_without_the_amx_path(
     assert "without the GEMM's AMX path" in caplog.text and "tileloadd" in caplog.text
 
 
-def test_the_no_amx_define_removes_the_amx_path() -> None:
-    """The define the retry adds is the one the source tests (and the path's only guard)."""
-    source = cpu_build.SOURCE.with_name("cpu_gemm.cpp").read_text()
-    assert f"!defined({cpu_build.NO_AMX_FLAG.removeprefix('-D')})" in source
+def test_any_other_build_failure_is_not_retried(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A source error or a full disk is raised as it is: no second build, no AMX path lost."""
+    calls: list[tuple[str, ...]] = []
+
+    def compile_with(name: str, build_dir: Path, cflags: tuple[str, ...]) -> Path:
+        calls.append(cflags)
+        raise RuntimeError("Error building extension\nNo space left on device")
+
+    monkeypatch.setattr(cpu_build, "_compile_with", compile_with)
+    with pytest.raises(RuntimeError, match="No space left"):
+        cpu_build._compile("key", tmp_path / "build")
+    assert calls == [cpu_build.CFLAGS]
+
+
+def test_the_no_amx_define_builds_the_gemm_without_its_amx_path(tmp_path: Path) -> None:
+    """The GEMM's source compiled with the retry's define has no AMX code; without it (GCC 11
+    or later on Linux) it has."""
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    nm = shutil.which("nm")
+    if cxx is None or nm is None:
+        pytest.skip("no C++ compiler or nm here")
+    source = cpu_build.SOURCE.with_name("cpu_gemm.cpp")
+
+    def amx_symbols(*flags: str) -> bool:
+        obj = tmp_path / "gemm.o"
+        command = [cxx, "-O0", "-fopenmp", "-std=c++17", *flags, "-c", str(source), "-o", str(obj)]
+        subprocess.run(command, check=True, capture_output=True, timeout=300)
+        out = subprocess.run([nm, "-C", str(obj)], check=True, capture_output=True, text=True)
+        return "amx::" in out.stdout
+
+    assert not amx_symbols(cpu_build.NO_AMX_FLAG)
+    banner = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([cxx, "-dumpversion"], capture_output=True, text=True).stdout
+    gcc_11 = "clang" not in banner.lower() and int(version.split(".")[0] or 0) >= 11
+    if sys.platform == "linux" and gcc_11:
+        assert amx_symbols()
 
 
 BUILD_AND_REPORT = """
