@@ -142,6 +142,7 @@ class Receiver(KVReceiver):
     ) -> None:
         super().__init__(store)
         self._token = security.token if security is not None else None
+        self._served = gloo_handshake.Served()  # link ids whose HELLO was taken (replays)
         host, port = split_host_port(bind)
         self._host = advertise or (host if host not in ("0.0.0.0", "::") else socket.getfqdn())
         self._device = store.cache.device
@@ -233,7 +234,8 @@ class Receiver(KVReceiver):
             self._pending.release()
 
     def _proven(self, link_id: str, hello: bytes) -> bool:
-        """Whether `hello` proves the cluster token (always, without one)."""
+        """Whether `hello` proves the cluster token, was signed within REPLAY_SECONDS and is
+        the first HELLO accepted for `link_id` (always true without a token)."""
         if self._token is None:
             return True
         layout, _, extras = hello.partition(b"\0")
@@ -241,8 +243,11 @@ class Receiver(KVReceiver):
             fields = json.loads(extras)
         except ValueError:
             return False
-        return isinstance(fields, dict) and gloo_handshake.verified(
-            self._token, "hello", link_id, layout, fields
+        return (
+            isinstance(fields, dict)
+            and gloo_handshake.verified(self._token, "hello", link_id, layout, fields)
+            and gloo_handshake.fresh(fields, time.time())
+            and self._served.first(link_id, time.monotonic())
         )
 
     def _take_slot(self, deadline: float) -> bool:

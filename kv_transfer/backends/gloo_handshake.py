@@ -11,9 +11,12 @@ object after the layout's NUL) and the ack (a JSON object) each carry
 `"auth": {"v": 1, "mac": HEX}`, an HMAC-SHA256 keyed with the token over what it answers for
 (`hello` or `ack`), the link id, the layout bytes (HELLO) and the object without `"auth"` in
 canonical JSON (sorted keys, no spaces). A side without a token adds none and checks none; a
-side with one accepts only a valid entry of this version. The proof keeps out whoever does not
-hold the token; it does not hide or bind what travels after it (the group's rendezvous keys,
-the frames), and a HELLO copied off the wire can be pushed again under its link id.
+side with one accepts only a valid entry of this version. A signed HELLO also carries its
+sender's wall-clock time (`"t"`, `stamped`): the receiver takes it only within REPLAY_SECONDS of
+its own clock and only once per link id (`Served`), so a HELLO read from the store and pushed
+again is dropped. The proof keeps out whoever does not hold the token; it does not hide or bind
+what travels after it (the group's rendezvous keys, the frames), and a HELLO popped from the
+queue before the receiver saw it can still be used once, within the window.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import time
 from typing import Any
 
 import torch
@@ -30,6 +34,41 @@ AUTH_VERSION = 1
 # What a two-rank gloo group's rendezvous leaves in its PrefixStore (each rank's address);
 # measured on torch 2.13. NCCL groups write theirs at their first operation, not listed here.
 GROUP_KEYS = ("0/0", "0/1")
+
+
+# How far a signed HELLO's time may be from the receiver's clock (hosts' clocks agree to well
+# within it), and so how long the receiver remembers the link ids it served.
+REPLAY_SECONDS = 60.0
+
+
+def stamped(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with the sender's wall-clock time, to be signed with them."""
+    return {**fields, "t": time.time()}
+
+
+def fresh(fields: dict[str, Any], now: float) -> bool:
+    """Whether a HELLO's signed time `t` lies within REPLAY_SECONDS of `now` (wall clock)."""
+    sent = fields.get("t")
+    ok_type = isinstance(sent, (int, float)) and not isinstance(sent, bool)
+    return ok_type and abs(now - float(sent)) <= REPLAY_SECONDS  # type: ignore[arg-type]
+
+
+class Served:
+    """The link ids a receiver accepted a HELLO for, each kept while a copy of that HELLO could
+    still be fresh (twice REPLAY_SECONDS); used by the receiver's one accept thread."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, float] = {}  # link id -> monotonic time first accepted
+
+    def first(self, link_id: str, now: float) -> bool:
+        """Record `link_id` at monotonic `now`; False when it was already accepted."""
+        horizon = now - 2 * REPLAY_SECONDS
+        for old in [k for k, at in self._seen.items() if at < horizon]:
+            del self._seen[old]
+        if link_id in self._seen:
+            return False
+        self._seen[link_id] = now
+        return True
 
 
 def scope(link_id: str) -> str:

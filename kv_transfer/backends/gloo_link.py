@@ -412,7 +412,9 @@ class LinkPool:
         link_id = os.urandom(12).hex()
         scope = gloo_handshake.scope(link_id)
         ours = layout.to_bytes()
-        extras = {"max_frame": max_frame, "window": window_for(device)}
+        extras: dict[str, Any] = {"max_frame": max_frame, "window": window_for(device)}
+        if token:  # the signed time lets the receiver refuse a replayed copy
+            extras = gloo_handshake.stamped(extras)
         extras = gloo_handshake.sign(token, "hello", link_id, ours, extras)
         hello = ours + b"\0" + json.dumps(extras).encode()
         try:  # a store client per handshake: concurrent ones to one receiver wait apart

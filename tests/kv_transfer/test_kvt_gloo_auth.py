@@ -179,3 +179,41 @@ def test_the_services_wiring_hands_the_token_to_both_ends(
         pool.close()
         stranger.close()
         receiver.close()
+
+
+def test_a_copied_hello_is_taken_once_and_a_stale_one_never() -> None:
+    """A HELLO signed with the token is taken once per link id: the same bytes pushed again (a
+    copy read from the store) start no second handshake and get no answer; one whose signed
+    time lies outside the window is dropped, and so is one signed without a time."""
+    gloo = get_backend("gloo")
+    receiver = gloo.Receiver(store(1), security=Security(token=TOKEN))
+    rogue = client(receiver.address)
+    layout = receiver.layout.to_bytes()
+    extras = {"max_frame": 1024, "window": 2}
+
+    def push(link_id: str, fields: dict[str, Any]) -> None:
+        signed = gloo_handshake.sign(TOKEN, "hello", link_id, layout, fields)
+        rogue.set(
+            gloo_handshake.scope(link_id) + "hello", layout + b"\0" + json.dumps(signed).encode()
+        )
+        rogue.queue_push(gloo_link.QUEUE, link_id)
+
+    def answered(link_id: str) -> bool:
+        return bool(rogue.check([gloo_handshake.scope(link_id) + "ack"]))
+
+    try:
+        stale = {**extras, "t": time.time() - 2 * gloo_handshake.REPLAY_SECONDS}
+        push("stale", stale)
+        push("untimed", extras)
+        assert not wait_for(lambda: answered("stale") or answered("untimed"), 1.0)
+        assert handshake_threads() == 0
+        fresh = gloo_handshake.stamped(extras)
+        push("copied", fresh)  # its sender never joins: the handshake waits for it
+        assert wait_for(lambda: answered("copied"), 5) and handshake_threads() == 1
+        rogue.delete_key(gloo_handshake.scope("copied") + "ack")
+        push("copied", fresh)  # the same HELLO again
+        assert not wait_for(lambda: answered("copied"), 1.0)
+        assert handshake_threads() == 1
+        assert not rogue.check([gloo_handshake.scope("copied") + "hello"])  # read and dropped
+    finally:
+        receiver.close()
