@@ -312,9 +312,10 @@ class Receiver(KVReceiver):
                 torch.distributed.PrefixStore(scope, client), RECEIVER_RANK, self._device,
                 self._host,
             )  # fmt: skip
-            client.delete_key(scope + "ack")  # the sender read it before it joined
         except Exception:  # a half-open handshake: the sender times out and gives up
             return None
+        with contextlib.suppress(Exception):  # a built group is served even if this fails
+            client.delete_key(scope + "ack")  # the sender read it before it joined
         return Link(group, SENDER_RANK, self._device, max_frame, window)
 
     def _loop(self, link: Link) -> None:
