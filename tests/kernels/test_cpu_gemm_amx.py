@@ -62,9 +62,10 @@ def test_silu_epilogue_is_its_gemm_then_silu_mul(rows: int) -> None:
     assert torch.equal(cpu_gemm.gate_up_silu(x, cpu_gemm.pack_gate_up(w)), expected)
 
 
-def test_inner_size_not_a_multiple_of_32_takes_avx512bf16() -> None:
-    """k = 48 cannot fill a tile's 32 k: the AVX512_BF16 path runs it, to the same rounding,
-    and its SiLU epilogue with the AMX path's interleave (16) is still its GEMM then SiLU."""
+def test_inner_size_not_a_multiple_of_32_still_matches() -> None:
+    """k = 48 cannot fill a tile's 32 k (the kernel then takes its AVX512_BF16 path, which this
+    test cannot see): the result still matches torch to rounding, and the SiLU epilogue with
+    the AMX path's interleave (16) is still its GEMM then SiLU-and-mul bit for bit."""
     w, x, b = operands(20, 64, 48, seed=9)
     packed = cpu_gemm.pack_weight(w)
     assert_matches_torch(cpu_gemm.linear(x, packed, cpu_gemm.pack_bias(b, packed)), x, w, b)
