@@ -8,11 +8,12 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from gloo_helpers import SHAPE, link_threads, store, store_client, wait_for
 
 from kv_transfer import BlockStore, TransferRequest, TransferState, get_backend, new_transfer_id
 from kv_transfer.backends import gloo as gloo_mod
@@ -21,13 +22,6 @@ from kv_transfer.errors import ChecksumError, LayoutMismatchError, PeerError
 from kv_transfer.header import FrameHeader, MsgType
 from kv_transfer.interface import StreamSendHandle
 from kv_transfer.receiver_core import ReceiveHandle
-
-SHAPE = (16, 2, 2, 4, 2, 8)  # [num_blocks, layers, 2, block_size, heads, head_dim]
-
-
-def store(seed: int, shape: tuple[int, ...] = SHAPE) -> BlockStore:
-    gen = torch.Generator().manual_seed(seed)
-    return BlockStore(torch.randn(shape, generator=gen).to(torch.bfloat16))
 
 
 def _one_transfer(
@@ -94,18 +88,6 @@ def test_run_view_is_the_cache_bytes_of_consecutive_blocks() -> None:
     assert s.run_view(torch.tensor([3, 5])) is None  # not one run: gathered
     scaled = BlockStore(s.cache.float(), torch.ones(SHAPE[:5]))
     assert scaled.run_view(torch.tensor([3, 4])) is None  # [scales][kv] is two ranges
-
-
-def link_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name == "kv-gloo-link"}
-
-
-def wait_for(predicate: Callable[[], bool], seconds: float) -> bool:
-    """Poll `predicate` for at most `seconds`; its last answer."""
-    end = time.monotonic() + seconds
-    while not predicate() and time.monotonic() < end:
-        time.sleep(0.01)
-    return predicate()
 
 
 def begun(receiver: object, sender: object) -> tuple[ReceiveHandle, StreamSendHandle]:
@@ -334,10 +316,7 @@ def test_a_strangers_close_message_does_not_stop_the_receiver(gloo: object) -> N
     src, dst = store(2), store(1)
     receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
     try:
-        host, port = gloo_link.split_host_port(receiver.address)
-        stranger = torch.distributed.TCPStore(
-            host, port, None, False, gloo_link.td(5), wait_for_workers=False
-        )
+        stranger = store_client(receiver.address)
         stranger.queue_push(gloo_link.QUEUE, gloo_mod._CLOSE)
         time.sleep(0.2)  # the accept loop pops it first
         _one_transfer(gloo, receiver, src, [0], [3])
@@ -348,12 +327,9 @@ def test_a_strangers_close_message_does_not_stop_the_receiver(gloo: object) -> N
 def test_link_ids_pushed_by_anyone_do_not_pile_up_threads(gloo: object) -> None:
     """The receiver's store is unauthenticated: ids queued without a HELLO start no thread,
     and a real sender is served after them."""
-    import torch.distributed as dist
-
     src, dst = store(2), store(1)
     receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
-    host, port = gloo_link.split_host_port(receiver.address)
-    rogue = dist.TCPStore(host, port, None, False, gloo_link.td(5.0))
+    rogue = store_client(receiver.address)
     try:
         before = threading.active_count()
         for k in range(200):  # no HELLO: dropped at once
@@ -367,8 +343,7 @@ def test_link_ids_pushed_by_anyone_do_not_pile_up_threads(gloo: object) -> None:
 
 def _half_open(receiver: Any, count: int) -> Any:
     """Queue `count` valid HELLOs whose sender never joins the group; the store client."""
-    host, port = gloo_link.split_host_port(receiver.address)
-    rogue = torch.distributed.TCPStore(host, port, None, False, gloo_link.td(5.0))
+    rogue = store_client(receiver.address)
     hello = receiver.layout.to_bytes() + b"\0" + json.dumps({"max_frame": 1024}).encode()
     for k in range(count):
         rogue.set(f"kvmesh/link/half-{k}/hello", hello)

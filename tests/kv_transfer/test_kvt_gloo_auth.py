@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_helpers import handshake_threads, store, store_client, wait_for
 
 from decode_svc.reservations import open_receivers
 from kv_transfer import BlockStore, TransferRequest, get_backend, new_transfer_id
@@ -23,31 +23,8 @@ from kv_transfer.errors import AuthenticationError, PeerError
 from kvmesh.security import Security
 from prefill_svc.senders import SenderPool
 
-SHAPE = (16, 2, 2, 4, 2, 8)  # [num_blocks, layers, 2, block_size, heads, head_dim]
 TOKEN = "gloo-cluster-token-0123456789abcdef"
 OTHER = "another-cluster-token-0123456789ab"
-
-
-def store(seed: int) -> BlockStore:
-    gen = torch.Generator().manual_seed(seed)
-    return BlockStore(torch.randn(SHAPE, generator=gen).to(torch.bfloat16))
-
-
-def client(address: str) -> Any:
-    """A plain store client of the receiver at `address` (anyone on its network can make one)."""
-    host, port = gloo_link.split_host_port(address)
-    return dist.TCPStore(host, port, None, False, gloo_link.td(5.0), wait_for_workers=False)
-
-
-def handshake_threads() -> int:
-    return sum(t.name == "kv-gloo-link" for t in threading.enumerate())
-
-
-def wait_for(predicate: Callable[[], bool], seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while not predicate() and time.monotonic() < end:
-        time.sleep(0.01)
-    return predicate()
 
 
 def transfer(sender: Any, receiver: Any, src: BlockStore) -> None:
@@ -65,7 +42,7 @@ def test_hellos_without_the_token_take_no_slot_and_get_no_answer() -> None:
     gloo = get_backend("gloo")
     src, dst = store(2), store(1)
     receiver = gloo.Receiver(dst, security=Security(token=TOKEN))
-    rogue = client(receiver.address)
+    rogue = store_client(receiver.address)
     try:
         layout = receiver.layout.to_bytes()
         extras = {"max_frame": 1024, "window": 2}
@@ -105,12 +82,24 @@ def test_a_sender_without_the_token_is_not_served(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(gloo_link, "HANDSHAKE_SECONDS", 1.0)
     gloo = get_backend("gloo")
     receiver = gloo.Receiver(store(1), security=Security(token=TOKEN))
+    most, tried = [0], threading.Event()
+
+    def sample() -> None:  # while the senders try, not only after they gave up
+        while not tried.is_set():
+            most[0] = max(most[0], handshake_threads())
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
     try:
+        sampler.start()
         for security in (None, Security(token=OTHER)):
             with pytest.raises(PeerError):
                 gloo.Sender(store(2), receiver.address, security=security)
-        assert handshake_threads() == 0
-        assert wait_for(lambda: client(receiver.address).num_keys() == 0, 5)
+        tried.set()
+        sampler.join(5)
+        assert most[0] == 0 and handshake_threads() == 0
+        keys = store_client(receiver.address)
+        assert wait_for(lambda: keys.num_keys() == 0, 5)
     finally:
         receiver.close()
 
@@ -187,7 +176,7 @@ def test_a_copied_hello_is_taken_once_and_a_stale_one_never() -> None:
     time lies outside the window is dropped, and so is one signed without a time."""
     gloo = get_backend("gloo")
     receiver = gloo.Receiver(store(1), security=Security(token=TOKEN))
-    rogue = client(receiver.address)
+    rogue = store_client(receiver.address)
     layout = receiver.layout.to_bytes()
     extras = {"max_frame": 1024, "window": 2}
 

@@ -5,42 +5,20 @@ refused handshake, of one whose sender never joined, and of a link that closed a
 from __future__ import annotations
 
 import json
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
-import torch.distributed as dist
+from gloo_helpers import handshake_threads, store, store_client, wait_for
 
-from kv_transfer import BlockStore, TransferRequest, get_backend, new_transfer_id
+from kv_transfer import TransferRequest, get_backend, new_transfer_id
 from kv_transfer.backends import gloo as gloo_mod
 from kv_transfer.backends import gloo_handshake, gloo_link
 from kv_transfer.errors import LayoutMismatchError
 
-SHAPE = (16, 2, 2, 4, 2, 8)  # [num_blocks, layers, 2, block_size, heads, head_dim]
-
-
-def store(seed: int, shape: tuple[int, ...] = SHAPE) -> BlockStore:
-    gen = torch.Generator().manual_seed(seed)
-    return BlockStore(torch.randn(shape, generator=gen).to(torch.bfloat16))
-
-
-def client(receiver: Any) -> Any:
-    host, port = gloo_link.split_host_port(receiver.address)
-    return dist.TCPStore(host, port, None, False, gloo_link.td(5.0), wait_for_workers=False)
-
 
 def handshakes_done() -> bool:
-    return not any(t.name == "kv-gloo-link" for t in threading.enumerate())
-
-
-def settles(predicate: Callable[[], bool], seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while not predicate() and time.monotonic() < end:
-        time.sleep(0.01)
-    return predicate()
+    return handshake_threads() == 0
 
 
 @pytest.fixture
@@ -51,11 +29,11 @@ def receiver() -> Any:
 
 
 def test_a_refused_handshake_leaves_no_key(receiver: Any) -> None:
-    keys = client(receiver)
+    keys = store_client(receiver.address)
     before = keys.num_keys()
     with pytest.raises(LayoutMismatchError):
         get_backend("gloo").Sender(store(2, (16, 2, 2, 8, 2, 8)), receiver.address)
-    assert settles(handshakes_done, 5)
+    assert wait_for(handshakes_done, 5)
     assert keys.num_keys() == before
 
 
@@ -66,19 +44,19 @@ def test_a_handshake_whose_sender_never_joins_leaves_no_key(
     HELLO, its answer and the group's rendezvous keys are gone."""
     monkeypatch.setattr(gloo_mod, "HANDSHAKE_SECONDS", 1.0)
     monkeypatch.setattr(gloo_link, "HANDSHAKE_SECONDS", 1.0)
-    keys = client(receiver)
+    keys = store_client(receiver.address)
     before = keys.num_keys()
     hello = receiver.layout.to_bytes() + b"\0" + json.dumps({"max_frame": 1024}).encode()
     keys.set(gloo_handshake.scope("half") + "hello", hello)
     keys.queue_push(gloo_link.QUEUE, "half")
-    assert settles(lambda: not handshakes_done(), 2)
-    assert settles(handshakes_done, 10)
+    assert wait_for(lambda: not handshakes_done(), 2)
+    assert wait_for(handshakes_done, 10)
     assert keys.num_keys() == before
 
 
 def test_a_closed_link_leaves_no_key(receiver: Any) -> None:
     """A link's group keys stay while it lives (its HELLO and answer do not) and go with it."""
-    keys = client(receiver)
+    keys = store_client(receiver.address)
     before = keys.num_keys()
     src = store(2)
     sender = get_backend("gloo").Sender(src, receiver.address, frame_bytes=1024)
@@ -92,5 +70,5 @@ def test_a_closed_link_leaves_no_key(receiver: Any) -> None:
     finally:
         sender.close()
         link.abort()  # pooled, idle: closing it ends the receiver's link thread
-    assert settles(handshakes_done, 5)
+    assert wait_for(handshakes_done, 5)
     assert keys.num_keys() == before
