@@ -151,6 +151,7 @@ BUILD_AND_REPORT = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 from kvmesh_kernels import cpu_build
+cpu_build.CFLAGS = ("-O0", *cpu_build.CFLAGS[1:])  # the lock and publishing under test, not speed
 status = cpu_build.status()
 print(json.dumps({"status": status, "published": str(cpu_build.published_path())}))
 """
