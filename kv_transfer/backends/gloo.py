@@ -98,7 +98,7 @@ from kv_transfer.interface import (
     fill_frame,
     payload_header,
 )
-from kv_transfer.layout import split_hello
+from kv_transfer.layout import KVLayout
 from kv_transfer.state import TransferRecord
 
 if TYPE_CHECKING:
@@ -221,31 +221,27 @@ class Receiver(KVReceiver):
             reader.delete_key(key)
         except Exception:  # the store is going away (close): the accept loop decides
             return
-        if not self._proven(link_id, hello):
+        parsed = _parse_hello(hello)
+        if parsed is None or not self._proven(link_id, *parsed):
             return
         if not self._take_slot(time.monotonic() + HANDSHAKE_SECONDS):
             return
         thread = threading.Thread(
-            target=self._serve, args=(link_id, hello), name="kv-gloo-link", daemon=True
+            target=self._serve, args=(link_id, *parsed), name="kv-gloo-link", daemon=True
         )
         try:
             thread.start()
         except RuntimeError:  # no thread (the process is out of them): dropped, slot freed
             self._pending.release()
 
-    def _proven(self, link_id: str, hello: bytes) -> bool:
-        """Whether `hello` proves the cluster token, was signed within REPLAY_SECONDS and is
-        the first HELLO accepted for `link_id` (always true without a token)."""
+    def _proven(self, link_id: str, layout: bytes, fields: dict[str, Any]) -> bool:
+        """Whether a HELLO of `layout` and `fields` proves the cluster token, was signed
+        within REPLAY_SECONDS and is the first HELLO accepted for `link_id` (always true
+        without a token)."""
         if self._token is None:
             return True
-        layout, _, extras = hello.partition(b"\0")
-        try:
-            fields = json.loads(extras)
-        except ValueError:
-            return False
         return (
-            isinstance(fields, dict)
-            and gloo_handshake.verified(self._token, "hello", link_id, layout, fields)
+            gloo_handshake.verified(self._token, "hello", link_id, layout, fields)
             and gloo_handshake.fresh(fields, time.time())
             and self._served.first(link_id, time.monotonic())
         )
@@ -260,14 +256,14 @@ class Receiver(KVReceiver):
                 return True
         return False
 
-    def _serve(self, link_id: str, hello: bytes) -> None:
+    def _serve(self, link_id: str, layout: bytes, extras: dict[str, Any]) -> None:
         """Run `link_id`'s handshake (holding a slot), then its link; the link's store keys
         are deleted once the handshake failed or was refused, or the link closed."""
         client = None
         link = None
         try:  # a store client per handshake: one waiting for its peer blocks no other
             client = self._store.clone()
-            link = self._handshake(client, link_id, hello)
+            link = self._handshake(client, link_id, layout, extras)
         except Exception:  # the store is gone (close)
             pass
         finally:
@@ -286,13 +282,16 @@ class Receiver(KVReceiver):
                 self._links.discard(link)
             gloo_handshake.forget(client, link_id)
 
-    def _handshake(self, client: Any, link_id: str, hello: bytes) -> Link | None:
-        """Answer `hello` (signed with the cluster token when the receiver has one) and build
-        the link's process group; None when refused (once the sender collected the refusal,
-        or HANDSHAKE_SECONDS passed) or when the sender did not follow through."""
+    def _handshake(
+        self, client: Any, link_id: str, layout: bytes, extras: dict[str, Any]
+    ) -> Link | None:
+        """Answer a HELLO of the sender's `layout` bytes and `extras` (signed with the cluster
+        token when the receiver has one) and build the link's process group; None when refused
+        (once the sender collected the refusal, or HANDSHAKE_SECONDS passed) or when the
+        sender did not follow through."""
         scope = gloo_handshake.scope(link_id)
         try:
-            theirs, extras = split_hello(hello)
+            theirs = KVLayout.from_bytes(layout)
             ours = self.layout.to_bytes()
             max_frame = extras.get("max_frame")
             window = agreed_window(extras.get("window"), self._device)
@@ -401,6 +400,18 @@ class Receiver(KVReceiver):
             raise FrameError("msg_type", f"unexpected {kind.name}")
         except TransferError as exc:
             return _error_reply(link, header, exc)
+
+
+def _parse_hello(hello: bytes) -> tuple[bytes, dict[str, Any]] | None:
+    """A HELLO's layout bytes and its extras (the JSON object after the NUL); None when the
+    extras are not a JSON object (such a HELLO is dropped unanswered). The layout is parsed
+    by the handshake, which answers a mismatch with the receiver's own layout."""
+    layout, _, raw = hello.partition(b"\0")
+    try:
+        extras = json.loads(raw or b"{}")
+    except ValueError:
+        return None
+    return (layout, extras) if isinstance(extras, dict) else None
 
 
 def _await_collected(client: Any, key: str, deadline: float) -> None:

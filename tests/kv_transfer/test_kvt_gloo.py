@@ -341,6 +341,29 @@ def test_link_ids_pushed_by_anyone_do_not_pile_up_threads(gloo: object) -> None:
         receiver.close()
 
 
+def test_hellos_whose_extras_are_not_an_object_start_no_handshake(gloo: object) -> None:
+    """A HELLO whose extras are not a JSON object is dropped when it is read: no handshake
+    thread, no answer, no key left; a real sender is served after them."""
+    src, dst = store(2), store(1)
+    receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
+    rogue = store_client(receiver.address)
+    layout = receiver.layout.to_bytes()
+    try:
+        before = rogue.num_keys()
+        for k, extras in enumerate([b"[1, 2]", b"not json", b'"text"'] * 10):
+            rogue.set(f"kvmesh/link/bad-{k}/hello", layout + b"\0" + extras)
+            rogue.queue_push(gloo_link.QUEUE, f"bad-{k}")
+        most, end = 0, time.monotonic() + 1.0
+        while time.monotonic() < end:
+            most = max(most, len(link_threads()))
+            time.sleep(0.005)
+        assert most == 0
+        assert wait_for(lambda: rogue.num_keys() == before, 5)
+        _one_transfer(gloo, receiver, src, [0], [3])
+    finally:
+        receiver.close()
+
+
 def _half_open(receiver: Any, count: int) -> Any:
     """Queue `count` valid HELLOs whose sender never joins the group; the store client."""
     rogue = store_client(receiver.address)
