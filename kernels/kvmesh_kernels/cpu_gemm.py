@@ -2,7 +2,8 @@
 or AVX-512 with AVX512_BF16) and float32 (AVX-512, or AVX2 + FMA).
 
     gemm_supported(dtype) -> bool              the library is built and this CPU runs it
-    gemm_path(dtype) -> str                    which path: none, avx2, avx512, amx
+    gemm_path(dtype, k=None) -> str            which path: none, avx2, avx512, amx (of inner
+                                               size k when given)
     weight_fits(w) -> bool                     pack_weight takes w
     pack_weight(w) -> PackedWeight             w [out, in] (bfloat16: in even), packed once
     pack_bias(bias, packed) -> float32 bias    padded to whole panels, once
@@ -52,15 +53,19 @@ def gemm_supported(dtype: torch.dtype) -> bool:
 
 
 PATHS = ("none", "avx2", "avx512", "amx")  # kvmesh_cpu_gemm_path's codes, in order
-AMX_K = 32  # the amx path runs inner sizes that are multiples of this (one tile row's k)
 
 
-def gemm_path(dtype: torch.dtype) -> str:
-    """The path this CPU runs for `dtype` under `KVMESH_CPU_KERNEL_ISA` (one of PATHS): amx
-    is bfloat16 on AMX tiles (inner sizes that are multiples of 32; others take avx512)."""
+def gemm_path(dtype: torch.dtype, in_features: int | None = None) -> str:
+    """The path this CPU runs for `dtype` under `KVMESH_CPU_KERNEL_ISA` (one of PATHS); with
+    `in_features`, the path of a GEMM of that inner size (amx runs bfloat16 inner sizes that
+    are a multiple of its tile's 32 k; others take avx512)."""
     lib = library()
     code = _DTYPE_CODES.get(dtype)
-    return "none" if lib is None or code is None else PATHS[lib.kvmesh_cpu_gemm_path(code)]
+    if lib is None or code is None:
+        return "none"
+    if in_features is None:
+        return PATHS[lib.kvmesh_cpu_gemm_path(code)]
+    return PATHS[lib.kvmesh_cpu_gemm_path_for_k(code, _I(in_features))]
 
 
 def weight_fits(weight: torch.Tensor) -> bool:

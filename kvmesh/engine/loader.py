@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from kvmesh_kernels.cache import HEAD_DIMS
 from kvmesh_kernels.cpu_build import has_amx
-from kvmesh_kernels.cpu_gemm import AMX_K
 from kvmesh_kernels.cpu_gemm import gemm_path as kvmesh_gemm_path
 
 from kvmesh.engine.attention import register_attention
@@ -178,14 +177,15 @@ def amx_wins(dtype: torch.dtype, hf_config: Any) -> bool:
     """Whether oneDNN's AMX tiles beat kvmesh's GEMM for `dtype` on this CPU: bfloat16 on a CPU
     with AMX where kvmesh's own AMX path does not run (a compiler or Linux kernel without it,
     or a `KVMESH_CPU_KERNEL_ISA` cap) or would not run every linear (an inner size that is not
-    a multiple of AMX_K takes its AVX512_BF16 path, 1.3-8x oneDNN's time at 4-256 rows).
+    a multiple of the AMX tile's 32 k takes its AVX512_BF16 path, 1.3-8x oneDNN's time at 4-256
+    rows).
     float32 has no AMX path (kvmesh's GEMM ran W1 1.22x faster than oneDNN's float32 there,
     1.06x in a disturbed repeat); BENCHMARKS.md "kvmesh's GEMM on AMX"."""
     if dtype != torch.bfloat16 or not has_amx():
         return False
     if kvmesh_gemm_path(dtype) != "amx":
         return True
-    return any(size % AMX_K for size in linear_inner_sizes(hf_config))
+    return any(kvmesh_gemm_path(dtype, size) != "amx" for size in linear_inner_sizes(hf_config))
 
 
 def linear_inner_sizes(hf_config: Any) -> list[int]:

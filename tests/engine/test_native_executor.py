@@ -338,7 +338,7 @@ def test_linear_kind_follows_cpu_gemm_and_the_cpu(
     ) -> str:
         monkeypatch.setattr(loader, "kvmesh_gemm_applies", lambda d, dev: runs)
         monkeypatch.setattr(loader, "has_amx", lambda: amx)
-        monkeypatch.setattr(loader, "kvmesh_gemm_path", lambda d: path)
+        monkeypatch.setattr(loader, "kvmesh_gemm_path", lambda d, k=None: path)
         config = EngineConfig(cpu_gemm=gemm, float32_packing=packing)
         return loader.native_linears(config, hf, dtype, cpu)
 
@@ -351,10 +351,11 @@ def test_linear_kind_follows_cpu_gemm_and_the_cpu(
     odd = SimpleNamespace(hidden_size=48, intermediate_size=128)  # k = 48: not AMX-sized
     monkeypatch.setattr(loader, "kvmesh_gemm_applies", lambda d, dev: True)
     monkeypatch.setattr(loader, "has_amx", lambda: True)
-    monkeypatch.setattr(loader, "kvmesh_gemm_path", lambda d: "amx")
+    amx_sized = {None: "amx", 48: "avx512", 64: "amx", 128: "amx"}  # the library's answers
+    monkeypatch.setattr(loader, "kvmesh_gemm_path", lambda d, k=None: amx_sized[k])
     assert loader.native_linears(EngineConfig(), odd, torch.bfloat16, cpu) == onednn
 
-    def no_library(dtype: torch.dtype) -> str:
+    def no_library(dtype: torch.dtype, in_features: int | None = None) -> str:
         raise AssertionError("a CUDA engine asked for the CPU GEMM's path")
 
     monkeypatch.setattr(loader, "kvmesh_gemm_path", no_library)

@@ -62,10 +62,13 @@ def test_silu_epilogue_is_its_gemm_then_silu_mul(rows: int) -> None:
     assert torch.equal(cpu_gemm.gate_up_silu(x, cpu_gemm.pack_gate_up(w)), expected)
 
 
-def test_inner_size_not_a_multiple_of_32_still_matches() -> None:
-    """k = 48 cannot fill a tile's 32 k (the kernel then takes its AVX512_BF16 path, which this
-    test cannot see): the result still matches torch to rounding, and the SiLU epilogue with
+def test_inner_size_not_a_multiple_of_32_takes_avx512bf16_and_matches() -> None:
+    """k = 48 cannot fill a tile's 32 k: the library names the AVX512_BF16 path for it (and
+    AMX for 32 and 64), the result still matches torch to rounding, and the SiLU epilogue with
     the AMX path's interleave (16) is still its GEMM then SiLU-and-mul bit for bit."""
+    paths = {k: cpu_gemm.gemm_path(torch.bfloat16, k) for k in (32, 48, 64)}
+    assert paths == {32: "amx", 48: "avx512", 64: "amx"}
+    assert cpu_gemm.gemm_path(torch.float32, 48) == cpu_gemm.gemm_path(torch.float32)
     w, x, b = operands(20, 64, 48, seed=9)
     packed = cpu_gemm.pack_weight(w)
     assert_matches_torch(cpu_gemm.linear(x, packed, cpu_gemm.pack_bias(b, packed)), x, w, b)

@@ -237,6 +237,18 @@ Path path_for(int dtype) {
   return Path::kNone;
 }
 
+// The path a GEMM of dtype with inner size k runs: AMX takes inner sizes that are a multiple of
+// its tile's 32 k (amx::fits), others run on AVX512_BF16.
+Path path_for_k(int dtype, int64_t k) {
+  const Path path = path_for(dtype);
+#ifdef KVG_AMX
+  if (path == Path::kAmx && !amx::fits(k)) return Path::kAvx512;
+#else
+  (void)k;
+#endif
+  return path;
+}
+
 template <class T>
 void pack(const T* w, int64_t ldw, int64_t n, int64_t k, int64_t step, T* packed) {
   const int64_t panels = panels_of(n);
@@ -261,6 +273,11 @@ extern "C" int kvmesh_cpu_gemm_supported(int dtype) {
 // The path of dtype on this CPU: 0 none, 1 AVX2, 2 AVX-512 (bfloat16: AVX512_BF16), 3 AMX
 // (bfloat16 with an inner size that is a multiple of 32; other sizes take AVX512_BF16).
 extern "C" int kvmesh_cpu_gemm_path(int dtype) { return static_cast<int>(path_for(dtype)); }
+
+// The path of a GEMM of dtype whose inner size is k (the codes of kvmesh_cpu_gemm_path).
+extern "C" int kvmesh_cpu_gemm_path_for_k(int dtype, int64_t k) {
+  return static_cast<int>(path_for_k(dtype, k));
+}
 
 // The packed size in elements of an [n, k] weight; a bias is padded to panels * 32 floats.
 extern "C" int64_t kvmesh_cpu_gemm_packed_elems(int64_t n, int64_t k) {
@@ -304,7 +321,7 @@ int run_gemm(int dtype, const void* x, int64_t ldx, const void* packed, const fl
              bool prefetch) {
   if (dtype == 1 && k % 2 != 0) return 1;
   if (dtype != 0 && dtype != 1) return 3;
-  const Path path = path_for(dtype);
+  const Path path = path_for_k(dtype, k);
   if (path == Path::kNone) return 2;
   if (m == 0) return 0;
   prefetch = prefetch && m >= kPrefetchMinRows;
@@ -314,7 +331,7 @@ int run_gemm(int dtype, const void* x, int64_t ldx, const void* packed, const fl
                            static_cast<const uint16_t*>(packed), bias,
                            static_cast<uint16_t*>(y), ldy, m, n, k, prefetch};
 #ifdef KVG_AMX
-    if (path == Path::kAmx && amx::fits(k)) {
+    if (path == Path::kAmx) {
       amx::gemm<kSilu>(g, threads);
       return 0;
     }
