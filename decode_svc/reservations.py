@@ -24,7 +24,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kv_transfer import AUTHENTICATED_BACKENDS, bind_address, get_backend, receiver_ports
+from kv_transfer import (
+    AUTHENTICATED_BACKENDS,
+    IDLE_LIMITED_BACKENDS,
+    bind_address,
+    get_backend,
+    receiver_ports,
+)
 from kv_transfer.blocks import BlockStore
 from kv_transfer.interface import KVReceiver
 from kv_transfer.receiver_core import ReceiveHandle, ReceiverCore
@@ -96,7 +102,7 @@ def open_receivers(
         options: dict[str, Any] = {}
         if name in ports:
             options["bind"] = bind_address(host, ports[name])
-        if name == "grpc":
+        if name in IDLE_LIMITED_BACKENDS:
             options["max_connection_idle_seconds"] = max_connection_idle_seconds
         if name in AUTHENTICATED_BACKENDS and security is not None:
             options["security"] = security

@@ -24,6 +24,9 @@ _MODULES = {
 BACKENDS = {name: _MODULES[name] for name in BACKEND_NAMES}  # name -> module, every name
 # Backends whose Sender and Receiver take `security=` (cluster token; TLS on grpc only).
 AUTHENTICATED_BACKENDS = ("grpc", "gloo")
+# Backends whose Receiver takes `max_connection_idle_seconds=` (HTTP/2 connections it closes
+# when idle; gloo links keep their own idle limit).
+IDLE_LIMITED_BACKENDS = ("grpc",)
 
 _LAZY = {
     "KVLayout": "kv_transfer.layout",
