@@ -188,11 +188,28 @@ class Receiver(KVReceiver):
             if not self._pending.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 return
 
+    def _store_clients(self) -> tuple[Any, Any] | None:
+        """The accept loop's two store clients (the queue's waiter, the HELLOs' reader), made
+        again until they connect or the receiver closes: a connect can stall past the store's
+        timeout (torch's libuv server, while another store of the process stops), and an
+        accept loop that gave up would leave the receiver serving no link."""
+        while not self._closed:
+            try:
+                waiter = self._store.clone()
+                reader = self._store.clone()  # HELLOs: present when queued, so read at once
+            except Exception:
+                time.sleep(0.05)
+                continue
+            waiter.set_timeout(td(60.0))
+            reader.set_timeout(td(1.0))
+            return waiter, reader
+        return None
+
     def _accept_loop(self) -> None:
-        waiter = self._store.clone()
-        waiter.set_timeout(td(60.0))
-        reader = self._store.clone()  # HELLOs: present when queued, so read at once
-        reader.set_timeout(td(1.0))
+        clients = self._store_clients()
+        if clients is None:
+            return
+        waiter, reader = clients
         while not self._closed:
             try:
                 link_id = waiter.queue_pop(QUEUE).decode()
@@ -202,7 +219,10 @@ class Receiver(KVReceiver):
                 return
             if link_id == _CLOSE:  # only a wake-up: whoever reaches the store can push it
                 continue
-            self._start_link(reader, link_id)
+            try:
+                self._start_link(reader, link_id)
+            except Exception:  # whatever a stranger queued is dropped; the loop accepts on
+                continue
 
     def _start_link(self, reader: Any, link_id: str) -> None:
         """Serve `link_id` on its own thread, unless its HELLO is not in the store (a sender
@@ -404,12 +424,13 @@ class Receiver(KVReceiver):
 
 def _parse_hello(hello: bytes) -> tuple[bytes, dict[str, Any]] | None:
     """A HELLO's layout bytes and its extras (the JSON object after the NUL); None when the
-    extras are not a JSON object (such a HELLO is dropped unanswered). The layout is parsed
-    by the handshake, which answers a mismatch with the receiver's own layout."""
+    extras are not a JSON object, nested too deep included (such a HELLO is dropped
+    unanswered). The layout is parsed by the handshake: a valid one that does not match is
+    answered with the receiver's own layout, one that cannot be parsed is not answered."""
     layout, _, raw = hello.partition(b"\0")
     try:
         extras = json.loads(raw or b"{}")
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return (layout, extras) if isinstance(extras, dict) else None
 

@@ -32,10 +32,10 @@ def test_a_decode_worker_with_other_weights_is_never_paired(tmp_path: Path) -> N
         deadline = time.monotonic() + 240
         system.model_dir = str(a)
         system.start_control(deadline)
-        system.start_worker("prefill", deadline)
-        system.start_worker("decode", deadline)  # model b
-        wait_until(lambda: live_workers(system, "decode") == 1, 30, "decode worker registered")
-        wait_until(lambda: live_workers(system, "prefill") == 1, 30, "prefill worker registered")
+        system.start_worker("prefill")  # both load at once: their registration is the wait
+        system.start_worker("decode")  # model b
+        wait_until(lambda: live_workers(system, "decode") == 1, 90, "decode worker registered")
+        wait_until(lambda: live_workers(system, "prefill") == 1, 90, "prefill worker registered")
         with Client(system.endpoint, timeout=10) as client:
             with pytest.raises(KvmeshError):
                 client.complete([3, 4, 5, 6], max_tokens=4, temperature=0.0)
