@@ -65,11 +65,11 @@ def test_an_idle_or_dripping_connection_is_cut_after_the_read_bound(server: Metr
     assert closed_after(idle) < 5 * READ
     assert closed_after(dripping, drip) < 5 * READ  # each byte in time: the whole head is not
     idle.close(), dripping.close()
-    assert "probe_events_total 3.0" in scrape(server)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 5  # the handler threads end (and free their slots) first:
     while threading.active_count() > threads and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.05)  # a scrape while both slots are still held is refused, as it should
     assert threading.active_count() <= threads
+    assert "probe_events_total 3.0" in scrape(server)
 
 
 def test_headers_dripped_after_a_prompt_request_line_are_cut(server: MetricsServer) -> None:
