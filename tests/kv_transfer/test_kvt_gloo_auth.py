@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_helpers import handshake_threads, store, store_client, wait_for
+from gloo_helpers import CONNECT_SECONDS, handshake_threads, store, store_client, wait_for
 
 from decode_svc.reservations import open_receivers
 from kv_transfer import BlockStore, TransferRequest, get_backend, new_transfer_id
@@ -117,8 +117,8 @@ def test_a_sender_with_the_token_refuses_a_receiver_without_it() -> None:
 def test_a_sender_with_the_token_refuses_a_stranger_answering_for_the_receiver() -> None:
     """A stranger serving the store (or popping the HELLO queue first) answers with the right
     layout and a proof made with another token: the sender refuses it, builds no group."""
-    server: Any = dist.TCPStore(
-        "127.0.0.1", 0, None, True, gloo_link.td(5.0), wait_for_workers=False
+    server: Any = dist.TCPStore(  # its clones connect with its timeout
+        "127.0.0.1", 0, None, True, gloo_link.td(CONNECT_SECONDS), wait_for_workers=False
     )
     address = f"127.0.0.1:{server.port}"
     src = store(2)
