@@ -190,9 +190,9 @@ class Receiver(KVReceiver):
 
     def _store_clients(self) -> tuple[Any, Any] | None:
         """The accept loop's two store clients (the queue's waiter, the HELLOs' reader), made
-        again until they connect or the receiver closes: a connect can stall past the store's
-        timeout (torch's libuv server, while another store of the process stops), and an
-        accept loop that gave up would leave the receiver serving no link."""
+        again until they connect or the receiver closes: a torch `TCPStore` connect takes 5 s
+        now and then (BENCHMARKS.md "A gloo rendezvous store's connect"), which can outlast
+        the store's timeout, and an accept loop that gave up would serve no link again."""
         while not self._closed:
             try:
                 waiter = self._store.clone()

@@ -28,6 +28,7 @@ from kvmesh.engine.cpu_linear import (
 from kvmesh.engine.cpu_norm import fuse_rms_norms, fused_norm_applies
 from kvmesh.engine.errors import InvalidParameterError, UnsupportedModelError
 from kvmesh.engine.executor import choose_executor
+from kvmesh.engine.hf_shapes import head_dim_of
 from kvmesh.engine.native.build import build_native
 
 logger = logging.getLogger(__name__)
@@ -87,9 +88,7 @@ def check_supported(hf_config: Any) -> None:
     for feature in _UNSUPPORTED_FEATURES:
         if getattr(hf_config, feature, None):
             raise UnsupportedModelError(f"{model_type}: {feature} is not supported")
-    head_dim = getattr(hf_config, "head_dim", None) or (
-        hf_config.hidden_size // hf_config.num_attention_heads
-    )
+    head_dim = head_dim_of(hf_config)
     if head_dim not in HEAD_DIMS:
         raise UnsupportedModelError(
             f"{model_type}: head_dim {head_dim} is not supported by the paged attention kernels "
@@ -183,18 +182,18 @@ def amx_wins(dtype: torch.dtype, hf_config: Any) -> bool:
     1.06x in a disturbed repeat); BENCHMARKS.md "kvmesh's GEMM on AMX"."""
     if dtype != torch.bfloat16 or not has_amx():
         return False
-    if kvmesh_gemm_path(dtype) != "amx":
-        return True
     return any(kvmesh_gemm_path(dtype, size) != "amx" for size in linear_inner_sizes(hf_config))
 
 
 def linear_inner_sizes(hf_config: Any) -> list[int]:
     """The in_features of a Llama-family layer's linears: hidden (q|k|v, gate|up), heads x
     head_dim (o) and intermediate (down)."""
-    hidden = int(hf_config.hidden_size)
-    heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
-    head_dim = int(getattr(hf_config, "head_dim", 0) or (hidden // heads if heads else 0))
-    return [hidden, heads * head_dim or hidden, int(hf_config.intermediate_size)]
+    heads = int(hf_config.num_attention_heads)
+    return [
+        int(hf_config.hidden_size),
+        heads * head_dim_of(hf_config),
+        int(hf_config.intermediate_size),
+    ]
 
 
 def load_tokenizer(path: Path) -> Any | None:

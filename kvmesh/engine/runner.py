@@ -24,6 +24,7 @@ from kvmesh.engine.attention import ForwardContext
 from kvmesh.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from kvmesh.engine.executor import executor_for
 from kvmesh.engine.fresh_attention import ProbeShape, fresh_rule
+from kvmesh.engine.hf_shapes import head_dim_of
 from kvmesh.engine.input_batch import HostInputs, PersistentBatch
 from kvmesh.engine.loader import LoadedModel
 from kvmesh.engine.scheduler.plan import SchedulerOutput
@@ -192,7 +193,7 @@ def kv_cache_spec(
 ) -> KVCacheSpec:
     """The cache shape a transformers config needs (GQA-aware, explicit head_dim honoured)."""
     heads = int(hf_config.num_attention_heads)
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    head_dim = head_dim_of(hf_config)
     return KVCacheSpec(
         num_blocks=num_blocks,
         num_layers=int(hf_config.num_hidden_layers),

@@ -326,7 +326,8 @@ def test_linear_kind_follows_cpu_gemm_and_the_cpu(
 
     from kvmesh.engine import loader
 
-    cpu, hf = torch.device("cpu"), SimpleNamespace(hidden_size=64, intermediate_size=128)
+    cpu = torch.device("cpu")
+    hf = SimpleNamespace(hidden_size=64, intermediate_size=128, num_attention_heads=4)
 
     def kind(
         gemm: str,
@@ -348,7 +349,7 @@ def test_linear_kind_follows_cpu_gemm_and_the_cpu(
     onednn = "onednn" if loader.packing_applies(torch.bfloat16, cpu) else "plain"
     assert kind("auto", torch.bfloat16, runs=True, amx=True) == onednn
     assert kind("auto", torch.bfloat16, runs=True, amx=True, path="amx") == "kvmesh"
-    odd = SimpleNamespace(hidden_size=48, intermediate_size=128)  # k = 48: not AMX-sized
+    odd = SimpleNamespace(hidden_size=48, intermediate_size=128, num_attention_heads=3)  # k = 48
     monkeypatch.setattr(loader, "kvmesh_gemm_applies", lambda d, dev: True)
     monkeypatch.setattr(loader, "has_amx", lambda: True)
     amx_sized = {None: "amx", 48: "avx512", 64: "amx", 128: "amx"}  # the library's answers

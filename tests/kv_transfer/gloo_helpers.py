@@ -15,7 +15,7 @@ from kv_transfer import BlockStore
 from kv_transfer.backends import gloo_link
 
 SHAPE = (16, 2, 2, 4, 2, 8)  # [num_blocks, layers, 2, block_size, heads, head_dim]
-CONNECT_SECONDS = 30.0  # a loaded 2-core CI host can stall a loopback connect for seconds
+CONNECT_SECONDS = 30.0  # a torch TCPStore connect takes 5 s now and then, on loopback too
 
 
 def store(seed: int, shape: tuple[int, ...] = SHAPE) -> BlockStore:

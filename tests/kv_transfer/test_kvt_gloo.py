@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from gloo_helpers import SHAPE, link_threads, store, store_client, wait_for
+from gloo_helpers import SHAPE, handshake_threads, link_threads, store, store_client, wait_for
 
 from kv_transfer import BlockStore, TransferRequest, TransferState, get_backend, new_transfer_id
 from kv_transfer.backends import gloo as gloo_mod
@@ -389,10 +389,6 @@ def _half_open(receiver: Any, count: int) -> Any:
     return rogue
 
 
-def _handshake_threads() -> int:
-    return sum(t.name == "kv-gloo-link" for t in threading.enumerate())
-
-
 def test_a_handshake_whose_sender_never_joins_blocks_no_other(gloo: object) -> None:
     """Each handshake has its own store client: HELLOs never followed through (each waits
     HANDSHAKE_SECONDS for its peer) do not hold up a real sender's handshake, and closing the
@@ -402,14 +398,14 @@ def test_a_handshake_whose_sender_never_joins_blocks_no_other(gloo: object) -> N
     try:
         rogue = _half_open(receiver, 3)
         deadline = time.monotonic() + 5
-        while _handshake_threads() < 3 and time.monotonic() < deadline:
+        while handshake_threads() < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _handshake_threads() == 3  # all three wait for their peer
+        assert handshake_threads() == 3  # all three wait for their peer
         _one_transfer(gloo, receiver, src, [0], [3])
         del rogue
     finally:
         receiver.close()
-    assert _handshake_threads() == 0
+    assert handshake_threads() == 0
 
 
 def test_handshakes_under_way_are_bounded(gloo: object, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -423,16 +419,16 @@ def test_handshakes_under_way_are_bounded(gloo: object, monkeypatch: pytest.Monk
     receiver = gloo.Receiver(dst)  # type: ignore[attr-defined]
     try:
         rogue = _half_open(receiver, 5)
-        # a store stopped by an earlier test can stall new connections for seconds (torch's
-        # libuv server): the accept loop may start late, so wait for the first two first
-        assert wait_for(lambda: _handshake_threads() == 2, 20)
+        # a torch TCPStore connect takes 5 s now and then: the accept loop's clients may
+        # connect late, so wait for the first two handshakes before sampling
+        assert wait_for(lambda: handshake_threads() == 2, 20)
         most, end = 2, time.monotonic() + 2.5  # each times out after 1 s; the next ones follow
         while time.monotonic() < end:
-            most = max(most, _handshake_threads())
+            most = max(most, handshake_threads())
             time.sleep(0.005)
         assert most == 2
         deadline = time.monotonic() + 10
-        while _handshake_threads() and time.monotonic() < deadline:
+        while handshake_threads() and time.monotonic() < deadline:
             time.sleep(0.05)
         monkeypatch.setattr(gloo_link, "HANDSHAKE_SECONDS", 10.0)
         _one_transfer(gloo, receiver, src, [1], [5])

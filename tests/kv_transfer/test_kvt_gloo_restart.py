@@ -10,9 +10,9 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
 
 import pytest
+from gloo_helpers import wait_for
 from kvt_peers import SPEC, Peer
 
 from kv_transfer import TransferRequest, TransferState, get_backend, new_transfer_id
@@ -29,14 +29,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-def wait_for(predicate: Callable[[], bool], seconds: float) -> bool:
-    """Poll `predicate` for at most `seconds`; its last answer."""
-    end = time.monotonic() + seconds
-    while not predicate() and time.monotonic() < end:
-        time.sleep(0.01)
-    return predicate()
 
 
 def restart(receiver: Peer, port: int) -> Peer:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kvmesh.engine.errors import UnsupportedModelError
+from kvmesh.engine.hf_shapes import head_dim_of
 from kvmesh.engine.native.layers import RMSNorm, gate_up_linear, make_linear, merged_linear
 from kvmesh.engine.native.llama import AttentionShape, NativeCausalLM, NativeDecoderLayer
 from kvmesh.engine.native.rope import RotaryTable, check_rope
@@ -82,7 +83,7 @@ def convert_layer(index: int, layer: Any, hf_config: Any, linears: str) -> Nativ
 def attention_shape(attn: Any, hf_config: Any) -> AttentionShape:
     """Heads from the config, the scale and window transformers' layer itself uses."""
     heads = int(hf_config.num_attention_heads)
-    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+    head_dim = head_dim_of(hf_config)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     window = getattr(attn, "sliding_window", None)
     if window is None and getattr(hf_config, "model_type", None) == "mistral":
