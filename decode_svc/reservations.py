@@ -206,8 +206,9 @@ class ReservationTable:
         while True:
             await asyncio.sleep(REAP_INTERVAL_SECONDS)
             now = time.monotonic()
-            for handle in list(self._fenced.values()):
-                handle.close_window_if_due(now)  # the sender stopped by then
+            for fence, handle in list(self._fenced.items()):
+                if handle.close_window_if_due(now):  # the sender stopped by then
+                    self._unfence(fence)  # a no-op unless its quiet callback went missing
             for res in list(self._by_request.values()):
                 if now < res.deadline:
                     continue

@@ -136,6 +136,17 @@ def parse_wire_error(payload: bytes) -> TransferError:
     return error_from_wire(code, message or code)
 
 
+def unraised(error: TransferError) -> TransferError:
+    """A new error of `error`'s class, text and fields, without traceback, cause or context:
+    what a transfer's record keeps, and what it raises again for each late message, so that no
+    raise extends a kept error's traceback (each raise adds its frames, with their locals: a
+    late frame's payload among them)."""
+    copied = type(error).__new__(type(error))
+    copied.args = error.args
+    copied.__dict__.update(error.__dict__)
+    return copied
+
+
 def detached(error: TransferError) -> TransferError:
     """`error` with the tracebacks of it and of its causes and contexts dropped, for keeping
     once its transfer ended: a kept traceback keeps every frame it passed through alive with

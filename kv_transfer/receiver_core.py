@@ -43,6 +43,7 @@ from kv_transfer.errors import (
     TransferError,
     TransferStateError,
     UnknownTransferError,
+    unraised,
 )
 from kv_transfer.header import FLAG_NO_CHECKSUM, FLAG_NO_KV, MAX_TRAILER, FrameHeader
 from kv_transfer.registered import Grant, rows_checksum
@@ -119,11 +120,12 @@ class ReceiveHandle:
         `close_window_if_due`'s caller); it must be quick (queue a command, post to a loop)."""
         res = self._res
 
-        def settle() -> None:  # terminal now (under the record's lock)
-            if res.window_open:
-                res.on_quiet.append(callback)
-            else:
-                callback()
+        def settle() -> None:  # terminal now
+            with res.record.lock:  # against close_window swapping on_quiet meanwhile
+                if res.window_open:
+                    res.on_quiet.append(callback)
+                    return
+            callback()
 
         res.record.when_terminal(settle)
 
@@ -148,6 +150,14 @@ class ReceiveHandle:
         self._core.forget(self._res)
         if self._res.revoke is not None and self._res.record.state is not TransferState.COMPLETED:
             self._res.revoke()  # a sender may still hold a write window: stop it
+
+
+def _ended_error(record: TransferRecord) -> TransferError:
+    """What a message for an ended transfer is refused with: a fresh copy of its error (a
+    raise of the kept one would grow its traceback by the frames of each late message)."""
+    if record.error is None:
+        return TransferStateError(f"transfer already {record.state.name}")
+    return unraised(record.error)
 
 
 class ReceiverCore:
@@ -187,7 +197,7 @@ class ReceiverCore:
             res = self._reservations.get(header.transfer_id)
             ended = self._recent.get(header.transfer_id) if res is None else None
         if ended is not None and ended.request.epoch == header.epoch:
-            raise ended.error or TransferStateError(f"transfer already {ended.state.name}")
+            raise _ended_error(ended)
         if res is None:
             raise UnknownTransferError(f"transfer {header.transfer_id.hex()} not reserved here")
         if header.epoch != res.record.request.epoch:
@@ -196,7 +206,7 @@ class ReceiverCore:
             )
         if res.record.expire_if_due():
             self.forget(res)
-            raise res.record.error or TransferStateError(res.record.state.name)
+            raise _ended_error(res.record)
         return res
 
     def _fail(self, res: _Reservation, error: TransferError) -> TransferError:
@@ -240,12 +250,13 @@ class ReceiverCore:
         left = res.record.deadline - time.monotonic()
         return Grant(kv, scales, res.record.deadline).encode(left)
 
-    def window_closed(self, transfer_id: bytes) -> None:
-        """The sender of `transfer_id` stopped writing into its window (its END or CANCEL,
-        or its connection closed); a no-op when no window is open for it."""
+    def window_closed(self, transfer_id: bytes, epoch: int | None = None) -> None:
+        """The sender granted the window of `transfer_id` stopped writing into it (its END or
+        CANCEL under `epoch`, or its connection closed: any epoch); a no-op when no window is
+        open for it under that epoch. Only the granted connection may call it."""
         with self._lock:
             res = self._windows.get(transfer_id)
-        if res is not None:
+        if res is not None and epoch in (None, res.record.request.epoch):
             self.close_window(res)
 
     def close_window(self, res: _Reservation) -> None:

@@ -23,6 +23,7 @@ from kv_transfer.errors import (
     IllegalTransitionError,
     TransferCancelledError,
     TransferError,
+    unraised,
 )
 
 
@@ -101,7 +102,7 @@ class TransferRecord:
             if new not in LEGAL[self.state]:
                 raise IllegalTransitionError(f"{self.state.name} -> {new.name}")
             self.state = new
-            self.error = error or self.error
+            self.error = self.error if error is None else unraised(error)  # kept: no frames
             self._changed.notify_all()
             if new.is_terminal:
                 self.ended = time.monotonic()

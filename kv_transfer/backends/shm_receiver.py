@@ -111,8 +111,9 @@ class Receiver(KVReceiver):
             while True:
                 header, payload = recv_msg(conn, time.monotonic() + IDLE_SECONDS)
                 reply = self._dispatch(header, payload, ring, slot_bytes, begun)
-                if header.msg_type in (MsgType.END, MsgType.CANCEL):  # no write follows
-                    self.core.window_closed(header.transfer_id)
+                ends = header.msg_type in (MsgType.END, MsgType.CANCEL)
+                if ends and header.transfer_id in begun:  # granted here: no write follows
+                    self.core.window_closed(header.transfer_id, header.epoch)
                 if reply is not None and can_reply:
                     try:
                         begun.send(*reply)

@@ -109,3 +109,22 @@ def test_a_unary_push_failing_after_its_begin_ends_the_transfer(
     result = raw.unary(frame)
     assert result.state == "FAILED", result
     assert handle.state is TransferState.FAILED  # type: ignore[attr-defined]
+
+
+def test_late_frames_for_an_ended_transfer_keep_nothing(receiver: tuple[object, Raw]) -> None:
+    """Each late frame for a cancelled transfer is refused with the transfer's own reason,
+    and the error the receiver keeps for it (in its record, remembered for 1,024 transfers)
+    stays without a traceback: raising the kept error again for every late frame grew its
+    traceback by that call's frames, whose locals held the refused message (MiBs each)."""
+    r, raw = receiver
+    request, handle = reserve(r, [1])
+    handle.cancel()  # e.g. the decode worker's Release
+    payload = bytes(1 << 20)
+    late = frame_header(
+        MsgType.FRAME, request.transfer_id, request.epoch, payload,
+        frame_index=0, frame_count=1, block_offset=0, num_blocks=1,
+    ).encode()  # fmt: skip
+    for _ in range(3):
+        assert raw.push(late + payload).error_code == "cancelled"
+    kept = handle.wait(0).error
+    assert kept is not None and kept.__traceback__ is None

@@ -11,9 +11,10 @@ import gc
 import os
 import signal
 import socket
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -436,3 +437,88 @@ def test_a_cancelled_transfer_unmaps_the_receivers_cache_when_its_sender_closes(
     finally:
         gc.enable()
         receiver.close()
+
+
+class _ClosesWhileRead:
+    """A reservation's `window_open` that, on its first read inside `when_quiet`, lets another
+    thread close the window (the sender's reply to the CANCEL arriving right then), waiting
+    for that thread at most `wait` s: a close that must wait for the record's lock stays
+    behind the read."""
+
+    def __init__(self, core: ReceiverCore, tid: bytes, wait: float) -> None:
+        self.core, self.tid, self.wait = core, tid, wait
+        self.closer: threading.Thread | None = None
+
+    def read(self, res: object, open_now: bool) -> bool:
+        if self.closer is None:
+            self.closer = threading.Thread(target=self.core.window_closed, args=(self.tid,))
+            self.closer.start()
+            self.closer.join(self.wait)
+        return open_now
+
+
+def test_a_window_closing_while_a_quiet_callback_is_added_still_calls_it() -> None:
+    """The decode worker fences a dropped request's blocks and lifts the fence from
+    `when_quiet`: a window closed by the sender's connection thread between that call's check
+    and its registration must still call it (before, the callback was lost and the blocks
+    stayed fenced for good)."""
+    receiver, _ = stores()
+    core = ReceiverCore(receiver)
+    tid = os.urandom(16)
+    handle = core.expect(TransferRequest(tid, 5), [3], time.monotonic() + 10)
+    begin(core, tid, 5, [3])
+    handle.cancel()
+    assert not handle.quiet
+    res = handle._res
+    hook = _ClosesWhileRead(core, tid, wait=0.5)
+    real = type(res)
+
+    class Hooked(real):  # type: ignore[misc, valid-type]
+        def __getattribute__(self, name: str) -> object:
+            value = super().__getattribute__(name)
+            if name == "window_open" and sys._getframe(1).f_code.co_name == "settle":
+                return hook.read(self, bool(value))
+            return value
+
+    res.__class__ = Hooked
+    woken: list[int] = []
+    handle.when_quiet(lambda: woken.append(1))
+    assert hook.closer is not None
+    hook.closer.join(5)
+    res.__class__ = real
+    assert handle.quiet and woken == [1]
+
+
+def test_a_refused_cancel_from_another_connection_leaves_the_live_window_open() -> None:
+    """A second registered sender naming a live transfer under an older generation is refused
+    at BEGIN and sends CANCEL: that must change nothing (before, it closed the live sender's
+    window and failed its transfer, so the blocks looked quiet while still being written)."""
+    receiver_store, sender_store = stores()
+    receiver = shm.Receiver(receiver_store)
+    live = shm.Sender(sender_store, receiver.address, mode="registered")
+    stale = shm.Sender(sender_store, receiver.address, mode="registered")
+    tid = os.urandom(16)
+    try:
+        got = receiver.expect(TransferRequest(tid, 5), [3, 4], time.monotonic() + 30)
+        sent = live.start_stream(TransferRequest(tid, 5), [3, 4], deadline=time.monotonic() + 30)
+        wait_for(lambda: got.state is TransferState.IN_FLIGHT)
+        refused = stale.start_stream(TransferRequest(tid, 4), [3, 4], deadline=time.monotonic() + 5)
+        assert refused.wait(5).state is not TransferState.COMPLETED
+        time.sleep(0.2)  # the CANCEL that followed the refusal was read by now
+        assert got.state is TransferState.IN_FLIGHT and not got.quiet
+        sent.add(0, [1, 2])
+        sent.finish()
+        assert sent.wait(5).state is TransferState.COMPLETED
+        assert got.wait(5).state is TransferState.COMPLETED
+        assert torch.equal(receiver_store.cache[[3, 4]], sender_store.cache[[1, 2]])
+    finally:
+        live.close()
+        stale.close()
+        receiver.close()
+
+
+def wait_for(ready: Callable[[], bool], seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
