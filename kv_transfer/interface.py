@@ -90,6 +90,7 @@ class PartFeed:
         self._added = torch.zeros(int(plan_src.numel()), dtype=torch.bool)
         self._num_added = 0
         self._finished = False
+        self._abandoned = False  # the transfer ended: no frame is read any more
         self._cond = threading.Condition()
         self.trailer = b""
         self.kv = True
@@ -131,6 +132,13 @@ class PartFeed:
             self._finished = True
             self._cond.notify_all()
 
+    def abandon(self) -> None:
+        """The transfer ended (its call refused or failed): `indices` stops at once, and
+        no part added later is read (its source blocks may be freed by then)."""
+        with self._cond:
+            self._abandoned = True
+            self._cond.notify_all()
+
     def indices(self, waiter: Waiter) -> Iterator[int]:
         sent = 0
         while True:
@@ -138,12 +146,16 @@ class PartFeed:
                 while sent == len(self._frames) and not self._finished:
                     if waiter.cancel.is_set() or time.monotonic() >= waiter.deadline:
                         return
+                    if self._abandoned:
+                        return
                     self._cond.wait(0.05)
+                if self._abandoned:
+                    return
                 available = len(self._frames)
                 done = self._finished and sent == available
             if done:
                 return
-            while sent < available:
+            while sent < available and not self._abandoned:
                 yield sent
                 sent += 1
 

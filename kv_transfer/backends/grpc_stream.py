@@ -221,11 +221,14 @@ class Receiver(KVReceiver):
         self._close_lock = threading.Lock()
         self._closed = False  # guarded by _close_lock: close() runs once
         self._port, self._bind_error = 0, ""
+        self._start_error: Exception | None = None  # set when the server could not be built
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(bind, max_message_bytes, ready))
         self._thread.daemon = True
         self._thread.start()
         if not ready.wait(HANDSHAKE_SECONDS) or self._port <= 0:
+            if self._start_error is not None:  # e.g. TLS files that do not load
+                raise self._start_error
             if self._bind_error:  # OSError "--transfer-port: cannot bind ADDRESS: reason"
                 raise OSError(self._bind_error)
             raise PeerError(f"gRPC receiver could not bind {bind}")
@@ -234,36 +237,45 @@ class Receiver(KVReceiver):
 
     def _run(self, bind: str, max_bytes: int, ready: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
-        self.auth = self.security.internal_interceptors()
-        # The token check first (a refused call is never parsed), then the unary requests'
-        # decode check (INVALID_ARGUMENT, not UNKNOWN); PushFrames is raw bytes either way.
-        interceptors = [*self.auth, wire.DecodeCheck()]
-        self._server = grpc.aio.server(  # keepalive, idle bound, no SO_REUSEPORT (wire's)
-            options=wire.server_options(max_bytes, self._idle_seconds),
-            interceptors=interceptors,
-        )
-        servicer = _Servicer(self)
-        pb_grpc.add_KVTransferServiceServicer_to_server(servicer, self._server)
-        raw = grpc.stream_unary_rpc_method_handler(  # bytes in (no deserializer), PushResult out
-            servicer.PushFrames, response_serializer=pb.PushResult.SerializeToString
-        )
-        self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE, {"PushFrames": raw}),)
-        )
         try:
+            self._server = self._build_server(max_bytes)
             self._port = self.security.add_port(self._server, bind, field="--transfer-port")
-        except OSError as error:  # reported by __init__ at once, not after the handshake wait
-            self._port, self._bind_error = -1, str(error)
+            self._loop.run_until_complete(self._server.start())
+        except Exception as error:  # reported by __init__ at once, not after the wait
+            self._port = -1
+            if isinstance(error, OSError):  # "--transfer-port: cannot bind ADDRESS: reason"
+                self._bind_error = str(error)
+            else:
+                self._start_error = error
             self._loop.close()
             ready.set()
             return
-        self._loop.run_until_complete(self._server.start())
         ready.set()
         try:
             self._loop.run_forever()
         finally:  # stopped by close(): its selector, wake-up pipe and eventfd go with it
             with contextlib.suppress(Exception):
                 self._loop.close()
+
+    def _build_server(self, max_bytes: int) -> grpc.aio.Server:
+        """The aio server with the KV services and their interceptors (no port yet)."""
+        self.auth = self.security.internal_interceptors()
+        # The token check first (a refused call is never parsed), then the unary requests'
+        # decode check (INVALID_ARGUMENT, not UNKNOWN); PushFrames is raw bytes either way.
+        interceptors = [*self.auth, wire.DecodeCheck()]
+        server = grpc.aio.server(  # keepalive, idle bound, no SO_REUSEPORT (wire's)
+            options=wire.server_options(max_bytes, self._idle_seconds),
+            interceptors=interceptors,
+        )
+        servicer = _Servicer(self)
+        pb_grpc.add_KVTransferServiceServicer_to_server(servicer, server)
+        raw = grpc.stream_unary_rpc_method_handler(  # bytes in (no deserializer), PushResult out
+            servicer.PushFrames, response_serializer=pb.PushResult.SerializeToString
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {"PushFrames": raw}),)
+        )
+        return server
 
     @property
     def address(self) -> str:
@@ -412,6 +424,8 @@ class Sender(KVSender):
                 cancel_at = cancel_at or time.monotonic() + grace
                 if time.monotonic() >= cancel_at:
                     call.cancel()
+        if plan.parts is not None:  # grpc's thread may still wait in the frames' iterator
+            plan.parts.abandon()
         try:
             result = call.result()
         except grpc.FutureCancelledError:

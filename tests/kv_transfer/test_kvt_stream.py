@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
 
 import pytest
 import torch
@@ -12,6 +15,9 @@ from kv_transfer import BlockStore, TransferRequest, TransferState, get_backend,
 from kv_transfer.errors import FrameError, TransferError, UnknownTransferError
 from kv_transfer.header import MAX_TRAILER, MsgType, frame_header
 from kv_transfer.interface import KVReceiver, KVSender
+from kvmesh.security import Security
+from kvmesh.security.credentials import CredentialError
+from kvmesh.security.tls import TlsConfig
 
 SHAPE = (48, 2, 2, 4, 2, 8)  # [num_blocks, layers, 2, block_size, heads, head_dim]
 BACKENDS = ["fake", "shm", "grpc"]
@@ -237,3 +243,62 @@ def test_oversized_trailer_refused_by_the_producer(pair: tuple[KVSender, KVRecei
     with pytest.raises(TransferError, match="trailer"):
         handle.finish(bytes(MAX_TRAILER + 1), kv=False)
     handle.cancel()
+
+
+def _threads_waiting_for_parts() -> int:
+    """Threads whose stack is inside a streamed transfer's wait for its next part."""
+    waiting = 0
+    for frame in sys._current_frames().values():
+        f: FrameType | None = frame
+        while f is not None and not (
+            f.f_code.co_name == "indices" and f.f_code.co_filename.endswith("interface.py")
+        ):
+            f = f.f_back
+        waiting += f is not None
+    return waiting
+
+
+def test_a_refused_grpc_stream_leaves_no_thread_waiting_for_parts() -> None:
+    """The receiver ends a streamed gRPC transfer (its reservation released mid-transfer):
+    grpc's thread that feeds the call its frames stops with the call instead of waiting for
+    parts until the transfer's deadline, and reads no part added after."""
+    src, dst = stores()
+    backend = get_backend("grpc")
+    receiver = backend.Receiver(dst)
+    sender = backend.Sender(src, receiver.address, frame_bytes=1500)
+    try:
+        request = TransferRequest(new_transfer_id(), 3)
+        got = receiver.expect(request, list(range(4)), time.monotonic() + 60)
+        sent = sender.start_stream(request, list(range(4)), deadline=time.monotonic() + 60)
+        sent.add(0, [10])
+        assert wait_until(lambda: got.state is TransferState.IN_FLIGHT)
+        got.cancel()  # e.g. a Release on the decode worker
+        sent.add(1, [11])
+        assert sent.wait(5).state.is_terminal
+        assert wait_until(lambda: _threads_waiting_for_parts() == 0)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_grpc_receiver_that_cannot_start_says_why_at_once(tmp_path: Path) -> None:
+    """A receiver whose server cannot be built (here: a CA for mutual TLS without the
+    receiver's own certificate) raises that error at once, not "could not bind" after the
+    start-up wait."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n")
+    started = time.monotonic()
+    with pytest.raises(CredentialError):
+        get_backend("grpc").Receiver(
+            BlockStore(torch.zeros(SHAPE)), security=Security(tls=TlsConfig(ca=str(ca)))
+        )
+    assert time.monotonic() - started < 5
+
+
+def wait_until(ready: Callable[[], bool], seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not ready():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
