@@ -63,6 +63,7 @@ _UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     **{name: lambda v: False for name in _ANY_VALUE},
     **{name: lambda v: v is False for name in _UNLESS_FALSE},
     "allowed_token_ids": lambda v: v == [],
+    "logits_processors": lambda v: v == [],  # vLLM's, refused unless its server allows them
     "bad_words": lambda v: v == [],
     "logprob_token_ids": lambda v: v == [],
     "thinking_token_budget": lambda v: v == -1,  # vLLM's "unlimited", as unset
@@ -125,14 +126,18 @@ class ParsedRequest:
         return self.requests[0].sampling.n or 1
 
 
-def field(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:
-    """body[name] checked against a JSON type (null or absent → default)."""
+def field(
+    body: dict[str, Any], name: str, kind: str, default: Any = None, *, within: str = ""
+) -> Any:
+    """body[name] checked against a JSON type (null or absent → default); a refusal names
+    the field as `within.name` when `body` is the object of field `within`."""
     value = body.get(name)
     if value is None:
         return default
     ok = isinstance(value, _TYPES[kind]) and (kind == "boolean" or not isinstance(value, bool))
     if not ok:
-        raise bad_param(name, f"expected {kind}, got {type(value).__name__}")
+        param = f"{within}.{name}" if within else name
+        raise bad_param(param, f"expected {kind}, got {type(value).__name__}")
     return value
 
 
@@ -170,8 +175,10 @@ def parse(body: Any, kind: Kind, limits: RequestLimits = DEFAULT_LIMITS) -> Pars
     options = field(body, "stream_options", "object", {})
     if options and not stream:  # as OpenAI and vLLM answer
         raise bad_param("stream_options", "is allowed only when stream is true")
-    include_usage = field(options, "include_usage", "boolean", False)
-    continuous = field(options, "continuous_usage_stats", "boolean", False)  # vLLM's option
+    include_usage = field(options, "include_usage", "boolean", False, within="stream_options")
+    continuous = field(  # vLLM's option
+        options, "continuous_usage_stats", "boolean", False, within="stream_options"
+    )
     return ParsedRequest(
         kind, field(body, "model", "string"), requests, stream, include_usage, logprobs,
         field(body, "user", "string"), echo, prompt_only, prompt_logprobs,

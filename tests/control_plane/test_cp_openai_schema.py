@@ -113,6 +113,11 @@ def test_logit_bias_becomes_the_proto_map() -> None:
         ("completion", {"prompt": "x", "stream": "yes"}, "stream"),
         ("completion", {"prompt": "x", "stream_options": {"include_usage": True}},
          "stream_options"),  # only with stream: true
+        ("completion", {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+         "stream_options.include_usage"),  # the nested field, by its path
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                  "stream_options": {"continuous_usage_stats": "yes"}},
+         "stream_options.continuous_usage_stats"),
         ("completion", {"prompt": "x", "echo": 1}, "echo"),
         ("completion", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
         ("chat", {"messages": [{"role": "u", "content": "x"}], "prompt_logprobs": -1},

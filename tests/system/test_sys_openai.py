@@ -327,6 +327,7 @@ UNHONOURED: list[tuple[str, dict[str, Any], str]] = [
                                                            "min_count": 2}}},
      "repetition_detection"),
     ("chat", {"logprobs": True, "extra_body": {"logprob_token_ids": [7]}}, "logprob_token_ids"),
+    ("completion", {"extra_body": {"logits_processors": ["pkg.mod:Proc"]}}, "logits_processors"),
     ("completion", {"extra_body": {"return_token_ids": True}}, "return_token_ids"),
     ("chat", {"extra_body": {"return_prompt_text": True}}, "return_prompt_text"),
     ("chat", {"messages": [{"role": "user", "content": "a"},
