@@ -8,6 +8,7 @@ on CPU `DEFAULT_CPU_KV_BYTES`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -20,6 +21,7 @@ from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.generation_defaults import sampling_defaults
 from kvmesh.engine.host_memory import host_available_bytes
 from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.native.rope import rope_type
 from kvmesh.engine.runner import ModelRunner, kv_cache_spec
 from kvmesh.engine.sampler import Sampler
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
@@ -33,6 +35,8 @@ from kvmesh.memory.tiers.build import (
     persistent_seed,
 )
 from kvmesh.memory.tiers.store import TieredStore
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -151,16 +155,41 @@ def check_host_memory(nbytes: int, field: str, what: str) -> None:
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None)
+    limit, why = position_limit(hf_config)
     if config.max_model_len is None:
         if limit is None:
             raise InvalidParameterError("max_model_len", "the model config names none; set it")
+        if why:
+            logger.info("max_model_len %d: %s", limit, why)
         return int(limit)
     if limit is not None and config.max_model_len > limit:
         raise InvalidParameterError(
-            "max_model_len", f"{config.max_model_len} exceeds the model's {limit} positions"
+            "max_model_len",
+            f"{config.max_model_len} exceeds the model's {limit} positions"
+            + (f" ({why})" if why else ""),
         )
     return config.max_model_len
+
+
+def position_limit(hf_config: Any) -> tuple[int | None, str]:
+    """The positions the engine serves the model at, and why when that is not the config's
+    max_position_embeddings. `longrope` stops at its original context: transformers rotates
+    every position of a forward call with the long factors once the call's highest position
+    passes it, so a step holding several sequences, or one chunk of a prompt, would rotate
+    some of them otherwise than `generate` does for each alone."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if rope_type(hf_config) != "longrope":
+        return limit, ""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    original = (params or {}).get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None
+    )
+    if original is None:
+        raise InvalidParameterError(
+            "max_model_len", "a longrope config without original_max_position_embeddings"
+        )
+    why = "longrope is served within its original context (original_max_position_embeddings)"
+    return int(original) if limit is None else min(int(original), int(limit)), why
 
 
 def plan_num_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
