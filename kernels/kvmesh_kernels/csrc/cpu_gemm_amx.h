@@ -7,7 +7,8 @@
 //   tiles   C: tmm0-3, rows block b (0, 1) x half h (0, 1) = tmm(2b + h), 16 x 16 float32
 //           sums; A: tmm4 / tmm5, 16 rows x 32 k of blocks 0 / 1; B: tmm6 / tmm7, halves 0 / 1.
 //           One configuration for the whole call: 16-row blocks, a last partial block copied
-//           into a zero-padded 16-row scratch (its extra rows computed and dropped).
+//           into a zero-padded 16-row scratch (its extra rows computed and dropped). A tiles
+//           load with tileloaddt1 (not kept in L1) when the call has more than 32 rows.
 //   sums    tdpbf16ps: pairs of products into float32 (subnormal inputs read as zero), k in
 //           steps of 32; the order of the float32 additions is the instruction's, so results
 //           match the other paths and oneDNN to rounding, not bit for bit.
@@ -107,9 +108,25 @@ void store_rows(const Pending& q, int64_t ldy) {
   }
 }
 
+// An A tile from x (lda elements between rows). With more than one row pair per panel it is
+// streamed (tileloaddt1: kept out of L1), so that the panel's B tiles, which each row pair
+// reads again, stay in L1 instead of being evicted by x's rows and y's lines (a prompt step's
+// linears 0.84-0.95x the time at 64-2,048 rows); one row pair reads its A tiles again for
+// every panel, so they stay cached.
+template <bool kStreamA>
+inline __attribute__((always_inline)) void load_a(int tile, const uint16_t* a, int64_t lda) {
+  if constexpr (kStreamA) {
+    if (tile == 4) _tile_stream_loadd(4, a, lda * 2);
+    else _tile_stream_loadd(5, a, lda * 2);
+  } else {
+    if (tile == 4) _tile_loadd(4, a, lda * 2);
+    else _tile_loadd(5, a, lda * 2);
+  }
+}
+
 // One or two row blocks (kBlocks) of one panel: the k loop over A and B tiles. a0 / a1: the
 // blocks' first rows (lda0 / lda1 elements between rows), next: the panel to prefetch (or null).
-template <int kBlocks>
+template <int kBlocks, bool kStreamA>
 inline __attribute__((always_inline)) void panel_blocks(const uint16_t* a0, int64_t lda0,
                                                         const uint16_t* a1, int64_t lda1,
                                                         const uint16_t* panel, int64_t k,
@@ -129,11 +146,11 @@ inline __attribute__((always_inline)) void panel_blocks(const uint16_t* a0, int6
         _mm_prefetch(next + (kk * kStepLines + j) * kLine, _MM_HINT_T1);
     _tile_loadd(6, b, kPanel * 4);
     _tile_loadd(7, b + kPanel, kPanel * 4);
-    _tile_loadd(4, a0 + kk * kTileK, lda0 * 2);
+    load_a<kStreamA>(4, a0 + kk * kTileK, lda0);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if constexpr (kBlocks == 2) {
-      _tile_loadd(5, a1 + kk * kTileK, lda1 * 2);
+      load_a<kStreamA>(5, a1 + kk * kTileK, lda1);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -145,11 +162,12 @@ inline __attribute__((always_inline)) void panel_blocks(const uint16_t* a0, int6
 // following it.
 template <bool kSilu>
 struct PairRunner {
-  PairRunner(const Gemm<uint16_t>& gemm, const uint16_t* tail_rows, int64_t whole)
-      : g(gemm), tail(tail_rows), whole_end(whole) {}  // sums left unset: stashed before read
+  PairRunner(const Gemm<uint16_t>& gemm, const uint16_t* tail_rows, int64_t whole, bool stream)
+      : g(gemm), tail(tail_rows), whole_end(whole), stream_a(stream) {}  // sums: stashed first
   const Gemm<uint16_t>& g;
   const uint16_t* tail;
   int64_t whole_end;
+  bool stream_a;
   alignas(64) float sums[2][4 * 256];
   Pending pending;
   int buffer = 0;
@@ -161,10 +179,14 @@ struct PairRunner {
     const uint16_t* a0 = x0 ? g.x + m * g.ldx : tail;
     const uint16_t* a1 = x1 ? g.x + (m + kTileRows) * g.ldx : tail;
     const int64_t lda0 = x0 ? g.ldx : g.k, lda1 = x1 ? g.ldx : g.k;
-    if (blocks == 2) {
-      panel_blocks<2>(a0, lda0, a1, lda1, panel, g.k, next);
+    if (blocks == 2 && stream_a) {
+      panel_blocks<2, true>(a0, lda0, a1, lda1, panel, g.k, next);
+    } else if (blocks == 2) {
+      panel_blocks<2, false>(a0, lda0, a1, lda1, panel, g.k, next);
+    } else if (stream_a) {
+      panel_blocks<1, true>(a0, lda0, a0, lda0, panel, g.k, next);
     } else {
-      panel_blocks<1>(a0, lda0, a0, lda0, panel, g.k, next);
+      panel_blocks<1, false>(a0, lda0, a0, lda0, panel, g.k, next);
     }
     flush();
     stash(sums[buffer], blocks);
@@ -191,7 +213,7 @@ struct PairRunner {
 template <bool kSilu>
 void run_panels(const Gemm<uint16_t>& g, const uint16_t* tail, int64_t whole_end, int64_t m0,
                 int64_t m1, int64_t p0, int64_t p1) {
-  PairRunner<kSilu> pairs(g, tail, whole_end);
+  PairRunner<kSilu> pairs(g, tail, whole_end, g.m > 2 * kTileRows);
   const int64_t panel_bytes = g.k * kPanel * 2;
   const auto next_of = [&](int64_t p, int64_t m) -> const char* {
     if (!g.prefetch || p + 1 >= p1 || m != m0) return nullptr;
