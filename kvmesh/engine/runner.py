@@ -71,6 +71,7 @@ class ModelRunner:
         shape = ProbeShape(heads, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.kv_dtype)
         self.fresh_rule = fresh_rule(fresh_attention, self.device, shape)
         self.decode_graphs: DecodeGraphs | None = None
+        self._graph_options = (0, False)  # enable_decode_graphs' arguments
 
     def enable_decode_graphs(self, max_num_seqs: int, capture: bool = True) -> None:
         """Run decode steps of up to `max_num_seqs` sequences through per-bucket CUDA graphs
@@ -85,6 +86,7 @@ class ModelRunner:
         )
         graphs.capture()
         self.decode_graphs = graphs
+        self._graph_options = (max_num_seqs, capture)
 
     @property
     def block_size(self) -> int:
@@ -111,6 +113,8 @@ class ModelRunner:
         if scales is not None and old.scales is not None:
             scales.copy_(old.scales)
         self.kv_cache = PagedKVCache(old.spec, data, scales)
+        if self.decode_graphs is not None:  # its static plans and graphs read the old cache
+            self.enable_decode_graphs(*self._graph_options)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst (all layers, K and V, and their scales in a quantized

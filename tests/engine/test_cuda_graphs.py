@@ -85,3 +85,22 @@ def test_padded_decode_steps_keep_greedy_parity(tmp_path: Path) -> None:
     assert graphs is not None and graphs.replays >= greedy.max_tokens - 1
     assert padded == eager
     assert padded[0] == hf_greedy(checkpoint, PROMPT, greedy.max_tokens)
+
+
+def test_decode_graphs_follow_a_moved_kv_cache(tmp_path: Path) -> None:
+    """A decode worker moves its cache into registered shared memory after load: the decode
+    steps' static plans (and, on a GPU, their captured graphs) must read and write the new
+    cache, or decoding attends to the old one (tokens differ from the eager steps)."""
+    checkpoint = build_tiny_model(tmp_path / "llama", "llama", "test", seed=0)
+    llm = LLM(str(checkpoint), num_kv_blocks=64, dtype="float32", max_num_seqs=8)
+    prompts = [PROMPT, PROMPT[:40], PROMPT[:17]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    eager = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    runner = llm.engine.runner
+    runner.enable_decode_graphs(max_num_seqs=8, capture=False)
+    moved = torch.zeros_like(runner.kv_cache.data)
+    llm.engine.move_kv_cache(moved, None)
+    graphs = runner.decode_graphs
+    assert graphs is not None and graphs.cache.data.data_ptr() == moved.data_ptr()
+    padded = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert graphs.replays >= greedy.max_tokens - 1 and padded == eager
