@@ -64,6 +64,7 @@ _UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     **{name: lambda v: v is False for name in _UNLESS_FALSE},
     "allowed_token_ids": lambda v: v == [],
     "logits_processors": lambda v: v == [],  # vLLM's, refused unless its server allows them
+    "priority": lambda v: v == 0,  # vLLM's, refused unless priority scheduling is on (FCFS here)
     "bad_words": lambda v: v == [],
     "logprob_token_ids": lambda v: v == [],
     "thinking_token_budget": lambda v: v == -1,  # vLLM's "unlimited", as unset

@@ -400,6 +400,9 @@ CHAT = [{"role": "user", "content": "x"}]
         ("completion", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
         ("completion", {"prompt": "x", "allowed_token_ids": [1]}, "allowed_token_ids"),
         ("completion", {"prompt": "x", "bad_words": ["a"]}, "bad_words"),
+        ("completion", {"prompt": "x", "logits_processors": ["pkg.mod:Proc"]},
+         "logits_processors"),
+        ("chat", {"messages": CHAT, "priority": 5}, "priority"),  # requests run first come
         ("completion", {"prompt": "x", "return_tokens_as_token_ids": True},
          "return_tokens_as_token_ids"),
         ("completion", {"prompt": "x", "response_format": {"type": "json_object"}},
@@ -450,7 +453,8 @@ def test_unimplemented_fields_at_their_no_op_values_are_accepted() -> None:
     assert parse({**chat, "messages": unrendered}, "chat").request.chat.messages[0].content == "x"
     completion = {"prompt": "x", "add_special_tokens": True, "allowed_token_ids": None,
                   "return_tokens_as_token_ids": False, "truncate_prompt_tokens": None,
-                  "response_format": {"type": "text"}, "prompt_embeds": None}  # fmt: skip
+                  "response_format": {"type": "text"}, "prompt_embeds": None,
+                  "logits_processors": [], "priority": 0}  # fmt: skip
     assert parse(completion, "completion").request.text == "x"
 
 
