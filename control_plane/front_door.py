@@ -279,8 +279,8 @@ class FrontDoor:
 
     async def _relay(self, run: Run) -> AsyncIterator[generation_pb2.GenerateResponse]:
         while True:
-            if run.aborted:
-                raise RpcFailure(grpc.StatusCode.ABORTED, f"request {run.request_id!r} was aborted")
+            if run.aborted or run.cut is not None:  # between attempts: no cancel reached it
+                raise self._interrupted(run)
             run.tries += 1
             run.calls.clear()
             run.lost = None

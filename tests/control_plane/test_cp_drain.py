@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -12,6 +13,7 @@ from cp_harness import Harness, control_plane, run_async, status_of, text_reques
 from cp_workers import FakeWorker
 from google.rpc.error_details_pb2 import RetryInfo
 
+from kvmesh.security import Security
 from kvmesh.v1 import generation_pb2, wire
 
 
@@ -113,3 +115,43 @@ async def test_an_http_stream_cut_by_the_drain_ends_with_a_draining_error() -> N
                 pass
         await drain
         assert len(cp.server.cluster.ledger) == 0
+
+
+class LosingDecode(FakeWorker):
+    """A decode worker lost before its first response (Decode fails UNAVAILABLE): the front
+    door retries the request on another one."""
+
+    async def Decode(  # type: ignore[override]
+        self, request: object, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[object]:
+        self._record("Decode", context)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
+        yield  # an async generator, as the servicer's method is
+
+
+@run_async
+async def test_a_drain_between_two_attempts_cuts_the_run() -> None:
+    """A drain's cut that lands while a retry waits for the lost attempt's Release ends the
+    run with "draining; retry" instead of starting the next attempt (before, that attempt
+    ran and streamed on past the cut)."""
+    async with control_plane() as cp:
+        await cp.add("p0", "prefill")
+        security = cp.server.config.security
+        losing = await LosingDecode(
+            "d0", "decode", security=Security(token=security.token, tls=security.tls)
+        ).start()
+        cp.workers.append(losing)
+        await losing.register(cp.control)
+        losing.release_delay = 1.0  # the retry waits on this Release
+        spare = await cp.add("d1", "decode")
+        spare.tokens, spare.pace = 40, 0.1
+        call = cp.generation.Generate(text_request(request_id="r"), timeout=30)
+        reader = asyncio.create_task(status_of(call))
+        deadline = time.monotonic() + 5
+        while "Release" not in losing.calls:
+            assert time.monotonic() < deadline, losing.calls
+            await asyncio.sleep(0.01)
+        cp.server.front_door.cut_all("the control plane is draining; retry")
+        code, details, _ = await reader
+        assert code == grpc.StatusCode.UNAVAILABLE and "draining" in details, (code, details)
+        assert "Reserve" not in spare.calls  # no attempt after the cut
