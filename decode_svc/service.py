@@ -70,6 +70,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         engine_request = self.runtime.request_from(prepared, prefill_only=False)
         if message.generation == 0:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "generation: must be non-zero")
+        lease = self._lease(message, context)  # checked before anything changes
         rid = engine_request.request_id
         held = self.table.get(rid)
         if held is not None:
@@ -78,11 +79,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                     FAILED_PRECONDITION,
                     f"generation: {rid!r} is held under generation {held.generation}",
                 )
-            # a newer generation supersedes a stale reservation (its open Decode call ends)
+            # a newer generation supersedes a stale reservation (its open Decode call ends);
+            # stale whatever this call's outcome, it is freed even when the pool is then short
             self.release(rid, held.generation, f"superseded by generation {message.generation}")
-        res = await self.table.reserve(
-            engine_request, message.generation, self._lease(message, context)
-        )
+        res = await self.table.reserve(engine_request, message.generation, lease)
         if res is None:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, self._shortage(engine_request))
         return worker_pb2.ReserveResponse(

@@ -247,3 +247,20 @@ def test_a_newer_generation_supersedes_an_open_decode_call(driver: ControlDriver
     driver.prefill(request, driver.target(second, 4))
     assert sum(len(response.token_ids) for response in new) == 64
     wait_until(lambda: all_free(driver), 1.0, "every block freed")
+
+
+def test_a_refused_newer_reserve_leaves_the_held_generation(driver: ControlDriver) -> None:
+    """A Reserve under a newer generation with a bad lease is refused (INVALID_ARGUMENT naming
+    lease_seconds) before it supersedes anything: the older generation's reservation and its
+    open Decode call are untouched, and finish."""
+    request = driver.prepare("keep", list(range(10, 26)), max_tokens=8, ignore_eos=True)
+    first = driver.reserve(request, generation=3)
+    old = driver.decode_call("keep", first, 3)
+    for lease in (-1.0, float("nan")):
+        with pytest.raises(grpc.RpcError) as refused:
+            driver.reserve(request, generation=4, lease=lease)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "lease_seconds" in (refused.value.details() or "")
+    driver.prefill(request, driver.target(first, 3))
+    assert sum(len(response.token_ids) for response in old) == 8
+    wait_until(lambda: all_free(driver), 1.0, "every block freed")
