@@ -323,3 +323,30 @@ def test_closing_a_disk_tier_whose_folder_is_gone_releases_it(tmp_path: Path) ->
     shutil.rmtree(folder)
     disk.close()
     assert not disk._release.alive  # the finalizer ran: the lock's descriptor is closed
+
+
+@pytest.mark.parametrize("entry", ["undeletable", "dangling link"])
+def test_a_persistent_restart_survives_entries_it_cannot_read_or_delete(
+    tmp_path: Path, entry: str
+) -> None:
+    """A persistent disk tier restarts on a folder holding a block entry that fails to verify
+    and cannot be deleted (here a directory in the file's place), or a dangling link: the entry
+    is dropped and counted, the good blocks are kept (before, the engine failed to start with
+    a raw OSError on every restart)."""
+    layout = {"layout": 1}
+    first = DiskTier(tmp_path, 4, layout, 16, persist=True)
+    assert first.put(BlockMeta(5, None, (1, 2), None), bytes(16))
+    first.close()
+    bad = tmp_path / f"{7:032x}.kvblock"
+    if entry == "undeletable":
+        bad.mkdir()
+        (bad / "keep").write_bytes(b"x")
+    else:
+        bad.symlink_to(tmp_path / "gone")
+    again = DiskTier(tmp_path, 4, layout, 16, persist=True)
+    try:
+        assert 5 in again and 7 not in again and again.num_corrupt == 1
+        assert again.num_unremoved == (entry == "undeletable")
+        again.check_integrity()
+    finally:
+        again.close()

@@ -184,17 +184,27 @@ class DiskTier:
                     path.unlink(missing_ok=True)
 
     def _scan(self) -> None:
-        """Keep the files that verify (oldest first); delete the rest and any torn write."""
+        """Keep the files that verify (oldest first); delete the rest and any torn write. An
+        entry that cannot be read or deleted (a dangling link, a directory in a file's place)
+        is dropped and counted as `remove` counts it: a restart never fails on one."""
         for path in self.folder.glob(f".*{SUFFIX}.*.tmp"):
-            path.unlink(missing_ok=True)
-        found = sorted(self._block_files(), key=lambda p: p.stat().st_mtime)
-        for path in found:
-            meta = self._verify_file(path)
-            if meta is None:
-                self.num_corrupt += 1
+            with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
-            else:
+        for path in sorted(self._block_files(), key=_age):
+            meta = self._verify_file(path)
+            if meta is not None:
                 self._index[meta.block_hash] = meta
+                continue
+            self.num_corrupt += 1
+            try:
+                block_hash: int | None = int(path.name.removesuffix(SUFFIX), 16)
+            except ValueError:
+                block_hash = None
+            if block_hash is not None and self.path(block_hash) == path:
+                self.remove(block_hash)  # counted when it cannot be deleted
+            else:  # not a name this tier writes: nothing of its own to count
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
         while len(self._index) > self.capacity:
             oldest = self.oldest()
             assert oldest is not None
@@ -250,3 +260,12 @@ def _lock_folder(folder: Path) -> int:
             f"disk KV folder {folder} is in use by another process; give each engine its own"
         ) from None
     return fd
+
+
+def _age(path: Path) -> float:
+    """A block file's modification time for the start-up order (an entry that cannot be
+    stat'ed, a dangling link, sorts last: its verification fails)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return float("inf")
