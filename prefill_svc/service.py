@@ -21,6 +21,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -266,16 +267,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         with TransferSpan(target, len(target.block_ids)) as span:
             try:
                 if sender is None:
-                    sender = await asyncio.to_thread(self.senders.acquire, backend, endpoint)
+                    sender = await self._connect(backend, endpoint)
                 transfer = TransferRequest(bytes.fromhex(target.transfer_id), target.generation)
                 handle = sender.start_stream(
                     transfer, list(target.block_ids), deadline=active.deadline
                 )
                 run.export.attach(handle, len(target.block_ids))
                 try:
-                    output = await run.first()
-                    active.state = worker_pb2.BLOCK_SET_STATE_SENDING
-                    result = await self._await_sent(handle, timings)
+                    result = await self._ended_before_first(run, handle)
+                    if result is None:  # the first tokens came; the transfer ends after them
+                        output = await run.first()
+                        active.state = worker_pb2.BLOCK_SET_STATE_SENDING
+                        result = await self._await_sent(handle, timings)
                 except BaseException as error:
                     self._abandoned(handle, backend, error)
                     raise
@@ -288,6 +291,41 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             finally:
                 if sender is not None:
                     self._give_back(backend, endpoint, sender, handle)
+
+    async def _connect(self, backend: str, endpoint: str) -> KVSender:
+        """A sender to `endpoint` (connecting on a thread). One that finishes connecting after
+        the call was cancelled (its caller left, a Release) goes back to the pool rather than
+        being dropped unclosed."""
+        connect = asyncio.ensure_future(asyncio.to_thread(self.senders.acquire, backend, endpoint))
+        try:
+            return await asyncio.shield(connect)
+        except asyncio.CancelledError:
+            connect.add_done_callback(partial(self._late_sender, backend, endpoint))
+            raise
+
+    def _late_sender(self, backend: str, endpoint: str, connect: asyncio.Future[KVSender]) -> None:
+        if not connect.cancelled() and connect.exception() is None:
+            self.senders.release(backend, endpoint, connect.result())
+
+    @staticmethod
+    async def _ended_before_first(
+        run: EngineRun, handle: StreamSendHandle
+    ) -> TransferResult | None:
+        """Wait for the prompt's first tokens, or for the transfer to end before them (the
+        decode worker released its reservation, its lease ran out, or it died; a transfer
+        cannot complete before the first token): its failed result then, so that the call fails
+        at once and frees its blocks instead of computing the rest of the prompt for nowhere;
+        None once the first tokens came."""
+        first = await run.first_future()
+        ended = asyncio.ensure_future(handle.wait_async())
+        try:
+            await asyncio.wait((first, ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()  # no-op once done
+        if first.done() or not ended.done() or ended.cancelled():
+            return None
+        result = ended.result()
+        return result if result.state.is_terminal and not result.ok else None
 
     async def _await_sent(self, handle: StreamSendHandle, timings: Timings) -> TransferResult:
         """The receiver's acknowledgement (bounded by `transfer_timeout` from the first token)."""
@@ -424,9 +462,14 @@ class EngineRun:
         self.timings.first = sampled or time.monotonic()
 
     async def first(self) -> RequestOutput:
+        return await (await self.first_future())
+
+    async def first_future(self) -> asyncio.Future[RequestOutput]:
+        """The future of the first tokens (started if it was not): awaited, never cancelled,
+        by whoever races it against something else."""
         await self.start()
         assert self._first is not None
-        return await self._first
+        return self._first
 
     def close(self) -> None:
         if self._first is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -264,3 +265,39 @@ def test_a_refused_newer_reserve_leaves_the_held_generation(driver: ControlDrive
     driver.prefill(request, driver.target(first, 3))
     assert sum(len(response.token_ids) for response in old) == 8
     wait_until(lambda: all_free(driver), 1.0, "every block freed")
+
+
+def test_a_sender_connected_after_its_call_was_released_goes_back_to_the_pool(
+    driver: ControlDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Prefill released while its sender still connects (a slow handshake) ends ABORTED at
+    once, and the sender that connects afterwards is pooled for the next transfer, not
+    dropped unclosed."""
+    pool = driver.prefill_worker.role.senders
+    request = driver.prepare("late", list(range(10, 40)), max_tokens=4)
+    reservation = driver.reserve(request, generation=5)
+    target = driver.target(reservation, 5)
+    while (idle := pool.take_idle(target.backend, target.endpoint)) is not None:
+        idle.close()  # the call must connect a new one
+    connecting, made = threading.Event(), []
+    connect = pool.acquire
+
+    def slow(backend: str, endpoint: str) -> Any:
+        connecting.set()
+        time.sleep(1.0)
+        made.append(connect(backend, endpoint))
+        return made[-1]
+
+    monkeypatch.setattr(pool, "acquire", slow)
+    call = driver.p.Prefill.future(
+        worker_pb2.PrefillRequest(request=request, target=target), timeout=30
+    )
+    assert connecting.wait(5)
+    release = worker_pb2.ReleaseRequest(request_id="late", generation=5)
+    assert driver.p.Release(release, timeout=5).released
+    with pytest.raises(grpc.RpcError) as ended:
+        call.result(timeout=5)
+    assert ended.value.code() == grpc.StatusCode.ABORTED
+    wait_until(lambda: bool(made) and made[0] in pool.idle(target.backend), 5.0, "pooled")
+    driver.d.Release(release, timeout=5)
+    wait_until(lambda: driver.decode.free_blocks() == NUM_BLOCKS, 2.0, "decode freed")

@@ -100,10 +100,16 @@ def test_multi_chunk_prompt_matches_offline(
 
 
 def start_slow_prefill(
-    workers: Any, monkeypatch: pytest.MonkeyPatch, rid: str, first_id: int, generation: int
+    workers: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    rid: str,
+    first_id: int,
+    generation: int,
+    pause: float = 0.1,
 ) -> tuple[Any, Any, Any, Any, Any]:
-    """Start a streamed Prefill whose engine thread pauses 0.1 s after every step, and return
-    once its first part has gone out: (driver, prefill, decode, call future, reservation)."""
+    """Start a streamed Prefill whose engine thread pauses `pause` s after every step, and
+    return once its first part has gone out: (driver, prefill, decode, call future,
+    reservation)."""
     prefills, decode = workers
     prefill = prefills["overlap"]
     driver = ControlDriver(prefill, decode, backends_here()[0])
@@ -114,7 +120,7 @@ def start_slow_prefill(
         feed(self, engine, request_id, output)
         if self.parts:
             first_part.set()
-        time.sleep(0.1)  # engine thread: leaves time to act between chunks
+        time.sleep(pause)  # engine thread: leaves time to act between chunks
 
     monkeypatch.setattr(prefill_service.KVExport, "__call__", slow)
     request = driver.prepare(rid, [first_id, *PROMPT[1:]], max_tokens=MAX_TOKENS)
@@ -149,6 +155,24 @@ def test_release_between_parts_frees_both_sides(
     driver.d.Release(release, timeout=5)
     wait_until(lambda: decode.free_blocks() == NUM_BLOCKS, 1.0, "decode blocks freed")
     assert not decode.role.held()
+
+
+def test_a_transfer_ended_by_the_decode_side_ends_the_prefill_at_once(
+    workers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode worker drops the reservation after the first part (a Release, its lease's
+    reaper, or its death): the Prefill call fails as soon as its transfer has ended and frees
+    its blocks, instead of computing the other chunks (2 s here) for KV with nowhere to go."""
+    driver, prefill, _, call, _ = start_slow_prefill(
+        workers, monkeypatch, "dropped", 902, generation=3, pause=0.5
+    )
+    release = worker_pb2.ReleaseRequest(request_id="dropped", generation=3)
+    assert driver.d.Release(release, timeout=5).released
+    released = time.monotonic()
+    with pytest.raises(grpc.RpcError):
+        call.result(timeout=10)
+    assert time.monotonic() - released < 1.5  # the transfer's end, not the prompt's
+    wait_until(lambda: prefill.free_blocks() == NUM_BLOCKS, 2.0, "prefill blocks freed")
 
 
 @pytest.mark.parametrize("mode", ["overlap", "whole"])
