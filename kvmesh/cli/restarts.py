@@ -258,6 +258,9 @@ class Keeper:
             try:
                 self.system.start_control(self.clock() + self.policy.startup_seconds)
             except ChildFailed as error:
+                control = self.system.control  # started, not ready: it holds the ports
+                if control is not None and control.alive():
+                    self.system.supervisor.kill(control)
                 self._failed(watch, str(error).splitlines()[0])
                 return
             watch.ready_at = self.clock()

@@ -145,9 +145,12 @@ class Supervisor:
         return child.process.returncode
 
     def _tell_watchdog(self, line: str) -> None:
-        """Send the watchdog one line (nothing once `close`d: it has exited)."""
+        """Send the watchdog one line (nothing once `close`d: it has exited). A watchdog killed
+        from outside (the OOM killer, an operator) stops no start and no shutdown: this
+        process still stops its children itself; only its own SIGKILL would leave them."""
         if self._watch_fd >= 0:
-            os.write(self._watch_fd, f"{line}\n".encode())
+            with contextlib.suppress(OSError):  # BrokenPipeError: the watchdog is gone
+                os.write(self._watch_fd, f"{line}\n".encode())
 
     def kill(self, child: Child) -> None:
         """SIGKILL the child's group now (failure injection)."""

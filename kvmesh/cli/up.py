@@ -272,11 +272,13 @@ class LocalSystem:
 
     def stop(self) -> None:
         """Drain the control plane, then stop the workers; bounded, idempotent."""
-        if self.keeper is not None:
-            self.keeper.stop()
-        if self.control is not None and self.control.alive():
-            self.supervisor.stop(self.control, grace=self.config.drain_seconds + 3.0)
-        self.supervisor.close()
+        try:
+            if self.keeper is not None:
+                self.keeper.stop()
+            if self.control is not None and self.control.alive():
+                self.supervisor.stop(self.control, grace=self.config.drain_seconds + 3.0)
+        finally:  # the workers are stopped whatever happened above
+            self.supervisor.close()
 
     def dead_children(self) -> list[Child]:
         children = [w.child for w in self.workers]

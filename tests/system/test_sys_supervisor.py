@@ -254,3 +254,62 @@ def test_a_draining_child_gets_its_bound_and_a_silent_one_the_wedge_bound() -> N
         assert any("draining NOT_SERVING for" in line for line in lines)
     finally:
         supervisor.close()
+
+
+SLEEPS = "import time; time.sleep(600)"  # never prints a ready line
+
+
+def test_a_control_restart_that_misses_its_deadline_kills_what_it_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restarted control plane that never becomes ready within `startup_seconds` is killed
+    before the next try (before, it kept the ports every later try needed, so they all failed
+    to bind until the crash-loop limit gave the control plane up)."""
+    from kvmesh.cli import up
+    from kvmesh.cli.restarts import Keeper, RestartPolicy
+
+    monkeypatch.setattr(up, "kvmesh_argv", lambda: [sys.executable, "-c", SLEEPS])
+    policy = RestartPolicy(
+        backoff_initial=0.05, backoff_max=0.1, startup_seconds=1.0, crash_loop_limit=3
+    )
+    system = up.LocalSystem(up.UpConfig(port=0, restart=policy))
+    try:
+        system.endpoint, system.internal_endpoint = "127.0.0.1:1", "127.0.0.1:2"
+        system.control_metrics = "127.0.0.1:3"
+        system.control = system.supervisor.start("control", [sys.executable, "-c", "exit(1)"])
+        system.control.process.wait()
+        lines: list[str] = []
+        keeper = Keeper(system, policy, log=lines.append)
+        watch = keeper.watches["control"]
+        end = time.monotonic() + 30
+        while not (watch.restarts >= 1 and watch.restart_at is not None):  # the try failed
+            assert time.monotonic() < end, lines
+            keeper.check()
+            time.sleep(0.05)
+        assert [c.name for c in system.supervisor.children if c.alive()] == [], lines
+    finally:
+        system.stop()
+
+
+def test_stopping_kvmesh_up_stops_every_child_when_its_watchdog_is_gone() -> None:
+    """The watchdog killed from outside (the OOM killer, an operator): `stop` still stops the
+    control plane and every worker (before, telling the dead watchdog raised BrokenPipeError
+    and the workers outlived `kvmesh up`)."""
+    from kvmesh.cli.up import LocalSystem, UpConfig, Worker
+
+    system = LocalSystem(UpConfig(port=0))
+    supervisor = system.supervisor
+    system.control = supervisor.start("control", [sys.executable, "-c", SLEEPS])
+    system.workers = [
+        Worker(role, supervisor.start(f"{role}-0", [sys.executable, "-c", SLEEPS]))
+        for role in ("prefill", "decode")
+    ]
+    supervisor._watchdog.kill()
+    supervisor._watchdog.wait()
+    try:
+        system.stop()
+    finally:
+        alive = [w.child for w in system.workers if w.child.alive()]
+        for child in alive:
+            os.killpg(child.pid, signal.SIGKILL)
+    assert alive == [] and not system.control.alive()
