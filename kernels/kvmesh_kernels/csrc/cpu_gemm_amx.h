@@ -110,9 +110,9 @@ void store_rows(const Pending& q, int64_t ldy) {
 
 // An A tile from x (lda elements between rows). With more than one row pair per panel it is
 // streamed (tileloaddt1: kept out of L1), so that the panel's B tiles, which each row pair
-// reads again, stay in L1 instead of being evicted by x's rows and y's lines (a prompt step's
-// linears 0.84-0.95x the time at 64-2,048 rows); one row pair reads its A tiles again for
-// every panel, so they stay cached.
+// reads again, stay in L1 instead of being evicted by x's rows and y's lines (a step's linears
+// at 256 and 2,048 rows: 0.85-0.93x the time; docs/BENCHMARKS.md "kvmesh's GEMM on AMX"); one
+// row pair reads its A tiles again for every panel, so they stay cached.
 template <bool kStreamA>
 inline __attribute__((always_inline)) void load_a(int tile, const uint16_t* a, int64_t lda) {
   if constexpr (kStreamA) {
