@@ -145,20 +145,3 @@ def unraised(error: TransferError) -> TransferError:
     copied.args = error.args
     copied.__dict__.update(error.__dict__)
     return copied
-
-
-def detached(error: TransferError) -> TransferError:
-    """`error` with the tracebacks of it and of its causes and contexts dropped, for keeping
-    once its transfer ended: a kept traceback keeps every frame it passed through alive with
-    its locals (a sender's mapped window into the receiver's cache, the transfer's record,
-    which holds the error: a cycle only a full garbage collection frees)."""
-    chain: list[BaseException | None] = [error]
-    seen: set[int] = set()
-    while chain:
-        link = chain.pop()
-        if link is None or id(link) in seen:
-            continue
-        seen.add(id(link))
-        link.__traceback__ = None
-        chain += [link.__cause__, link.__context__]
-    return error

@@ -26,7 +26,6 @@ from kv_transfer.errors import (
     DeadlineExpiredError,
     TransferCancelledError,
     TransferError,
-    detached,
 )
 from kv_transfer.header import (
     FLAG_NO_CHECKSUM,
@@ -143,10 +142,8 @@ class PartFeed:
         sent = 0
         while True:
             with self._cond:
-                while sent == len(self._frames) and not self._finished:
+                while sent == len(self._frames) and not (self._finished or self._abandoned):
                     if waiter.cancel.is_set() or time.monotonic() >= waiter.deadline:
-                        return
-                    if self._abandoned:
                         return
                     self._cond.wait(0.05)
                 if self._abandoned:
@@ -297,7 +294,7 @@ class KVSender(abc.ABC):
             record.num_bytes = int(blocks) * self.layout.bytes_per_block
             record.move(TransferState.COMPLETED)
         except TransferError as exc:
-            record.end(end_state_for(exc), detached(exc))  # kept: without its frames
+            record.end(end_state_for(exc), exc)  # kept as an unraised copy
         except Exception as exc:  # transport failure of any kind ends the transfer FAILED
             record.end(TransferState.FAILED, TransferError(f"{type(exc).__name__}: {exc}"))
         finally:

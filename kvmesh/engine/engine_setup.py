@@ -21,7 +21,7 @@ from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.engine.generation_defaults import sampling_defaults
 from kvmesh.engine.host_memory import host_available_bytes
 from kvmesh.engine.loader import LoadedModel, load_model
-from kvmesh.engine.native.rope import rope_type
+from kvmesh.engine.native.rope import rope_params, rope_type
 from kvmesh.engine.runner import ModelRunner, kv_cache_spec
 from kvmesh.engine.sampler import Sampler
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
@@ -180,8 +180,7 @@ def position_limit(hf_config: Any) -> tuple[int | None, str]:
     limit = getattr(hf_config, "max_position_embeddings", None)
     if rope_type(hf_config) != "longrope":
         return limit, ""
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
-    original = (params or {}).get("original_max_position_embeddings") or getattr(
+    original = rope_params(hf_config).get("original_max_position_embeddings") or getattr(
         hf_config, "original_max_position_embeddings", None
     )
     if original is None:

@@ -23,9 +23,16 @@ from kvmesh.engine.errors import UnsupportedModelError
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def rope_params(hf_config: Any) -> dict[str, Any]:
+    """The config's rope parameters (transformers' `rope_parameters`, or the older
+    `rope_scaling`); empty when it declares none."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    return dict(params or {})
+
+
 def rope_type(hf_config: Any) -> str:
     """The config's rope type ("default" when it declares no scaling)."""
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    params = rope_params(hf_config)
     if not params:
         return "default"
     return str(params.get("rope_type", params.get("type", "default")))

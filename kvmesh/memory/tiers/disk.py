@@ -173,38 +173,35 @@ class DiskTier:
         except OSError:
             return
         for path in paths:
-            try:
-                block_hash: int | None = int(path.name.removesuffix(SUFFIX), 16)
-            except ValueError:  # a torn write or a stranger's name
-                block_hash = None
-            if block_hash is not None:
-                self.remove(block_hash)
-            else:
-                with contextlib.suppress(OSError):
-                    path.unlink(missing_ok=True)
+            self._delete(path)
+
+    def _delete(self, path: Path) -> None:
+        """Delete a file of the folder, never raising: a block file this tier names through
+        `remove` (counted when it cannot be deleted), a torn write or a stranger's name
+        directly (nothing of its own to count)."""
+        try:
+            block_hash: int | None = int(path.name.removesuffix(SUFFIX), 16)
+        except ValueError:
+            block_hash = None
+        if block_hash is not None and self.path(block_hash) == path:
+            self.remove(block_hash)
+            return
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
 
     def _scan(self) -> None:
         """Keep the files that verify (oldest first); delete the rest and any torn write. An
         entry that cannot be read or deleted (a dangling link, a directory in a file's place)
         is dropped and counted as `remove` counts it: a restart never fails on one."""
         for path in self.folder.glob(f".*{SUFFIX}.*.tmp"):
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
+            self._delete(path)
         for path in sorted(self._block_files(), key=_age):
             meta = self._verify_file(path)
             if meta is not None:
                 self._index[meta.block_hash] = meta
                 continue
             self.num_corrupt += 1
-            try:
-                block_hash: int | None = int(path.name.removesuffix(SUFFIX), 16)
-            except ValueError:
-                block_hash = None
-            if block_hash is not None and self.path(block_hash) == path:
-                self.remove(block_hash)  # counted when it cannot be deleted
-            else:  # not a name this tier writes: nothing of its own to count
-                with contextlib.suppress(OSError):
-                    path.unlink(missing_ok=True)
+            self._delete(path)
         while len(self._index) > self.capacity:
             oldest = self.oldest()
             assert oldest is not None
