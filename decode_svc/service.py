@@ -133,7 +133,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         code = grpc.StatusCode.CANCELLED  # unless the stream finishes or fails
         try:
             stream = self.runtime.engine.open_stream_when(
-                res.request_id, res.handle.when_done, lambda engine: self._join(engine, res)
+                res.request_id,
+                res.handle.when_done,
+                lambda engine: self._join(engine, res),
+                cleanup=_table_cleans_up,
             )
             res.stream = stream
             try:
@@ -149,7 +152,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             code = status_of(exc)[0]
             await abort_with(context, exc)
         finally:
-            self.table.drop(res)  # aborts the request unless it finished; idempotent
+            self.table.drop(res)  # drops the request (fenced while a sender may write)
             self.metrics.request_done(code)
 
     def _join(self, engine: LLMEngine, res: Reservation) -> RequestOutput:
@@ -243,6 +246,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             if res.stream is not None:  # ends now; its request id is free for a newer one
                 res.stream.detach(released_error(res))
         return self.table.drop(res)
+
+
+def _table_cleans_up(engine: LLMEngine, request_id: str) -> None:
+    """A Decode stream's cleanup: none of its own. The call's `ReservationTable.drop` drops
+    the request, fenced while a registered-memory sender may still write into its blocks; a
+    stream's default abort would free them to the pool at once."""
 
 
 def released_error(res: Reservation) -> ServiceError:

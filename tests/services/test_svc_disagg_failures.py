@@ -301,3 +301,28 @@ def test_a_sender_connected_after_its_call_was_released_goes_back_to_the_pool(
     wait_until(lambda: bool(made) and made[0] in pool.idle(target.backend), 5.0, "pooled")
     driver.d.Release(release, timeout=5)
     wait_until(lambda: driver.decode.free_blocks() == NUM_BLOCKS, 2.0, "decode freed")
+
+
+def test_a_cancelled_decode_keeps_blocks_fenced_while_a_sender_holds_a_window(
+    driver: ControlDriver,
+) -> None:
+    """A Decode call cancelled while it waits for the KV (client gone, deadline, abort) with a
+    registered-memory sender still holding a write window: the prompt blocks stay out of the
+    pool until the sender stopped, as for a Release."""
+    request = driver.prepare("cfence", list(range(1, 40)), max_tokens=4)
+    reservation = driver.reserve(request, generation=6)
+    tid = _grant(driver, reservation, 6)
+    table = driver.decode.role.table
+    call = driver.decode_call("cfence", reservation, 6)  # waits for the KV
+    wait_until(
+        lambda: (held := table.get("cfence")) is not None and held.decoding,
+        5.0,
+        "Decode claimed the reservation",
+    )
+    call.cancel()
+    wait_until(lambda: table.get("cfence") is None, 2.0, "reservation dropped")
+    time.sleep(0.3)  # long enough for the engine to have freed them, were they not fenced
+    assert table.fenced == 1
+    assert driver.decode.free_blocks() == NUM_BLOCKS - len(reservation.block_ids)
+    next(iter(table.receivers.values())).core.window_closed(tid)  # the sender's CANCEL
+    wait_until(lambda: all_free(driver) and table.fenced == 0, 2.0, "blocks back once stopped")
