@@ -154,11 +154,39 @@ class FusedCall:
         row is written, zeros where a row sees no key; returned converted to query.dtype when
         the dtypes differ). `isa` caps the kernel's instruction set (ISAS keys).
         """
-        num_tokens, num_q_heads, _ = query.shape
+        num_tokens = query.shape[0]
+        out = self.prepare(
+            query, data_ptr, scales_ptr, scale=scale, sliding_window=sliding_window,
+            batch=batch, out=out, isa=isa,
+        )  # fmt: skip
+        p = self.params
+        if num_tokens and p.batch:
+            rc = self._entry(ctypes.byref(p))
+            if rc != 0:
+                raise RuntimeError(f"fused CPU attention kernel rejected its arguments (code {rc})")
+        return out if out.dtype == query.dtype else out.to(query.dtype)
+
+    def prepare(
+        self,
+        query: torch.Tensor,
+        data_ptr: int,
+        scales_ptr: int,
+        *,
+        scale: float,
+        sliding_window: int | None,
+        batch: int | None = None,
+        out: torch.Tensor | None = None,
+        isa: str = "auto",
+    ) -> torch.Tensor:
+        """Fill `params` for a call on these arguments (as `__call__` documents them) without
+        running it; returns the output tensor the call writes (`out` when given). What a
+        recorded program (`cpu_program`) replays."""
+        num_q_heads = query.shape[1]
         q = _io_tensor(query)  # [num_tokens, Hq, D]
         if out is None:
             out = torch.empty(query.shape, dtype=q.dtype)
         assert out.dtype in IO_DTYPES and out.stride(-1) == 1 and out.shape == query.shape
+        self._query = q  # a converted query must live until the call
         p = self.params
         p.q, p.out, p.data, p.scales = q.data_ptr(), out.data_ptr(), data_ptr, scales_ptr
         p.q_dtype, p.s_qtok, p.s_qhead = _DTYPE_CODES[q.dtype], q.stride(0), q.stride(1)
@@ -170,11 +198,7 @@ class FusedCall:
         p.num_threads = torch.get_num_threads()
         p.scale = float(scale)
         p.isa = ISAS[isa]
-        if num_tokens and p.batch:
-            rc = self._entry(ctypes.byref(p))
-            if rc != 0:
-                raise RuntimeError(f"fused CPU attention kernel rejected its arguments (code {rc})")
-        return out if out.dtype == query.dtype else out.to(query.dtype)
+        return out
 
 
 def _io_tensor(x: torch.Tensor) -> torch.Tensor:

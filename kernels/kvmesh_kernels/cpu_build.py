@@ -1,8 +1,9 @@
 """Build, cache and load the fused CPU kernel library.
 
 The C++ sources (`csrc/*.cpp`: paged attention, KV write, RMSNorm, the native executor's fused
-elementwise ops and GEMM, and the benchmarks' paged K/V read; plain C ABI + OpenMP, no torch
-headers) are compiled into one library with `torch.utils.cpp_extension.load` and published as
+elementwise ops and GEMM, the decode-step programs that replay them, and the benchmarks' paged
+K/V read; plain C ABI + OpenMP, no torch headers) are compiled into one library with
+`torch.utils.cpp_extension.load` and published as
 `$KVMESH_CACHE_DIR/torch_extensions/<key>/kvmesh_cpu.so` (default `~/.cache/kvmesh`). The key
 hashes the sources and headers, the compiler flags, the torch and Python versions and the
 machine architecture, which with the flags fixes the ISA the code is compiled for (the baseline
@@ -47,6 +48,7 @@ SOURCES = (
     SOURCE.with_name("cpu_sampling.cpp"),
     SOURCE.with_name("cpu_gemm.cpp"),
     SOURCE.with_name("cpu_kv_read.cpp"),
+    SOURCE.with_name("cpu_program.cpp"),
 )  # compiled into one library
 HEADERS = (
     SOURCE.with_name("dtype_convert.h"),

@@ -109,6 +109,20 @@ class WriteCall:
         starts at data_ptr (its scales at scales_ptr when quantized). A slot outside [-1,
         num_blocks * block_size) raises ValueError (dispatch's message) before anything is
         written."""
+        self.prepare(key, value, data_ptr, scales_ptr)
+        p = self.params
+        if p.num_tokens:
+            rc = self._entry(ctypes.byref(p))
+            if rc == 2:
+                raise ValueError(f"slot_mapping must lie in [-1, {p.num_blocks * p.block_size})")
+            if rc != 0:
+                raise RuntimeError(f"CPU write_kv kernel rejected its arguments (code {rc})")
+
+    def prepare(
+        self, key: torch.Tensor, value: torch.Tensor, data_ptr: int, scales_ptr: int = 0
+    ) -> None:
+        """Fill `params` for a write of these arguments (as `__call__` documents them)
+        without running it: what a recorded program (`cpu_program`) replays."""
         p = self.params
         p.key, p.value, p.data = key.data_ptr(), value.data_ptr(), data_ptr
         if p.quant:
@@ -117,12 +131,6 @@ class WriteCall:
         p.s_ktok, p.s_khead = key.stride(0), key.stride(1)
         p.s_vtok, p.s_vhead = value.stride(0), value.stride(1)
         p.num_threads = torch.get_num_threads()
-        if p.num_tokens:
-            rc = self._entry(ctypes.byref(p))
-            if rc == 2:
-                raise ValueError(f"slot_mapping must lie in [-1, {p.num_blocks * p.block_size})")
-            if rc != 0:
-                raise RuntimeError(f"CPU write_kv kernel rejected its arguments (code {rc})")
 
 
 def cpu_write_kv(

@@ -90,6 +90,12 @@ class EngineConfig:
         "CUDA, native executor: decode steps replay CUDA graphs captured at start for "
         "batch-size buckets up to max_num_seqs (prompt and mixed steps run eagerly)",
     )
+    decode_program: bool = _setting(
+        True,
+        "CPU, native executor: decode steps replay the step's kernel calls recorded once at "
+        "start (one call from Python per step instead of about ten per layer; the same "
+        "kernels and results); prompt and mixed steps run eagerly",
+    )
     block_size: int = _setting(16, "tokens per KV block")
     kv_cache_memory: int | None = _setting(
         None, "KV pool budget in bytes: 512MiB, 8GiB or 8Gi (binary), 8GB or 8G (decimal)"

@@ -27,6 +27,7 @@ from kvmesh.engine.fresh_attention import ProbeShape, fresh_rule
 from kvmesh.engine.hf_shapes import head_dim_of
 from kvmesh.engine.input_batch import HostInputs, PersistentBatch
 from kvmesh.engine.loader import LoadedModel
+from kvmesh.engine.native import cpu_decode
 from kvmesh.engine.scheduler.plan import SchedulerOutput
 
 
@@ -72,6 +73,7 @@ class ModelRunner:
         self.fresh_rule = fresh_rule(fresh_attention, self.device, shape)
         self.decode_graphs: DecodeGraphs | None = None
         self._graph_options = (0, False)  # enable_decode_graphs' arguments
+        self.decode_program: cpu_decode.CpuDecodeProgram | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, capture: bool = True) -> None:
         """Run decode steps of up to `max_num_seqs` sequences through per-bucket CUDA graphs
@@ -87,6 +89,16 @@ class ModelRunner:
         graphs.capture()
         self.decode_graphs = graphs
         self._graph_options = (max_num_seqs, capture)
+
+    def enable_decode_program(self, max_num_seqs: int) -> str | None:
+        """Run CPU decode steps of up to `max_num_seqs` sequences as one recorded program
+        (`kvmesh.engine.native.cpu_decode`); returns why not where it cannot (None: enabled)."""
+        reason = cpu_decode.why_not(self.loaded.model, self.kv_cache)
+        if reason is None:
+            self.decode_program = cpu_decode.CpuDecodeProgram(
+                self.loaded.model, self.kv_cache, max_num_seqs, self.batch.max_blocks
+            )
+        return reason
 
     @property
     def block_size(self) -> int:
@@ -115,6 +127,8 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(old.spec, data, scales)
         if self.decode_graphs is not None:  # its static plans and graphs read the old cache
             self.enable_decode_graphs(*self._graph_options)
+        if self.decode_program is not None:  # so does the program's recorded calls
+            self.enable_decode_program(self.decode_program.max_rows)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst (all layers, K and V, and their scales in a quantized
@@ -136,9 +150,12 @@ class ModelRunner:
         """`execute`, also returning the final hidden states [len(rows), hidden] of the flat
         token rows `rows` (None: none kept)."""
         batch = self.prepare(plan)
-        graphs, ctx = self.decode_graphs, batch.context
-        if graphs is not None and graphs.applies(batch.input_ids.shape[0], ctx):
+        graphs, program, ctx = self.decode_graphs, self.decode_program, batch.context
+        tokens = batch.input_ids.shape[0]
+        if graphs is not None and graphs.applies(tokens, ctx):
             hidden = graphs.forward(batch.input_ids, batch.positions, ctx)  # [T, hidden]
+        elif program is not None and program.applies(tokens, ctx):
+            hidden = program.forward(batch.input_ids, batch.positions, ctx)  # [T, hidden]
         else:
             hidden = self.executor.forward(batch.input_ids, batch.positions, ctx)
         kept = None

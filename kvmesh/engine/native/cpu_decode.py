@@ -1,0 +1,195 @@
+"""CPU decode steps of the native executor as one recorded program (`decode_program`).
+
+A decode step of n sequences runs the same kernel calls as the eager forward
+(`NativeCausalLM.forward` with the fused CPU kernels), recorded once at start as a
+`kvmesh_kernels.cpu_program.Program` over static buffers of `max_rows` rows and replayed with
+n rows: the calls, their arguments and so their results are the eager path's, bit for bit,
+without the per-call Python (wrappers, fresh output tensors, ctypes) that leaves the OpenMP
+team idle between kernels. The step's inputs are copied into `StaticDecodeInputs` (the CUDA
+graphs' buffers, unpadded here: the row count is the replay's argument).
+
+    stream [R, hidden]   embedding rows, then the residual stream (updated in place)
+    h [R, hidden]        a norm's output, a linear's input
+    qkv [R, (Hq + 2 Hkv) D], attn [R, Hq, D], o [R, hidden], act [R, I], down [R, hidden]
+    out [R, hidden]      the final norm: the step's hidden states (rows [0, n))
+
+It applies where the eager forward would take exactly these kernels: CPU, float32 or
+bfloat16, kvmesh's GEMM for q|k|v, o and down and its SiLU-and-mul epilogue for gate|up, the
+fused norms and rotary, no q/k norms, a cache the fused attention and KV-write kernels take
+(`why_not` names what else runs). Prompt and mixed steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from kvmesh_kernels import cpu_attention, cpu_cache_ops, cpu_program
+from kvmesh_kernels.cache import PagedKVCache
+from kvmesh_kernels.cpu_build import ENTRY, WRITE_ENTRY
+from torch import nn
+
+from kvmesh.engine.attention import ForwardContext
+from kvmesh.engine.cpu_linear import CpuGemmGateUpSilu, CpuGemmLinear
+from kvmesh.engine.cuda_graphs import StaticDecodeInputs, is_graph_step
+from kvmesh.engine.native.llama import NativeCausalLM, NativeDecoderLayer
+
+
+def why_not(model: nn.Module, cache: PagedKVCache) -> str | None:
+    """Why decode steps of `model` over `cache` cannot run as a program (None: they can)."""
+    if not isinstance(model, NativeCausalLM):
+        return "not the native executor"
+    if cache.data.device.type != "cpu" or not cpu_program.supported():
+        return "not on CPU with the kernel library"
+    if model.embed.weight.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {model.embed.weight.dtype}"
+    if not (model.rotary.fused and model.norm.fused and type(model.embed) is nn.Embedding):
+        return "norms or rotary without the fused kernels"
+    if not cpu_attention.supports_layer(cache.layer(0)) or not cpu_cache_ops.supports_layer(
+        cache.layer(0)
+    ):
+        return "a KV cache the fused attention or KV write does not take"
+    for layer in model.layers:
+        reason = _layer_why_not(layer)  # type: ignore[arg-type]
+        if reason is not None:
+            return f"layer {layer.index}: {reason}"
+    return None
+
+
+def _layer_why_not(layer: NativeDecoderLayer) -> str | None:
+    linears = (layer.qkv, layer.o, layer.down)
+    if any(type(linear) is not CpuGemmLinear for linear in linears):
+        return "a linear not on kvmesh's GEMM"
+    if type(layer.gate_up) is not CpuGemmGateUpSilu:
+        return "gate|up without the SiLU-and-mul epilogue"
+    if layer.q_norm is not None or layer.k_norm is not None:
+        return "q/k norms"
+    if not (layer.input_norm.fused and layer.post_attention_norm.fused):
+        return "norms without the fused kernel"
+    return None
+
+
+def _linear(module: nn.Module) -> CpuGemmLinear:
+    """A linear `why_not` accepted (kvmesh's GEMM, or its SiLU-and-mul subclass)."""
+    assert isinstance(module, CpuGemmLinear)
+    return module
+
+
+class CpuDecodeProgram:
+    """Decode steps of up to `max_rows` sequences through one recorded program."""
+
+    def __init__(
+        self, model: NativeCausalLM, cache: PagedKVCache, max_rows: int, max_blocks: int
+    ) -> None:
+        reason = why_not(model, cache)
+        assert reason is None, reason
+        self.model, self.cache, self.max_rows = model, cache, max_rows
+        self.inputs = StaticDecodeInputs(max_rows, max_blocks, cache.data.device)
+        self.threads = torch.get_num_threads()
+        self.replays = 0
+        dtype = model.embed.weight.dtype
+        layer0: NativeDecoderLayer = model.layers[0]  # type: ignore[assignment]
+        shape = layer0.shape
+        hidden = model.embed.weight.shape[1]
+        width = sum(layer0.split)  # (Hq + 2 Hkv) * D
+
+        def rows(*shape: int) -> torch.Tensor:
+            return torch.zeros((max_rows, *shape), dtype=dtype)
+
+        self.stream, self.h, self.o, self.down, self.out = (rows(hidden) for _ in range(5))
+        self.qkv = rows(width)
+        self.attn = rows(shape.num_heads, shape.head_dim)
+        self.act = rows(_linear(layer0.gate_up).out_features)
+        self.program = cpu_program.Program(dtype, self.threads)
+        self._record()
+
+    def _record(self) -> None:
+        model, p = self.model, self.program
+        for layer in model.layers:
+            self._record_layer(layer)  # type: ignore[arg-type]
+        norm = model.norm
+        p.add_rms_norm(self.down, self.stream, norm.weight, self.out, norm.eps)
+
+    def _record_layer(self, layer: NativeDecoderLayer) -> None:
+        p, shape = self.program, layer.shape
+        norm = layer.input_norm
+        if layer.index == 0:
+            p.rms_norm(self.stream, norm.weight, self.h, norm.eps)
+        else:
+            p.add_rms_norm(self.down, self.stream, norm.weight, self.h, norm.eps)
+        qkv, o, down = (_linear(m) for m in (layer.qkv, layer.o, layer.down))
+        p.gemm(self.h, qkv.packed_weight, qkv.bias, self.qkv)
+        heads = shape.num_heads + shape.num_kv_heads
+        qk = self.qkv.as_strided(
+            (self.max_rows, heads, shape.head_dim), (self.qkv.stride(0), shape.head_dim, 1)
+        )  # [R, Hq + Hkv, D]: q's heads, then k's
+        table = self.model.rotary
+        p.rope(qk, table.cos, table.sin, self.inputs.positions)
+        p.params_call(WRITE_ENTRY, self._write_params(layer), "num_tokens")
+        p.params_call(ENTRY, self._attention_params(layer), "batch")
+        attn = self.attn.view(self.max_rows, -1)  # [R, Hq * D]
+        p.gemm(attn, o.packed_weight, o.bias, self.o)
+        post = layer.post_attention_norm
+        p.add_rms_norm(self.o, self.stream, post.weight, self.h, post.eps)
+        p.gemm_silu_mul(self.h, _linear(layer.gate_up).packed_weight, self.act)
+        p.gemm(self.act, down.packed_weight, down.bias, self.down)
+
+    def _kv_views(self, layer: NativeDecoderLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [R, Hkv, D]: views of the q|k|v buffer, as the eager layer splits it."""
+        q_width, kv_width, _ = layer.split
+        shape = layer.shape
+        k = self.qkv[:, q_width : q_width + kv_width]
+        v = self.qkv[:, q_width + kv_width :]
+        view = (self.max_rows, shape.num_kv_heads, shape.head_dim)
+        return k.view(view), v.view(view)
+
+    def _write_params(self, layer: NativeDecoderLayer) -> ctypes.Structure:
+        """The KV write's parameters for `layer` (`cpu_cache_ops.WriteCall`'s, recorded)."""
+        cache_layer = self.cache.layer(layer.index)
+        call = cpu_cache_ops.WriteCall(cache_layer, self.inputs.slot_mapping)
+        k, v = self._kv_views(layer)
+        quantized = cache_layer.scales is not None
+        assert cpu_cache_ops.kv_writable(cache_layer.data.dtype, quantized, k, v)
+        call.prepare(k, v, *cpu_attention.layer_pointers(cache_layer))
+        self.program.keep.append(call)  # its int64 slot copy backs params.slots
+        return call.params
+
+    def _attention_params(self, layer: NativeDecoderLayer) -> ctypes.Structure:
+        """The paged attention's parameters for `layer` (`cpu_attention.FusedCall`'s)."""
+        inputs, shape = self.inputs, layer.shape
+        cache_layer = self.cache.layer(layer.index)
+        call = cpu_attention.FusedCall(
+            cache_layer, inputs.block_tables, inputs.seq_lens, inputs.query_start_loc
+        )
+        q_width = layer.split[0]
+        q = self.qkv[:, :q_width].view(self.max_rows, shape.num_heads, shape.head_dim)
+        data_ptr, scales_ptr = cpu_attention.layer_pointers(cache_layer)
+        call.prepare(
+            q, data_ptr, scales_ptr, scale=shape.scale, sliding_window=shape.sliding_window,
+            out=self.attn,
+        )  # fmt: skip
+        self.program.keep.append(call)  # its int32 tables back the recorded addresses
+        return call.params
+
+    def applies(self, num_tokens: int, ctx: ForwardContext) -> bool:
+        """A pure decode step this program was recorded for (its cache, thread count, at
+        most `max_rows` sequences within the static block table's width)."""
+        return (
+            ctx.kv_cache is self.cache
+            and ctx.num_seqs <= self.max_rows
+            and int(ctx.block_tables.shape[1]) <= self.inputs.max_blocks
+            and is_graph_step(ctx, num_tokens)
+            and torch.get_num_threads() == self.threads
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Hidden states [n, hidden] of a decode step that `applies` (a view of a buffer the
+        next step overwrites)."""
+        n = ctx.num_seqs
+        self.inputs.load(input_ids, positions, ctx, n)
+        torch.index_select(self.model.embed.weight, 0, input_ids, out=self.stream[:n])
+        self.program.run(n)
+        self.replays += 1
+        return self.out[:n]

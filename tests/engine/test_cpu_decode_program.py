@@ -1,0 +1,106 @@
+"""CPU decode steps replayed as one recorded program of the kernels' calls (`decode_program`).
+
+The program makes the eager forward's kernel calls with the same arguments, so its steps must
+give the eager steps' results bit for bit: the same greedy tokens and the same logprobs, for
+every architecture it covers, float32 and bfloat16, a quantized cache, a sliding window, after
+the cache moves; where it does not cover a model it says why and the eager path runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.engine.native import cpu_decode
+from kvmesh.models.tiny import build_tiny_model
+from tests.engine.test_native_executor import PROMPT, hf_greedy
+
+PROMPTS = [PROMPT, PROMPT[:40], PROMPT[:17], PROMPT[5:70]]
+SAMPLING = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+
+def run(llm: LLM) -> list[tuple[list[int], list[Any]]]:
+    """Greedy tokens and their logprobs (top 3 each) of every prompt."""
+    outputs = llm.generate(PROMPTS, SAMPLING)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+def eager_then_program(checkpoint: Path, **engine: Any) -> tuple[LLM, list, list]:
+    """The prompts run eagerly, then with the program enabled on the same engine."""
+    llm = LLM(
+        str(checkpoint), num_kv_blocks=96, max_num_seqs=8, decode_program=False,
+        enable_prefix_caching=False, **engine,
+    )  # fmt: skip
+    eager = run(llm)
+    runner = llm.engine.runner
+    assert runner.enable_decode_program(max_num_seqs=8) is None
+    replayed = run(llm)
+    program = runner.decode_program
+    assert program is not None and program.replays >= SAMPLING.max_tokens - 1
+    return llm, eager, replayed
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_program_steps_equal_eager_steps_bit_for_bit(tmp_path: Path, arch: str, dtype: str) -> None:
+    checkpoint = build_tiny_model(tmp_path / arch, arch, "test", seed=0)
+    _, eager, replayed = eager_then_program(checkpoint, dtype=dtype)
+    assert replayed == eager  # tokens, and logprobs compared as floats: bit for bit
+    if dtype == "float32":
+        assert replayed[0][0] == hf_greedy(checkpoint, PROMPT, SAMPLING.max_tokens)
+
+
+def test_program_steps_write_and_read_a_quantized_cache_as_eager_steps(tmp_path: Path) -> None:
+    checkpoint = build_tiny_model(tmp_path / "llama", "llama", "test", seed=0)
+    _, eager, replayed = eager_then_program(checkpoint, dtype="float32", kv_dtype="int8")
+    assert replayed == eager
+
+
+def test_the_program_follows_a_moved_kv_cache(tmp_path: Path) -> None:
+    """A decode worker moves its cache into registered shared memory after load: the recorded
+    calls must read and write the new cache (tokens differ from the eager steps otherwise)."""
+    checkpoint = build_tiny_model(tmp_path / "llama", "llama", "test", seed=0)
+    llm, eager, _ = eager_then_program(checkpoint, dtype="float32")
+    runner = llm.engine.runner
+    moved = torch.zeros_like(runner.kv_cache.data)
+    llm.engine.move_kv_cache(moved, None)
+    program = runner.decode_program
+    assert program is not None and program.cache.data.data_ptr() == moved.data_ptr()
+    assert run(llm) == eager and program.replays >= SAMPLING.max_tokens - 1
+
+
+def test_the_program_is_on_by_default_and_names_what_it_does_not_cover(tmp_path: Path) -> None:
+    llama = build_tiny_model(tmp_path / "llama", "llama", "test", seed=0)
+    llm = LLM(str(llama), num_kv_blocks=96, max_num_seqs=8, dtype="float32")
+    assert llm.engine.runner.decode_program is not None
+    qwen3 = build_tiny_model(tmp_path / "qwen3", "qwen3", "test", seed=0)
+    llm = LLM(str(qwen3), num_kv_blocks=96, max_num_seqs=8, dtype="float32")
+    runner = llm.engine.runner
+    assert runner.decode_program is None
+    assert cpu_decode.why_not(runner.loaded.model, runner.kv_cache) == "layer 0: q/k norms"
+    llm = LLM(str(llama), num_kv_blocks=96, max_num_seqs=8, executor="transformers")
+    runner = llm.engine.runner
+    assert runner.decode_program is None
+    assert cpu_decode.why_not(runner.loaded.model, runner.kv_cache) == "not the native executor"
+
+
+def test_steps_beyond_the_program_run_eagerly(tmp_path: Path) -> None:
+    """Decode steps of more sequences than the program's rows take the eager forward."""
+    checkpoint = build_tiny_model(tmp_path / "llama", "llama", "test", seed=0)
+    llm = LLM(
+        str(checkpoint), num_kv_blocks=96, max_num_seqs=8, decode_program=False,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    eager = run(llm)
+    runner = llm.engine.runner
+    assert runner.enable_decode_program(max_num_seqs=2) is None  # 4 prompts: 4 rows > 2
+    assert run(llm) == eager
+    program = runner.decode_program
+    assert program is not None and program.replays == 0
+    pair = llm.generate(PROMPTS[:2], SAMPLING)
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in pair] == eager[:2]
+    assert program.replays >= SAMPLING.max_tokens - 1
