@@ -4,7 +4,9 @@
 when the folder does not exist. The build writes into a temporary sibling that is renamed into
 place under an exclusive `fcntl` lock, so concurrent processes build once and never see a
 half-written folder: if the final folder exists, it is complete. A failed build leaves nothing
-behind. Waiting for another process's build is bounded (`TimeoutError` naming the lock file).
+behind. Waiting for another process's build is bounded (`TimeoutError` naming the lock file). A
+name that would not lie inside the models folder (an absolute path, an empty part, `.`, `..`) is
+refused with ValueError before anything is made.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def materialize(
 ) -> Path:
     """`models_dir()/name`, built once by `build(staging_dir)` when missing (see module doc).
     `name` may hold a parent folder (`key/stem`): the lock and staging folder sit beside the
-    final folder, inside that parent."""
-    final = models_dir() / name
+    final folder, inside that parent. ValueError for a name `checked_name` refuses."""
+    final = models_dir() / checked_name(name)
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -53,6 +55,15 @@ def materialize(
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
     return final
+
+
+def checked_name(name: str) -> str:
+    """`name` when it names a folder strictly inside the models folder: relative, with
+    `/`-separated parts that are neither empty nor `.` or `..`; else ValueError naming it."""
+    parts = name.split("/")
+    if any(part in ("", ".", "..") or (os.altsep and os.altsep in part) for part in parts):
+        raise ValueError(f"name: {name!r} is not a folder inside {models_dir()}")
+    return name
 
 
 def _lock_exclusive(fd: int, path: Path, timeout: float) -> None:

@@ -1,13 +1,15 @@
 """A `.gguf` file as a checkpoint folder: converted once, cached, reused.
 
-`gguf_checkpoint(file)` returns `cache_root()/models/gguf-<version>-<key>/<stem>` (the folder is
-named like the file, which names the model to clients), converting first when
-that folder does not exist (`kvmesh.models.cache.materialize`: locked, atomic). The key hashes the
-file's size, modification time and first and last MiB, so a file rewritten or replaced gets a new
-conversion instead of a stale one. `convert_gguf(file, out_dir)` is the conversion itself:
-transformers reads the file (any architecture its GGUF loader knows; quantized weights are
-dequantized), and `save_pretrained` writes config.json, model.safetensors in float32 (the exact
-dequantized values) and the tokenizer with its chat template. Its progress goes to stderr.
+`gguf_checkpoint(file)` returns `cache_root()/models/gguf-<version>-<key>/<name>`, converting
+first when that folder does not exist (`kvmesh.models.cache.materialize`: locked, atomic). The
+name is the stem of the file as given, a symlink's own (a hub snapshot's `x.gguf` links to
+`blobs/<sha256>`), and names the model to clients; a stem that cannot name a folder of its own
+(`.`, `..`) is `model` instead. The key is the SHA-256 of the file's whole content, so a file
+rewritten or replaced gets a new conversion instead of a stale one, and a copy reuses it.
+`convert_gguf(file, out_dir)` is the conversion itself: transformers reads the file (any
+architecture its GGUF loader knows; quantized weights are dequantized), and `save_pretrained`
+writes config.json, model.safetensors in float32 (the exact dequantized values) and the tokenizer
+with its chat template. Its progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -23,21 +25,37 @@ from kvmesh.engine.errors import InvalidParameterError
 from kvmesh.models.cache import BUILD_LOCK_TIMEOUT_SECONDS, materialize
 
 GGUF_SUFFIX = ".gguf"
-_SAMPLE_BYTES = 1 << 20
-# Bump when the conversion's output changes, so stale conversions are not reused.
-CONVERSION_VERSION = "v1"
+FALLBACK_NAME = "model"
+_UNNAMEABLE = frozenset({"", ".", ".."})
+_HASH_CHUNK_BYTES = 1 << 20
+# Bump when the conversion's output or the key changes, so stale conversions are not reused.
+CONVERSION_VERSION = "v2"
 
 
 def gguf_cache_name(file: Path) -> str:
-    """The cache folder of `file`'s conversion, relative to the models folder (changes when the
-    file changes)."""
-    stat = file.stat()
-    digest = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}:".encode())
+    """`gguf-<version>-<key>/<name>`: the cache folder of `file`'s conversion, relative to the
+    models folder. The key changes whenever the content does; `name` is `checkpoint_name(file)`."""
+    return f"gguf-{CONVERSION_VERSION}-{file_sha256(file)[:16]}/{checkpoint_name(file)}"
+
+
+def checkpoint_name(file: Path) -> str:
+    """The stem of `file` as given (not of a symlink's target), or `model` when that stem would
+    not name a folder of its own (empty, `.`, `..`, or holding a path separator)."""
+    stem = file.stem
+    separators = [os.sep, os.altsep] if os.altsep else [os.sep]
+    if stem in _UNNAMEABLE or any(sep in stem for sep in separators):
+        return FALLBACK_NAME
+    return stem
+
+
+def file_sha256(file: Path) -> str:
+    """The hex SHA-256 of `file`'s whole content, read in 1 MiB chunks (a symlink is followed).
+    A loop rather than `hashlib.file_digest`, which Python 3.10 lacks."""
+    digest = hashlib.sha256()
     with open(file, "rb") as handle:
-        digest.update(handle.read(_SAMPLE_BYTES))
-        handle.seek(max(0, stat.st_size - _SAMPLE_BYTES))
-        digest.update(handle.read(_SAMPLE_BYTES))
-    return f"gguf-{CONVERSION_VERSION}-{digest.hexdigest()[:16]}/{file.stem}"
+        while chunk := handle.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def gguf_checkpoint(
@@ -48,7 +66,7 @@ def gguf_checkpoint(
     Raises InvalidParameterError("model", ...) when the file is missing or transformers cannot
     convert it; nothing is left in the cache then.
     """
-    path = Path(file).expanduser().resolve()
+    path = Path(file).expanduser().absolute()  # not resolved: a symlink keeps its own name
     if not path.is_file():
         raise InvalidParameterError("model", f"{str(file)!r}: no such GGUF file")
     return materialize(

@@ -5,8 +5,10 @@ Accepted, tried in this order:
 2. A folder with a config.json: used as it is.
 3. A `.gguf` file (or a folder holding exactly one and no config.json): converted once into the
    cache (`kvmesh.models.gguf`).
-4. A hub id `Org/Name`: its snapshot in the local Hugging Face cache (`HF_HUB_CACHE`, else
-   `HF_HOME/hub`, else `~/.cache/huggingface/hub`), offline; a snapshot is then handled as 2/3.
+4. A hub id `Org/Name`: its snapshot in the local Hugging Face cache, found as huggingface_hub
+   finds it (`hub_cache_dir`: `HF_HUB_CACHE`, else `HF_HOME/hub`, else
+   `$XDG_CACHE_HOME/huggingface/hub`, else `~/.cache/huggingface/hub`), offline; a snapshot is
+   then handled as 2/3.
 
 Anything else raises ModelNotFoundError (an InvalidParameterError on field `model`) whose
 one-line message says what was tried and how to fix it. Resolution only reads and converts: an
@@ -70,12 +72,22 @@ def _from_folder(path: Path, shown: str) -> Path:
 
 
 def hub_cache_dir() -> Path:
-    """The Hugging Face hub cache this process reads, from the environment at call time."""
-    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    """The Hugging Face hub cache this process reads, from the environment at call time, in
+    `huggingface_hub.constants`' order: `HF_HUB_CACHE`, `HUGGINGFACE_HUB_CACHE`, `HF_HOME/hub`,
+    `$XDG_CACHE_HOME/huggingface/hub`, `~/.cache/huggingface/hub` (empty values count as unset;
+    `~` and `$VAR` are expanded)."""
+    env = os.environ.get
+    explicit = env("HF_HUB_CACHE") or env("HUGGINGFACE_HUB_CACHE")
     if explicit:
-        return Path(explicit).expanduser()
-    home = os.environ.get("HF_HOME") or str(Path.home() / ".cache" / "huggingface")
-    return Path(home).expanduser() / "hub"
+        return _expanded(explicit)
+    cache_home = env("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    home = env("HF_HOME") or os.path.join(cache_home, "huggingface")
+    return _expanded(home) / "hub"
+
+
+def _expanded(path: str) -> Path:
+    """`path` with `~` and then `$VAR` expanded, as huggingface_hub expands its cache paths."""
+    return Path(os.path.expandvars(os.path.expanduser(path)))
 
 
 def _from_hub_cache(repo_id: str) -> Path:

@@ -5,8 +5,9 @@ workers, prefill → decode over the gRPC KV stream). Sources, first found wins:
 `--cluster-token-file` (or `KVMESH_CLUSTER_TOKEN_FILE`; a Kubernetes Secret mounted as a file),
 then `KVMESH_CLUSTER_TOKEN` (a Secret as an env var). Never a command-line value: argv is
 readable by every user of the host. API keys guard the public door: `--api-key-file` (one key a
-line, `#` comments) or `KVMESH_API_KEY` (comma-separated). Comparison is constant-time
-(`hmac.compare_digest`) against every configured secret.
+line, `#` comments) or `KVMESH_API_KEY` (comma-separated). Every secret is at least 16 printable
+ASCII characters without whitespace (it travels in gRPC metadata and HTTP headers). Comparison
+is constant-time (`hmac.compare_digest`) against every configured secret.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ def new_token() -> str:
 
 
 def _check(secret: str, source: str) -> str:
+    """`secret` when usable: at least MIN_SECRET_CHARS characters, all printable ASCII without
+    whitespace (gRPC metadata carries only ASCII); else CredentialError naming `source`."""
     if len(secret) < MIN_SECRET_CHARS:
         raise CredentialError(f"{source}: a secret needs at least {MIN_SECRET_CHARS} characters")
-    if any(c.isspace() or not c.isprintable() for c in secret):
-        raise CredentialError(f"{source}: a secret must be printable without whitespace")
+    if not all("!" <= c <= "~" for c in secret):
+        raise CredentialError(f"{source}: a secret must be printable ASCII without whitespace")
     return secret
 
 

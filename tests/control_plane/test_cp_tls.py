@@ -138,6 +138,41 @@ def test_tls_config_names_the_flag_of_a_bad_file(tmp_path: Path, pki: Pki) -> No
         TlsConfig(pki.cert, pki.key, None, True)
 
 
+def test_tls_config_refuses_files_that_are_not_what_their_flag_needs(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Checked when the config is made (not at bind time, as "cannot bind", nor as calls that
+    all fail UNAVAILABLE), naming the flag; an encrypted key fails without a password prompt."""
+    from cryptography.hazmat.primitives import serialization
+
+    from kvmesh.security import CredentialError
+
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a pem\n")
+    key = serialization.load_pem_private_key(Path(pki.key).read_bytes(), None)
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"passphrase"),
+        )
+    )
+    refused = {
+        "--tls-cert: .* holds no valid PEM certificate": (str(junk), pki.key, pki.ca),
+        "--tls-key: .* holds no valid PEM private key": (pki.cert, str(junk), pki.ca),
+        "--tls-key: .* is not the private key of --tls-cert": (pki.cert, pki.rogue_key, None),
+        "--tls-key: .* is encrypted": (pki.cert, str(encrypted), None),
+        "--tls-ca: .* holds no valid PEM certificate": (pki.cert, pki.key, str(junk)),
+    }
+    for message, (cert, key_file, ca) in refused.items():
+        with pytest.raises(CredentialError, match=f"^{message}"):
+            TlsConfig(cert, key_file, ca)
+    with pytest.raises(CredentialError, match=r"^--tls-ca: .* holds no valid PEM certificate"):
+        TlsConfig(ca=pki.key)  # a key is not a certificate
+    assert TlsConfig(pki.cert, pki.key, pki.ca).ca == pki.ca
+
+
 def test_a_server_with_a_ca_but_no_certificate_refuses_to_start(pki: Pki) -> None:
     """TLS asked for (a CA, client certificates required) without a certificate to serve it:
     the door does not start, naming the flags, instead of serving plaintext."""

@@ -18,6 +18,7 @@ from kv_transfer.interface import KVReceiver, KVSender
 from kvmesh.security import Security
 from kvmesh.security.credentials import CredentialError
 from kvmesh.security.tls import TlsConfig
+from tests.pki import make_pki
 
 SHAPE = (48, 2, 2, 4, 2, 8)  # [num_blocks, layers, 2, block_size, heads, head_dim]
 BACKENDS = ["fake", "shm", "grpc"]
@@ -285,13 +286,10 @@ def test_a_grpc_receiver_that_cannot_start_says_why_at_once(tmp_path: Path) -> N
     """A receiver whose server cannot be built (here: a CA for mutual TLS without the
     receiver's own certificate) raises that error at once, not "could not bind" after the
     start-up wait."""
-    ca = tmp_path / "ca.pem"
-    ca.write_text("-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n")
+    tls = TlsConfig(ca=str(make_pki(tmp_path).ca))  # a valid CA: the config itself is fine
     started = time.monotonic()
     with pytest.raises(CredentialError):
-        get_backend("grpc").Receiver(
-            BlockStore(torch.zeros(SHAPE)), security=Security(tls=TlsConfig(ca=str(ca)))
-        )
+        get_backend("grpc").Receiver(BlockStore(torch.zeros(SHAPE)), security=Security(tls=tls))
     assert time.monotonic() - started < 5
 
 

@@ -1,9 +1,10 @@
 """`.gguf` files become cached checkpoint folders: weights, tokenizer and chat template survive,
 the engine matches transformers on them, a changed file is converted again, bad files fail in
-one line, and concurrent conversions convert once."""
+one line, concurrent conversions convert once, and a file's name never leaves its key's folder."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.engine.errors import InvalidParameterError
-from kvmesh.models.gguf import convert_gguf, gguf_checkpoint
+from kvmesh.models.gguf import convert_gguf, gguf_cache_name, gguf_checkpoint
 from kvmesh.models.resolve import resolve_model_path
 
 KVMESH = [sys.executable, "-m", "kvmesh.cli.main"]
@@ -134,3 +135,40 @@ def test_convert_into_a_new_folder(tiny_gguf: tuple[Path, Any], tmp_path: Path) 
     assert main(["model", "convert", str(tiny_gguf[0]), str(out)]) == 2  # exists: untouched
     assert main(["model", "convert", str(tmp_path / "none.gguf"), str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_a_file_whose_stem_is_dots_converts_into_its_own_folder(
+    tiny_gguf: tuple[Path, Any], tmp_path: Path, cache: Path
+) -> None:
+    """`...gguf` (stem `..`) and `..gguf` (stem `.`) would name the key's parent or the key's
+    folder itself: the checkpoint is named `model` instead, inside its key's folder."""
+    for name in ("...gguf", "..gguf"):
+        file = tmp_path / name
+        file.write_bytes(tiny_gguf[0].read_bytes())
+        folder = gguf_checkpoint(file)
+        assert folder.name == "model" and folder.parent.parent == cache
+        assert folder.resolve().parent.parent == cache.resolve()
+        assert (folder / "config.json").is_file()
+
+
+def test_the_key_is_the_whole_content_not_its_size_mtime_and_ends(tmp_path: Path) -> None:
+    """Two files alike in name, size, mtime and first and last MiB (`cp -p` of a model whose
+    middle differs) get different conversions; a copy with another mtime reuses one."""
+    size, stamp = 4 << 20, 1_700_000_000_000_000_000
+    files = []
+    for folder, middle in (("a", 1), ("b", 2)):
+        data = bytearray(size)
+        data[size // 2] = middle
+        file = tmp_path / folder / "m.gguf"
+        file.parent.mkdir()
+        file.write_bytes(bytes(data))
+        os.utime(file, ns=(stamp, stamp))
+        files.append((file, bytes(data)))
+    names = [gguf_cache_name(file) for file, _ in files]
+    assert names[0] != names[1]
+    for name, (_, data) in zip(names, files, strict=True):
+        assert name == f"gguf-v2-{hashlib.sha256(data).hexdigest()[:16]}/m"
+    copy = tmp_path / "c" / "m.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(files[0][1])
+    assert gguf_cache_name(copy) == names[0]

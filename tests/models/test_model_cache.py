@@ -72,3 +72,12 @@ def test_wait_for_another_build_is_bounded(cache: Path) -> None:
         with pytest.raises(TimeoutError, match="lock"):
             materialize(TINY_NAME, lambda staging: None, lock_timeout=0.2)
     assert not (cache / TINY_NAME).exists()
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "a/..", "a//b", "/abs", "a/../b"])
+def test_a_name_outside_its_own_folder_is_refused(cache: Path, name: str) -> None:
+    with pytest.raises(ValueError, match=r"^name: .* is not a folder inside"):
+        materialize(name, lambda staging: (staging / "done").write_text("yes"))
+    assert not cache.exists()  # nothing made, not even the lock
+    built = materialize("key/stem", lambda staging: (staging / "done").write_text("yes"))
+    assert built == cache / "key" / "stem" and (built / "done").is_file()

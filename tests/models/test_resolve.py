@@ -1,5 +1,6 @@
-"""`--model` resolution: folders, .gguf files, hub ids from the local Hugging Face cache (offline),
-the default model's install hint, and one-line errors naming what was tried."""
+"""`--model` resolution: folders, .gguf files, hub ids from the local Hugging Face cache (offline,
+found where huggingface_hub puts it), the default model's install hint, and one-line errors
+naming what was tried."""
 
 from __future__ import annotations
 
@@ -60,6 +61,51 @@ def test_hub_snapshot_holding_one_gguf_is_converted(hub: Path, tmp_path: Path) -
         resolve_model_path("Org/Tiny-GGUF")
 
 
+def test_a_hub_gguf_is_named_after_its_file_not_its_blob(hub: Path, tmp_path: Path) -> None:
+    """A snapshot's file is a symlink to `blobs/<sha256>`: the checkpoint, and the model name
+    clients see, take the link's name; the blob's content is what is converted."""
+    snapshot = _hub_snapshot(hub, "Org/Tiny-GGUF")
+    blob = snapshot.parents[1] / "blobs" / ("b" * 64)
+    blob.parent.mkdir()
+    write_tiny_gguf(blob)
+    snapshot.mkdir(parents=True)
+    (snapshot / "tiny.Q8_0.gguf").symlink_to(Path("../../blobs") / blob.name)
+    folder = resolve_model_path("Org/Tiny-GGUF")
+    assert folder.name == "tiny.Q8_0" and model_name(folder) == "tiny.Q8_0"
+    assert folder.parent.parent == tmp_path / "kvmesh" / "models"
+    assert (folder / "config.json").is_file()
+
+
+HUB_CACHE_CASES = {
+    "xdg": {"XDG_CACHE_HOME": "{tmp}/xdg"},
+    "hf_home over xdg": {"XDG_CACHE_HOME": "{tmp}/xdg", "HF_HOME": "{tmp}/hf"},
+    "legacy over hf_home": {"HF_HOME": "{tmp}/hf", "HUGGINGFACE_HUB_CACHE": "{tmp}/legacy"},
+    "hf_hub_cache first": {"HUGGINGFACE_HUB_CACHE": "{tmp}/legacy", "HF_HUB_CACHE": "{tmp}/hub"},
+    "expanded": {"HF_HOME": "$KVMESH_TEST_BASE/hf"},
+    "defaults": {},
+}
+
+
+def test_hub_cache_dir_is_the_cache_huggingface_hub_uses(tmp_path: Path) -> None:
+    """For each environment, `hub_cache_dir()` equals `huggingface_hub.constants.HF_HUB_CACHE`
+    (which is read at import: one fresh process per environment)."""
+    code = (
+        "import huggingface_hub.constants as c; from kvmesh.models.resolve import hub_cache_dir;"
+        "print(hub_cache_dir()); print(c.HF_HUB_CACHE)"
+    )
+    names = ("XDG_CACHE_HOME", "HF_HOME", "HUGGINGFACE_HUB_CACHE", "HF_HUB_CACHE")
+    base = {k: v for k, v in os.environ.items() if k not in names}
+    base.update(HOME=str(tmp_path / "home"), KVMESH_TEST_BASE=str(tmp_path))
+    for case, values in HUB_CACHE_CASES.items():
+        env = {**base, **{k: v.format(tmp=tmp_path) for k, v in values.items()}}
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        ours, theirs = done.stdout.splitlines()
+        assert Path(ours) == Path(theirs), case
+        assert str(tmp_path) in ours, case
+
+
 @pytest.mark.parametrize(
     ("make", "expected"),
     [
@@ -106,4 +152,4 @@ def test_missing_default_package_says_how_to_install(tmp_path: Path) -> None:
 def test_model_name_reads_hub_snapshots(tmp_path: Path) -> None:
     snapshot = tmp_path / "hub" / "models--Org--Tiny-v2" / "snapshots" / COMMIT
     assert model_name(snapshot) == "Org/Tiny-v2"
-    assert model_name(tmp_path / "models" / "gguf-v1-0a1b" / "SmolLM2-135M") == "SmolLM2-135M"
+    assert model_name(tmp_path / "models" / "gguf-v2-0a1b" / "SmolLM2-135M") == "SmolLM2-135M"

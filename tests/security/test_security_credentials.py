@@ -54,6 +54,22 @@ def test_unusable_tokens_are_refused_naming_their_source(tmp_path: Path) -> None
         cluster_token(None, {"KVMESH_CLUSTER_TOKEN": "has a space in the middle"})
 
 
+def test_non_ascii_secrets_are_refused_naming_their_source(tmp_path: Path) -> None:
+    """gRPC metadata carries only ASCII: such a token could never authenticate a call."""
+    secret = "t\u00f6ken-t\u00f6ken-t\u00f6ken-t\u00f6ken"
+    refused = "a secret must be printable ASCII without whitespace"
+    with pytest.raises(CredentialError, match=f"^KVMESH_CLUSTER_TOKEN: {refused}"):
+        cluster_token(None, {"KVMESH_CLUSTER_TOKEN": secret})
+    with pytest.raises(CredentialError, match=f"^--cluster-token-file: {refused}"):
+        cluster_token(secret_file(tmp_path, secret), {})
+    with pytest.raises(CredentialError, match=f"^KVMESH_API_KEY: {refused}"):
+        api_keys(None, {"KVMESH_API_KEY": f"{TOKEN},{secret}"})
+    with pytest.raises(CredentialError, match=f"^--api-key-file: {refused}"):
+        api_keys(secret_file(tmp_path, f"{TOKEN}\n{secret}\n"), {})
+    every_printable = "".join(chr(c) for c in range(0x21, 0x7F))
+    assert cluster_token(None, {"KVMESH_CLUSTER_TOKEN": every_printable}) == every_printable
+
+
 def test_api_keys_from_file_or_comma_separated_env(tmp_path: Path) -> None:
     keys = ("first-api-key-0123456789", "second-api-key-012345678")
     assert api_keys(secret_file(tmp_path, "\n".join(keys) + "\n"), {}) == keys
