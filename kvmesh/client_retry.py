@@ -3,11 +3,11 @@
 A call is retried only when nothing of it reached the client and the server said a retry may help:
 RESOURCE_EXHAUSTED that carries a retry delay (the `grpc-retry-pushback-ms` trailer, a
 `google.rpc.RetryInfo` detail, or the older `retry-after-ms` trailer: the server's admission was
-full; a negative delay in any of them means "do not retry"), or UNAVAILABLE (no usable worker at
-that moment, the server restarting or draining), after a short exponential backoff, or the
-server's retry delay when it sent a longer one. Retries are bounded three ways: their number,
-their total waiting time, and the call's own deadline (a retry that could not start before it is
-not made; each retry gets only the time left).
+full), or UNAVAILABLE (no usable worker at that moment, the server restarting or draining), after
+a short exponential backoff, or the server's retry delay when it sent a longer one. A negative
+delay in any of them means "do not retry", whatever the code (gRPC's pushback rule). Retries are
+bounded three ways: their number, their total waiting time, and the call's own deadline (a retry
+that could not start before it is not made; each retry gets only the time left).
 """
 
 from __future__ import annotations
@@ -57,28 +57,29 @@ class Retries:
         return max(self.deadline - time.monotonic(), 0.001)
 
     def delay(self, error: grpc.RpcError) -> float | None:
-        """Seconds to wait before retrying the failed call, or None (not retryable, or a
-        bound would be passed); a granted retry is counted."""
+        """Seconds to wait before retrying the failed call, or None (not retryable, the server
+        said "do not retry", or a bound would be passed); a granted retry is counted."""
         policy = self.policy
         if self.attempts >= policy.max_retries:
             return None
-        code = error.code()  # type: ignore[attr-defined]
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            pushback = wire.retry_delay_ms(error)
-            if pushback is None:
-                return None
-            seconds = pushback / 1000
-        elif code == grpc.StatusCode.UNAVAILABLE:
-            seconds = policy.unavailable_backoff_seconds * 2**self.attempts
-            pushback = wire.retry_delay_ms(error)  # a draining server says when to come back
-            if pushback is not None:
-                seconds = max(seconds, pushback / 1000)
-        else:
+        pushback = wire.retry_pushback_ms(error)
+        if pushback is not None and pushback < 0:  # "do not retry", whatever the code
             return None
-        if self.waited + seconds > policy.max_wait_seconds:
+        seconds = self._wait(error.code(), pushback)  # type: ignore[attr-defined]
+        if seconds is None or self.waited + seconds > policy.max_wait_seconds:
             return None
         if self.deadline is not None and time.monotonic() + seconds >= self.deadline:
             return None
         self.attempts += 1
         self.waited += seconds
         return seconds
+
+    def _wait(self, code: grpc.StatusCode, pushback: int | None) -> float | None:
+        """The wait before the next attempt after `code` with the server's non-negative
+        `pushback` (ms, None: none sent), or None when `code` is not retried."""
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # retried only when the server says when
+            return None if pushback is None else pushback / 1000
+        if code == grpc.StatusCode.UNAVAILABLE:  # a draining server says when to come back
+            seconds = self.policy.unavailable_backoff_seconds * 2**self.attempts
+            return seconds if pushback is None else max(seconds, pushback / 1000)
+        return None

@@ -1,5 +1,6 @@
 """The blocking client against a real scripted gRPC server: a negative RetryInfo delay means
-"do not retry" (the call fails at once, typed, as a negative pushback trailer does), and
+"do not retry" (the call fails at once, typed, as a negative pushback trailer does, on
+UNAVAILABLE too, which is otherwise retried), and
 `Stream.cancel()` is never lost to a retry (a cancel during the backoff raises Cancelled; one
 that lands while the retried call starts cancels that call); leaving a Stream's loop early
 cancels its call at once."""
@@ -18,7 +19,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from kvmesh.client import Cancelled, Client, ResourceExhausted, Stream
+from kvmesh.client import Cancelled, Client, ResourceExhausted, Stream, Unavailable
 from kvmesh.client_retry import RetryPolicy
 from kvmesh.v1 import generation_pb2, generation_pb2_grpc
 
@@ -64,6 +65,13 @@ def negative_retry_info(attempt: int, context: grpc.ServicerContext) -> Iterator
     yield from ()
 
 
+def unavailable_for_good(attempt: int, context: grpc.ServicerContext) -> Iterator[Any]:
+    """UNAVAILABLE with a pushback trailer of -1: the server says "do not retry"."""
+    context.set_trailing_metadata((("grpc-retry-pushback-ms", "-1"),))
+    context.abort(grpc.StatusCode.UNAVAILABLE, "going away for good")
+    yield from ()
+
+
 def unavailable_then_slow(attempt: int, context: grpc.ServicerContext) -> Iterator[Any]:
     """The first attempt is UNAVAILABLE; later ones stream a token each 20 ms until cancelled."""
     if attempt == 1:
@@ -99,6 +107,19 @@ def test_negative_retry_info_is_not_retried(scripted: Any) -> None:
         with pytest.raises(ResourceExhausted) as info:
             list(client.generate([1, 2, 3]))
         assert servicer.attempts == 2 and info.value.retry_after_ms is None
+
+
+def test_negative_pushback_on_unavailable_is_not_retried(scripted: Any) -> None:
+    """The pushback rule holds whatever the code: UNAVAILABLE, retried with a backoff when the
+    server sent no delay, fails after one attempt when its delay is negative."""
+    servicer, address = scripted(unavailable_for_good)
+    with Client(address, timeout=5.0, retry=RETRY) as client:
+        with pytest.raises(Unavailable):
+            client.model_info()
+        assert servicer.attempts == 1
+        with pytest.raises(Unavailable):
+            list(client.generate([1, 2, 3]))
+        assert servicer.attempts == 2
 
 
 def test_cancel_during_the_backoff_raises_cancelled(scripted: Any) -> None:

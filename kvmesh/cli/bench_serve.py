@@ -52,6 +52,7 @@ def register(subparsers: Any) -> None:
     add("--threads", type=int, default=None, help="embedded: torch threads per worker")
     add("--worker-args", default="", help="embedded: extra `kvmesh serve` worker flags")
     add_workload_flags(p)
+    add("--tokenizer", default=None, help="tokenizer folder for text prompts (default: --model)")
     add("--request-rate", type=float, default=math.inf,
         help="requests per second (default inf: all at once)")  # fmt: skip
     add("--rates", default=None, help="sweep these rates, e.g. 0.5,1,2 (overrides --request-rate)")
@@ -78,6 +79,8 @@ def register(subparsers: Any) -> None:
 
 
 def add_workload_flags(p: argparse.ArgumentParser, default: str = "w1") -> None:
+    """The workload flags of `bench serve` and `tune` (`--tokenizer`, which only `bench serve`
+    reads, is its own)."""
     add = p.add_argument
     add("--workload", choices=WORKLOADS, default=default, help="(default %(default)s)")
     add("--trace", default=None, metavar="JSONL", help="requests of --workload trace")
@@ -88,7 +91,6 @@ def add_workload_flags(p: argparse.ArgumentParser, default: str = "w1") -> None:
     add("--w4-steady", type=int, default=shape.steady, help="W4: steady decoders")
     add("--w4-long", type=int, default=shape.long, help="W4: long prompts")
     add("--w4-interval", type=float, default=shape.interval, help="W4: seconds between long")
-    add("--tokenizer", default=None, help="tokenizer folder for text prompts (default: --model)")
 
 
 def w4_shape(args: argparse.Namespace) -> W4Shape:
@@ -134,7 +136,12 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if args.plot:
         for path in write_plots(results, Path(args.plot)):
             print(f"wrote {path}", file=sys.stderr)
-    return 0 if all(r["runs"][-1]["summary"]["completed"] for r in results) else 1
+    return 0 if every_run_completed(results) else 1
+
+
+def every_run_completed(results: Sequence[dict[str, Any]]) -> bool:
+    """Whether every run of every result (each rate of a sweep) completed a request."""
+    return all(run["summary"]["completed"] for r in results for run in r["runs"])
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:

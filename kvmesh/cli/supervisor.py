@@ -3,11 +3,15 @@
 Contract:
 - Every child runs in its own process group (so a terminal's Ctrl-C reaches only the
   supervisor, which stops children in order) with stdout and stderr merged into a pipe that a
-  reader thread drains line by line (the child never blocks on a full pipe).
+  reader thread drains line by line (the child never blocks on a full pipe), decoded as UTF-8
+  with bytes that are not UTF-8 replaced (U+FFFD).
 - A watchdog process holds the read end of a pipe whose write end only the supervisor holds.
   When the supervisor exits for any reason, kill -9 included, the watchdog sees EOF, sends
   SIGTERM to every child process group still registered, and SIGKILL after `grace` seconds.
   So no child outlives its supervisor.
+- A child's exit, once noticed (its output ended, `alive()` false, `stop`), SIGKILLs what is
+  left of its group and unregisters the group from the watchdog at once, before its process
+  group id can name another group; `stop` of such a child signals nothing.
 - `wait_for(child, pattern, deadline)` returns the first output line matching `pattern`, or
   raises ChildFailed when the child exits or the deadline passes first (with its output tail).
 - `poll(child, pattern)` is the same without waiting (None when no such line came yet).
@@ -26,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 TAIL_LINES = 60
@@ -45,13 +49,22 @@ class Child:
     tail: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=TAIL_LINES)
     )
+    on_exit: Callable[[Child], None] | None = field(default=None, repr=False)
+    released: bool = False  # its group was killed and unregistered after its exit
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        """Whether the process still runs; seeing it exited hands it to `on_exit` before it
+        is reaped (until then its pid, the group's id, cannot be reused)."""
+        if self.process.returncode is None and not _exited(self.pid):
+            return True
+        if self.on_exit is not None:
+            self.on_exit(self)
+        self.process.poll()  # reaps it
+        return False
 
     def output_tail(self) -> str:
         return "\n".join(self.tail)
@@ -64,6 +77,7 @@ class Supervisor:
         self.echo = echo  # copy children's output (prefixed with their name) to stderr
         self.grace = grace
         self.children: list[Child] = []
+        self._release_lock = threading.Lock()
         read_end, self._watch_fd = os.pipe()
         self._watchdog = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.cli.supervisor", str(grace)],
@@ -75,10 +89,10 @@ class Supervisor:
         """Start `argv` as a new process group; its output is read by a background thread."""
         process = subprocess.Popen(
             list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            stderr=subprocess.STDOUT, encoding="utf-8", errors="replace", bufsize=1,
+            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )  # fmt: skip
-        child = Child(name, process)
+        child = Child(name, process, on_exit=self._release)
         self.children.append(child)
         self._tell_watchdog(f"+{process.pid}")
         threading.Thread(target=self._read, args=(child,), daemon=True).start()
@@ -92,6 +106,10 @@ class Supervisor:
             child.lines.put(line)
             if self.echo:
                 print(f"[{child.name}] {line}", file=sys.stderr, flush=True)
+        with contextlib.suppress(ChildProcessError):  # reaped elsewhere already
+            os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+        self._release(child)
+        child.process.wait()
         child.lines.put(None)
 
     def wait_for(
@@ -131,18 +149,40 @@ class Supervisor:
                 return match
 
     def stop(self, child: Child, grace: float | None = None, sig: int = signal.SIGTERM) -> int:
-        """Signal the child's group, wait at most `grace` s, then SIGKILL it; the exit code."""
+        """Signal the child's group, wait at most `grace` s, then SIGKILL it; the exit code.
+        A child whose exit was handled already is not signalled (its pid may be reused)."""
         grace = self.grace if grace is None else grace
+        if child.released:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # reaped elsewhere, at once
+                child.process.wait(timeout=KILL_WAIT_SECONDS)
+            return child.process.returncode
         _signal_group(child.pid, sig)
-        try:
-            child.process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
+        if not self._wait_exit(child, grace):
             _signal_group(child.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.process.wait(timeout=KILL_WAIT_SECONDS)  # a D-state child cannot hang us
-        _signal_group(child.pid, signal.SIGKILL)  # leftovers of the group, if any
-        self._tell_watchdog(f"-{child.pid}")
+            self._wait_exit(child, KILL_WAIT_SECONDS)  # a D-state child cannot hang us
+        self._release(child)  # one that would not die is given up on too
         return child.process.returncode
+
+    def _wait_exit(self, child: Child, seconds: float) -> bool:
+        """Whether `child` exits within `seconds`; if so it is released, then reaped."""
+        end = time.monotonic() + seconds
+        while child.process.returncode is None and not _exited(child.pid):
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.01)
+        self._release(child)
+        child.process.wait()
+        return True
+
+    def _release(self, child: Child) -> None:
+        """SIGKILL what is left of an exited child's group and unregister it from the
+        watchdog; once per child, from whichever thread noticed the exit first."""
+        with self._release_lock:
+            if child.released:
+                return
+            child.released = True
+            _signal_group(child.pid, signal.SIGKILL)
+            self._tell_watchdog(f"-{child.pid}")
 
     def _tell_watchdog(self, line: str) -> None:
         """Send the watchdog one line (nothing once `close`d: it has exited). A watchdog killed
@@ -179,6 +219,14 @@ class Supervisor:
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def _exited(pid: int) -> bool:
+    """Whether the child `pid` exited, without reaping it (True when reaped already)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 def _group_alive(pgid: int) -> bool:

@@ -16,6 +16,7 @@ takes it: a chat template's tokens, text prompts in tokens.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -126,6 +127,7 @@ class OpenAIBackend:
                                       limits=limits)  # fmt: skip
         self.endpoint = endpoint
         self.model = model
+        self.timeout = timeout
 
     async def served_model(self) -> str:
         """The `model` field to send: the given one, else the server's first model."""
@@ -148,34 +150,42 @@ class OpenAIBackend:
         return body
 
     async def send(self, index: int, request: BenchRequest) -> RequestRecord:
+        """One streamed request; `timeout` bounds it as a whole, as the gRPC backend's deadline
+        does (a stream still running then is cut and fails DEADLINE_EXCEEDED)."""
         import httpx
 
         await self.served_model()
-        path = "chat/completions" if self.endpoint == "chat" else "completions"
         record = _record(index, request)
-        counted = 0
         try:
-            async with self.http.stream("POST", path, json=self.body(request)) as response:
-                if response.status_code != 200:
-                    text = (await response.aread()).decode(errors="replace")
-                    record.error = f"HTTP {response.status_code}: {text[:200]}"
-                    return record
-                async for event in _events(response.aiter_lines()):
-                    if "error" in event:
-                        record.error = f"stream error: {event['error']}"
-                    elif event.get("choices"):
-                        record.chunk_times.append(time.perf_counter())
-                        counted += not is_role_chunk(event)
-                    usage = event.get("usage")
-                    if usage:
-                        record.output_tokens = int(usage["completion_tokens"])
-                        if usage.get("prompt_tokens"):
-                            record.prompt_len = int(usage["prompt_tokens"])
+            await asyncio.wait_for(self._stream(record, request), self.timeout)
+        except asyncio.TimeoutError:
+            record.error = f"DEADLINE_EXCEEDED: no complete answer within {self.timeout:g} s"
         except httpx.HTTPError as error:
             record.error = f"{type(error).__name__}: {error}"
+        return record
+
+    async def _stream(self, record: RequestRecord, request: BenchRequest) -> None:
+        """Send `request` and time its events into `record` (HTTP errors raise)."""
+        path = "chat/completions" if self.endpoint == "chat" else "completions"
+        counted = 0
+        async with self.http.stream("POST", path, json=self.body(request)) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                record.error = f"HTTP {response.status_code}: {text[:200]}"
+                return
+            async for event in _events(response.aiter_lines()):
+                if "error" in event:
+                    record.error = f"stream error: {event['error']}"
+                elif event.get("choices"):
+                    record.chunk_times.append(time.perf_counter())
+                    counted += not is_role_chunk(event)
+                usage = event.get("usage")
+                if usage:
+                    record.output_tokens = int(usage["completion_tokens"])
+                    if usage.get("prompt_tokens"):
+                        record.prompt_len = int(usage["prompt_tokens"])
         if not record.output_tokens:  # no usage chunk: one token per event
             record.output_tokens = counted
-        return record
 
     async def close(self) -> None:
         await self.http.aclose()

@@ -6,8 +6,8 @@
   deserialization failure is UNKNOWN, with a Python class name in the message).
 - Rich status: `failure_status` builds the `grpc.Status` of a failure with the standard
   `google.rpc` details — `BadRequest` naming the field, `RetryInfo` with the retry delay — and
-  the `grpc-retry-pushback-ms` / `retry-after-ms` trailers; `field_of` and `retry_delay_ms`
-  read them back from a failed call.
+  the `grpc-retry-pushback-ms` / `retry-after-ms` trailers; `field_of`, `retry_delay_ms` and
+  `retry_pushback_ms` read them back from a failed call.
 """
 
 from __future__ import annotations
@@ -94,31 +94,41 @@ def field_of(error: grpc.RpcError) -> str | None:
 def retry_delay_ms(error: grpc.RpcError) -> int | None:
     """The server's retry delay of a failed call: the pushback trailer, else `RetryInfo`,
     else the `retry-after-ms` trailer; None when it gave none (a negative delay, from any of
-    them, means "do not retry", also None)."""
+    them, means "do not retry", also None; `retry_pushback_ms` tells the two apart)."""
+    delay = retry_pushback_ms(error)
+    return delay if delay is not None and delay >= 0 else None
+
+
+def retry_pushback_ms(error: grpc.RpcError) -> int | None:
+    """The server's retry delay of a failed call as sent, read in `retry_delay_ms`'s order:
+    negative means "do not retry" (whatever the status code); None when it gave none or the
+    first one present is not an integer."""
     metadata: Any = error.trailing_metadata() or ()  # type: ignore[attr-defined]
     found: dict[str, str] = {}
     for key, value in metadata:
         if key in (PUSHBACK_KEY, RETRY_AFTER_KEY) and isinstance(value, str):
             found[key] = value
     if PUSHBACK_KEY in found:
-        return _non_negative(found[PUSHBACK_KEY])
+        return _integer(found[PUSHBACK_KEY])
     for holder in status_details(error):
         if holder.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             info = error_details_pb2.RetryInfo()
             holder.Unpack(info)
-            delay = info.retry_delay
-            if delay.seconds < 0 or delay.nanos < 0:
-                return None
-            return int(delay.ToMilliseconds())
-    return _non_negative(found[RETRY_AFTER_KEY]) if RETRY_AFTER_KEY in found else None
+            return _milliseconds(info.retry_delay)
+    return _integer(found[RETRY_AFTER_KEY]) if RETRY_AFTER_KEY in found else None
 
 
-def _non_negative(text: str) -> int | None:
+def _milliseconds(delay: duration_pb2.Duration) -> int:
+    """`delay` in ms; a negative one stays negative (-1 at least) however short."""
+    ms = int(delay.ToMilliseconds())
+    return min(ms, -1) if delay.seconds < 0 or delay.nanos < 0 else ms
+
+
+def _integer(text: str) -> int | None:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         return None
-    return value if value >= 0 else None
 
 
 # -- clients -----------------------------------------------------------------------------------
@@ -329,4 +339,5 @@ __all__ = [
     "failure_status",
     "field_of",
     "retry_delay_ms",
+    "retry_pushback_ms",
 ]

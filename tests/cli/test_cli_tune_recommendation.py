@@ -1,7 +1,8 @@
 """`kvmesh tune chunked-prefill`'s printed recommendation starts the system it measured: the
 `kvmesh up` line, parsed by `kvmesh up` itself, names the measured topology, threads and the
 setting's engine flags. The systems and their measurements are stand-ins (no process starts):
-what is checked is the path from the measured `UpConfig` to the printed line."""
+what is checked is the path from the measured `UpConfig` to the printed line. Its parser offers
+no flag the tuner would ignore."""
 
 from __future__ import annotations
 
@@ -91,3 +92,17 @@ def test_worker_args_do_not_override_the_setting_a_row_is_named_for(
         assert engine["num_kv_blocks"] == 77
         budgets.append(engine["max_num_batched_tokens"])
     assert budgets == [64, 128]
+
+
+def test_tune_refuses_the_tokenizer_flag_it_would_ignore(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The tuner sends token ids (a trace's text as text): `--tokenizer` is `bench serve`'s
+    alone, and given to `tune` it is refused by name (before, it was accepted and ignored)."""
+    argv = ["tune", "chunked-prefill", "--slo-itl-p99", "100", "--tokenizer", "/nonexistent"]
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(argv)
+    assert refused.value.code == 2
+    assert "unrecognized arguments: --tokenizer" in capsys.readouterr().err
+    bench = build_parser().parse_args(["bench", "serve", "--tokenizer", "/nonexistent"])
+    assert bench.tokenizer == "/nonexistent"

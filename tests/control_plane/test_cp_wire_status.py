@@ -4,6 +4,9 @@ retry delay is read in the standard order (pushback trailer, RetryInfo, retry-af
 from __future__ import annotations
 
 import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from kvmesh.client_retry import RetryPolicy
 from kvmesh.v1 import wire
@@ -39,7 +42,20 @@ def test_retry_delay_sources_and_a_negative_pushback() -> None:
         EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(("grpc-retry-pushback-ms", "-1")), "no"
     )
     assert wire.retry_delay_ms(refused) is None  # "do not retry"
+    assert wire.retry_pushback_ms(refused) == -1  # told apart from no delay at all
     assert RetryPolicy().start(5.0).delay(refused) is None
+    gone = grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down"
+    )
+    assert wire.retry_pushback_ms(gone) is None and RetryPolicy().start(5.0).delay(gone) == 0.1
+    for_good = failed_call(wire.failure_status(grpc.StatusCode.UNAVAILABLE, "bye"),
+                           ("grpc-retry-pushback-ms", "-1"))  # fmt: skip
+    assert RetryPolicy().start(5.0).delay(for_good) is None  # whatever the code
+    holder = any_pb2.Any()
+    holder.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(nanos=-1)))
+    proto = status_pb2.Status(code=EXHAUSTED.value[0], message="no", details=[holder])
+    barely = failed_call(rpc_status.to_status(proto))
+    assert wire.retry_pushback_ms(barely) == -1  # negative however short, never 0
 
 
 def test_retries_stop_at_each_bound() -> None:

@@ -1,21 +1,25 @@
 """`kvmesh bench serve` and `kvmesh tune chunked-prefill` in their smoke modes: a few tiny
 requests against the shared disaggregated system over gRPC, against a colocated system's
 OpenAI-compatible HTTP door (completions and chat), and a two-setting tuner sweep on embedded
-systems."""
+systems; the exit status of a sweep one of whose runs failed, against a scripted gRPC server."""
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from sys_harness import local_system
 
 from kvmesh.cli.main import main
 from kvmesh.cli.up import LocalSystem
 from kvmesh.loadgen import workloads
+from kvmesh.v1 import generation_pb2, generation_pb2_grpc
 
 PNG = b"\x89PNG\r\n\x1a\n"
 W1_SMOKE = ["--workload", "w1", "--num-requests", "4", "--scale", "0.05", "--no-progress"]
@@ -180,3 +184,57 @@ def test_tuner_sweeps_embedded_systems_and_recommends_a_setting_it_measured(
     assert best["flags"][:2] == ["--max-num-batched-tokens", str(best["budget"])]
     assert all(r["completed"] == 5 and r["failed"] == 0 for r in rows)
     assert plot.read_bytes().startswith(PNG)
+
+
+class FailsTheFirstRun(generation_pb2_grpc.GenerationServiceServicer):
+    """A scripted GenerationService: Generate calls 2 and 3 (the first run of 2 requests after
+    the warm-up) fail INVALID_ARGUMENT, the others stream `max_tokens` tokens."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def GetModelInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return generation_pb2.ModelInfo(model_name="scripted", vocab_size=1000)
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        with self.lock:
+            self.calls += 1
+            call = self.calls
+        if call in (2, 3):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "scripted failure")
+        n = request.sampling.max_tokens
+        for i in range(n):
+            chunk = generation_pb2.GenerateResponse(request_id=request.request_id, token_ids=[5])
+            if i == n - 1:
+                chunk.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+                chunk.usage.prompt_tokens = len(request.token_ids.ids)
+                chunk.usage.completion_tokens = n
+            yield chunk
+
+
+@pytest.fixture
+def fails_the_first_run() -> Iterator[tuple[FailsTheFirstRun, str]]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    servicer = FailsTheFirstRun()
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def test_a_sweep_exits_1_when_any_run_completed_no_request(
+    fails_the_first_run: tuple[FailsTheFirstRun, str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every run of a sweep counts, not only the last (live and with --from-json alike)."""
+    servicer, address = fails_the_first_run
+    saved = tmp_path / "sweep.json"
+    result = run_json(capsys, ["bench", "serve", "--target", address, "--rates", "200,200",
+                               "--num-requests", "2", "--scale", "0.02", "--no-progress",
+                               "--json", "--json-out", str(saved)], rc=1)  # fmt: skip
+    assert servicer.calls == 5  # the warm-up and 2 runs of 2
+    assert [r["summary"]["completed"] for r in result["runs"]] == [0, 2]
+    assert main(["bench", "serve", "--from-json", str(saved)]) == 1

@@ -2,13 +2,18 @@
 the OpenAI-compatible HTTP door) on the tiny chat-template model: every streamed chunk with a
 choice is one timestamp, as vLLM's benchmark times it (a chunk whose token decodes to no text
 yet is still a token), and input tokens are the server's prompt tokens (vLLM's `prompt_tokens`
-of the usage), not the ids drawn before a chat template or the characters of a text prompt."""
+of the usage), not the ids drawn before a chat template or the characters of a text prompt.
+The HTTP client's `--timeout` bounds a whole request, as the gRPC deadline does (against a
+loopback server trickling its stream)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +105,61 @@ def test_text_prompts_count_tokens_not_characters_over_grpc_and_http(
         assert all(r.ok for r in records)
         assert [r.prompt_len for r in records] == expected, door
         assert summarize(records, 1.0, Slo())["input_tokens"] == sum(expected)
+
+
+class Trickles(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server whose completion streams an event every 0.2 s, 6 in all."""
+
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:  # /v1/models
+        body = json.dumps({"data": [{"id": "trickle"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+        try:
+            for _ in range(6):
+                time.sleep(0.2)
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up
+            pass
+
+
+def test_http_timeout_is_the_whole_requests_deadline() -> None:
+    """Each gap (0.2 s) is within the 0.5 s `--timeout`, the stream (1.2 s) is not: the request
+    is cut at the deadline and fails DEADLINE_EXCEEDED, as over gRPC (before, httpx bounded each
+    read only, and the request counted as completed)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Trickles)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    async def run() -> tuple[backends.RequestRecord, float]:
+        backend = OpenAIBackend(f"http://127.0.0.1:{server.server_port}/v1", 0.5)
+        try:
+            await backend.served_model()
+            record = await backend.send(0, workloads.BenchRequest([1, 2, 3], 6, 3))
+            return record, time.perf_counter() - record.sent
+        finally:
+            await backend.close()
+
+    try:
+        record, took = asyncio.run(run())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not record.ok and record.error is not None
+    assert record.error.startswith("DEADLINE_EXCEEDED"), record.error
+    assert 1 <= len(record.chunk_times) < 6 and took < 1.0

@@ -1,4 +1,5 @@
-"""Process supervision: ready lines, bounded stop, and no orphans when the supervisor dies."""
+"""Process supervision: ready lines (whatever bytes come before them), bounded stop, no
+orphans when the supervisor dies, and a child that exits by itself handled at once."""
 
 from __future__ import annotations
 
@@ -71,6 +72,30 @@ def test_wait_for_reports_an_exited_child_with_its_output() -> None:
         supervisor.close()
 
 
+def test_output_that_is_not_utf8_is_read_on_and_the_ready_line_seen() -> None:
+    """A byte that is not UTF-8 (a Latin-1 path, a native library's message) is replaced; the
+    reader goes on, so 200 KB of later output (past the pipe's 64 KiB) and the ready line come
+    through (before, the reader thread died and the child blocked writing to a full pipe)."""
+    script = textwrap.dedent(
+        """
+        import sys, time
+        sys.stdout.buffer.write(b"model dir /data/caf\\xe9\\n"); sys.stdout.flush()
+        for _ in range(1000):
+            print("y" * 200, flush=True)
+        print("READY", flush=True)
+        time.sleep(600)
+        """
+    )
+    supervisor = Supervisor(grace=1.0)
+    try:
+        child = supervisor.start("latin1", [sys.executable, "-c", script])
+        assert supervisor.wait_for(child, "caf\ufffd$", time.monotonic() + 30)
+        supervisor.wait_for(child, "READY", time.monotonic() + 30)
+        assert child.alive()
+    finally:
+        supervisor.close()
+
+
 def test_children_die_when_the_supervisor_is_killed() -> None:
     """SIGKILL of the supervising process: the watchdog stops its children (even stubborn)."""
     script = textwrap.dedent(
@@ -110,6 +135,66 @@ def test_children_die_when_the_supervisor_is_killed() -> None:
 
 SERVES = 'import time; print("KVMESH_READY {}", flush=True); time.sleep(600)'
 CRASHES = 'print("boom", flush=True); raise SystemExit(3)'
+
+
+def _spy_on_the_watchdog(supervisor: Supervisor) -> list[str]:
+    """The lines the supervisor tells its watchdog from now on (still sent on to it)."""
+    told: list[str] = []
+    tell = supervisor._tell_watchdog
+
+    def spy(line: str) -> None:
+        told.append(line)
+        tell(line)
+
+    supervisor._tell_watchdog = spy  # type: ignore[method-assign]
+    return told
+
+
+def _registered(told: list[str]) -> set[int]:
+    groups: set[int] = set()
+    for line in told:
+        (groups.add if line[0] == "+" else groups.discard)(int(line[1:]))
+    return groups
+
+
+# Starts a sleeper in its process group (the sleeper keeps the output pipe open), then crashes.
+LEAVES_A_SLEEPER = textwrap.dedent(
+    """
+    import subprocess, sys
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(sleeper.pid, flush=True)
+    raise SystemExit(3)
+    """
+)
+
+
+def test_a_child_that_exits_by_itself_is_unregistered_and_its_group_killed_at_once() -> None:
+    """Once a child's exit is seen (`alive()` false, or its output ended), what is left of its
+    group is killed and the watchdog forgets the group: once the child is reaped its pid may
+    name an unrelated process group, which the watchdog would kill at its EOF (before, a child
+    that exited by itself stayed registered, and its leftovers ran until the shutdown)."""
+    supervisor = Supervisor(grace=1.0)
+    told = _spy_on_the_watchdog(supervisor)
+    try:
+        crashed = supervisor.start("decode-0", [sys.executable, "-c", LEAVES_A_SLEEPER])
+        sleeper = int(supervisor.wait_for(crashed, r"^(\d+)$", time.monotonic() + 30).group(1))
+        end = time.monotonic() + 30
+        while crashed.alive():  # as `kvmesh up`'s restarts notice a death
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        assert _wait_gone([sleeper], 5.0) == []
+        assert f"-{crashed.pid}" in told
+        quick = supervisor.start("prefill-0", [sys.executable, "-c", CRASHES])
+        with pytest.raises(ChildFailed, match="exited with 3"):  # its output ended
+            supervisor.wait_for(quick, "never printed", time.monotonic() + 30)
+        assert f"-{quick.pid}" in told
+        restarted = supervisor.start("decode-0", [sys.executable, "-c", SERVES])
+        supervisor.wait_for(restarted, "KVMESH_READY", time.monotonic() + 30)
+        assert _registered(told) == {restarted.pid}
+        assert supervisor.stop(crashed) == 3  # nothing signalled: it was handled already
+    finally:
+        supervisor.close()
+    assert _registered(told) == set()
 
 
 HEALTH = textwrap.dedent(
