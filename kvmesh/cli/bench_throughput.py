@@ -116,6 +116,12 @@ def register(subparsers: Any) -> None:
         help="W1: also kvmesh with the other --compile mode (kvmesh-compile-on / -off)",
     )
     parser.add_argument(
+        "--compare-decode-program",
+        action="store_true",
+        help="W1: also kvmesh with CPU decode steps made call by call from Python "
+        "(kvmesh-eager-decode: decode_program off)",
+    )
+    parser.add_argument(
         "--temperature",
         type=float,
         default=0.0,
@@ -406,6 +412,7 @@ def run_kvmesh(model_dir: str, workload: str, name: str, options: dict, args: An
         "executor": executor,
         "linears": engine.runner.loaded.linears,
         "compile": config.compile,
+        "decode_program": engine.runner.decode_program is not None,
     }
 
 
@@ -431,6 +438,8 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
             runs.append(("kvmesh-transformers", {"executor": "transformers"}))
         if args.compare_cpu_gemm:
             runs.append(("kvmesh-torch-gemm", {"cpu_gemm": "torch"}))
+        if args.compare_decode_program:
+            runs.append(("kvmesh-eager-decode", {"decode_program": False}))
         if args.compare_compile:
             other = "on" if (args.compile or EngineConfig.compile) == "off" else "off"
             runs.append((f"kvmesh-compile-{other}", {"compile": other}))

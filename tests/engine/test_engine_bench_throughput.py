@@ -199,3 +199,20 @@ def test_w3_ttft_is_timed_around_add_request_and_step_as_vllms() -> None:
     tokens, _, ttfts = bench_throughput.run_one_by_one(SlowEngine(), [([1, 2], 1)] * 3)
     assert tokens == 3 and len(ttfts) == 3
     assert min(ttfts) >= 0.02
+
+
+def test_compare_decode_program_runs_both_decode_paths_and_names_them(capsys: Any) -> None:
+    """`--compare-decode-program` adds a run whose CPU decode steps are made call by call;
+    each run's JSON says which path ran, and both generate the same tokens."""
+    import json
+
+    from kvmesh.cli.main import main
+
+    argv = ["bench", "throughput", "--num-requests", "4", "--compare-decode-program", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    runs = {run["name"]: run for run in report["runs"]}
+    assert runs["kvmesh"]["decode_program"] is True
+    assert runs["kvmesh-eager-decode"]["decode_program"] is False
+    assert runs["kvmesh"]["tokens"] == runs["kvmesh-eager-decode"]["tokens"]
+    assert "tok_per_s kvmesh / kvmesh-eager-decode" in report["ratios"]
