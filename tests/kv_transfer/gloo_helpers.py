@@ -1,5 +1,6 @@
 """What the gloo tests share: block stores, a plain client of a receiver's `TCPStore` (what
-anyone on its network can make), the handshake threads alive, and a bounded poll."""
+anyone on its network can make), the handshake threads alive, a bounded poll, and a fixture
+that starts each test with no link thread alive."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -38,6 +40,14 @@ def link_threads() -> set[threading.Thread]:
 
 def handshake_threads() -> int:
     return len(link_threads())
+
+
+@pytest.fixture(autouse=True)
+def earlier_links_ended() -> None:
+    """Start each test with no receiver link thread alive: one of an earlier test's closed
+    receiver may still be ending, and the tests count these threads. Import it into a test
+    module to apply it there."""
+    assert wait_for(lambda: handshake_threads() == 0, 15), "an earlier test's link threads run on"
 
 
 def wait_for(predicate: Callable[[], bool], seconds: float) -> bool:

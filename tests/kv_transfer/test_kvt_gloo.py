@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 import torch
-from gloo_helpers import SHAPE, handshake_threads, link_threads, store, store_client, wait_for
+from gloo_helpers import (
+    SHAPE,
+    earlier_links_ended,
+    handshake_threads,
+    link_threads,
+    store,
+    store_client,
+    wait_for,
+)
 
 from kv_transfer import BlockStore, TransferRequest, TransferState, get_backend, new_transfer_id
 from kv_transfer.backends import gloo as gloo_mod
@@ -22,6 +30,8 @@ from kv_transfer.errors import ChecksumError, LayoutMismatchError, PeerError
 from kv_transfer.header import FrameHeader, MsgType
 from kv_transfer.interface import StreamSendHandle
 from kv_transfer.receiver_core import ReceiveHandle
+
+__all__ = ["earlier_links_ended"]  # an autouse fixture: every test here
 
 
 def _one_transfer(

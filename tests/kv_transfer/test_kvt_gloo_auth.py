@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from gloo_helpers import (
     CONNECT_SECONDS,
+    earlier_links_ended,
     handshake_threads,
     link_threads,
     store,
@@ -32,6 +33,8 @@ from prefill_svc.senders import SenderPool
 
 TOKEN = "gloo-cluster-token-0123456789abcdef"
 OTHER = "another-cluster-token-0123456789ab"
+
+__all__ = ["earlier_links_ended"]  # an autouse fixture: every test here
 
 
 def transfer(sender: Any, receiver: Any, src: BlockStore) -> None:

@@ -9,12 +9,14 @@ import time
 from typing import Any
 
 import pytest
-from gloo_helpers import handshake_threads, store, store_client, wait_for
+from gloo_helpers import earlier_links_ended, handshake_threads, store, store_client, wait_for
 
 from kv_transfer import TransferRequest, get_backend, new_transfer_id
 from kv_transfer.backends import gloo as gloo_mod
 from kv_transfer.backends import gloo_handshake, gloo_link
 from kv_transfer.errors import LayoutMismatchError
+
+__all__ = ["earlier_links_ended"]  # an autouse fixture: every test here
 
 
 def handshakes_done() -> bool:
