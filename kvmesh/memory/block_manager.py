@@ -6,15 +6,22 @@ blocks are committed to the prefix cache. Every call costs O(blocks it changes).
 
 Contracts:
 - `lookup_prefix` (optional) comes first for a new sequence; `allocate` grows tables, which
-  never shrink; `free` releases a table tail first, so tails are evicted first.
+  never shrink; `free` releases a table tail first, so tails are evicted first. A lookup counts
+  in `metrics` once its sequence's first `allocate` succeeds (an admission that found no room
+  counts nothing).
+- Refused input (a token id that does not fit 64 bits, a `num_tokens` that is not a
+  non-negative int) raises ValueError naming the field and changes nothing.
 - A swapped-out sequence keeps its id until `swap_in` (or `free`): `lookup_prefix`,
   `allocate` and `fork` refuse to create a table under it (SequenceExistsError).
 - `num_tokens` counts the slots the sequence has written or writes in the step being planned.
   `allocate` beyond a partly filled last block with ref count > 1 (after `fork`) moves the
   sequence onto a private copy and reports `(src, dst)`; the runner copies before writing.
 - Admission `"slru"`: a published block starts probationary and is promoted to the protected
-  segment when a second request hits it; eviction takes probationary blocks first, so a flood
-  of one-off prompts cannot push out a hot shared prefix. `"lru"`: plain LRU, no promotion.
+  segment when a second request hits it (`lookup_prefix(promote=False)` for a request hitting
+  its own blocks again); eviction takes probationary blocks first, so a flood of one-off
+  prompts cannot push out a hot shared prefix. `"lru"`: plain LRU, no promotion.
+- A swapped-in sequence walks its chain again from its first block at the next `commit`: its
+  fresh blocks are published where their earlier publications were evicted meanwhile.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from kvmesh.memory.block_pool import BlockPool
 from kvmesh.memory.errors import CapacityError, SequenceExistsError, UnknownSequenceError
-from kvmesh.memory.hashing import BlockHasher, HashFn, chain_hashes
+from kvmesh.memory.hashing import BlockHasher, DigestFn, HashFn, chain_hashes
 from kvmesh.memory.metrics import MemoryMetrics
 from kvmesh.memory.prefix_cache import BlockRef, PrefixCache
 from kvmesh.memory.tier_link import TierLink
@@ -52,6 +59,8 @@ class _Seq:
     last_hash: int | None = None  # chain hash of block num_committed - 1
     last_ref: BlockRef | None = None  # cached entry holding block num_committed - 1
     chain_broken: bool = False  # a true hash collision: publish nothing further
+    last_digest: bytes | None = None  # prefix digest of block num_committed - 1 (with tiers)
+    lookup: tuple[int, int] | None = None  # (query, hit tokens) not yet in the metrics
 
 
 class BlockManager:
@@ -78,11 +87,16 @@ class BlockManager:
             num_blocks, block_size, protected_capacity=int(num_blocks * protected_fraction)
         )
         self._pool.on_evict = self._cache.forget
+        self._cache.on_orphan = self._drop_orphan
         self._bs = block_size
-        self._hash: HashFn = hash_fn or BlockHasher(hash_seed).hash_block
+        hasher = BlockHasher(hash_seed)
+        self._hash: HashFn = hash_fn or hasher.hash_block
         self.tiers = tiers
-        self._link = None if tiers is None else TierLink(tiers, self._pool, self._cache, self._hash)
-        if self._link is not None:
+        self._digest: DigestFn | None = None  # prefix digests: what a tier hit is checked by
+        self._link = None
+        if tiers is not None:
+            self._digest = hasher.digest_block
+            self._link = TierLink(tiers, self._pool, self._cache, self._hash, self._digest)
             self._pool.on_evict = self._link.evicted
         self._promote_on_hit = admission == "slru"
         self.admission = admission
@@ -136,43 +150,71 @@ class BlockManager:
 
     # -- sequence lifecycle ------------------------------------------------------------------
     def lookup_prefix(
-        self, seq_id: str, token_ids: Sequence[int], extra_key: bytes | None = None
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        extra_key: bytes | None = None,
+        *,
+        promote: bool = True,
     ) -> int:
         """Create `seq_id` holding the longest cached run of full prompt blocks; return its tokens.
 
-        At least one prompt token is left to compute. Hit blocks gain a reference each.
+        At least one prompt token is left to compute. Hit blocks gain a reference each; under
+        SLRU, `promote` moves them to the protected segment (False for a sequence hitting its
+        own blocks again: re-admitted after a recompute preemption).
         """
         if seq_id in self._seqs:
             raise SequenceExistsError(f"seq_id {seq_id!r} already exists (lookup_prefix is first)")
         self._check_not_swapped(seq_id)
-        seq = self._seqs[seq_id] = _Seq()
-        extra_key = extra_key or None
-        self._queries += 1
-        self._query_tokens += len(token_ids)
-        if not self.enable_prefix_caching:
-            return 0
-        bs, parent_hash, parent_ref = self._bs, None, None
-        limit = max(0, len(token_ids) - 1) // bs * bs
-        for start in range(0, limit, bs):
-            tokens = token_ids[start : start + bs]
-            block_hash = self._hash(parent_hash, tokens, extra_key)
-            ref = self._cache.match(block_hash, parent_ref, tokens, extra_key)
-            if ref is None:
-                break
-            self._pool.incref(ref[0])
-            if self._promote_on_hit:
-                self._pool.protect(ref[0])
-            seq.blocks.append(ref[0])
-            parent_hash, parent_ref = block_hash, ref
-        if self._link is not None:
-            parent_hash, parent_ref = self._link.reload_prefix(
-                seq.blocks, token_ids[:limit], bs, extra_key, (parent_hash, parent_ref)
-            )
+        seq = _Seq()
+        if self.enable_prefix_caching:
+            self._attach_prefix(seq, token_ids, extra_key or None, promote)
+        seq.lookup = (len(token_ids), seq.num_tokens)
+        self._seqs[seq_id] = seq
+        return seq.num_tokens
+
+    def _attach_prefix(
+        self, seq: _Seq, token_ids: Sequence[int], extra_key: bytes | None, promote: bool
+    ) -> None:
+        """Give a new `seq` the cached blocks of the prompt's longest cached prefix, on the
+        device and then in the tiers. Everything that can raise (hashing) runs first."""
+        bs, link = self._bs, self._link
+        prompt = token_ids[: max(0, len(token_ids) - 1) // bs * bs]
+        refs, parent_hash = self._match_device(prompt, extra_key)
+        parent_ref = refs[-1] if refs else None
+        found = link.find(prompt, len(refs), bs, extra_key, parent_hash, parent_ref) if link else []
+        protect = self._promote_on_hit and promote
+        for block, _ in refs:
+            self._pool.incref(block)
+            if protect:
+                self._pool.protect(block)
+        seq.blocks = [block for block, _ in refs]
+        if link is not None and found:
+            parent_hash, parent_ref = link.reload(seq.blocks, found, parent_ref)
         seq.num_tokens = len(seq.blocks) * bs
         seq.num_committed = len(seq.blocks)
         seq.last_hash, seq.last_ref = parent_hash, parent_ref
-        self._hit_tokens += seq.num_tokens
-        return seq.num_tokens
+        if self._digest is not None:
+            seq.last_digest = self._cache.digest_of(parent_ref)
+
+    def _match_device(
+        self, prompt: Sequence[int], extra_key: bytes | None
+    ) -> tuple[list[BlockRef], int | None]:
+        """The cached blocks matching `prompt`'s leading full blocks and the last one's hash;
+        reads only (ValueError for a token that does not fit 64 bits)."""
+        bs, match = self._bs, self._cache.match
+        refs: list[BlockRef] = []
+        parent_hash: int | None = None
+        parent_ref: BlockRef | None = None
+        for start in range(0, len(prompt), bs):
+            tokens = prompt[start : start + bs]
+            block_hash = self._hash(parent_hash, tokens, extra_key)
+            ref = match(block_hash, parent_hash, parent_ref, tokens, extra_key)
+            if ref is None:
+                break
+            refs.append(ref)
+            parent_hash, parent_ref = block_hash, ref
+        return refs, parent_hash
 
     def evict_all(self) -> None:
         """Evict every unreferenced cached block (each spills to the tiers, if any): what a
@@ -187,29 +229,59 @@ class BlockManager:
         All-or-nothing: on None nothing changed. A `num_tokens` at or below the current count
         is a no-op. Raises CapacityError when the whole pool could never hold `num_tokens`.
         """
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         seq = self._seqs.get(seq_id)
-        if seq is not None and num_tokens <= seq.num_tokens:
+        if seq is None:
+            return self._open(seq_id, num_tokens)
+        if seq.lookup is not None:
+            return self._admit(seq_id, seq, num_tokens)
+        if num_tokens <= seq.num_tokens:
             return _new_result(AllocResult, ([], []))
         bs = self._bs
         blocks_needed = -(-num_tokens // bs)
-        if seq is None:
-            self._check_not_swapped(seq_id)
-            self._check_capacity(num_tokens, blocks_needed)
-            new = self._take_blocks(blocks_needed)
-            if new is None:
-                return None
-            self._seqs[seq_id] = _Seq(list(new), num_tokens)
-            return _new_result(AllocResult, (new, []))
-        blocks = seq.blocks
-        grow = blocks_needed - len(blocks)
-        cow = seq.num_tokens % bs != 0 and self._pool.ref_count(blocks[-1]) > 1
+        grow = blocks_needed - len(seq.blocks)
+        cow = seq.num_tokens % bs != 0 and self._pool.ref_count(seq.blocks[-1]) > 1
         if grow <= 0 and not cow:
             seq.num_tokens = num_tokens
             return _new_result(AllocResult, ([], []))
+        return self._grow(seq, num_tokens, blocks_needed, grow + cow, cow)
+
+    def _open(self, seq_id: str, num_tokens: int) -> AllocResult | None:
+        """`allocate` for a sequence not tracked yet."""
+        self._check_not_swapped(seq_id)
+        blocks_needed = -(-num_tokens // self._bs)
         self._check_capacity(num_tokens, blocks_needed)
-        new = self._take_blocks(grow + cow)
+        new = self._take_blocks(blocks_needed)
         if new is None:
             return None
+        self._seqs[seq_id] = _Seq(list(new), num_tokens)
+        return _new_result(AllocResult, (new, []))
+
+    def _admit(self, seq_id: str, seq: _Seq, num_tokens: int) -> AllocResult | None:
+        """The first `allocate` after `lookup_prefix`: on success the lookup counts in the
+        metrics (an admission that found no room counts nothing)."""
+        assert seq.lookup is not None
+        (query_tokens, hit_tokens), seq.lookup = seq.lookup, None
+        result = self.allocate(seq_id, num_tokens)
+        if result is None:
+            seq.lookup = (query_tokens, hit_tokens)
+            return None
+        self._queries += 1
+        self._query_tokens += query_tokens
+        self._hit_tokens += hit_tokens
+        return result
+
+    def _grow(
+        self, seq: _Seq, num_tokens: int, blocks_needed: int, count: int, cow: bool
+    ) -> AllocResult | None:
+        """Take `count` new blocks for `seq` (the first one a private copy of its shared
+        partial last block when `cow`) to cover `num_tokens`; None (nothing changed) if short."""
+        self._check_capacity(num_tokens, blocks_needed)
+        new = self._take_blocks(count)
+        if new is None:
+            return None
+        blocks = seq.blocks
         pairs: list[tuple[int, int]] = []
         if cow:
             src, dst = blocks[-1], new[0]
@@ -239,8 +311,6 @@ class BlockManager:
             )
 
     def _check_capacity(self, num_tokens: int, blocks_needed: int) -> None:
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         if blocks_needed > self._pool.num_blocks:
             raise CapacityError(
                 f"num_tokens={num_tokens} needs {blocks_needed} blocks of {self._bs} slots,"
@@ -261,7 +331,8 @@ class BlockManager:
         computed tokens were written, so `num_tokens` rises to `num_computed` if it trailed
         (allowed within the blocks the sequence holds). A block identical to one already
         cached under another id stays unpublished (it is freed normally, the cached copy
-        serves hits).
+        serves hits); an orphan holding its hash (its parent publication gone, so no lookup
+        reaches it) is replaced.
         """
         seq = self._get(seq_id)
         if not 0 <= num_computed <= len(token_ids) or num_computed > len(seq.blocks) * self._bs:
@@ -284,13 +355,16 @@ class BlockManager:
         self, seq: _Seq, token_ids: Sequence[int], full: int, extra_key: bytes | None
     ) -> None:
         bs, parent_hash, parent_ref = self._bs, seq.last_hash, seq.last_ref
-        commit_block, blocks = self._cache.commit_block, seq.blocks
+        commit_block, blocks, digest_fn = self._cache.commit_block, seq.blocks, self._digest
+        digest = seq.last_digest
         for index in range(seq.num_committed, full):
             tokens = tuple(token_ids[index * bs : (index + 1) * bs])
             block_hash = self._hash(parent_hash, tokens, extra_key)
+            if digest_fn is not None:
+                digest = digest_fn(digest, tokens, extra_key)
             block = blocks[index]
             ref, is_new = commit_block(
-                block, block_hash, parent_hash, parent_ref, tokens, extra_key
+                block, block_hash, parent_hash, parent_ref, tokens, extra_key, digest
             )
             if is_new:
                 self._pool.mark_cached(block)
@@ -300,7 +374,15 @@ class BlockManager:
                 seq.chain_broken = True
                 return
             parent_hash, parent_ref = block_hash, ref
-        seq.last_hash, seq.last_ref = parent_hash, parent_ref
+        seq.last_hash, seq.last_ref, seq.last_digest = parent_hash, parent_ref, digest
+
+    def _drop_orphan(self, block: int) -> None:
+        """The prefix cache replaces the orphan `block` (a block of its hash is published on
+        the device at once, so it is not spilled): uncached, and unreferenced, it goes free
+        without any copy still queued into it."""
+        if self.tiers is not None and not self._pool.ref_count(block):
+            self.tiers.drop_reloads([block])
+        self._pool.uncache(block)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """`child_id` shares every block of `parent_id` (ref +1 each); writes then copy on write."""
@@ -316,6 +398,7 @@ class BlockManager:
             parent.last_hash,
             parent.last_ref,
             parent.chain_broken,
+            parent.last_digest,
         )
 
     def swap_out(self, seq_id: str) -> bool:
@@ -341,6 +424,9 @@ class BlockManager:
         assert self.tiers is not None
         self.tiers.swap_in(seq_id, new)
         seq.blocks = new
+        # its old publications may be gone: the next commit walks the chain from the start
+        seq.num_committed, seq.last_hash, seq.last_ref, seq.last_digest = 0, None, None, None
+        seq.chain_broken = False
         self._seqs[seq_id] = self._swapped.pop(seq_id)
         return True
 
@@ -402,6 +488,6 @@ class BlockManager:
             refs.extend(seq.blocks)
         self._pool.check_integrity(refs)
         cached = {b for b in range(self._pool.num_blocks) if self._pool.is_cached(b)}
-        self._cache.check_integrity(self._hash, cached)
+        self._cache.check_integrity(self._hash, cached, self._digest)
         if self.tiers is not None:
             self.tiers.check_integrity(self._cache.hashes(), set(self._swapped))

@@ -140,6 +140,17 @@ class BlockPool:
         self._cached[block] = True
         self._segment[block] = PROBATION
 
+    def uncache(self, block: int) -> None:
+        """A cached block loses its prefix hash without being evicted: unreferenced, it moves
+        from its evictable queue to the free list; in use, it is freed like any block later."""
+        assert self._cached[block], f"uncache of uncached block {block}"
+        if self._refs[block] == 0:
+            queue = self._protected if self._segment[block] == PROTECTED else self._probation
+            del queue[block]
+            self._free.append(block)
+        self._cached[block] = False
+        self._segment[block] = PROBATION
+
     def protect(self, block: int) -> None:
         """Promote an in-use cached block to the protected segment (applies on release)."""
         assert self._refs[block] > 0 and self._cached[block], f"protect of block {block}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from scheduler_harness import BLOCK_SIZE, make_scheduler, request, sizes, step
+from scheduler_harness import BLOCK_SIZE, make_scheduler, request, run_to_completion, sizes, step
 
 from kvmesh.engine.errors import InvalidParameterError, PromptTooLongError
 from kvmesh.engine.sequence import SequenceStatus
@@ -112,7 +112,7 @@ def test_requests_that_never_fit_are_rejected_naming_the_field() -> None:
         sched.add_request(request("a", 4, max_tokens=65))  # more than the whole context
     assert info.value.field == "max_tokens"
     with pytest.raises(InvalidParameterError) as pool_info:
-        sched.add_request(request("a", 30, max_tokens=3))  # 33 tokens > 8 blocks of 4
+        sched.add_request(request("a", 30, max_tokens=4))  # 33 slots > 8 blocks of 4
     assert pool_info.value.field == "max_tokens"
     with pytest.raises(InvalidParameterError) as empty_info:
         sched.add_request(request("a", []))
@@ -136,3 +136,24 @@ def test_finished_sequences_free_blocks_and_leave() -> None:
     assert bm.num_free_blocks == 32 and sched.get_request("a") is None
     bm.check_integrity()
     assert sched.schedule().is_empty
+
+
+def test_a_request_filling_the_pool_exactly_is_accepted_and_runs() -> None:
+    """The last sampled token ends a sequence before its KV is written: prompt + max_tokens
+    - 1 slots must fit the pool. 12 + 5 tokens write 16 slots, the 4 blocks of 4; one token
+    more is refused. The same holds at max_model_len (max_tokens None)."""
+    sched, bm = make_scheduler(num_blocks=4)
+    fits = request("r", 12, max_tokens=5)
+    sched.add_request(fits)
+    with pytest.raises(InvalidParameterError) as refused:
+        sched.add_request(request("s", 12, max_tokens=6))
+    assert refused.value.field == "max_tokens"
+    run_to_completion(sched)
+    assert len(fits.seqs[0].output_ids) == 5 and sched.num_preemptions == 0
+    sched, bm = make_scheduler(num_blocks=4, max_model_len=17)
+    whole = request("t", 12, max_tokens=None)
+    sched.add_request(whole)
+    run_to_completion(sched)
+    assert whole.seqs[0].num_tokens == 17 and whole.seqs[0].finish_reason == "length"
+    assert sched.num_preemptions == 0 and bm.num_free_blocks == 4
+    bm.check_integrity()

@@ -109,6 +109,19 @@ def test_request_waiting_for_remote_kv_holds_blocks_unscheduled_until_imported()
     bm.check_integrity()
 
 
+def test_spare_blocks_that_are_not_a_count_are_refused_holding_nothing() -> None:
+    """add_remote_request checks spare_blocks before it allocates: a negative or fractional
+    count is refused naming it, with no prompt block held."""
+    sched, bm = make_scheduler(num_blocks=16)
+    for spares in (-1, 1.5):
+        with pytest.raises(InvalidParameterError) as refused:
+            sched.add_remote_request(request("r", 6, n=2), spare_blocks=spares)  # type: ignore[arg-type]
+        assert refused.value.field == "spare_blocks"
+        assert not bm.has("r") and sched.get_request("r") is None
+        assert bm.num_free_blocks == 16
+    bm.check_integrity()
+
+
 def test_every_entry_refuses_a_request_id_naming_a_child() -> None:
     """A request id holding "#" could equal a child's sequence id ("r#1" of "r", n = 2):
     add_request, add_remote_request and add_prefilled_request refuse it, naming request_id,

@@ -74,9 +74,10 @@ def test_static_batch_prefills_a_whole_batch_across_steps() -> None:
 
 
 def test_contiguous_allocation_reserves_prompt_plus_max_tokens() -> None:
+    """The reservation is every slot written: prompt + max_tokens less the last sampled token."""
     sched, bm = make_scheduler(num_blocks=16, allocation="contiguous")
-    sched.add_request(request("a", 5, max_tokens=11))  # 16 tokens = 4 blocks
-    sched.add_request(request("b", 5, max_tokens=40))  # 45 tokens = 12 blocks
+    sched.add_request(request("a", 5, max_tokens=12))  # 16 slots = 4 blocks
+    sched.add_request(request("b", 5, max_tokens=41))  # 45 slots = 12 blocks
     sched.add_request(request("c", 2, max_tokens=2))  # 1 block: no room left
     output, _ = step(sched)
     assert sizes(output) == {"a": 5, "b": 5}

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from scheduler_harness import BLOCK_SIZE, make_scheduler, request, sizes, step
+from scheduler_harness import (
+    BLOCK_SIZE,
+    make_scheduler,
+    request,
+    run_to_completion,
+    sizes,
+    step,
+)
 
 from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
 from kvmesh.engine.sequence import SequenceStatus
@@ -109,4 +116,41 @@ def test_preempted_sequences_keep_fcfs_order_at_the_front() -> None:
     assert output.preempted_seq_ids == ("d", "c")
     assert [s.seq_id for s in sched.state.waiting] == ["c", "d"]
     assert sizes(output) == {"a": 1, "b": 1}
+    bm.check_integrity()
+
+
+def test_readmission_after_preemption_does_not_promote_its_own_blocks() -> None:
+    """SLRU promotes a block when another request hits it. A sequence re-admitted after a
+    recompute preemption hits the blocks it published itself: they stay probationary (a
+    one-off prompt preempted under pressure must not end up protected); another request's
+    hit still promotes them."""
+    sched, bm = make_scheduler(num_blocks=64)
+    prompt = list(range(700, 713))  # three full blocks and one token
+    sched.add_request(request("solo", prompt, max_tokens=4))
+    step(sched)  # the whole prompt: its three full blocks published
+    published = bm.block_table("solo")[:3]
+    sched.state.preempt(sched.state.seqs["solo"])  # by recompute, as under memory pressure
+    step(sched)  # re-admitted: its lookup hits its own three blocks
+    assert bm.block_table("solo")[:3] == published
+    run_to_completion(sched)
+    assert bm.metrics().protected_blocks == 0
+    sched.add_request(request("other", prompt, max_tokens=1))
+    run_to_completion(sched)
+    assert bm.metrics().protected_blocks == 3
+    bm.check_integrity()
+
+
+def test_a_request_refused_admission_counts_one_prefix_query() -> None:
+    """A waiting request that admission refuses (no blocks) is looked up again every step:
+    the prefix metrics count it once, when it is admitted."""
+    sched, bm = make_scheduler(num_blocks=8, max_num_batched_tokens=64)
+    sched.add_request(request("big", 28, max_tokens=4))  # 7 of 8 blocks, then the 8th
+    step(sched)
+    sched.add_request(request("w", 8, max_tokens=1))  # needs 2 blocks: waits
+    for _ in range(3):
+        step(sched)
+    assert sched.num_waiting == 1 and bm.metrics().prefix_queries == 1
+    run_to_completion(sched)
+    metrics = bm.metrics()
+    assert (metrics.prefix_queries, metrics.prefix_query_tokens) == (2, 28 + 8)
     bm.check_integrity()

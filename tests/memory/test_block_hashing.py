@@ -57,3 +57,17 @@ def test_manager_block_hashes_match_the_hasher() -> None:
     manager = BlockManager(8, 16, hash_seed=b"seed")
     assert manager.block_hashes(TOKENS) == BlockHasher(b"seed").hash_blocks(TOKENS, 16)
     assert manager.block_hashes(TOKENS[:15]) == []
+
+
+def test_prefix_digest_stands_for_the_whole_prefix() -> None:
+    """The digest of a block depends on every token before it (unlike a forced collision of
+    the block hash), on the extra key and on the seed; bad tokens are refused alike."""
+    hasher = BlockHasher(b"s")
+    first = hasher.digest_block(None, [1, 2])
+    assert len(first) == 32 and first == BlockHasher(b"s").digest_block(None, [1, 2])
+    assert first != BlockHasher(b"t").digest_block(None, [1, 2])
+    assert first != hasher.digest_block(None, [1, 2], b"x")
+    other = hasher.digest_block(None, [2, 1])
+    assert hasher.digest_block(first, [3, 4]) != hasher.digest_block(other, [3, 4])
+    with pytest.raises(ValueError, match="token_ids"):
+        hasher.digest_block(None, [1 << 70])

@@ -215,6 +215,7 @@ def test_prefix_caching_disabled() -> None:
     run_prompt(m, "a", list(range(9)))
     m.free("a")
     assert m.lookup_prefix("b", list(range(9))) == 0
+    assert m.allocate("b", 9) is not None
     assert m.metrics().cached_blocks == 0 and m.metrics().prefix_queries == 2
 
 
@@ -289,3 +290,83 @@ def test_commit_brings_a_trailing_slot_count_up_within_held_blocks() -> None:
     with pytest.raises(ValueError, match="num_computed"):
         m.commit("a", list(range(12)), 9)  # past the blocks it holds
     assert m.num_tokens("a") == 8
+
+
+def test_a_refused_argument_changes_nothing() -> None:
+    """lookup_prefix hashes before it takes anything: a token that does not fit 64 bits (in
+    the first block, or after a block it would hit) raises ValueError naming token_ids and
+    leaves no sequence, reference or count behind; allocate refuses a num_tokens that is not
+    an int on a tracked sequence as on a new one."""
+    m = make()
+    run_prompt(m, "p", [1, 2, 3, 4, 5])
+    m.free("p")
+    before = m.metrics()
+    for prompt in ([1, 2, 3, 2**64, 5], [1, 2, 3, 4, 2**64, 6, 7, 8, 9]):
+        with pytest.raises(ValueError, match="token_ids"):
+            m.lookup_prefix("a", prompt)
+        assert not m.has("a") and m.metrics() == before
+        m.check_integrity()
+    m.allocate("a", 5)
+    for bad in (6.5, 3.5):
+        with pytest.raises(ValueError, match="num_tokens"):
+            m.allocate("a", bad)  # type: ignore[arg-type]
+        assert m.num_tokens("a") == 5
+    m.check_integrity()
+
+
+def test_an_orphaned_publication_gives_way_to_its_chain_computed_again() -> None:
+    """Two requests compute one prompt at once: A publishes block p, B's own p stays an
+    unpublished twin and B publishes x after A's p. Once A's p is evicted, B's x is an orphan
+    no lookup can reach; C computing p + x again publishes its x in the orphan's place (no
+    collision: the hash inputs are equal), so D hits both blocks."""
+    m = make(num_blocks=10)
+    p, x = [1, 2, 3, 4], [5, 6, 7, 8]
+    m.lookup_prefix("A", [*p, 9])
+    m.allocate("A", 5)
+    m.lookup_prefix("B", [*p, *x, 9])
+    m.allocate("B", 9)
+    m.commit("A", [*p, 9], 5)
+    m.commit("B", [*p, *x, 9], 9)
+    m.free("A")
+    assert m.allocate("F", 28) is not None  # evicts A's p
+    m.free("F")
+    m.free("B")
+    assert run_prompt(m, "C", [*p, *x, 9])[0] == 0
+    m.free("C")
+    assert m.lookup_prefix("D", [*p, *x, 9]) == 8
+    assert m.metrics().hash_collisions == 0
+    m.check_integrity()
+
+
+def test_a_lookup_counts_in_the_metrics_once_its_allocation_succeeds() -> None:
+    """An admission that finds no room (lookup, allocate None, free) and is retried counts
+    one prefix query, with the hits of the lookup that was admitted."""
+    m = make(num_blocks=4)
+    run_prompt(m, "a", list(range(9)))  # holds 3 blocks, 2 published
+    prompt = [*range(8), 50, 51, 52, 53, 54]
+    for _ in range(3):
+        assert m.lookup_prefix("b", prompt) == 8
+        assert m.allocate("b", len(prompt)) is None  # 2 more blocks, 1 free
+        m.free("b")
+    assert m.metrics().prefix_queries == 1
+    m.free("a")
+    assert m.lookup_prefix("b", prompt) == 8 and m.allocate("b", len(prompt)) is not None
+    metrics = m.metrics()
+    assert (metrics.prefix_queries, metrics.prefix_query_tokens) == (2, 9 + len(prompt))
+    assert metrics.prefix_hit_tokens == 8
+    m.check_integrity()
+
+
+def test_a_lookup_without_promote_leaves_its_hits_probationary() -> None:
+    """SLRU promotes a block when another request hits it; `promote=False` (a request hitting
+    its own blocks again) leaves them where they were."""
+    m = make()
+    run_prompt(m, "a", list(range(9)))
+    m.free("a")
+    assert m.lookup_prefix("b", list(range(9)), promote=False) == 8
+    m.free("b")
+    assert m.metrics().protected_blocks == 0
+    assert m.lookup_prefix("c", list(range(9))) == 8
+    m.free("c")
+    assert m.metrics().protected_blocks == 2
+    m.check_integrity()

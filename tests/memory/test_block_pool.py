@@ -65,3 +65,20 @@ def test_incref_revives_an_evictable_block() -> None:
     pool.incref(0)
     assert pool.num_evictable == 0 and pool.ref_count(0) == 1
     pool.check_integrity([0])
+
+
+def test_uncache_frees_an_evictable_block_and_leaves_a_held_one_in_use() -> None:
+    pool = BlockPool(3, 16)
+    held, idle = pool.allocate(2) or []
+    for block in (held, idle):
+        pool.mark_cached(block)
+    pool.protect(idle)
+    pool.decref(idle)
+    pool.uncache(idle)
+    pool.uncache(held)
+    assert not pool.is_cached(idle) and not pool.is_cached(held)
+    assert (pool.num_free, pool.num_evictable) == (2, 0)
+    pool.check_integrity([held])
+    pool.decref(held)
+    assert (pool.num_free, pool.num_evictable) == (3, 0)
+    pool.check_integrity([])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,51 @@ def test_swap_out_and_back_in_restores_the_sequence() -> None:
     assert rig.store.swap_stats.swapped_in == 1
 
 
+def test_a_swapped_in_sequence_publishes_its_blocks_again() -> None:
+    """Swapped out, a sequence's published blocks are evicted by another prompt. Swapped back
+    in onto fresh blocks, its next commit walks its chain from the first block, so its blocks
+    are published again and another request hits all of them on the device (before, only its
+    newest block was published, after a parent publication long gone: no lookup reached it)."""
+    rig = TieredRig(4, 8)
+    manager = rig.manager
+    assert rig.run_prompt("victim", A) == 0
+    assert manager.swap_out("victim")
+    push_down(rig, B)  # evicts the victim's published blocks
+    assert manager.swap_in("victim")
+    rig.store.prepare_step()
+    grown = [*A, 70, 71, 72]
+    assert manager.allocate("victim", len(grown)) is not None
+    rig.write("victim", grown, len(A))
+    manager.commit("victim", grown, len(grown))
+    assert manager.lookup_prefix("probe", [*grown, 73]) == 16
+    assert manager.block_table("probe") == manager.block_table("victim")
+    rig.verify("probe", grown)
+    manager.check_integrity()
+
+
+def _collides(parent: int | None, tokens: Sequence[int], extra_key: bytes | None) -> int:
+    """A block hash anyone can collide: blocks of equal token sums after one parent."""
+    return (parent or 0) * 1000 + sum(tokens) + 1
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_forced_collision_is_a_miss_below_the_device_too(tmp_path: Path, tier: str) -> None:
+    """Blocks x after p1 and x after p2 (p1 != p2, equal hashes) hash alike. On the device
+    the second is a miss (its parent publication differs); kept on the host or on disk, x
+    after p1 has no publication to check, and its prefix digest refuses it instead: the lookup
+    after p2 hits p2 only and computes x (verify() reads back only its own context's KV)."""
+    disk = tmp_path if tier == "disk" else None
+    rig = TieredRig(3, 8 if disk is None else 1, disk, 8, hash_fn=_collides)
+    p1, p2, x = [1, 2, 3, 4], [4, 3, 2, 1], [5, 5, 5, 5]
+    push_down(rig, [*p1, *x, 9])
+    rig.manager.evict_all()  # p1 and x after it go below the device
+    assert rig.store.contains(_collides(_collides(None, p1, None), x, None))
+    push_down(rig, [*p2, 9])  # p2 published on the device, under p1's hash
+    assert rig.run_prompt("b", [*p2, *x, 9]) == 4
+    rig.manager.check_integrity()
+    rig.close()
+
+
 def test_swap_out_refused_when_the_host_is_full() -> None:
     rig = TieredRig(4, 2)
     assert rig.run_prompt("victim", A) is not None
@@ -147,7 +193,7 @@ def test_integrity_check_detects_a_live_table_beside_its_swapped_copy() -> None:
 
 
 def test_block_file_round_trip_and_rejections() -> None:
-    meta = BlockMeta(2**100 + 5, None, (1, 2, 3), b"k")
+    meta = BlockMeta(2**100 + 5, None, (1, 2, 3), b"k", bytes(range(32)))
     layout = {"dtype": "float32"}
     data = blockfile.encode(meta, layout, b"\x01" * 64)
     decoded = blockfile.decode(data, layout, meta.block_hash, 64)
@@ -155,7 +201,7 @@ def test_block_file_round_trip_and_rejections() -> None:
     assert blockfile.decode(data, {"dtype": "float16"}, meta.block_hash, 64) is None
     assert blockfile.decode(data, layout, meta.block_hash + 1, 64) is None
     assert blockfile.decode(data[:-1], layout, meta.block_hash, 64) is None
-    assert blockfile.decode(b"KVMBLK01" + data[8:20], layout, meta.block_hash, 64) is None
+    assert blockfile.decode(blockfile.MAGIC + data[8:20], layout, meta.block_hash, 64) is None
 
 
 def test_prefetch_moves_disk_blocks_to_the_host_before_the_lookup(tmp_path: Path) -> None:
@@ -335,7 +381,7 @@ def test_a_persistent_restart_survives_entries_it_cannot_read_or_delete(
     a raw OSError on every restart)."""
     layout = {"layout": 1}
     first = DiskTier(tmp_path, 4, layout, 16, persist=True)
-    assert first.put(BlockMeta(5, None, (1, 2), None), bytes(16))
+    assert first.put(BlockMeta(5, None, (1, 2), None, bytes(32)), bytes(16))
     first.close()
     bad = tmp_path / f"{7:032x}.kvblock"
     if entry == "undeletable":

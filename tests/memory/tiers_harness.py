@@ -15,6 +15,7 @@ import torch
 from kvmesh_kernels.cache import KVCacheSpec, allocate_kv_cache
 
 from kvmesh.memory import BlockManager
+from kvmesh.memory.hashing import HashFn
 from kvmesh.memory.tiers.device import DeviceBlocks
 from kvmesh.memory.tiers.disk import DiskTier
 from kvmesh.memory.tiers.host import HostTier
@@ -46,7 +47,8 @@ def file_size_limit(limit: int) -> Iterator[None]:
 
 
 class TieredRig:
-    """Device pool of `device_blocks`, host tier of `host_blocks`, optional disk tier."""
+    """Device pool of `device_blocks`, host tier of `host_blocks`, optional disk tier (and a
+    chosen block hash, `hash_fn`, to force collisions)."""
 
     def __init__(
         self,
@@ -56,6 +58,7 @@ class TieredRig:
         disk_blocks: int = 8,
         *,
         persist: bool = False,
+        hash_fn: HashFn | None = None,
     ) -> None:
         spec = KVCacheSpec(device_blocks, 1, BLOCK_SIZE, 1, 32)
         self.cache = allocate_kv_cache(spec)
@@ -68,7 +71,9 @@ class TieredRig:
             )
         self.store = TieredStore(self.device, host, disk, reload_deadline_s=2.0)
         seed = disk.hash_seed() if disk is not None else b"rig"
-        self.manager = BlockManager(device_blocks, BLOCK_SIZE, hash_seed=seed, tiers=self.store)
+        self.manager = BlockManager(
+            device_blocks, BLOCK_SIZE, hash_seed=seed, hash_fn=hash_fn, tiers=self.store
+        )
 
     def run_prompt(self, seq_id: str, tokens: list[int]) -> int | None:
         """Admit, 'compute' and verify one prompt; its cached token count, or None when the

@@ -18,7 +18,8 @@ class SchedulerConfig:
     policy "continuous": requests join and leave at every step. "static" (baseline): a batch is
     admitted when nothing runs and runs until its longest member finishes.
     allocation "paged": blocks on demand. "contiguous" (baseline): blocks for prompt +
-    max_tokens (or max_model_len) reserved at admission, as contiguous preallocation would.
+    max_tokens (or max_model_len) less one, every slot the sequence can write (the last sampled
+    token's KV is never written), reserved at admission, as contiguous preallocation would.
     scheduling_policy "decode-first" (vLLM's order): every step runs one token of each running
     decode, then prompt chunks. "prefill-first" (SGLang's order): a step that can start or
     continue prompt work holds only prompt chunks, until the prompt tokens computed while

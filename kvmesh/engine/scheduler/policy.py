@@ -4,20 +4,22 @@ Admission: waiting sequences join the batch first come first served. A waiting s
 a prefix-cache lookup, then a first chunk; admission stops at the first sequence that does not
 fit (budget, seats or blocks), so nobody overtakes, and it never preempts. Baselines:
 `policy="static"` admits a whole batch only when nothing runs; `allocation="contiguous"`
-reserves prompt + max_tokens (or max_model_len) at admission.
+reserves at admission every slot the sequence can write (`stops.max_kv_slots`: prompt +
+max_tokens, or max_model_len, less the last sampled token, whose KV is never written).
 
 Preemption by recompute: the victim is the newest running sequence not yet planned this step
 (the requester itself as the last resort). Its blocks are freed, `num_computed_tokens` goes
 back to 0 and it waits at the FRONT of the waiting queue (several victims keep their age
 order); readmitted, it recomputes prompt + output so far as one prefill and samples its next
-token from it.
+token from it. Its prefix lookup then hits its own published blocks, which therefore stay
+where they were in SLRU (no promotion: no other request hit them).
 """
 
 from __future__ import annotations
 
 from kvmesh.engine.scheduler.config import SchedulerConfig
 from kvmesh.engine.scheduler.state import RUNNING, SchedulerState
-from kvmesh.engine.scheduler.stops import max_total_tokens
+from kvmesh.engine.scheduler.stops import max_kv_slots
 from kvmesh.engine.sequence import Sequence
 
 
@@ -134,7 +136,10 @@ def _lookup(state: SchedulerState, config: SchedulerConfig, seq: Sequence) -> No
     cached = 0
     owes_prompt_logprobs = seq.params.prompt_logprobs is not None and not seq.output_ids
     if config.enable_prefix_caching and not owes_prompt_logprobs:  # those need every row
-        cached = bm.lookup_prefix(seq.seq_id, seq.all_token_ids, seq.extra_key)
+        own_blocks = bool(seq.num_preemptions)  # re-admitted: it published what it hits
+        cached = bm.lookup_prefix(
+            seq.seq_id, seq.all_token_ids, seq.extra_key, promote=not own_blocks
+        )
     else:
         bm.allocate(seq.seq_id, 0)
     seq.num_computed_tokens = cached
@@ -143,4 +148,4 @@ def _lookup(state: SchedulerState, config: SchedulerConfig, seq: Sequence) -> No
 
 
 def _reservation(seq: Sequence, config: SchedulerConfig) -> int:
-    return max_total_tokens(seq.params, seq.num_prompt_tokens, config.max_model_len)
+    return max_kv_slots(seq.params, seq.num_prompt_tokens, config.max_model_len)

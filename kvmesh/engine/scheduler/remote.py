@@ -20,7 +20,12 @@ def hold_for_remote_kv(
     state: SchedulerState, config: SchedulerConfig, request: Request, spare_blocks: int
 ) -> list[int] | None:
     """Blocks for the prompt (plus `spare_blocks` under child 1's id) and the request in
-    WAITING_FOR_REMOTE_KV; the prompt's block ids, or None (nothing held) when short now."""
+    WAITING_FOR_REMOTE_KV; the prompt's block ids, or None (nothing held) when short now.
+    InvalidParameterError (nothing held) for a request or `spare_blocks` refused."""
+    if not isinstance(spare_blocks, int) or spare_blocks < 0:
+        raise InvalidParameterError(
+            "spare_blocks", f"must be a non-negative int, got {spare_blocks!r}"
+        )
     bm = state.block_manager
     rid, seq = request.request_id, request.seqs[0]
     spare_id = child_seq_id(rid, 1)

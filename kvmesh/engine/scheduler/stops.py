@@ -23,6 +23,14 @@ def max_total_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_l
     return min(num_prompt_tokens + max_tokens, max_model_len)
 
 
+def max_kv_slots(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
+    """Most KV slots one sequence of the request can ever write: every token of
+    `max_total_tokens` but the last sampled one, which ends the sequence unwritten (the whole
+    prompt at least)."""
+    total = max_total_tokens(params, num_prompt_tokens, max_model_len)
+    return max(num_prompt_tokens, total - 1)
+
+
 def validate_request(
     request: Request, config: SchedulerConfig, num_blocks: int, block_size: int
 ) -> None:
@@ -44,13 +52,13 @@ def validate_request(
         raise PromptTooLongError(max_tokens, config.max_model_len, field="max_tokens")
     # a max_tokens the prompt leaves no room for runs up to the context and ends "length"
     # (`max_total_tokens`, `stop_status`), as vLLM takes the least of the two
-    total = max_total_tokens(request.params, num_prompt, config.max_model_len)
-    needed = -(-total // block_size)
+    slots = max_kv_slots(request.params, num_prompt, config.max_model_len)
+    needed = -(-slots // block_size)
     if needed > num_blocks:
         raise InvalidParameterError(
             "max_tokens",
-            f"prompt + max_tokens = {total} tokens need {needed} KV blocks of {block_size},"
-            f" but the pool holds only {num_blocks}",
+            f"prompt + max_tokens write {slots} KV slots (the last sampled token's KV is never"
+            f" written): {needed} blocks of {block_size}, but the pool holds only {num_blocks}",
         )
     if request.params.n > 1 and config.allocation == "contiguous":
         raise InvalidParameterError("n", "parallel sampling needs allocation='paged'")

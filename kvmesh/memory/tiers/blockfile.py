@@ -1,10 +1,11 @@
 """On-disk format of one KV block: a checked header, then the block's bytes.
 
-    magic "KVMBLK01" (8) | header length u32 | header xxh3-64 u64 | header (JSON) | payload
+    magic "KVMBLK02" (8) | header length u32 | header xxh3-64 u64 | header (JSON) | payload
 
 The header names the layout (the cache spec), the storage dtype, the block's chain hash, its
-parent hash, tokens and extra key (so a hit is verified exactly as on the device), the payload
-length and the payload's xxh3-128. `decode` returns None for anything that is not a complete,
+parent hash, tokens, extra key and prefix digest (so a hit is as strict as on the device: the
+digest stands for the whole prefix, `kvmesh.memory.hashing`), the payload length and the
+payload's xxh3-128. `decode` returns None for anything that is not a complete,
 matching, uncorrupted file: a bad file is a miss, never KV. Writes are atomic (tmp + rename).
 """
 
@@ -20,22 +21,23 @@ from typing import Any
 
 import xxhash
 
-MAGIC = b"KVMBLK01"
+from kvmesh.memory.hashing import DIGEST_BYTES
+
+MAGIC = b"KVMBLK02"  # 02: the header carries the prefix digest
 _PREFIX = struct.Struct("<8sIQ")  # magic, header length, header checksum
 MAX_HEADER_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class BlockMeta:
-    """What identifies a cached block's contents (as the device prefix cache verifies them)."""
+    """What identifies a cached block's contents: a lower copy serves a lookup only when all
+    of it is equal, the prefix `digest` (`BlockHasher.digest_block`) included."""
 
     block_hash: int
     parent_hash: int | None
     tokens: tuple[int, ...]
     extra_key: bytes | None
-
-    def matches(self, parent_hash: int | None, tokens: tuple[int, ...], key: bytes | None) -> bool:
-        return (self.parent_hash, self.tokens, self.extra_key) == (parent_hash, tokens, key)
+    digest: bytes
 
 
 def encode(meta: BlockMeta, layout: dict[str, Any], payload: bytes | memoryview) -> bytes:
@@ -46,6 +48,7 @@ def encode(meta: BlockMeta, layout: dict[str, Any], payload: bytes | memoryview)
         "parent_hash": None if meta.parent_hash is None else f"{meta.parent_hash:032x}",
         "tokens": list(meta.tokens),
         "extra_key": None if meta.extra_key is None else meta.extra_key.hex(),
+        "prefix_digest": meta.digest.hex(),
         "payload_bytes": len(payload),
         "payload_xxh3_128": xxhash.xxh3_128_hexdigest(payload),
     }
@@ -78,13 +81,15 @@ def meta_of(header: dict[str, Any]) -> BlockMeta | None:
         parent = header["parent_hash"]
         key = header["extra_key"]
         tokens = header["tokens"]
-        if not all(isinstance(t, int) for t in tokens):
+        digest = bytes.fromhex(header["prefix_digest"])
+        if not all(isinstance(t, int) for t in tokens) or len(digest) != DIGEST_BYTES:
             return None
         return BlockMeta(
             int(header["block_hash"], 16),
             None if parent is None else int(parent, 16),
             tuple(tokens),
             None if key is None else bytes.fromhex(key),
+            digest,
         )
     except (KeyError, TypeError, ValueError):
         return None

@@ -193,8 +193,9 @@ class TieredStore:
         return self.disk is not None and block_hash in self.disk
 
     def take(self, meta: BlockMeta, block_id: int) -> bool:
-        """Claim the lower copy of exactly `meta` for device block `block_id` (copied there by
-        the next `prepare_step`); False (nothing changed) when no intact copy is found."""
+        """Claim the lower copy of exactly `meta` (prefix digest included: one prefix's KV is
+        never served for another whose hashes collide) for device block `block_id` (copied
+        there by the next `prepare_step`); False (nothing changed) when no intact copy is found."""
         self._collect_reads()
         entry = self.host.get(meta.block_hash)
         if entry is not None:
