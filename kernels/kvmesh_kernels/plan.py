@@ -19,6 +19,7 @@ from the constructor, before anything is written.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -79,16 +80,26 @@ class AttentionPlan:
         self.query_start_loc = query_start_loc.to(device)  # [batch + 1]
         self.slot_mapping = slot_mapping.to(device)  # [num_tokens]
         self.backend = dispatch.get_backend(device)
-        self._layer0 = cache.layer(0)
-        self._fused: cpu_attention.FusedCall | None = None
-        if self.backend == "torch" and cpu_attention.supports_layer(self._layer0):
-            self._fused = cpu_attention.FusedCall(
-                self._layer0, self.block_tables, self.seq_lens, self.query_start_loc
-            )
-        self._write: cpu_cache_ops.WriteCall | None = None
-        if self.backend == "torch" and cpu_cache_ops.supports_layer(self._layer0):
-            self._write = cpu_cache_ops.WriteCall(self._layer0, self.slot_mapping)
         self._slot_index: SlotIndex | None = None  # torch write path, built on first use
+
+    @functools.cached_property
+    def _fused(self) -> cpu_attention.FusedCall | None:
+        """The fused CPU kernel's call over this step's metadata, built at the first layer's
+        attention (a step the runner replays as a recorded program never needs it)."""
+        layer0 = self.cache.layer(0)
+        if self.backend == "torch" and cpu_attention.supports_layer(layer0):
+            return cpu_attention.FusedCall(
+                layer0, self.block_tables, self.seq_lens, self.query_start_loc
+            )
+        return None
+
+    @functools.cached_property
+    def _write(self) -> cpu_cache_ops.WriteCall | None:
+        """The CPU KV-write kernel's call over this step's slots, built at the first write."""
+        layer0 = self.cache.layer(0)
+        if self.backend == "torch" and cpu_cache_ops.supports_layer(layer0):
+            return cpu_cache_ops.WriteCall(layer0, self.slot_mapping)
+        return None
 
     def layer(self, index: int) -> LayerKV:
         """The cache's layer view `index` (IndexError when out of range)."""
@@ -190,7 +201,7 @@ def _check_one_token_each(
         "query_start_loc must be [batch + 1]",
     )
     if batch:
-        expected = torch.arange(batch + 1, dtype=query_start_loc.dtype)
+        expected = _counting(batch + 1, query_start_loc.dtype)
         _check(
             torch.equal(query_start_loc.cpu(), expected),
             "one_token_each needs query_start_loc = 0..batch",
@@ -202,3 +213,10 @@ def _check_one_token_each(
             "(a query chunk longer than its seq_lens context otherwise)",
         )
     return [1] * batch
+
+
+@functools.lru_cache(maxsize=16)
+def _counting(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """0..n - 1 in `dtype` [n], kept for the next plans of a decode batch that size (only
+    compared, never written)."""
+    return torch.arange(n, dtype=dtype)
