@@ -2,11 +2,13 @@
 
 Builds the engine (native executor), runs `--batch` requests until a decode-only step of that
 many rows comes, keeps that step's inputs (token ids, positions, the ForwardContext with its
-AttentionPlan), then calls the model's forward on them `--repeats` times and prints one JSON
-line: min, p25 and median milliseconds. The replay writes the same K/V slots again and
-attends over the same context, so every call does the step's full work; at batch 1 on a small
-model the forward is the weights' read plus the per-layer host work, which is what changes
-when the layers' Python changes. Compare code versions by alternating runs of this script.
+AttentionPlan), then runs the step `--repeats` times each way, alternating: the model's eager
+forward (the kernels called one by one from Python) and, where the model has one, the CPU
+decode program's replay of the same calls (`decode_program`); prints one JSON line with min,
+p25 and median milliseconds of each and the medians' ratio. The replay writes the same K/V
+slots again and attends over the same context, so every call does the step's full work; at
+batch 1 on a small model the forward is the weights' read plus the per-layer host work, which
+is what changes when the layers' Python changes. Compare code versions by alternating runs.
 
 Run: `.venv/bin/python bench/step_forward.py --model DIR --dtype bfloat16 [--batch 1]
 [--repeats 300] [--threads 2]`
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvmesh.cli.main import apply_omp_defaults
@@ -52,6 +55,16 @@ def captured_step(engine: LLMEngine, batch: int) -> tuple[Any, ...]:
     return kept[0]
 
 
+def timings(times: list[float]) -> dict[str, float]:
+    """min, p25 and median of `times` (ms)."""
+    times = sorted(times)
+    return {
+        "min_ms": round(times[0], 3),
+        "p25_ms": round(times[len(times) // 4], 3),
+        "median_ms": round(times[len(times) // 2], 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -61,28 +74,43 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, num_threads=args.threads, executor="native"
+        model=args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        executor="native",
+        decode_program=False,  # captured from the eager forward; the program is enabled below
     )
     engine = LLMEngine(config)
     run_all_at_once(engine, [WARMUP_PROMPT])
     model, ids, positions, ctx = captured_step(engine, args.batch)
-    times = []
+    runner = engine.runner
+    why_not = runner.enable_decode_program(args.batch)
+    ways: dict[str, Callable[[], Any]] = {"eager": lambda: model.forward(ids, positions, ctx)}
+    program = runner.decode_program
+    if program is not None:
+        ways["program"] = lambda: program.forward(ids, positions, ctx)
+    times: dict[str, list[float]] = {name: [] for name in ways}
     with torch.inference_mode():
-        for _ in range(20):
-            model.forward(ids, positions, ctx)
+        for run in ways.values():
+            for _ in range(20):
+                run()
         for _ in range(args.repeats):
-            start = time.perf_counter()
-            model.forward(ids, positions, ctx)
-            times.append((time.perf_counter() - start) * 1e3)
-    times.sort()
-    report = {
+            for name, run in ways.items():
+                start = time.perf_counter()
+                run()
+                times[name].append((time.perf_counter() - start) * 1e3)
+    report: dict[str, Any] = {
         "machine": machine(),
         "dtype": args.dtype,
         "batch": args.batch,
-        "min_ms": round(times[0], 3),
-        "p25_ms": round(times[len(times) // 4], 3),
-        "median_ms": round(times[len(times) // 2], 3),
+        **{name: timings(values) for name, values in times.items()},
     }
+    if program is None:
+        report["program"] = f"not applicable: {why_not}"
+    else:
+        report["program_over_eager"] = round(
+            report["program"]["median_ms"] / report["eager"]["median_ms"], 3
+        )
     print(json.dumps(report))
 
 
