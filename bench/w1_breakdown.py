@@ -6,8 +6,9 @@ attention call (split into decode-only steps and steps with prompt tokens), the 
 SiLU-and-mul where it is a call of its own, the residual add + RMSNorm calls and the sampler
 (the logits' argmax or draw), and prints one JSON line: seconds per part, the run's seconds
 and tok/s, and `other` (rotary, embedding, Python and the host side). The timers wrap
-module-level calls, so they add a few microseconds per call; compare runs of this script with
-each other, not with `kvmesh bench throughput`.
+module-level calls, so they add a few microseconds per call, and decode steps run call by call
+(`decode_program` off: the recorded program's replay makes these calls from C, past the
+timers); compare runs of this script with each other, not with `kvmesh bench throughput`.
 
 Run: `.venv/bin/python bench/w1_breakdown.py --model DIR --dtype float32 [--threads 2]
 [--fresh-attention auto|on|off] [--silu-epilogue on|off]`
@@ -93,6 +94,7 @@ def main() -> None:
             executor="native",
             fresh_attention=args.fresh_attention,
             cpu_gemm=args.cpu_gemm,
+            decode_program=False,  # the timers wrap the Python-level calls
         )
     )
     run_all_at_once(engine, [WARMUP_PROMPT])
