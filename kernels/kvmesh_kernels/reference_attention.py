@@ -23,11 +23,13 @@ from kvmesh_kernels.quant import dequantize
 
 # Reused gather buffers, one per (device, dtype): fresh multi-megabyte allocations on every
 # call cost more in page faults than the copy itself. Not thread-safe (one engine thread).
-_WORKSPACE: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+_WORKSPACE: dict[tuple[str, torch.dtype, bool], torch.Tensor] = {}
 
 
 def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (str(device), dtype)
+    """A reused buffer of at least `numel` elements, one per device, dtype and inference mode
+    (a buffer made under `torch.inference_mode` cannot be written outside it)."""
+    key = (str(device), dtype, torch.is_inference_mode_enabled())
     buf = _WORKSPACE.get(key)
     if buf is None or buf.numel() < numel:
         buf = torch.empty(numel, dtype=dtype, device=device)

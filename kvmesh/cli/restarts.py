@@ -5,7 +5,9 @@ Contract (`Keeper.check`, called every `POLL_SECONDS` by `kvmesh up`):
   (at most `backoff_max`); the worker keeps its name (`decode-0`), gets a new id and epoch.
 - A child whose gRPC health does not answer within `probe_timeout` for longer than
   `wedged_seconds` (SIGSTOP, a hung event loop), or answers NOT_SERVING (it drains) for longer
-  than `draining_seconds`, is killed (SIGKILL), then restarted like a dead one. A restarted
+  than `draining_seconds`, is killed (SIGKILL), then restarted like a dead one. A draining child
+  that stops answering (its drain ended, its server stopped: it is exiting) keeps the draining
+  bound, counted from its first NOT_SERVING. A restarted
   worker that prints no ready line within `startup_seconds` is killed too.
 - A child up and healthy for `stable_seconds` has its failure count reset; after
   `crash_loop_limit` failures in a row it is given up on (logged, never started again).
@@ -222,7 +224,8 @@ class Keeper:
         if status is True:
             watch.unhealthy_since = None
             return
-        watch.draining = status is False
+        # not answering after NOT_SERVING: its drain ended and it exits (its port closed)
+        watch.draining = status is False or (status is None and watch.draining)
         if watch.unhealthy_since is None:
             watch.unhealthy_since = now
             return

@@ -49,16 +49,22 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvmesh.engine.errors import InvalidParameterError
+from kvmesh.engine.outputs import RequestOutput, merge_unread
 
 if TYPE_CHECKING:
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine, PromptInput
-    from kvmesh.engine.outputs import RequestOutput
     from kvmesh.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
 LOG = logging.getLogger("kvmesh.engine")
 IDLE_WAIT_SECONDS = 0.05  # how long an idle engine thread sleeps between command checks
+# After a step that could plan nothing (waiting work, no room yet): how long the thread waits
+# for a command (a release, an abort: what makes room) before it plans again, instead of
+# spinning through empty steps; short, as room can also come from the engine's own threads.
+STALLED_WAIT_SECONDS = 0.005
+# Unread outputs a stream keeps one per step; past this many, new ones merge into the last.
+MERGE_BACKLOG = 16
 Cleanup = Callable[["LLMEngine", str], object]
 StepHook = Callable[["LLMEngine", str, "RequestOutput | None"], object]
 
@@ -85,6 +91,26 @@ class EngineDeadError(RuntimeError):
 def abort_request(engine: LLMEngine, request_id: str) -> object:
     """The default cleanup of a stream left early."""
     return engine.abort_request(request_id)
+
+
+class OutputQueue(asyncio.Queue[Any]):
+    """A stream's queue of outputs and errors, bounded for a slow reader: once MERGE_BACKLOG
+    outputs wait unread, an output put behind an unread unfinished one merges into it
+    (`merge_unread`), so a reader that falls behind the engine's steps holds a bounded number
+    of outputs, whatever the steps made meanwhile, and still reads every token and finish (a
+    reader keeping up gets one output per step)."""
+
+    def _put(self, item: Any) -> None:
+        queue = self._queue  # type: ignore[attr-defined]
+        if (
+            len(queue) >= MERGE_BACKLOG
+            and isinstance(item, RequestOutput)
+            and isinstance(queue[-1], RequestOutput)
+            and not queue[-1].finished
+        ):
+            queue[-1] = merge_unread(queue[-1], item)
+        else:
+            queue.append(item)
 
 
 class RequestStream:
@@ -238,7 +264,7 @@ class AsyncLLMEngine:
         runs when the stream is left before its request finished. `on_step(engine,
         request_id, output)` runs on the engine thread after each step while the stream is open."""
         loop = asyncio.get_running_loop()
-        sink: asyncio.Queue[Any] = asyncio.Queue()
+        sink: asyncio.Queue[Any] = OutputQueue()
 
         def open_(engine: LLMEngine) -> None:
             self._subscribe(request_id, loop, sink)
@@ -267,7 +293,7 @@ class AsyncLLMEngine:
         InvalidParameterError when a stream for `request_id` is open."""
         self._check_alive()
         loop = asyncio.get_running_loop()
-        sink: asyncio.Queue[Any] = asyncio.Queue()
+        sink: asyncio.Queue[Any] = OutputQueue()
         self._subscribe(request_id, loop, sink)
 
         def begin(engine: LLMEngine) -> None:
@@ -366,12 +392,20 @@ class AsyncLLMEngine:
     # -- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            stalled = False  # the last step planned nothing: wait a little for a command
             while not self._stopping.is_set():
-                self._run_commands(block=not self.engine.scheduler.has_unfinished())
+                if stalled:
+                    self._run_commands(block=True, timeout=STALLED_WAIT_SECONDS)
+                else:
+                    self._run_commands(block=not self.engine.scheduler.has_unfinished())
                 if self._stopping.is_set():
                     break
+                stalled = False
                 if self.engine.scheduler.has_unfinished():
                     outputs = self.engine.step()
+                    if self.engine.last_step_empty:  # waiting work that cannot start yet
+                        stalled = True
+                        continue
                     self._steps += 1
                     self._refresh_load()
                     if self._hooks:
@@ -390,9 +424,9 @@ class AsyncLLMEngine:
             self._stopped.set()
             self._fail_pending(EngineDeadError(f"engine is not running ({self.error!r})"))
 
-    def _run_commands(self, block: bool) -> None:
+    def _run_commands(self, block: bool, timeout: float = IDLE_WAIT_SECONDS) -> None:
         try:
-            command = self._commands.get(timeout=IDLE_WAIT_SECONDS) if block else None
+            command = self._commands.get(timeout=timeout) if block else None
         except queue.Empty:
             return
         while True:

@@ -70,6 +70,7 @@ class LLMEngine:
         self._owing: dict[str, PromptLogprobs] = {}  # prompt seq id -> logprobs still owed
         # Called with the tokens each non-empty step schedules (in the stepping thread).
         self.step_observers: list[Callable[[int], None]] = []
+        self.last_step_empty = False  # the last step's plan held nothing (work waits for room)
         if self.config.show_progress:
             print(self.parts.capacity_line(), file=sys.stderr)
 
@@ -211,6 +212,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; outputs of every request that changed."""
         plan = self.scheduler.schedule()
+        self.last_step_empty = plan.is_empty
         if plan.is_empty:
             return []
         if self.parts.tiers is not None:
@@ -276,7 +278,7 @@ class LLMEngine:
                 seq.seq_id, CompletionOutput(index=index, text="", token_ids=[])
             )
             if out.finish_reason is None:
-                out.finish_reason, out.stop_reason = "error", None
+                out.finish_reason, out.stop_reason, out.new_finish = "error", None, True
         tracked.metrics.finished_time = time.monotonic()
         output = self._snapshot(tracked, finished=True)
         output.error = RequestFailedError(request_id, f"{type(error).__name__}: {error}")
@@ -335,10 +337,12 @@ class LLMEngine:
         out.text = text.text
         if text.stopped_by is not None and not seq.status.is_finished:
             self.scheduler.finish_sequence(seq.seq_id, "stop", text.stopped_by)
+        running = out.finish_reason is None
         out.finish_reason = seq.finish_reason
         out.stop_reason = seq.stop_reason
         if text.stopped_by is not None:
             out.finish_reason, out.stop_reason = "stop", text.stopped_by
+        out.new_finish |= running and out.finish_reason is not None
 
     def _new_completion(self, tracked: _Tracked, seq: Sequence) -> CompletionOutput:
         params = seq.params
@@ -361,7 +365,7 @@ class LLMEngine:
             return self._finish_output(tracked)
         output = self._snapshot(tracked, finished=False)
         for out in tracked.outputs.values():
-            out.new_token_ids, out.new_text = [], ""
+            out.new_token_ids, out.new_text, out.new_finish = [], "", False
         return output
 
     def _finish_output(self, tracked: _Tracked) -> RequestOutput:
@@ -373,6 +377,7 @@ class LLMEngine:
             out.text = text.text
             if out.finish_reason is None:
                 out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+                out.new_finish = True
         tracked.metrics.finished_time = time.monotonic()
         self._tracked.pop(request.request_id, None)
         self._owing.pop(request.seqs[0].seq_id, None)
@@ -430,5 +435,6 @@ def _copy_completion(out: CompletionOutput) -> CompletionOutput:
         cumulative_logprob=out.cumulative_logprob,
         new_token_ids=list(out.new_token_ids),
         new_text=out.new_text,
+        new_finish=out.new_finish,
         token_times=list(out.token_times),
     )

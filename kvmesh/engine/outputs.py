@@ -10,7 +10,7 @@ Each logprobs entry is a `TokenLogprobs`, which reads as vLLM's `dict[int, Logpr
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvmesh.engine.logprobs import Logprob, TokenLogprobs
 
@@ -40,6 +40,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    new_finish: bool = False  # finish_reason set since the previous output (a delta, as above)
     token_times: list[float] = field(default_factory=list)  # when each output token was made
 
     @property
@@ -85,3 +86,25 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: Exception | None = None
+
+
+def merge_unread(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One output standing for `older` then `newer` of the same request, for a reader that has
+    read neither: `newer`'s state with each completion's deltas (new token ids, new text, a
+    new finish) since before `older`. Neither argument is changed."""
+    earlier = {out.index: out for out in older.outputs}
+    outputs = []
+    for out in newer.outputs:
+        prev = earlier.pop(out.index, None)
+        if prev is not None:
+            out = replace(
+                out,
+                new_token_ids=prev.new_token_ids + out.new_token_ids,
+                new_text=prev.new_text + out.new_text,
+                new_finish=prev.new_finish or out.new_finish,
+            )
+        outputs.append(out)
+    outputs.extend(earlier.values())  # none in practice: completions are never dropped
+    outputs.sort(key=lambda out: out.index)
+    scored = newer.prompt_logprobs if newer.prompt_logprobs is not None else older.prompt_logprobs
+    return replace(newer, outputs=outputs, prompt_logprobs=scored)

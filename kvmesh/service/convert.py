@@ -145,11 +145,12 @@ def completion_response(
 def decode_responses(
     output: RequestOutput, tokenizer: Any = None
 ) -> list[worker_pb2.DecodeResponse]:
-    """Responses for every completion that changed in `output` (new tokens or finished)."""
+    """Responses for every completion that changed in `output`: new tokens or text, or its
+    finish (sent once: a completion that finished earlier is left out of later outputs)."""
     return [
         completion_response(out, output.num_cached_tokens, tokenizer)
         for out in output.outputs
-        if out.new_token_ids or out.new_text or out.finish_reason is not None
+        if out.new_token_ids or out.new_text or out.new_finish
     ]
 
 

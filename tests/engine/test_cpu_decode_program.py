@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from kvmesh_kernels import cpu_program, dispatch
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.engine.native import cpu_decode
@@ -104,3 +105,36 @@ def test_steps_beyond_the_program_run_eagerly(tmp_path: Path) -> None:
     pair = llm.generate(PROMPTS[:2], SAMPLING)
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in pair] == eager[:2]
     assert program.replays >= SAMPLING.max_tokens - 1
+
+
+def test_under_another_kernel_backend_decode_steps_run_eagerly(tmp_path: Path) -> None:
+    """With the torch reference chosen for attention and KV writes (`set_backend`, or
+    KVMESH_KERNEL_BACKEND), the eager step does not run the fused kernels, so the program
+    neither starts nor replays a step planned under it."""
+    checkpoint = build_tiny_model(tmp_path / "llama", "llama", "test", seed=0)
+    llm, eager, _ = eager_then_program(checkpoint, dtype="float32")
+    program = llm.engine.runner.decode_program
+    assert program is not None
+    replays = program.replays
+    dispatch.set_backend("reference")
+    try:
+        reference = run(llm)
+        assert program.replays == replays  # every step took the reference path
+        fresh = LLM(str(checkpoint), num_kv_blocks=96, max_num_seqs=8, dtype="float32")
+        runner = fresh.engine.runner
+        assert runner.decode_program is None
+        reason = cpu_decode.why_not(runner.loaded.model, runner.kv_cache)
+        assert reason is not None and "reference" in reason
+    finally:
+        dispatch.set_backend(None)
+    assert [tokens for tokens, _ in reference] == [tokens for tokens, _ in eager]
+
+
+def test_a_failing_op_is_named_by_its_index_and_code() -> None:
+    program = cpu_program.Program(torch.float32, threads=1)
+    x, w, y = torch.ones(2, 16), torch.ones(16), torch.zeros(2, 16)
+    program.rms_norm(x, w, y, 1e-6)
+    program._ops.append([77] + [0] * (cpu_program.SLOTS - 1))  # a kind the runner lacks
+    with pytest.raises(RuntimeError, match=r"op 1 \(kind 77\) failed with code 999"):
+        program.run(2)
+    assert torch.allclose(y, torch.ones(2, 16), atol=1e-5)  # op 0 ran first

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.async_engine import MERGE_BACKLOG, AsyncLLMEngine
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.errors import InvalidParameterError
@@ -267,3 +267,81 @@ def test_step_observers_see_every_scheduled_token(checkpoint: Path) -> None:
     computed = sum(len(out.prompt_token_ids) for out in finals) - sum(cached)
     assert sum(seen) == computed + 2 * (PARAMS.max_tokens - 1)
     assert engine.scheduler.block_manager.metrics().prefix_hit_tokens == 32
+
+
+def test_an_engine_whose_waiting_work_cannot_start_waits_instead_of_spinning(
+    checkpoint: Path,
+) -> None:
+    """A waiting request short of blocks (they are held by a parked prefill-only request, as
+    on a prefill worker while its KV ships) plans nothing until room is made: the engine
+    thread waits for the command that makes it instead of running empty steps back to back,
+    and the request starts once the parked one is released."""
+    from kvmesh.engine import disagg
+
+    async def scenario() -> None:
+        config = EngineConfig(
+            model=str(checkpoint), num_kv_blocks=8, block_size=16, num_threads=1, max_model_len=128
+        )
+        engine = AsyncLLMEngine(config)
+        try:
+            parked = disagg.build_request(
+                engine.engine, "parked", list(range(1, 101)), PARAMS, prefill_only=True
+            )
+            stream = await engine.open_stream(
+                "parked", lambda e: disagg.add_request(e, parked), cleanup=disagg.release
+            )
+            assert not (await anext(stream)).finished  # prefilled: 7 of the 8 blocks held
+            blocked = await engine.add_request("blocked", list(range(200, 300)), PARAMS)
+            await asyncio.sleep(0.2)
+            state = await engine.call(lambda e: (e.scheduler.num_waiting, e.scheduler.num_running))
+            assert state == (1, 0)
+            calls = 0
+            step = engine.engine.step
+
+            def counted() -> list:
+                nonlocal calls
+                calls += 1
+                return step()
+
+            engine.engine.step = counted  # type: ignore[method-assign]
+            await asyncio.sleep(1.0)
+            assert calls < 400  # a stalled wait each: about 200 a second, not tens of thousands
+            await stream.aclose()  # releases the parked request's blocks
+            outputs = [o async for o in blocked]
+            assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 10
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+
+
+def test_a_reader_slower_than_the_steps_holds_few_outputs_and_misses_nothing(
+    checkpoint: Path,
+) -> None:
+    """Outputs the reader has not read merge past a short backlog (a gRPC client or the
+    control plane's flow control holding the stream back): the queue holds at most the
+    backlog plus the final output, not one per step, and the reader still gets every token,
+    text piece and finish once."""
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(EngineConfig(model=str(checkpoint), num_kv_blocks=64))
+        try:
+            stream = await engine.add_request("slow", list(range(1, 200)), params)
+            for _ in range(600):  # the reader reads nothing until the request ended
+                if await engine.call(lambda e: not e.has_unfinished()):
+                    break
+                await asyncio.sleep(0.02)
+            assert stream._sink.qsize() <= MERGE_BACKLOG + 1  # 40 steps made
+            outputs = [o async for o in stream]
+            final = outputs[-1]
+            assert final.finished
+            for out in final.outputs:
+                pieces = [c for o in outputs for c in o.outputs if c.index == out.index]
+                assert [t for c in pieces for t in c.new_token_ids] == out.token_ids
+                assert "".join(c.new_text for c in pieces) == out.text
+                assert sum(c.new_finish for c in pieces) == 1
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=120))

@@ -104,3 +104,22 @@ def test_sliding_window_rule_matches_transformers(window: int) -> None:
     theirs = fn(zero, zero, pos.view(-1, 1), pos.view(1, -1))  # [20, 20] bool
     ours = key_mask(pos.view(-1, 1), pos.view(1, -1), window)  # [20, 20]
     assert torch.equal(ours, theirs)
+
+
+def test_the_reference_runs_in_and_out_of_inference_mode_in_turn() -> None:
+    """Its reused gather buffer is kept per inference mode: one made under
+    `torch.inference_mode` (an engine step) cannot be written by a call outside it."""
+    from kvmesh_kernels.reference_attention import torch_paged_decode_attention
+
+    lens = [20, 33]
+    pc = random_paged_cache(lens, num_kv_heads=2, head_dim=64, block_size=16)
+    query = torch.randn(len(lens), 4, 64)  # [batch, Hq, D]
+    scale = 64**-0.5
+
+    def attend() -> torch.Tensor:
+        layer = pc.cache.layer(0)
+        return torch_paged_decode_attention(query, layer, pc.block_tables, pc.seq_lens, scale=scale)
+
+    with torch.inference_mode():
+        inside = attend().clone()
+    assert torch.equal(attend(), inside)

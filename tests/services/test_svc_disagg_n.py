@@ -63,18 +63,25 @@ def per_index(stream: list[Any]) -> dict[int, list[int]]:
     return dict(tokens)
 
 
-def shape(stream: list[Any]) -> list[tuple[Any, ...]]:
-    """What a client sees of each response, timings and log-probability values left out."""
-    return [
-        (r.index, list(r.token_ids), r.text, r.finish_reason, r.completion_tokens,
-         [(t.token_id, list(t.top_token_ids), t.token) for t in r.logprobs])
-        for r in stream
-    ]  # fmt: skip
+def shape(stream: list[Any]) -> dict[int, tuple[Any, ...]]:
+    """What a client sees of each completion, however the responses batch its tokens (a
+    reader behind the steps gets several per response), timings and log-probability values
+    left out: token ids, text, finishes, each token's logprob entry."""
+    seen: dict[int, tuple[list[Any], ...]] = defaultdict(lambda: ([], [], [], []))
+    for r in stream:
+        ids, text, finishes, entries = seen[r.index]
+        ids.extend(r.token_ids)
+        text.append(r.text)
+        if r.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+            finishes.append((r.finish_reason, r.completion_tokens))
+        entries.extend((t.token_id, list(t.top_token_ids), t.token) for t in r.logprobs)
+    return {i: (ids, "".join(text), f, e) for i, (ids, text, f, e) in seen.items()}
 
 
 def logprob_values(stream: list[Any]) -> list[float]:
-    """Every log-probability a stream carries, in order."""
-    return [v for r in stream for t in r.logprobs for v in (t.logprob, *t.top_logprobs)]
+    """Every log-probability a stream carries, completion by completion, in order."""
+    ordered = sorted(stream, key=lambda r: r.index)  # stable: each completion's own order
+    return [v for r in ordered for t in r.logprobs for v in (t.logprob, *t.top_logprobs)]
 
 
 def check_integrity(worker: RunningWorker) -> None:
@@ -189,3 +196,29 @@ def test_n3_without_transfer_overlap_matches_offline(
         wait_until(lambda: all_free(driver), 1.0, "decode blocks freed")
     finally:
         whole.stop()
+
+
+def test_each_completion_finishes_once_on_the_wire(workers: Any) -> None:
+    """n > 1 with completions of different lengths: a completion that ended is not sent again
+    (with its finish) in the responses of the steps after it, on the colocated and the
+    disaggregated path."""
+    driver, colocated = workers
+    stub = worker_pb2_grpc.ColocatedServiceStub(colocated.channel)
+    sampling = {"n": 2, "temperature": 1.0, "max_tokens": 20, "ignore_eos": True}
+    stops = list(range(10, 266))  # 256 stop ids: completions end at different steps
+    for seed in range(20):
+        request = driver.prepare(f"ends-{seed}", [5, 6, 7, 8], seed=seed,
+                                 stop_token_ids=stops, **sampling)  # fmt: skip
+        local = list(stub.Generate(worker_pb2.ColocatedRequest(request=request)))
+        if len({len(ids) for ids in per_index(local).values()}) == 2:
+            break
+    else:
+        pytest.fail("no seed gave completions of different lengths")
+    _, remote = driver.generate(f"ends-d-{seed}", [5, 6, 7, 8], seed=seed,
+                                stop_token_ids=stops, **sampling)  # fmt: skip
+    for stream in (local, remote):
+        finals = [r for r in stream if r.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED]
+        assert sorted(r.index for r in finals) == [0, 1]
+        assert {r.index: r.completion_tokens for r in finals} == {
+            index: len(ids) for index, ids in per_index(stream).items()
+        }

@@ -52,12 +52,13 @@ def check_continuous_usage(client: openai.OpenAI, prompts: list[list[int]], n: i
     options = {"include_usage": True, "continuous_usage_stats": True}
     stream = client.completions.create(model=model, prompt=prompts, max_tokens=4, n=n, seed=1,
                                        stream=True, stream_options=options,  # type: ignore[arg-type]
-                                       extra_body=IGNORE_EOS)  # fmt: skip
+                                       logprobs=1, extra_body=IGNORE_EOS)  # fmt: skip
     chunks = list(stream)
     streamed: dict[int, int] = {}
     for chunk in chunks[:-1]:
         (choice,) = chunk.choices
-        streamed[choice.index] = streamed.get(choice.index, 0) + 1  # one token per chunk here
+        assert choice.logprobs is not None and choice.logprobs.tokens  # one entry per token
+        streamed[choice.index] = streamed.get(choice.index, 0) + len(choice.logprobs.tokens)
         assert chunk.usage is not None
         prompt = len(prompts[choice.index // n])
         assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (

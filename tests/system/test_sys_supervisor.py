@@ -341,6 +341,29 @@ def test_a_draining_child_gets_its_bound_and_a_silent_one_the_wedge_bound() -> N
         supervisor.close()
 
 
+DRAINS_THEN_EXITS = HEALTH.replace("time.sleep(600)", "time.sleep(1.5); server.stop(0); "
+                                   "time.sleep(2.0); sys.exit(0)")  # fmt: skip
+
+
+def test_a_drained_child_whose_port_closed_exits_by_itself_unkilled() -> None:
+    """A worker whose drain ended stops its server, then takes a while to exit (closing its
+    engine): no answer then is the end of its drain, not a wedge; it exits 0 by itself."""
+    from kvmesh.cli.restarts import RestartPolicy
+
+    supervisor = Supervisor(grace=1.0)
+    try:
+        system = ScriptSystem(supervisor, {"drainer": DRAINS_THEN_EXITS % "NOT_SERVING"})
+        system.wait_ready()
+        first = system.worker("drainer").child
+        policy = RestartPolicy(wedged_seconds=0.5, draining_seconds=10.0, probe_timeout=0.3,
+                               backoff_initial=0.1)  # fmt: skip
+        lines = keep(system, policy, lambda k: first.process.poll() is not None, 20)
+        assert first.process.returncode == 0, lines
+        assert not any("killing it" in line for line in lines), lines
+    finally:
+        supervisor.close()
+
+
 SLEEPS = "import time; time.sleep(600)"  # never prints a ready line
 
 

@@ -43,6 +43,7 @@ enum OpKind : int64_t {
 };
 
 constexpr int kSlots = 16;
+constexpr int kUnknownKind = 999;  // the kernels' own codes are 1..3
 
 using ParamsEntry = int (*)(const void*);
 
@@ -83,14 +84,14 @@ int run_op(const int64_t* a, int64_t rows) {
       return reinterpret_cast<ParamsEntry>(static_cast<intptr_t>(a[1]))(params);
     }
     default:
-      return -1;
+      return kUnknownKind;
   }
 }
 
 }  // namespace
 
 // Runs `count` ops (kSlots int64 each) with `rows` rows; stops at the first op that fails.
-// Returns 0, or 1000 * (op index + 1) + that op's own code (-1: an unknown kind).
+// Returns 0, or 1000 * (op index + 1) + that op's own code (1..999; 999: an unknown kind).
 extern "C" int64_t kvmesh_cpu_run_program(const int64_t* ops, int64_t count, int64_t rows) {
   for (int64_t i = 0; i < count; ++i) {
     const int rc = run_op(ops + i * kSlots, rows);

@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from kvmesh_kernels import cpu_attention, cpu_cache_ops, cpu_program
+from kvmesh_kernels import cpu_attention, cpu_cache_ops, cpu_program, dispatch
 from kvmesh_kernels.cache import PagedKVCache
 from kvmesh_kernels.cpu_build import ENTRY, WRITE_ENTRY
 from torch import nn
@@ -41,6 +41,9 @@ def why_not(model: nn.Module, cache: PagedKVCache) -> str | None:
         return "not the native executor"
     if cache.data.device.type != "cpu" or not cpu_program.supported():
         return "not on CPU with the kernel library"
+    backend = dispatch.get_backend(cache.data.device)
+    if backend != "torch":
+        return f"kernel backend {backend!r} (the program replays the fused CPU kernels)"
     if model.embed.weight.dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {model.embed.weight.dtype}"
     if not (model.rotary.fused and model.norm.fused and type(model.embed) is nn.Embedding):
@@ -180,6 +183,7 @@ class CpuDecodeProgram:
             and int(ctx.block_tables.shape[1]) <= self.inputs.max_blocks
             and is_graph_step(ctx, num_tokens)
             and torch.get_num_threads() == self.threads
+            and ctx.attention_plan.backend == "torch"  # as eager: the fused kernels
         )
 
     def forward(
