@@ -98,7 +98,8 @@ class OutputQueue(asyncio.Queue[Any]):
     outputs wait unread, an output put behind an unread unfinished one merges into it
     (`merge_unread`), so a reader that falls behind the engine's steps holds a bounded number
     of outputs, whatever the steps made meanwhile, and still reads every token and finish (a
-    reader keeping up gets one output per step)."""
+    reader keeping up gets one output per step). It overrides `asyncio.Queue._put` and reads
+    `_queue`, the hooks CPython's `PriorityQueue` and `LifoQueue` use."""
 
     def _put(self, item: Any) -> None:
         queue = self._queue  # type: ignore[attr-defined]

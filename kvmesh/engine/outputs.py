@@ -104,7 +104,6 @@ def merge_unread(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
                 new_finish=prev.new_finish or out.new_finish,
             )
         outputs.append(out)
-    outputs.extend(earlier.values())  # none in practice: completions are never dropped
-    outputs.sort(key=lambda out: out.index)
+    assert not earlier, "a later output keeps every completion of an earlier one"
     scored = newer.prompt_logprobs if newer.prompt_logprobs is not None else older.prompt_logprobs
     return replace(newer, outputs=outputs, prompt_logprobs=scored)

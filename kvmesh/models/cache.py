@@ -61,7 +61,7 @@ def checked_name(name: str) -> str:
     """`name` when it names a folder strictly inside the models folder: relative, with
     `/`-separated parts that are neither empty nor `.` or `..`; else ValueError naming it."""
     parts = name.split("/")
-    if any(part in ("", ".", "..") or (os.altsep and os.altsep in part) for part in parts):
+    if any(part in ("", ".", "..") for part in parts):
         raise ValueError(f"name: {name!r} is not a folder inside {models_dir()}")
     return name
 

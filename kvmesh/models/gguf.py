@@ -40,12 +40,9 @@ def gguf_cache_name(file: Path) -> str:
 
 def checkpoint_name(file: Path) -> str:
     """The stem of `file` as given (not of a symlink's target), or `model` when that stem would
-    not name a folder of its own (empty, `.`, `..`, or holding a path separator)."""
+    not name a folder of its own (empty, `.` or `..`; a stem never holds a separator)."""
     stem = file.stem
-    separators = [os.sep, os.altsep] if os.altsep else [os.sep]
-    if stem in _UNNAMEABLE or any(sep in stem for sep in separators):
-        return FALLBACK_NAME
-    return stem
+    return FALLBACK_NAME if stem in _UNNAMEABLE else stem
 
 
 def file_sha256(file: Path) -> str:

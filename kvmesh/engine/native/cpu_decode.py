@@ -154,7 +154,8 @@ class CpuDecodeProgram:
         quantized = cache_layer.scales is not None
         assert cpu_cache_ops.kv_writable(cache_layer.data.dtype, quantized, k, v)
         call.prepare(k, v, *cpu_attention.layer_pointers(cache_layer))
-        self.program.keep.append(call)  # its int64 slot copy backs params.slots
+        assert call.slots is self.inputs.slot_mapping  # shared, not copied: read each replay
+        self.program.keep.append(call)
         return call.params
 
     def _attention_params(self, layer: NativeDecoderLayer) -> ctypes.Structure:
@@ -171,7 +172,10 @@ class CpuDecodeProgram:
             q, data_ptr, scales_ptr, scale=shape.scale, sliding_window=shape.sliding_window,
             out=self.attn,
         )  # fmt: skip
-        self.program.keep.append(call)  # its int32 tables back the recorded addresses
+        shared = (call.tables, call.lens, call.starts)  # not copies: read at each replay
+        static = (inputs.block_tables, inputs.seq_lens, inputs.query_start_loc)
+        assert all(a is b for a, b in zip(shared, static, strict=True))
+        self.program.keep.append(call)
         return call.params
 
     def applies(self, num_tokens: int, ctx: ForwardContext) -> bool:
