@@ -39,6 +39,12 @@ IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ISAS = {"auto": 0, "baseline": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}
 # Query rows per work item: q_tile tokens x G heads stay within about 64 rows.
 MAX_ROWS = 64
+# The kernel's nonzero return codes (documented at its entry point).
+_ERRORS = {
+    1: "bad shape parameters",
+    2: "unknown cache dtype",
+    3: "a sequence's seq_len lies outside [0, max_blocks * block_size] or its q_len < 0",
+}
 
 
 class _Params(ctypes.Structure):
@@ -163,7 +169,10 @@ class FusedCall:
         if num_tokens and p.batch:
             rc = self._entry(ctypes.byref(p))
             if rc != 0:
-                raise RuntimeError(f"fused CPU attention kernel rejected its arguments (code {rc})")
+                reason = _ERRORS.get(rc, "unknown")
+                raise RuntimeError(
+                    f"fused CPU attention kernel rejected its arguments (code {rc}: {reason})"
+                )
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
     def prepare(

@@ -55,12 +55,13 @@ def add_rms_norm(
     weight [n] -> norm(x + residual) [rows, n]."""
     rows, n = residual.shape
     assert residual.is_contiguous() and x.shape == residual.shape and weight.shape == (n,)
+    assert fused_supported(x, residual, weight)
     out = torch.empty_like(residual)  # [rows, n]
     _call(
         "kvmesh_cpu_add_rms_norm",
         ctypes.c_int(_DTYPE_CODES[x.dtype]),
         _P(x.data_ptr()),
-        _I(x.stride(0)),
+        _I(x.stride(0) if rows > 1 else n),  # a lone row's stride is arbitrary
         _P(residual.data_ptr()),
         _P(weight.data_ptr()),
         _P(out.data_ptr()),
@@ -75,13 +76,13 @@ def add_rms_norm(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [rows, n] (rows strided) -> norm(x) [rows, n] contiguous."""
     rows, n = x.shape
-    assert weight.shape == (n,) and weight.is_contiguous()
+    assert weight.shape == (n,) and weight.is_contiguous() and fused_supported(x, weight)
     out = torch.empty((rows, n), dtype=x.dtype)  # [rows, n]
     _call(
         "kvmesh_cpu_rms_norm",
         ctypes.c_int(_DTYPE_CODES[x.dtype]),
         _P(x.data_ptr()),
-        _I(x.stride(0)),
+        _I(x.stride(0) if rows > 1 else n),  # a lone row's stride is arbitrary
         _P(weight.data_ptr()),
         _P(out.data_ptr()),
         _I(rows),
@@ -95,7 +96,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [rows, 2n] (rows strided, gate | up) -> silu(gate) * up [rows, n] contiguous."""
     rows, width = gate_up.shape
-    assert width % 2 == 0
+    assert width % 2 == 0 and fused_supported(gate_up)
     n = width // 2
     out = torch.empty((rows, n), dtype=gate_up.dtype)  # [rows, n]
     if rows == 0 or n == 0:
@@ -117,9 +118,9 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     """Rotate x [T, H, D] in place with cos/sin [P, D] rows at positions [T] int64."""
     tokens, heads, dim = x.shape
     assert cos.shape == sin.shape and cos.shape[1] == dim and cos.is_contiguous()
-    assert sin.is_contiguous() and cos.dtype == x.dtype == sin.dtype
+    assert sin.is_contiguous() and fused_supported(x, cos, sin)  # one dtype, unit last stride
     assert positions.dtype == torch.int64 and positions.is_contiguous()
-    assert positions.shape == (tokens,)
+    assert positions.shape == (tokens,) and positions.device.type == "cpu"
     _call(
         "kvmesh_cpu_rope",
         ctypes.c_int(_DTYPE_CODES[x.dtype]),

@@ -1061,6 +1061,11 @@ void combine(const Params& p, const std::vector<Item>& groups, int64_t splits, i
 
 }  // namespace
 
+// Return codes: 0 done; 1 bad shape parameters (heads, q_tile, block_size, head_dim); 2 unknown
+// cache dtype; 3 a sequence whose lengths do not fit its block-table row (seq_len outside
+// [0, max_blocks * block_size], or q_len = qsl[b + 1] - qsl[b] < 0), nothing computed. Block
+// ids inside the table and query_start_loc's range are the caller's to check (dispatch,
+// AttentionPlan).
 extern "C" int kvmesh_cpu_paged_attention(const Params* params) {
   const Params& p = *params;
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0 || p.q_tile <= 0 ||
@@ -1075,8 +1080,11 @@ extern "C" int kvmesh_cpu_paged_attention(const Params* params) {
   // Groups: a decode row takes all kv heads; a prefill chunk is cut into (kv head, q_tile).
   std::vector<Item> groups;
   int64_t longest = 0;
+  const int64_t capacity = p.max_blocks * p.block_size;  // tokens a block-table row holds
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t q_len = qsl[b + 1] - qsl[b], seq_len = seq_lens[b];
+    // key_offsets / block_span index the row's first ceil(seq_len / block_size) entries.
+    if (seq_len < 0 || seq_len > capacity || q_len < 0) return 3;
     const int64_t tile = q_len == 1 ? 1 : p.q_tile;
     const int64_t heads = q_len == 1 ? p.num_kv_heads : 1;
     for (int64_t t0 = 0; t0 < q_len; t0 += tile) {
