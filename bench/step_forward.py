@@ -4,7 +4,7 @@ Builds the engine (native executor), runs `--batch` requests until a decode-only
 many rows comes, keeps that step's inputs (token ids, positions, the ForwardContext with its
 AttentionPlan), then runs the step `--repeats` times each way, alternating: the model's eager
 forward (the kernels called one by one from Python) and, where the model has one, the CPU
-decode program's replay of the same calls (`decode_program`); prints one JSON line with min,
+step program's replay of the same calls (`decode_program`); prints one JSON line with min,
 p25 and median milliseconds of each and the medians' ratio. The replay writes the same K/V
 slots again and attends over the same context, so every call does the step's full work; at
 batch 1 on a small model the forward is the weights' read plus the per-layer host work, which

@@ -1,14 +1,15 @@
 """Recorded kernel calls replayed by one ctypes call (`csrc/cpu_program.cpp`).
 
 A `Program` holds calls of this library's kernels with every argument fixed (addresses of
-static buffers, packed weights and cache layers; sizes; thread count) except the row count,
-which `run(rows)` passes to each. The calls are exactly what the Python wrappers
-(`cpu_fused`, `cpu_gemm`, `cpu_attention.FusedCall`, `cpu_cache_ops.WriteCall`) would make
-for the same tensors, so a replay computes bit for bit what the eager calls compute. The
-tensors behind the recorded addresses must outlive the program: `keep` holds them.
+static buffers, packed weights and cache layers; sizes; thread count) except the step's two
+counts, which `run(rows, seqs)` passes in: the token rows to every op, the sequences to the
+parameter fields recorded per sequence (attention's batch). The calls are exactly what the
+Python wrappers (`cpu_fused`, `cpu_gemm`, `cpu_attention.FusedCall`, `cpu_cache_ops.WriteCall`)
+would make for the same tensors, so a replay computes bit for bit what the eager calls
+compute. The tensors behind the recorded addresses must outlive the program: `keep` holds them.
 
 Nothing is checked at replay beyond what the kernels check themselves; the builder (the
-native executor's `cpu_decode`) checks shapes, dtypes and strides once, when it records.
+native executor's `step_program`) checks shapes, dtypes and strides once, when it records.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from kvmesh_kernels.cpu_build import ENTRY, WRITE_ENTRY, library
 
 SLOTS = 16  # int64 slots per op: the kind, then the kernel's arguments without the rows
+COUNTS = ("rows", "seqs")  # what a parameter field is set to at each replay
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 RMS_NORM, ADD_RMS_NORM, ROPE, GEMM, GEMM_SILU_MUL, PARAMS = 1, 2, 3, 4, 5, 6
 
@@ -55,7 +57,7 @@ class Program:
         lib = library()
         assert lib is not None and supported(), "CPU kernel library without the program runner"
         self._run = lib.kvmesh_cpu_run_program
-        self._run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        self._run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
         self._run.restype = ctypes.c_int64
         self._entries = {name: _address(getattr(lib, name)) for name in (ENTRY, WRITE_ENTRY)}
         self.dtype_code = _DTYPE_CODES[dtype]
@@ -116,23 +118,28 @@ class Program:
             y.stride(0), packed.out_features, packed.in_features, self.threads,
         )  # fmt: skip
 
-    def params_call(self, entry: str, params: ctypes.Structure, rows_field: str) -> None:
-        """entry(&params) with params.<rows_field> = rows (attention: `batch`, KV write:
-        `num_tokens`); every other field as recorded. The structure is kept alive here."""
-        offset = getattr(type(params), rows_field).offset
-        assert offset % 8 == 0, "the rows field is an int64 slot of the structure"
+    def params_call(
+        self, entry: str, params: ctypes.Structure, field: str, count: str = "rows"
+    ) -> None:
+        """entry(&params) with params.<field> set to the step's `count` (COUNTS: the token
+        rows, e.g. the KV write's `num_tokens`, or the sequences, attention's `batch`); every
+        other field as recorded. The structure is kept alive here."""
+        offset = getattr(type(params), field).offset
+        assert offset % 8 == 0, "the counted field is an int64 slot of the structure"
         self.keep.append(params)
-        self._add(PARAMS, self._entries[entry], ctypes.addressof(params), offset // 8)
+        which = COUNTS.index(count)
+        self._add(PARAMS, self._entries[entry], ctypes.addressof(params), offset // 8, which)
 
     def __len__(self) -> int:
         return len(self._ops)
 
-    def run(self, rows: int) -> None:
-        """Replay every op with `rows` rows; RuntimeError naming the op that failed."""
+    def run(self, rows: int, seqs: int | None = None) -> None:
+        """Replay every op over `rows` token rows of `seqs` sequences (default: one row
+        each); RuntimeError naming the op that failed."""
         table = self._table
         if table is None:
             table = self._table = torch.tensor(self._ops, dtype=torch.int64)  # [ops, SLOTS]
-        rc = int(self._run(table.data_ptr(), len(self._ops), rows))
+        rc = int(self._run(table.data_ptr(), len(self._ops), rows, rows if seqs is None else seqs))
         if rc != 0:
             op, code = divmod(rc, 1000)
             kind = self._ops[op - 1][0] if 0 < op <= len(self._ops) else None

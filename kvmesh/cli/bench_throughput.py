@@ -118,8 +118,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--compare-decode-program",
         action="store_true",
-        help="W1: also kvmesh with CPU decode steps made call by call from Python "
-        "(kvmesh-eager-decode: decode_program off)",
+        help="also kvmesh with every CPU step made call by call from Python (decode_program "
+        "off; W1: kvmesh-eager-decode, W3: prefix-cache-on-eager and prefix-cache-off-eager)",
     )
     parser.add_argument(
         "--temperature",
@@ -445,6 +445,8 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
             runs.append((f"kvmesh-compile-{other}", {"compile": other}))
     else:
         runs += [("prefix-cache-on", {}), ("prefix-cache-off", {"enable_prefix_caching": False})]
+        if args.compare_decode_program:
+            runs += [(f"{name}-eager", {**o, "decode_program": False}) for name, o in runs[:2]]
     repeats: list[list[dict[str, Any]]] = []
     for _ in range(args.repeats):
         results = [run_kvmesh(model_dir, args.workload, n, o, args) for n, o in runs]
@@ -476,6 +478,9 @@ def _ratios(workload: str, results: list[dict[str, Any]]) -> dict[str, float]:
     if workload != "W1":
         ratios["ttft_mean on / off"] = round(first["ttft_mean"] / results[1]["ttft_mean"], 3)
         by_name = {r["name"]: r for r in results}
+        if "prefix-cache-on-eager" in by_name:
+            on, off = by_name["prefix-cache-on-eager"], by_name["prefix-cache-off-eager"]
+            ratios["ttft_mean on / off, eager steps"] = round(on["ttft_mean"] / off["ttft_mean"], 3)
         for caching in ("on", "off"):
             theirs = by_name.get(f"vllm-prefix-cache-{caching}")
             if theirs is not None:

@@ -88,8 +88,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if config.cuda_graphs and loaded.device.type == "cuda" and loaded.executor == "native":
         runner.enable_decode_graphs(config.max_num_seqs)
     if config.decode_program and loaded.device.type == "cpu" and config.compile == "off":
-        reason = runner.enable_decode_program(config.max_num_seqs)
-        logger.info("CPU decode program: %s", "on" if reason is None else f"off ({reason})")
+        reason = runner.enable_decode_program(config.max_num_seqs, config.max_num_batched_tokens)
+        logger.info("CPU step program: %s", "on" if reason is None else f"off ({reason})")
     eos = eos_token_ids(loaded, runner.vocab_size)
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,

@@ -27,7 +27,7 @@ from kvmesh.engine.fresh_attention import ProbeShape, fresh_rule
 from kvmesh.engine.hf_shapes import head_dim_of
 from kvmesh.engine.input_batch import HostInputs, PersistentBatch
 from kvmesh.engine.loader import LoadedModel
-from kvmesh.engine.native import cpu_decode
+from kvmesh.engine.native import step_program
 from kvmesh.engine.scheduler.plan import SchedulerOutput
 
 
@@ -73,7 +73,7 @@ class ModelRunner:
         self.fresh_rule = fresh_rule(fresh_attention, self.device, shape)
         self.decode_graphs: DecodeGraphs | None = None
         self._graph_options = (0, False)  # enable_decode_graphs' arguments
-        self.decode_program: cpu_decode.CpuDecodeProgram | None = None
+        self.decode_program: step_program.CpuStepProgram | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, capture: bool = True) -> None:
         """Run decode steps of up to `max_num_seqs` sequences through per-bucket CUDA graphs
@@ -90,13 +90,22 @@ class ModelRunner:
         self.decode_graphs = graphs
         self._graph_options = (max_num_seqs, capture)
 
-    def enable_decode_program(self, max_num_seqs: int) -> str | None:
-        """Run CPU decode steps of up to `max_num_seqs` sequences as one recorded program
-        (`kvmesh.engine.native.cpu_decode`); returns why not where it cannot (None: enabled)."""
-        reason = cpu_decode.why_not(self.loaded.model, self.kv_cache)
+    def enable_decode_program(
+        self, max_num_seqs: int, max_num_batched_tokens: int = 0
+    ) -> str | None:
+        """Run CPU steps of up to `max_num_seqs` sequences, every one attended through the
+        cache, as one recorded program (`kvmesh.engine.native.step_program`): decode steps,
+        and mixed steps of up to min(max_num_batched_tokens, MAX_TOKEN_ROWS) token rows.
+        Returns why not where it cannot (None: enabled)."""
+        reason = step_program.why_not(self.loaded.model, self.kv_cache)
         if reason is None:
-            self.decode_program = cpu_decode.CpuDecodeProgram(
-                self.loaded.model, self.kv_cache, max_num_seqs, self.batch.max_blocks
+            cap = min(max_num_batched_tokens, step_program.MAX_TOKEN_ROWS)
+            self.decode_program = step_program.CpuStepProgram(
+                self.loaded.model,
+                self.kv_cache,
+                max(max_num_seqs, cap),
+                max_num_seqs,
+                self.batch.max_blocks,
             )
         return reason
 
@@ -128,7 +137,8 @@ class ModelRunner:
         if self.decode_graphs is not None:  # its static plans and graphs read the old cache
             self.enable_decode_graphs(*self._graph_options)
         if self.decode_program is not None:  # so does the program's recorded calls
-            self.enable_decode_program(self.decode_program.max_rows)
+            inputs = self.decode_program.inputs
+            self.enable_decode_program(inputs.max_seqs, inputs.max_tokens)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst (all layers, K and V, and their scales in a quantized

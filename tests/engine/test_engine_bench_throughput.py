@@ -216,3 +216,24 @@ def test_compare_decode_program_runs_both_decode_paths_and_names_them(capsys: An
     assert runs["kvmesh-eager-decode"]["decode_program"] is False
     assert runs["kvmesh"]["tokens"] == runs["kvmesh-eager-decode"]["tokens"]
     assert "tok_per_s kvmesh / kvmesh-eager-decode" in report["ratios"]
+
+
+def test_compare_decode_program_on_w3_adds_eager_runs_and_their_ttft_ratio(capsys: Any) -> None:
+    """On W3 `--compare-decode-program` adds both caching runs with every step made call by
+    call, and the TTFT ratio of those runs beside the program's."""
+    import json
+
+    from kvmesh.cli.main import main
+
+    argv = ["bench", "throughput", "--workload", "W3", "--num-requests", "3"]
+    assert main([*argv, "--compare-decode-program", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    runs = {run["name"]: run for run in report["runs"]}
+    assert [runs[f"prefix-cache-{c}-eager"]["decode_program"] for c in ("on", "off")] == [
+        False,
+        False,
+    ]
+    assert runs["prefix-cache-on"]["decode_program"] is True
+    assert runs["prefix-cache-on-eager"]["tokens"] == runs["prefix-cache-on"]["tokens"]
+    eager = runs["prefix-cache-on-eager"]["ttft_mean"] / runs["prefix-cache-off-eager"]["ttft_mean"]
+    assert report["ratios"]["ttft_mean on / off, eager steps"] == round(eager, 3)

@@ -1,12 +1,13 @@
 // A recorded sequence of this library's kernel calls, replayed by one call: the CPU form of a
-// decode-step graph (kvmesh_kernels/cpu_program.py builds it).
+// step graph (kvmesh_kernels/cpu_program.py builds it).
 //
-// A decode step of the native executor is about ten kernel calls per layer; made one by one
-// from Python each costs its wrapper's checks, a fresh output tensor and a ctypes call, and
-// while the calling thread does that the OpenMP team waits. A program is the same calls with
-// their arguments fixed at build time (static buffers, packed weights, cache layers), except
-// the step's row count, which the replay passes to every op: the calls and their arguments
-// are exactly the eager path's, so the results are bit for bit the same.
+// A step of the native executor is about ten kernel calls per layer; made one by one from
+// Python each costs its wrapper's checks, a fresh output tensor and a ctypes call, and while
+// the calling thread does that the OpenMP team waits. A program is the same calls with their
+// arguments fixed at build time (static buffers, packed weights, cache layers), except the
+// step's two counts, which the replay passes in: its token rows (every op but attention) and
+// its sequences (attention's batch). The calls and their arguments are exactly the eager
+// path's, so the results are bit for bit the same.
 //
 // Each op is 16 int64 slots; slot 0 is its kind, the others its arguments in the order of the
 // kernel's C signature with the row count left out (doubles travel as their bit pattern).
@@ -39,7 +40,8 @@ enum OpKind : int64_t {
                     // max_positions, threads
   kGemm = 4,        // dtype, x, ldx, packed, bias, y, ldy, n, k, threads, prefetch
   kGemmSiluMul = 5,  // dtype, x, ldx, packed, y, ldy, n, k, threads
-  kParams = 6,      // entry, params, rows field index: entry(params) with params[index] = rows
+  kParams = 6,      // entry, params, field index, count: entry(params) with params[index] set
+                    // to the step's token rows (count 0) or its sequences (count 1)
 };
 
 constexpr int kSlots = 16;
@@ -58,7 +60,7 @@ double as_double(int64_t bits) {
   return d;
 }
 
-int run_op(const int64_t* a, int64_t rows) {
+int run_op(const int64_t* a, int64_t rows, int64_t seqs) {
   const int dt = static_cast<int>(a[1]);
   switch (a[0]) {
     case kRmsNorm:
@@ -80,7 +82,7 @@ int run_op(const int64_t* a, int64_t rows) {
                                       ptr<void>(a[5]), a[6], rows, a[7], a[8], a[9]);
     case kParams: {
       int64_t* params = ptr<int64_t>(a[2]);
-      params[a[3]] = rows;
+      params[a[3]] = a[4] == 1 ? seqs : rows;
       return reinterpret_cast<ParamsEntry>(static_cast<intptr_t>(a[1]))(params);
     }
     default:
@@ -90,11 +92,13 @@ int run_op(const int64_t* a, int64_t rows) {
 
 }  // namespace
 
-// Runs `count` ops (kSlots int64 each) with `rows` rows; stops at the first op that fails.
-// Returns 0, or 1000 * (op index + 1) + that op's own code (1..999; 999: an unknown kind).
-extern "C" int64_t kvmesh_cpu_run_program(const int64_t* ops, int64_t count, int64_t rows) {
+// Runs `count` ops (kSlots int64 each) over `rows` token rows of `seqs` sequences; stops at
+// the first op that fails. Returns 0, or 1000 * (op index + 1) + that op's own code (1..999;
+// 999: an unknown kind).
+extern "C" int64_t kvmesh_cpu_run_program(const int64_t* ops, int64_t count, int64_t rows,
+                                          int64_t seqs) {
   for (int64_t i = 0; i < count; ++i) {
-    const int rc = run_op(ops + i * kSlots, rows);
+    const int rc = run_op(ops + i * kSlots, rows, seqs);
     if (rc != 0) return 1000 * (i + 1) + rc;
   }
   return 0;

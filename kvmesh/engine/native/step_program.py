@@ -1,22 +1,27 @@
-"""CPU decode steps of the native executor as one recorded program (`decode_program`).
+"""CPU steps of the native executor as one recorded program (`decode_program`).
 
-A decode step of n sequences runs the same kernel calls as the eager forward
+A step of n token rows over b sequences runs the same kernel calls as the eager forward
 (`NativeCausalLM.forward` with the fused CPU kernels), recorded once at start as a
-`kvmesh_kernels.cpu_program.Program` over static buffers of `max_rows` rows and replayed with
-n rows: the calls, their arguments and so their results are the eager path's, bit for bit,
-without the per-call Python (wrappers, fresh output tensors, ctypes) that leaves the OpenMP
-team idle between kernels. The step's inputs are copied into `StaticDecodeInputs` (the CUDA
-graphs' buffers, unpadded here: the row count is the replay's argument).
+`kvmesh_kernels.cpu_program.Program` over static buffers of `max_tokens` token rows and
+`max_seqs` sequences and replayed with (n, b): the calls, their arguments and so their
+results are the eager path's, bit for bit, without the per-call Python (wrappers, fresh
+output tensors, ctypes) that leaves the OpenMP team idle between kernels. The step's
+metadata is copied into `StaticStepInputs`.
 
     stream [R, hidden]   embedding rows, then the residual stream (updated in place)
     h [R, hidden]        a norm's output, a linear's input
     qkv [R, (Hq + 2 Hkv) D], attn [R, Hq, D], o [R, hidden], act [R, I], down [R, hidden]
     out [R, hidden]      the final norm: the step's hidden states (rows [0, n))
 
-It applies where the eager forward would take exactly these kernels: CPU, float32 or
+It replays decode steps and mixed steps (decodes with prompt chunks) in which every sequence
+attends through the cache: chunks with cached context, or any chunk where the runner sends
+first chunks through the paged kernel too. A step with a "fresh" first chunk (attended by
+torch's sdpa on the step's own K/V, `kvmesh.engine.attention`) or more rows than the program
+has runs eagerly; so do larger steps, whose kernels take far longer than the Python between
+them. It applies where the eager forward would take exactly these kernels: CPU, float32 or
 bfloat16, kvmesh's GEMM for q|k|v, o and down and its SiLU-and-mul epilogue for gate|up, the
 fused norms and rotary, no q/k norms, a cache the fused attention and KV-write kernels take
-(`why_not` names what else runs). Prompt and mixed steps run eagerly.
+(`why_not` names what else runs).
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ from torch import nn
 
 from kvmesh.engine.attention import ForwardContext
 from kvmesh.engine.cpu_linear import CpuGemmGateUpSilu, CpuGemmLinear
-from kvmesh.engine.cuda_graphs import StaticDecodeInputs, is_graph_step
 from kvmesh.engine.native.llama import NativeCausalLM, NativeDecoderLayer
+
+MAX_TOKEN_ROWS = 512  # a step of more token rows runs eagerly (its kernels dominate it)
 
 
 def why_not(model: nn.Module, cache: PagedKVCache) -> str | None:
-    """Why decode steps of `model` over `cache` cannot run as a program (None: they can)."""
+    """Why steps of `model` over `cache` cannot run as a program (None: they can)."""
     if not isinstance(model, NativeCausalLM):
         return "not the native executor"
     if cache.data.device.type != "cpu" or not cpu_program.supported():
@@ -78,16 +84,60 @@ def _linear(module: nn.Module) -> CpuGemmLinear:
     return module
 
 
-class CpuDecodeProgram:
-    """Decode steps of up to `max_rows` sequences through one recorded program."""
+class StaticStepInputs:
+    """A step's metadata in buffers whose addresses the recorded calls hold: token rows
+    [max_tokens] (positions, slots), sequences [max_seqs] (lengths, query starts [+1], block
+    tables [max_seqs, max_blocks])."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int) -> None:
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64)
+        self.slot_mapping = torch.zeros(max_tokens, dtype=torch.int64)
+        self.seq_lens = torch.ones(max_seqs, dtype=torch.int32)
+        self.query_start_loc = torch.arange(max_seqs + 1, dtype=torch.int32)
+        self.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32)
+
+    def fits(self, num_tokens: int, ctx: ForwardContext) -> bool:
+        """Whether a step of `num_tokens` rows with `ctx`'s sequences fits the buffers."""
+        seqs, width = ctx.block_tables.shape
+        return num_tokens <= self.max_tokens and seqs <= self.max_seqs and width <= self.max_blocks
+
+    def load(self, positions: torch.Tensor, ctx: ForwardContext) -> None:
+        """Copy a step that `fits` into the leading rows (entries past a sequence's table
+        are never read)."""
+        n, (b, width) = int(positions.shape[0]), ctx.block_tables.shape
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(ctx.slot_mapping)
+        self.seq_lens[:b].copy_(ctx.seq_lens)
+        self.query_start_loc[: b + 1].copy_(ctx.query_start_loc)
+        self.block_tables[:b, :width].copy_(ctx.block_tables)
+
+
+def paged_step(ctx: ForwardContext, num_tokens: int) -> bool:
+    """Every sequence of the step attends through the cache (no fresh first chunk)."""
+    return (
+        ctx.num_paged_seqs == ctx.num_seqs
+        and ctx.num_paged_tokens == num_tokens
+        and (not ctx.fresh_bounds)
+    )
+
+
+class CpuStepProgram:
+    """Steps of up to `max_tokens` token rows and `max_seqs` sequences through one recorded
+    program."""
 
     def __init__(
-        self, model: NativeCausalLM, cache: PagedKVCache, max_rows: int, max_blocks: int
+        self,
+        model: NativeCausalLM,
+        cache: PagedKVCache,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks: int,
     ) -> None:
         reason = why_not(model, cache)
         assert reason is None, reason
-        self.model, self.cache, self.max_rows = model, cache, max_rows
-        self.inputs = StaticDecodeInputs(max_rows, max_blocks, cache.data.device)
+        self.model, self.cache, self.max_tokens = model, cache, max_tokens
+        self.inputs = StaticStepInputs(max_tokens, max_seqs, max_blocks)
         self.threads = torch.get_num_threads()
         self.replays = 0
         dtype = model.embed.weight.dtype
@@ -97,7 +147,7 @@ class CpuDecodeProgram:
         width = sum(layer0.split)  # (Hq + 2 Hkv) * D
 
         def rows(*shape: int) -> torch.Tensor:
-            return torch.zeros((max_rows, *shape), dtype=dtype)
+            return torch.zeros((max_tokens, *shape), dtype=dtype)
 
         self.stream, self.h, self.o, self.down, self.out = (rows(hidden) for _ in range(5))
         self.qkv = rows(width)
@@ -124,13 +174,13 @@ class CpuDecodeProgram:
         p.gemm(self.h, qkv.packed_weight, qkv.bias, self.qkv)
         heads = shape.num_heads + shape.num_kv_heads
         qk = self.qkv.as_strided(
-            (self.max_rows, heads, shape.head_dim), (self.qkv.stride(0), shape.head_dim, 1)
+            (self.max_tokens, heads, shape.head_dim), (self.qkv.stride(0), shape.head_dim, 1)
         )  # [R, Hq + Hkv, D]: q's heads, then k's
         table = self.model.rotary
         p.rope(qk, table.cos, table.sin, self.inputs.positions)
         p.params_call(WRITE_ENTRY, self._write_params(layer), "num_tokens")
-        p.params_call(ENTRY, self._attention_params(layer), "batch")
-        attn = self.attn.view(self.max_rows, -1)  # [R, Hq * D]
+        p.params_call(ENTRY, self._attention_params(layer), "batch", count="seqs")
+        attn = self.attn.view(self.max_tokens, -1)  # [R, Hq * D]
         p.gemm(attn, o.packed_weight, o.bias, self.o)
         post = layer.post_attention_norm
         p.add_rms_norm(self.o, self.stream, post.weight, self.h, post.eps)
@@ -143,7 +193,7 @@ class CpuDecodeProgram:
         shape = layer.shape
         k = self.qkv[:, q_width : q_width + kv_width]
         v = self.qkv[:, q_width + kv_width :]
-        view = (self.max_rows, shape.num_kv_heads, shape.head_dim)
+        view = (self.max_tokens, shape.num_kv_heads, shape.head_dim)
         return k.view(view), v.view(view)
 
     def _write_params(self, layer: NativeDecoderLayer) -> ctypes.Structure:
@@ -166,7 +216,7 @@ class CpuDecodeProgram:
             cache_layer, inputs.block_tables, inputs.seq_lens, inputs.query_start_loc
         )
         q_width = layer.split[0]
-        q = self.qkv[:, :q_width].view(self.max_rows, shape.num_heads, shape.head_dim)
+        q = self.qkv[:, :q_width].view(self.max_tokens, shape.num_heads, shape.head_dim)
         data_ptr, scales_ptr = cpu_attention.layer_pointers(cache_layer)
         call.prepare(
             q, data_ptr, scales_ptr, scale=shape.scale, sliding_window=shape.sliding_window,
@@ -179,13 +229,12 @@ class CpuDecodeProgram:
         return call.params
 
     def applies(self, num_tokens: int, ctx: ForwardContext) -> bool:
-        """A pure decode step this program was recorded for (its cache, thread count, at
-        most `max_rows` sequences within the static block table's width)."""
+        """A step this program was recorded for: its cache and thread count, every sequence
+        attended through the cache, within the static buffers."""
         return (
             ctx.kv_cache is self.cache
-            and ctx.num_seqs <= self.max_rows
-            and int(ctx.block_tables.shape[1]) <= self.inputs.max_blocks
-            and is_graph_step(ctx, num_tokens)
+            and self.inputs.fits(num_tokens, ctx)
+            and paged_step(ctx, num_tokens)
             and torch.get_num_threads() == self.threads
             and ctx.attention_plan.backend == "torch"  # as eager: the fused kernels
         )
@@ -193,11 +242,11 @@ class CpuDecodeProgram:
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """Hidden states [n, hidden] of a decode step that `applies` (a view of a buffer the
-        next step overwrites)."""
-        n = ctx.num_seqs
-        self.inputs.load(input_ids, positions, ctx, n)
+        """Hidden states [n, hidden] of a step that `applies` (a view of a buffer the next
+        step overwrites)."""
+        n = int(input_ids.shape[0])
+        self.inputs.load(positions, ctx)
         torch.index_select(self.model.embed.weight, 0, input_ids, out=self.stream[:n])
-        self.program.run(n)
+        self.program.run(n, ctx.num_seqs)
         self.replays += 1
         return self.out[:n]

@@ -1,9 +1,11 @@
-"""CPU decode steps replayed as one recorded program of the kernels' calls (`decode_program`).
+"""CPU steps replayed as one recorded program of the kernels' calls (`decode_program`).
 
 The program makes the eager forward's kernel calls with the same arguments, so its steps must
 give the eager steps' results bit for bit: the same greedy tokens and the same logprobs, for
 every architecture it covers, float32 and bfloat16, a quantized cache, a sliding window, after
-the cache moves; where it does not cover a model it says why and the eager path runs.
+the cache moves, for decode steps and for mixed steps (prompt chunks with cached context
+beside decodes); where it does not cover a model or a step it says why and the eager path
+runs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from kvmesh_kernels import cpu_program, dispatch
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.engine.native import cpu_decode
+from kvmesh.engine.native import step_program
 from kvmesh.models.tiny import build_tiny_model
 from tests.engine.test_native_executor import PROMPT, hf_greedy
 
@@ -82,11 +84,11 @@ def test_the_program_is_on_by_default_and_names_what_it_does_not_cover(tmp_path:
     llm = LLM(str(qwen3), num_kv_blocks=96, max_num_seqs=8, dtype="float32")
     runner = llm.engine.runner
     assert runner.decode_program is None
-    assert cpu_decode.why_not(runner.loaded.model, runner.kv_cache) == "layer 0: q/k norms"
+    assert step_program.why_not(runner.loaded.model, runner.kv_cache) == "layer 0: q/k norms"
     llm = LLM(str(llama), num_kv_blocks=96, max_num_seqs=8, executor="transformers")
     runner = llm.engine.runner
     assert runner.decode_program is None
-    assert cpu_decode.why_not(runner.loaded.model, runner.kv_cache) == "not the native executor"
+    assert step_program.why_not(runner.loaded.model, runner.kv_cache) == "not the native executor"
 
 
 def test_steps_beyond_the_program_run_eagerly(tmp_path: Path) -> None:
@@ -123,11 +125,94 @@ def test_under_another_kernel_backend_decode_steps_run_eagerly(tmp_path: Path) -
         fresh = LLM(str(checkpoint), num_kv_blocks=96, max_num_seqs=8, dtype="float32")
         runner = fresh.engine.runner
         assert runner.decode_program is None
-        reason = cpu_decode.why_not(runner.loaded.model, runner.kv_cache)
+        reason = step_program.why_not(runner.loaded.model, runner.kv_cache)
         assert reason is not None and "reference" in reason
     finally:
         dispatch.set_backend(None)
     assert [tokens for tokens, _ in reference] == [tokens for tokens, _ in eager]
+
+
+SHARED = PROMPT[:48]  # three full 16-token blocks every later prompt finds in the cache
+ARRIVALS = [SHARED + PROMPT[60 + i : 60 + i + 5 + 3 * i] for i in range(5)]
+
+
+def staggered(llm: LLM, steps_between: int = 3) -> list[tuple[list[int], Any]]:
+    """The ARRIVALS added one by one, `steps_between` steps apart, so each later prompt's
+    chunks (after its cached prefix) share steps with the earlier ones' decodes; tokens and
+    logprobs of each, in arrival order."""
+    engine, done = llm.engine, dict[str, Any]()
+
+    def step() -> None:
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0]
+
+    for i, prompt in enumerate(ARRIVALS):
+        engine.add_request(f"r{i}", prompt, SAMPLING)
+        for _ in range(steps_between):
+            step()
+    while engine.has_unfinished():
+        step()
+    return [(done[f"r{i}"].token_ids, done[f"r{i}"].logprobs) for i in range(len(ARRIVALS))]
+
+
+def replayed_shapes(llm: LLM) -> list[tuple[int, int]]:
+    """Observe the (token rows, sequences) of every step the program replays from now on."""
+    program = llm.engine.runner.decode_program
+    assert program is not None
+    shapes, forward = list[tuple[int, int]](), program.forward
+
+    def observed(input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any) -> torch.Tensor:
+        shapes.append((int(input_ids.shape[0]), ctx.num_seqs))
+        return forward(input_ids, positions, ctx)
+
+    program.forward = observed  # type: ignore[method-assign]
+    return shapes
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mixed_steps_with_cached_prefixes_equal_eager_steps(
+    tmp_path: Path, arch: str, dtype: str
+) -> None:
+    """Prompts sharing a cached prefix arrive while earlier ones decode, in 24-token chunks:
+    their steps mix chunks that attend to cached context with decodes, and the program's
+    replays of them give the eager steps' tokens and logprobs bit for bit."""
+    checkpoint = build_tiny_model(tmp_path / arch, arch, "test", seed=0)
+    engine = dict(
+        num_kv_blocks=96, max_num_seqs=8, max_num_batched_tokens=24, dtype=dtype,
+        fresh_attention="on",
+    )  # fmt: skip
+    eager = staggered(LLM(str(checkpoint), decode_program=False, **engine))
+    llm = LLM(str(checkpoint), **engine)
+    shapes = replayed_shapes(llm)
+    assert staggered(llm) == eager
+    mixed = [(rows, seqs) for rows, seqs in shapes if rows > seqs]
+    assert len(mixed) >= 3 and any(seqs > 1 for _, seqs in mixed), shapes
+    if dtype == "float32":
+        assert eager[0][0] == hf_greedy(checkpoint, ARRIVALS[0], SAMPLING.max_tokens)
+
+
+def test_prompt_steps_replay_where_first_chunks_attend_through_the_cache(
+    tmp_path: Path,
+) -> None:
+    """With first chunks on the paged kernel (`fresh_attention=off`) every step up to the
+    program's token rows replays, a prompt-only step too; a larger step runs eagerly."""
+    checkpoint = build_tiny_model(tmp_path / "llama", "llama", "test", seed=0)
+    engine = dict(num_kv_blocks=96, max_num_seqs=8, dtype="float32", fresh_attention="off")
+    eager_llm = LLM(str(checkpoint), decode_program=False, **engine)
+    eager = staggered(eager_llm)
+    llm = LLM(str(checkpoint), **engine)
+    runner = llm.engine.runner
+    assert runner.enable_decode_program(max_num_seqs=8, max_num_batched_tokens=60) is None
+    shapes = replayed_shapes(llm)
+    assert staggered(llm) == eager
+    assert (len(ARRIVALS[0]), 1) in shapes  # the first prompt alone, whole
+    long = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+    alone = llm.generate([PROMPT], long)[0].outputs[0]
+    assert (len(PROMPT), 1) not in shapes and all(rows <= 60 for rows, _ in shapes)
+    expected = eager_llm.generate([PROMPT], long)[0].outputs[0]
+    assert (alone.token_ids, alone.logprobs) == (expected.token_ids, expected.logprobs)
 
 
 def test_a_failing_op_is_named_by_its_index_and_code() -> None:
