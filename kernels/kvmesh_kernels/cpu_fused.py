@@ -10,6 +10,8 @@ float32 value lies within that of a rounding boundary).
 
     add_rms_norm(x, residual, w, eps) -> y       residual <- x + residual (in place), y = norm
     rms_norm(x, w, eps) -> y                     x [rows, n] (row-strided), y contiguous
+    head_rms_norm_(x, w, eps)                    x [T, H, D] (token/head strided) in place,
+                                                 rms_norm of each head (Qwen3's q/k norms)
     silu_mul(gate_up) -> y                       [rows, 2n] (row-strided) -> [rows, n]
     rope_(x, cos, sin, positions)                x [T, H, D] (token/head strided) in place
     argmax_rows(x) -> ids                        x [rows, n] (row-strided) -> int64 [rows],
@@ -91,6 +93,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _I(torch.get_num_threads()),
     )
     return out
+
+
+def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """Normalize every head of x [T, H, D] in place (token and head strides, unit last stride;
+    Qwen3's q/k norms on the q|k|v output) with weight [D]: `rms_norm` of each head."""
+    tokens, heads, dim = x.shape
+    assert weight.shape == (dim,) and weight.is_contiguous() and fused_supported(x, weight)
+    _call(
+        "kvmesh_cpu_head_rms_norm",
+        ctypes.c_int(_DTYPE_CODES[x.dtype]),
+        _P(x.data_ptr()),
+        _I(tokens),
+        _I(heads),
+        _I(x.stride(0) if tokens > 1 else heads * x.stride(1)),  # a lone token's is arbitrary
+        _I(x.stride(1) if heads > 1 else dim),
+        _P(weight.data_ptr()),
+        _I(dim),
+        _D(eps),
+        _I(torch.get_num_threads()),
+    )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from kvmesh_kernels.cpu_build import ENTRY, WRITE_ENTRY, library
 SLOTS = 16  # int64 slots per op: the kind, then the kernel's arguments without the rows
 COUNTS = ("rows", "seqs")  # what a parameter field is set to at each replay
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-RMS_NORM, ADD_RMS_NORM, ROPE, GEMM, GEMM_SILU_MUL, PARAMS = 1, 2, 3, 4, 5, 6
+RMS_NORM, ADD_RMS_NORM, ROPE, GEMM, GEMM_SILU_MUL, PARAMS, HEAD_RMS_NORM = 1, 2, 3, 4, 5, 6, 7
 
 
 def supported() -> bool:
@@ -85,6 +85,14 @@ class Program:
         self._add(
             ADD_RMS_NORM, self.dtype_code, _ptr(x), x.stride(0), _ptr(residual), _ptr(w), _ptr(y),
             residual.shape[1], _bits(eps), self.threads,
+        )  # fmt: skip
+
+    def head_rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
+        """Norm every head of x[:rows] [rows, H, D] in place (`cpu_fused.head_rms_norm_`)."""
+        _, heads, dim = x.shape
+        self._add(
+            HEAD_RMS_NORM, self.dtype_code, _ptr(x), heads, x.stride(0), x.stride(1), _ptr(w),
+            dim, _bits(eps), self.threads,
         )  # fmt: skip
 
     def rope(

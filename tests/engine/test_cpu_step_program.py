@@ -47,7 +47,7 @@ def eager_then_program(checkpoint: Path, **engine: Any) -> tuple[LLM, list, list
     return llm, eager, replayed
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_program_steps_equal_eager_steps_bit_for_bit(tmp_path: Path, arch: str, dtype: str) -> None:
     checkpoint = build_tiny_model(tmp_path / arch, arch, "test", seed=0)
@@ -82,9 +82,12 @@ def test_the_program_is_on_by_default_and_names_what_it_does_not_cover(tmp_path:
     assert llm.engine.runner.decode_program is not None
     qwen3 = build_tiny_model(tmp_path / "qwen3", "qwen3", "test", seed=0)
     llm = LLM(str(qwen3), num_kv_blocks=96, max_num_seqs=8, dtype="float32")
+    assert llm.engine.runner.decode_program is not None  # per-head q/k norms recorded too
+    llm = LLM(str(qwen3), num_kv_blocks=96, max_num_seqs=8, dtype="float32", cpu_gemm="torch")
     runner = llm.engine.runner
     assert runner.decode_program is None
-    assert step_program.why_not(runner.loaded.model, runner.kv_cache) == "layer 0: q/k norms"
+    reason = step_program.why_not(runner.loaded.model, runner.kv_cache)
+    assert reason == "layer 0: a linear not on kvmesh's GEMM"
     llm = LLM(str(llama), num_kv_blocks=96, max_num_seqs=8, executor="transformers")
     runner = llm.engine.runner
     assert runner.decode_program is None

@@ -16,6 +16,7 @@ from kvmesh_kernels.cpu_fused import (
     add_rms_norm,
     argmax_rows,
     fused_supported,
+    head_rms_norm_,
     logprob_rows,
     race_rows,
     rms_norm,
@@ -67,6 +68,30 @@ def test_rms_norm_of_strided_rows(dtype: torch.dtype) -> None:
     x = randn(33, 256, dtype=dtype, seed=5)[:, :128]
     weight = randn(128, dtype=dtype, seed=6)
     assert close(hf_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 200])
+def test_head_rms_norm_normalizes_each_head_in_place_as_rms_norm(
+    dtype: torch.dtype, tokens: int
+) -> None:
+    """Qwen3's q/k norms on views of a q|k|v row: each head exactly as `rms_norm` of that
+    head's row, close to transformers' formula, and the columns around the view untouched."""
+    heads, dim = 4, 64
+    qkv = randn(tokens, heads * dim + 3 * dim, dtype=dtype, seed=tokens)  # q | k | v (padded)
+    before = qkv.clone()
+    k = qkv[:, heads * dim : heads * dim + dim].view(tokens, 1, dim)  # one kv head
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)  # [T, H, D], token-strided
+    weight = randn(dim, dtype=dtype, seed=7)
+    expected = rms_norm(before[:, : heads * dim].reshape(-1, dim), weight, 1e-6)  # [T * H, D]
+    head_rms_norm_(q, weight, 1e-6)
+    assert torch.equal(q.reshape(-1, dim), expected)
+    assert close(hf_norm(before[:, : heads * dim].view(tokens, heads, dim), weight, 1e-6), q)
+    assert torch.equal(qkv[:, heads * dim :], before[:, heads * dim :])  # k and v untouched
+    head_rms_norm_(k, weight, 1e-6)
+    assert torch.equal(
+        k.reshape(-1, dim), rms_norm(before[:, heads * dim : (heads + 1) * dim], weight, 1e-6)
+    )
 
 
 def hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

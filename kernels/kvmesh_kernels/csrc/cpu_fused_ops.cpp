@@ -4,6 +4,8 @@
 //
 //   add_rms_norm:  s = x + r (rounded);  r <- s;  y = w * round(s * rsqrt(mean(s^2) + eps))
 //   rms_norm:      the same without the add (y from x)
+//   head_rms_norm: rms_norm in place over each head of each row (Qwen3's q/k norms: x [T, H, D]
+//                  strided by token and by head, one weight [D] for every head)
 //   silu_mul:      y = round(round(g / (1 + exp(-g))) * u) over rows of [g | u] (torch's
 //                  F.silu(g) * up: silu in float32, rounded, then the rounded product);
 //                  exp is our own vectorizable polynomial (exp_f32, within 1 ulp), with FMA
@@ -161,6 +163,23 @@ int silu_mul(const void* gate_up, int64_t row_stride, void* y, int64_t rows, int
 }
 
 template <class D>
+int head_rms_norm(void* x, int64_t tokens, int64_t heads, int64_t token_stride,
+                  int64_t head_stride, const void* w, int64_t dim, double eps, int64_t threads) {
+  using T = typename D::T;
+  if (tokens < 0 || heads <= 0 || dim <= 0 || head_stride < dim || threads < 1) return 1;
+  if (tokens > 1 && token_stride < heads * head_stride) return 1;
+  T* xs = static_cast<T*>(x);
+  const bool parallel = tokens * heads * dim >= kParallelElements && threads > 1;
+#pragma omp parallel for num_threads(static_cast<int>(threads)) if (parallel) schedule(static)
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      T* head = xs + t * token_stride + h * head_stride;  // read whole, then written in place
+      norm_row<D>(head, static_cast<const T*>(w), head, dim, static_cast<float>(eps));
+    }
+  return 0;
+}
+
+template <class D>
 KVF_CLONES void rope_head(typename D::T* x, const typename D::T* c, const typename D::T* s,
                           int64_t half) {
 #pragma omp simd
@@ -209,6 +228,17 @@ extern "C" int kvmesh_cpu_rms_norm(int dtype, const void* x, int64_t x_stride, c
                                    void* y, int64_t rows, int64_t n, double eps, int64_t threads) {
   if (dtype == 0) return rms_norm<F32>(x, x_stride, w, y, rows, n, eps, threads);
   if (dtype == 1) return rms_norm<BF16>(x, x_stride, w, y, rows, n, eps, threads);
+  return 3;
+}
+
+// x: [tokens, heads, dim] at token_stride / head_stride elements, normalized in place.
+extern "C" int kvmesh_cpu_head_rms_norm(int dtype, void* x, int64_t tokens, int64_t heads,
+                                        int64_t token_stride, int64_t head_stride, const void* w,
+                                        int64_t dim, double eps, int64_t threads) {
+  if (dtype == 0)
+    return head_rms_norm<F32>(x, tokens, heads, token_stride, head_stride, w, dim, eps, threads);
+  if (dtype == 1)
+    return head_rms_norm<BF16>(x, tokens, heads, token_stride, head_stride, w, dim, eps, threads);
   return 3;
 }
 

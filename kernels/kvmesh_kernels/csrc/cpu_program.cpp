@@ -21,6 +21,9 @@ int kvmesh_cpu_add_rms_norm(int dtype, const void* x, int64_t x_stride, void* re
                             int64_t threads);
 int kvmesh_cpu_rms_norm(int dtype, const void* x, int64_t x_stride, const void* w, void* y,
                         int64_t rows, int64_t n, double eps, int64_t threads);
+int kvmesh_cpu_head_rms_norm(int dtype, void* x, int64_t tokens, int64_t heads,
+                             int64_t token_stride, int64_t head_stride, const void* w,
+                             int64_t dim, double eps, int64_t threads);
 int kvmesh_cpu_rope(int dtype, void* x, int64_t tokens, int64_t heads, int64_t token_stride,
                     int64_t head_stride, int64_t dim, const void* cos, const void* sin,
                     const int64_t* positions, int64_t max_positions, int64_t threads);
@@ -42,6 +45,7 @@ enum OpKind : int64_t {
   kGemmSiluMul = 5,  // dtype, x, ldx, packed, y, ldy, n, k, threads
   kParams = 6,      // entry, params, field index, count: entry(params) with params[index] set
                     // to the step's token rows (count 0) or its sequences (count 1)
+  kHeadRmsNorm = 7,  // dtype, x, heads, token_stride, head_stride, w, dim, eps, threads
 };
 
 constexpr int kSlots = 16;
@@ -80,6 +84,9 @@ int run_op(const int64_t* a, int64_t rows, int64_t seqs) {
     case kGemmSiluMul:
       return kvmesh_cpu_gemm_silu_mul(dt, ptr<void>(a[2]), a[3], ptr<void>(a[4]),
                                       ptr<void>(a[5]), a[6], rows, a[7], a[8], a[9]);
+    case kHeadRmsNorm:
+      return kvmesh_cpu_head_rms_norm(dt, ptr<void>(a[2]), rows, a[3], a[4], a[5],
+                                      ptr<void>(a[6]), a[7], as_double(a[8]), a[9]);
     case kParams: {
       int64_t* params = ptr<int64_t>(a[2]);
       params[a[3]] = a[4] == 1 ? seqs : rows;

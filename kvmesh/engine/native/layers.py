@@ -110,6 +110,15 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(variance + self.eps)
         return self.weight * h.to(input_dtype)
 
+    def heads_(self, x: torch.Tensor) -> torch.Tensor:
+        """Norm of every head of x [T, H, D] (Qwen3's q/k norms): in place on the fused path
+        (x token- and head-strided with unit last stride, as a view of the q|k|v output is),
+        else transformers' formula into a new tensor; returns the result [T, H, D]."""
+        if self.fused and x.dim() == 3 and x.stride(-1) == 1:
+            cpu_fused.head_rms_norm_(x, self.weight, self.eps)
+            return x
+        return self(x)
+
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

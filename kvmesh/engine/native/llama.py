@@ -108,7 +108,7 @@ class NativeDecoderLayer(nn.Module):
         k = k.view(tokens, shape.num_kv_heads, shape.head_dim)  # [T, Hkv, D]
         v = v.view(tokens, shape.num_kv_heads, shape.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.heads_(q), self.k_norm.heads_(k)  # in place where fused
         q, k = rotary.apply(q, k)  # in place on the fresh qkv output where fused
         return q, k, v, residual
 

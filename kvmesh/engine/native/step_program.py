@@ -20,8 +20,8 @@ torch's sdpa on the step's own K/V, `kvmesh.engine.attention`) or more rows than
 has runs eagerly; so do larger steps, whose kernels take far longer than the Python between
 them. It applies where the eager forward would take exactly these kernels: CPU, float32 or
 bfloat16, kvmesh's GEMM for q|k|v, o and down and its SiLU-and-mul epilogue for gate|up, the
-fused norms and rotary, no q/k norms, a cache the fused attention and KV-write kernels take
-(`why_not` names what else runs).
+fused norms (Qwen3's per-head q/k norms too) and rotary, a cache the fused attention and
+KV-write kernels take (`why_not` names what else runs).
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ def _layer_why_not(layer: NativeDecoderLayer) -> str | None:
         return "a linear not on kvmesh's GEMM"
     if type(layer.gate_up) is not CpuGemmGateUpSilu:
         return "gate|up without the SiLU-and-mul epilogue"
-    if layer.q_norm is not None or layer.k_norm is not None:
-        return "q/k norms"
-    if not (layer.input_norm.fused and layer.post_attention_norm.fused):
+    norms = (layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm)
+    if (layer.q_norm is None) != (layer.k_norm is None):
+        return "a q norm without a k norm, or the reverse"
+    if not all(norm.fused for norm in norms if norm is not None):
         return "norms without the fused kernel"
     return None
 
@@ -172,6 +173,10 @@ class CpuStepProgram:
             p.add_rms_norm(self.down, self.stream, norm.weight, self.h, norm.eps)
         qkv, o, down = (_linear(m) for m in (layer.qkv, layer.o, layer.down))
         p.gemm(self.h, qkv.packed_weight, qkv.bias, self.qkv)
+        if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: per-head norms
+            q, (k, _) = self._q_view(layer), self._kv_views(layer)
+            p.head_rms_norm(q, layer.q_norm.weight, layer.q_norm.eps)
+            p.head_rms_norm(k, layer.k_norm.weight, layer.k_norm.eps)
         heads = shape.num_heads + shape.num_kv_heads
         qk = self.qkv.as_strided(
             (self.max_tokens, heads, shape.head_dim), (self.qkv.stride(0), shape.head_dim, 1)
@@ -186,6 +191,11 @@ class CpuStepProgram:
         p.add_rms_norm(self.o, self.stream, post.weight, self.h, post.eps)
         p.gemm_silu_mul(self.h, _linear(layer.gate_up).packed_weight, self.act)
         p.gemm(self.act, down.packed_weight, down.bias, self.down)
+
+    def _q_view(self, layer: NativeDecoderLayer) -> torch.Tensor:
+        """q [R, Hq, D]: a view of the q|k|v buffer, as the eager layer splits it."""
+        shape = layer.shape
+        return self.qkv[:, : layer.split[0]].view(self.max_tokens, shape.num_heads, shape.head_dim)
 
     def _kv_views(self, layer: NativeDecoderLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [R, Hkv, D]: views of the q|k|v buffer, as the eager layer splits it."""
@@ -215,8 +225,7 @@ class CpuStepProgram:
         call = cpu_attention.FusedCall(
             cache_layer, inputs.block_tables, inputs.seq_lens, inputs.query_start_loc
         )
-        q_width = layer.split[0]
-        q = self.qkv[:, :q_width].view(self.max_tokens, shape.num_heads, shape.head_dim)
+        q = self._q_view(layer)
         data_ptr, scales_ptr = cpu_attention.layer_pointers(cache_layer)
         call.prepare(
             q, data_ptr, scales_ptr, scale=shape.scale, sliding_window=shape.sliding_window,
