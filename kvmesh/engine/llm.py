@@ -9,6 +9,9 @@
     outputs = llm.chat(messages, add_generation_prompt=False, continue_final_message=True,
                        chat_template_kwargs={"enable_thinking": False})   # vLLM's options
 
+    with LLM(disk_kv_dir="kv", disk_kv_persist=True) as llm:   # closed at the block's end
+        llm.generate(...)
+
 Keyword arguments are EngineConfig fields. Results come back in prompt order. Logprobs read as
 vLLM's: `for token_id, lp in out.outputs[0].logprobs[i].items(): lp.logprob, lp.rank,
 lp.decoded_token` (and `out.prompt_logprobs`, None first), the texts as vLLM decodes them.
@@ -17,7 +20,10 @@ lp.decoded_token` (and `out.prompt_logprobs`, None first), the texts as vLLM dec
 from __future__ import annotations
 
 import itertools
+import os
+import weakref
 from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
 from typing import Any
 
 from kvmesh.engine.chat import ChatOptions, Message, chat_prompt_text, rendered_ids
@@ -38,12 +44,39 @@ PromptLike = PromptInput | Mapping[str, Any]
 
 
 class LLM:
-    """Loads a model once; `generate` runs batches of prompts to completion."""
+    """Loads a model once; `generate` runs batches of prompts to completion.
+
+    `close()` (or leaving a `with LLM(...) as llm:` block) releases the engine: a persistent
+    disk tier (`disk_kv_persist`) receives the device's and host's cached blocks, and the disk
+    folder is free for the next engine. An LLM dropped without `close` (collected, or still
+    alive at interpreter exit) is closed then; its engine is not to be used after that."""
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
         self._decoded: DecodedTokens | None = None  # made when logprobs are first decoded
+        # Holds the engine, never this LLM: a dropped LLM is collected, which runs it.
+        self._closer = weakref.finalize(self, _close_engine, self.engine, os.getpid())
+
+    def close(self) -> None:
+        """Close the engine (a persistent disk tier is written down, see the class).
+        Idempotent; `generate` and `chat` refuse to run afterwards."""
+        self._closer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._closer.alive
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -70,6 +103,8 @@ class LLM:
         shows a progress bar of finished prompts on stderr (vLLM's option; off by default).
         Logprobs carry each token's text (`Logprob.decoded_token`) unless detokenize=False.
         """
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
         batch = _as_prompt_list(prompts)
         params = _params_per_prompt(
             sampling_params, len(batch), self.engine.parts.sampling_defaults
@@ -180,6 +215,13 @@ class LLM:
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text  # vLLM's: the rendered conversation
         return outputs
+
+
+def _close_engine(engine: LLMEngine, owner: int) -> None:
+    """An LLM's finalizer: close its engine, in the process that made it only (a forked
+    child's copy of the engine shares its parent's disk folder)."""
+    if os.getpid() == owner:
+        engine.close()
 
 
 def _chat_options(

@@ -8,7 +8,10 @@ import gc
 import itertools
 import random
 import shutil
+import subprocess
+import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +146,70 @@ def test_a_disk_folder_that_cannot_be_made_is_refused_by_name(
         with pytest.raises(InvalidParameterError, match="cannot be used") as error:
             LLM(str(checkpoint), num_kv_blocks=5, disk_kv_dir=str(folder))
         assert error.value.field == "disk_kv_dir"
+
+
+def test_an_llm_writes_its_persistent_tier_down_when_dropped_or_closed(
+    checkpoint: Path, expected: list[list[int]], tmp_path: Path
+) -> None:
+    """With `disk_kv_persist` the device's and host's cached blocks are written down to disk
+    when the offline LLM goes away: dropped without `close` (collected; the finalizer holds
+    the engine, not the LLM) or left in a `with` block. Before, only `LLMEngine.close` wrote
+    them, and a restart after the usual `del llm` (or the end of a script) found nothing."""
+    options = {
+        "num_kv_blocks": 5,
+        "host_kv_gib": gib(8),
+        "disk_kv_dir": str(tmp_path),
+        "disk_kv_persist": True,
+    }
+    first = LLM(str(checkpoint), **options)
+    run_each(first, [make_prompts()[0]])
+    assert not list(tmp_path.glob("*.kvblock"))  # nothing overflowed to disk while running
+    dropped = weakref.ref(first)
+    del first
+    gc.collect()
+    assert dropped() is None
+    assert len(list(tmp_path.glob("*.kvblock"))) >= 3  # the prompt's full blocks
+    with LLM(str(checkpoint), **options) as again:
+        tokens, cached = run_each(again, [make_prompts()[1]])  # prefix 0, another tail
+        assert tokens == [expected[1]] and cached == [48]
+        reloaded = len(list(tmp_path.glob("*.kvblock")))
+    assert again.closed and len(list(tmp_path.glob("*.kvblock"))) > reloaded
+    again.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        again.generate([make_prompts()[1]], GREEDY)
+
+
+def test_an_llm_alive_at_interpreter_exit_writes_its_persistent_tier_down(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """A script that ends with its LLM still referenced (never closed, never collected)
+    writes the cached blocks down at interpreter exit."""
+    script = (
+        "import sys\n"
+        "from kvmesh import LLM, SamplingParams\n"
+        "llm = LLM(sys.argv[1], num_kv_blocks=5, host_kv_gib=0.001, disk_kv_dir=sys.argv[2],"
+        " disk_kv_persist=True)\n"
+        "llm.generate([list(range(10, 60))], SamplingParams(max_tokens=2, ignore_eos=True))\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", script, str(checkpoint), str(tmp_path)],
+        check=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert len(list(tmp_path.glob("*.kvblock"))) >= 3  # the prompt's full blocks
+
+
+def test_a_hash_seed_that_cannot_be_read_is_refused_by_name(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """A persistent disk folder whose `hash-seed` can be neither read nor written (a
+    directory in its place here; an I/O error, a full disk) fails the start naming
+    `disk_kv_dir`, not with a raw OSError."""
+    (tmp_path / "hash-seed").mkdir()
+    with pytest.raises(InvalidParameterError, match="hash seed") as error:
+        LLM(str(checkpoint), num_kv_blocks=5, disk_kv_dir=str(tmp_path), disk_kv_persist=True)
+    assert error.value.field == "disk_kv_dir"
 
 
 def salted_cached_tokens(llm: LLM, prompt: list[int], salt: bytes | None) -> int:

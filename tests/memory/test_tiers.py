@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import shutil
+import stat
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
+from kvmesh_kernels.cache import KVCacheSpec, allocate_kv_cache
 
 from kvmesh.memory.errors import SequenceExistsError
 from kvmesh.memory.tiers import blockfile
 from kvmesh.memory.tiers.blockfile import BlockMeta
+from kvmesh.memory.tiers.device import DeviceBlocks
 from kvmesh.memory.tiers.disk import DiskTier
+from kvmesh.memory.tiers.host import HostTier
+from kvmesh.memory.tiers.store import TieredStore
+from kvmesh.memory.tiers.watermarks import Watermarks
 from tests.memory.tiers_harness import TieredRig, file_size_limit
 
 A = list(range(1, 14))  # 3 full blocks of 4 and one token
@@ -396,3 +404,210 @@ def test_a_persistent_restart_survives_entries_it_cannot_read_or_delete(
         again.check_integrity()
     finally:
         again.close()
+
+
+class FinishedCopy:
+    """What `DeviceBlocks.from_host` returns on CUDA (a `DeviceCopy`), for a copy that has
+    completed on the device and took `seconds` there: the CPU has no copy stream, so the
+    copy itself runs at once and its completion is only seen when the store looks."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def seconds(self) -> float:
+        return self._seconds
+
+
+COPY_SECONDS = 0.004  # what a FinishedCopy reports
+
+
+@pytest.fixture
+def cuda_like_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reload copies behave as on CUDA: asynchronous, in flight until the store sees them
+    complete (the bytes land at once: the real CPU copy runs underneath)."""
+    cpu_copy = DeviceBlocks.from_host
+
+    def from_host(
+        self: DeviceBlocks, host: HostTier, slots: Sequence[int], block_ids: Sequence[int]
+    ) -> FinishedCopy:
+        cpu_copy(self, host, slots, block_ids)
+        return FinishedCopy(COPY_SECONDS)
+
+    monkeypatch.setattr(DeviceBlocks, "from_host", from_host)
+
+
+@pytest.mark.parametrize("path", ["cpu", "cuda"])
+def test_reload_bandwidth_is_timed_from_the_copy_not_from_the_lookup(
+    request: pytest.FixtureRequest, path: str
+) -> None:
+    """The copy bandwidth behind auto swap-or-recompute is sampled from a reload copy's own
+    duration (on CUDA its events' elapsed time), not from when the lookup queued it: the wait
+    until the step ran (here 50 ms) made the bandwidth look orders of magnitude lower, and
+    auto chose recompute where swapping was far cheaper. The reload latency still counts
+    from the lookup."""
+    if path == "cuda":
+        request.getfixturevalue("cuda_like_copies")
+    rig = TieredRig(8, 8)
+    store = rig.store
+    push_down(rig, A)
+    rig.manager.evict_all()  # A's 3 full blocks spill to the host
+    store.flush_spills()
+    assert rig.manager.lookup_prefix("again", A) == 12  # 3 reloads queued
+    assert rig.manager.allocate("again", len(A)) is not None
+    time.sleep(0.05)  # the lookup's schedule, then the step
+    store.rates.bytes_per_s = None  # the reload's copy is the only sample
+    before = (store.host_stats.copy_seconds, store.host_stats.reload_seconds)
+    store.prepare_step()
+    store.prepare_step()  # on CUDA a copy is seen complete at a later step
+    copy_seconds = store.host_stats.copy_seconds - before[0]
+    latency = store.host_stats.reload_seconds - before[1]
+    size = 3 * rig.device.block_bytes
+    timed = COPY_SECONDS if path == "cuda" else copy_seconds  # the copy's own time
+    assert store.rates.bytes_per_s == pytest.approx(size / timed)
+    assert copy_seconds == pytest.approx(timed) and store.host_stats.copy_bytes >= size
+    assert latency >= 0.05 > copy_seconds and store.host_stats.reloads == 3
+    rig.write("again", A, 12)
+    rig.verify("again", A)
+    rig.manager.check_integrity()
+
+
+def _reloads_in_flight(rig: TieredRig) -> None:
+    """3 of the host's 4 slots hold reload copies that completed on the device, seen by the
+    store only at its next step (as on CUDA, where `prepare_step` polls them)."""
+    push_down(rig, A)
+    rig.manager.evict_all()  # A's 3 full blocks -> host
+    assert rig.run_prompt("hit", A) == 12  # its step issues the 3 reloads
+    host = rig.store.host
+    assert (host.num_free, host.num_cached, len(host._inflight)) == (1, 0, 3)
+
+
+@pytest.mark.usefixtures("cuda_like_copies")
+def test_completed_reload_copies_leave_room_for_a_swap_out() -> None:
+    """A swap-out before the next step counts the host slots of reload copies that already
+    completed as free: it was refused (the sequence recomputed) though the host had room."""
+    rig = TieredRig(8, 4)
+    assert rig.run_prompt("victim", list(range(100, 106))) == 0  # 2 blocks
+    _reloads_in_flight(rig)
+    assert rig.manager.swap_out("victim")
+    rig.manager.check_integrity()
+    assert rig.manager.swap_in("victim")
+    rig.store.prepare_step()
+    rig.verify("victim", list(range(100, 106)))
+
+
+@pytest.mark.usefixtures("cuda_like_copies")
+def test_completed_reload_copies_leave_room_for_spills() -> None:
+    """Evictions before the next step spill into the host slots of completed reload copies:
+    before, the host looked full and a spill dropped a cached block."""
+    rig = TieredRig(8, 4)
+    _reloads_in_flight(rig)
+    rig.manager.free("hit")
+    rig.manager.evict_all()  # A's 3 published blocks spill: 1 free slot, 3 completed copies
+    rig.store.flush_spills()
+    host = rig.store.metrics()[0]
+    assert host.dropped == 0 and rig.store.host.num_cached == 3
+    assert rig.run_prompt("again", A) == 12  # verified: its own KV
+    rig.manager.check_integrity()
+
+
+def _one_block_store(tmp_path: Path, host_blocks: int, disk_blocks: int) -> TieredStore:
+    """A store over a 4-block device cache whose block b holds bytes of value b + 1; no
+    watermarks (only capacity moves blocks down)."""
+    cache = allocate_kv_cache(KVCacheSpec(4, 1, 4, 1, 32))
+    for block in range(4):
+        cache.data[block] = block + 1
+    device = DeviceBlocks(cache, "m")
+    flat = Watermarks(1.0, 1.0)
+    host = HostTier(host_blocks, device.data_bytes, watermarks=flat)
+    disk = DiskTier(tmp_path, disk_blocks, device.layout, device.block_bytes, watermarks=flat)
+    return TieredStore(device, host, disk)
+
+
+D = BlockMeta(11, None, (1, 2, 3, 4), None, bytes(32))
+E = BlockMeta(22, None, (5, 6, 7, 8), None, bytes([1]) * 32)
+
+
+def test_a_disk_reload_never_evicts_itself_to_make_its_host_slot(tmp_path: Path) -> None:
+    """A disk reload whose host slot is made by demoting a host block to a full disk: the
+    block being reloaded leaves the disk first, so the demoted block takes its place. Before,
+    the demotion evicted the very block being reloaded: counted both dropped and reloaded."""
+    store = _one_block_store(tmp_path, host_blocks=1, disk_blocks=1)
+    disk = store.disk
+    assert disk is not None
+    store.spill(0, D)  # D on the host
+    store.flush_spills()
+    store.spill(1, E)  # D demoted to the disk (1 block), E on the host
+    store.flush_spills()
+    assert disk.hashes() == {D.block_hash} and store.host.hashes() == {E.block_hash}
+    assert store.take(D, 2)  # D read from disk; E demoted to make D's host slot
+    store.prepare_step()
+    assert torch.all(store.device.cache.data[2] == 1)  # D's bytes (device block 0's)
+    stats = store.disk_stats
+    assert (stats.hits, stats.reloads, stats.dropped) == (1, 1, 0)
+    assert disk.hashes() == {E.block_hash} and len(_files(tmp_path)) == 1
+    store.check_integrity({D.block_hash}, set())
+    store.close()
+
+
+def test_a_disk_reload_without_a_host_slot_leaves_the_block_on_disk(tmp_path: Path) -> None:
+    """A disk reload that finds no host slot (every slot held by a swapped-out sequence)
+    changes nothing: the block stays on disk, readable later."""
+    store = _one_block_store(tmp_path, host_blocks=1, disk_blocks=2)
+    disk = store.disk
+    assert disk is not None
+    store.spill(0, D)
+    store.flush_spills()
+    store.spill(1, E)  # D to the disk
+    store.flush_spills()
+    assert store.swap_out("s", [3])  # E to the disk, the one slot parked
+    assert disk.hashes() == {D.block_hash, E.block_hash}
+    assert not store.take(D, 2)
+    assert disk.hashes() == {D.block_hash, E.block_hash} and store.disk_stats.dropped == 0
+    store.check_integrity(set(), {"s"})
+    store.drop_swapped("s")
+    assert store.take(D, 2)
+    store.prepare_step()
+    assert torch.all(store.device.cache.data[2] == 1)
+    store.close()
+
+
+def test_an_unusable_hash_seed_fails_a_persistent_start_naming_the_folder(
+    tmp_path: Path,
+) -> None:
+    """A persistent disk tier reads (or makes) the folder's hash seed at start. A seed that
+    cannot be written (a full disk; here a file size limit) or read (a directory in its place)
+    is a ValueError naming the folder (the engine reports it as `disk_kv_dir`), leaves no
+    temporary file, and releases the folder; before, a raw OSError came out of the engine's
+    start and a failed write left `hash-seed.tmp` behind."""
+    full = tmp_path / "full"
+    with file_size_limit(8), pytest.raises(ValueError, match=r"disk KV folder .* cannot be used"):
+        DiskTier(full, 4, {"layout": 1}, 16, persist=True)
+    assert sorted(p.name for p in full.iterdir()) == ["lock"]
+    disk = DiskTier(full, 4, {"layout": 1}, 16, persist=True)  # released: starts once it can
+    seed = (full / "hash-seed").read_bytes()
+    assert disk.hash_seed() == seed and len(seed) == 16
+    assert stat.S_IMODE((full / "hash-seed").stat().st_mode) == 0o600
+    disk.close()
+    unreadable = tmp_path / "unreadable"
+    (unreadable / "hash-seed").mkdir(parents=True)
+    with pytest.raises(ValueError, match="hash seed hash-seed cannot be read or written"):
+        DiskTier(unreadable, 4, {"layout": 1}, 16, persist=True)
+    DiskTier(unreadable, 4, {"layout": 1}, 16).close()  # the lock was released
+
+
+def test_a_persistent_start_removes_torn_hash_seed_writes(tmp_path: Path) -> None:
+    """A seed write cut short by a crash leaves its temporary file (under the old name or
+    write_atomic's); the next persistent start removes it and keeps the seed."""
+    (tmp_path / "hash-seed").write_bytes(b"s" * 16)
+    for name in ("hash-seed.tmp", ".hash-seed.4242.tmp"):
+        (tmp_path / name).write_bytes(b"torn")
+    disk = DiskTier(tmp_path, 4, {"layout": 1}, 16, persist=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hash-seed", "lock"]
+    assert disk.hash_seed() == b"s" * 16
+    disk.close()

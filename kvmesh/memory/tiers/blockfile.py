@@ -115,15 +115,35 @@ def decode(
     return meta, payload
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, *, mode: int = 0o666, sync: bool = False) -> None:
     """Write `data` to `path` so a reader sees the old file, the new one, or none: never half.
-    A write that fails (OSError: disk full, folder gone) leaves no temporary file behind."""
+    A write that fails (OSError: disk full, folder gone) leaves no temporary file behind.
+    `mode` is the new file's (less the umask); `sync` makes the file durable before it is
+    renamed, and the rename after it (block files go without: a file torn by a crash fails
+    its checksum)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as out:  # no fsync: a file torn by a crash fails its checksum
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "wb") as out:
             out.write(data)
+            if sync:
+                out.flush()
+                os.fsync(out.fileno())
         os.replace(tmp, path)
     except OSError:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
+    if sync:
+        _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make a rename in `folder` durable (best effort: some file systems refuse a folder's
+    fsync, and the file itself is already synced)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -53,6 +53,28 @@ def write_rows(buffer: torch.Tensor, slots: Sequence[int], rows: torch.Tensor) -
         buffer.index_copy_(0, torch.tensor(slots, dtype=torch.int64), rows.cpu())
 
 
+class DeviceCopy:
+    """A host -> device copy issued on the copy stream (CUDA), between two timed events: its
+    completion can be polled without blocking, and its own duration read once complete."""
+
+    __slots__ = ("end", "start")
+
+    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        self.start, self.end = start, end
+
+    def query(self) -> bool:
+        """Whether the copy has completed (never blocks)."""
+        return bool(self.end.query())
+
+    def synchronize(self) -> None:
+        """Wait until the copy has completed."""
+        self.end.synchronize()
+
+    def seconds(self) -> float:
+        """The copy's own duration on the device (once complete): not the wait before it."""
+        return self.start.elapsed_time(self.end) / 1000.0
+
+
 class DeviceBlocks:
     """The device (or CPU engine) cache as whole-block byte rows."""
 
@@ -101,9 +123,10 @@ class DeviceBlocks:
 
     def from_host(
         self, host: HostTier, slots: Sequence[int], block_ids: Sequence[int]
-    ) -> torch.cuda.Event | None:
-        """Copy host slots into device blocks; on CUDA returns the copy's event (the compute
-        stream already waits on it; the slots stay untouched until it completes)."""
+    ) -> DeviceCopy | None:
+        """Copy host slots into device blocks; on CUDA returns the copy in flight (the compute
+        stream already waits on it; the slots stay untouched until it completes), on CPU None
+        (done when this returns)."""
         slots, block_ids = by_slot(slots, block_ids)
         if self.stream is None:
             self._copy_rows(block_ids, slots, to_host=False, host=host)
@@ -112,13 +135,16 @@ class DeviceBlocks:
         scales = None if host.scales is None else read_rows(host.scales, slots).reshape(-1)
         device = self.cache.data.device
         self.stream.wait_stream(torch.cuda.current_stream(device))
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
+            start.record(self.stream)  # after the wait: times the copy alone
             data = data.to(device, non_blocking=True)
             scales = None if scales is None else scales.to(device, non_blocking=True)
             self._scatter(block_ids, data, scales)
-            event = self.stream.record_event()
-        torch.cuda.current_stream(device).wait_event(event)
-        return event
+            end.record(self.stream)
+        torch.cuda.current_stream(device).wait_event(end)
+        return DeviceCopy(start, end)
 
     def _copy_rows(
         self, block_ids: Sequence[int], slots: Sequence[int], *, to_host: bool, host: HostTier

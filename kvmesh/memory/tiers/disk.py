@@ -4,7 +4,8 @@ Files are `<block hash hex>.kvblock` in the `blockfile` format, written atomical
 `persist` the folder's block files are removed at start and at close (the tier holds only
 what this process wrote); with it they are verified (header, layout, checksum) and kept,
 oldest first in the LRU order, and the folder's hash seed is reused so equal prefixes hash
-alike again. A write that fails (disk full) stores nothing and leaves no file.
+alike again (read, or made and synced, at start: a seed that can be neither is a ValueError
+naming the folder). A write that fails (disk full) stores nothing and leaves no file.
 A file that fails verification at any time is deleted and counted in `num_corrupt`.
 A file that cannot be deleted (read-only remount, I/O error) is forgotten all the same and
 counted in `num_unremoved`: files are named by their content's hash, so a file left behind can
@@ -65,8 +66,14 @@ class DiskTier:
         self.num_unremoved = 0
         self._unremoved: set[int] = set()  # hashes whose file outlived its removal
         self._index: OrderedDict[int, BlockMeta] = OrderedDict()
+        self._seed: bytes | None = None
         if persist:
             self._scan()
+            try:
+                self._seed = self._load_seed()  # at start: an unusable folder fails it by name
+            except ValueError:
+                self._release()
+                raise
         else:
             self._wipe()
 
@@ -87,19 +94,32 @@ class DiskTier:
         return self.folder / f"{block_hash:032x}{SUFFIX}"
 
     def hash_seed(self) -> bytes:
-        """The folder's hash seed (created once, private to the owner)."""
+        """The folder's hash seed (created once, private to the owner); ValueError naming the
+        folder when it can be neither read nor written."""
+        if self._seed is None:
+            self._seed = self._load_seed()
+        return self._seed
+
+    def _load_seed(self) -> bytes:
+        """The seed file's 16 bytes, or a new random seed written atomically and synced (so
+        a crash never leaves a torn seed that would orphan every block file). A seed that
+        cannot be read or written (an I/O error, a full disk, a directory in its place) is a
+        ValueError naming the folder, which the engine reports as `disk_kv_dir`."""
         path = self.folder / SEED_FILE
         try:
-            seed = path.read_bytes()
-            if len(seed) == 16:
-                return seed
-        except FileNotFoundError:
-            pass
-        seed = os.urandom(16)
-        fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(seed)
-        os.replace(path.with_suffix(".tmp"), path)
+            try:
+                seed = path.read_bytes()
+                if len(seed) == 16:
+                    return seed
+            except FileNotFoundError:
+                pass
+            seed = os.urandom(16)
+            blockfile.write_atomic(path, seed, mode=0o600, sync=True)
+        except OSError as error:
+            raise ValueError(
+                f"disk KV folder {self.folder} cannot be used: its hash seed {path.name}"
+                f" cannot be read or written: {error}"
+            ) from None
         return seed
 
     def close(self) -> None:
@@ -165,11 +185,17 @@ class DiskTier:
     def _block_files(self) -> list[Path]:
         return [p for p in self.folder.iterdir() if p.name.endswith(SUFFIX)]
 
+    def _torn_writes(self) -> list[Path]:
+        """Temporary files of writes that never finished (block files and the hash seed; the
+        seed's old temporary name included): the folder is locked, so none is under way."""
+        patterns = (f".*{SUFFIX}.*.tmp", f".{SEED_FILE}.*.tmp", f"{SEED_FILE}.tmp")
+        return [path for pattern in patterns for path in self.folder.glob(pattern)]
+
     def _wipe(self) -> None:
         """Delete every block file and torn write; never raises (files left are counted, a
         folder that cannot be listed, gone or failing, has nothing this can delete)."""
         try:
-            paths = [*self._block_files(), *self.folder.glob(f".*{SUFFIX}.*.tmp")]
+            paths = [*self._block_files(), *self._torn_writes()]
         except OSError:
             return
         for path in paths:
@@ -193,7 +219,7 @@ class DiskTier:
         """Keep the files that verify (oldest first); delete the rest and any torn write. An
         entry that cannot be read or deleted (a dangling link, a directory in a file's place)
         is dropped and counted as `remove` counts it: a restart never fails on one."""
-        for path in self.folder.glob(f".*{SUFFIX}.*.tmp"):
+        for path in self._torn_writes():
             self._delete(path)
         for path in sorted(self._block_files(), key=_age):
             meta = self._verify_file(path)

@@ -29,11 +29,9 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-import torch
-
 from kvmesh.memory.tiers.blockfile import BlockMeta
 from kvmesh.memory.tiers.costs import Rates
-from kvmesh.memory.tiers.device import DeviceBlocks
+from kvmesh.memory.tiers.device import DeviceBlocks, DeviceCopy
 from kvmesh.memory.tiers.disk import DiskTier
 from kvmesh.memory.tiers.host import HostEntry, HostTier
 from kvmesh.memory.tiers.stats import SwapCounters, TierCounters, TierSnapshot, snapshot
@@ -59,8 +57,9 @@ class TieredStore:
             self.disk_stats.corrupt = disk.num_corrupt
         self._spills: list[tuple[int, int, BlockMeta]] = []  # (device block, host slot, meta)
         self._reloads: dict[int, int] = {}  # device block -> host slot: one copy per block
-        self._reload_started: float | None = None
-        self._in_flight: list[tuple[torch.cuda.Event | None, list[int], float]] = []
+        self._reload_queued: float | None = None  # when the first of `_reloads` was queued
+        # CUDA copies issued and not yet known complete: (copy, host slots, queued at)
+        self._in_flight: list[tuple[DeviceCopy, list[int], float]] = []
         self._reads: dict[int, Future[bytes | None]] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-tier-read")
         self.closed = False
@@ -132,6 +131,7 @@ class TieredStore:
             self.host.add(meta, slot)
         self.host_stats.spills += len(spills)
         self.host_stats.bytes_in += len(spills) * self.device.block_bytes
+        self._release_done(wait=False)  # completed copies' slots are not in use
         self._shed_host(self.host.watermarks.excess(self.host.num_used, self.host.capacity))
 
     def _to_host(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
@@ -140,6 +140,8 @@ class TieredStore:
         self.rates.observe_copy(len(slots) * self.device.block_bytes, time.perf_counter() - started)
 
     def _free_host_slot(self) -> int | None:
+        if not self.host.num_free:
+            self._release_done(wait=False)  # slots of completed copies are free already
         if not self.host.num_free and self._reloads:
             self._run_reloads()  # their device blocks are allocated: landing early is safe
             self._release_done()
@@ -216,11 +218,14 @@ class TieredStore:
         if payload is None:
             self.disk_stats.corrupt = disk.num_corrupt
             return False
+        # Off the disk before making a host slot: demoting a host block to make that slot must
+        # not evict this very block (it would count as dropped and reloaded at once).
+        disk.remove(meta.block_hash)
         slot = self._free_host_slot()
-        if slot is None:
+        if slot is None:  # no host slot (all in flight or swapped): the block stays on disk
+            self._restore_to_disk(meta, payload)
             return False
         self.device.load_payload(self.host, slot, payload)
-        disk.remove(meta.block_hash)
         self.host.hold([slot])
         self.disk_stats.reload_seconds += time.perf_counter() - started  # read, check, to host
         self.disk_stats.reload_batches += 1
@@ -229,6 +234,14 @@ class TieredStore:
         self.disk_stats.bytes_out += len(payload)
         self._queue_reload(slot, block_id)
         return True
+
+    def _restore_to_disk(self, meta: BlockMeta, payload: memoryview) -> None:
+        """Put back a block taken off the disk for a reload that found no host slot (nothing
+        was demoted then, so its room is still there); a write that fails drops it."""
+        assert self.disk is not None
+        self._make_disk_room()
+        if not self.disk.put(meta, payload):
+            self.disk_stats.dropped += 1
 
     def _read_disk(self, block_hash: int) -> memoryview | None:
         """The verified payload of a disk block: from its started read (bounded wait) or now."""
@@ -247,7 +260,7 @@ class TieredStore:
         # Two queued copies into one block would land in slot order, not queue order.
         assert block_id not in self._reloads, "block already reloading"
         if not self._reloads:
-            self._reload_started = time.perf_counter()
+            self._reload_queued = time.perf_counter()
         self._reloads[block_id] = slot
 
     def discard(self, block_hash: int) -> None:
@@ -312,34 +325,46 @@ class TieredStore:
             return
         reloads, self._reloads = self._reloads, {}
         blocks, slots = list(reloads), list(reloads.values())
+        assert self._reload_queued is not None
         copy_started = time.perf_counter()
-        event = self.device.from_host(self.host, slots, blocks)
-        if event is None:  # on CUDA the copy is asynchronous: its time is in the latency
-            self.host_stats.copy_seconds += time.perf_counter() - copy_started
-            self.host_stats.copy_bytes += len(slots) * self.device.block_bytes
-        assert self._reload_started is not None
-        self._in_flight.append((event, slots, self._reload_started))
-        if event is None:
-            self._release_done()
+        copy = self.device.from_host(self.host, slots, blocks)
+        if copy is None:  # CPU: the copy is done, and timed here
+            self._finish_reload(slots, self._reload_queued, time.perf_counter() - copy_started)
+        else:  # CUDA: asynchronous, timed by its own events once complete
+            self._in_flight.append((copy, slots, self._reload_queued))
 
-    def _release_done(self) -> None:
-        for event, slots, started in self._in_flight:
-            if event is not None:
-                event.synchronize()
-            seconds = time.perf_counter() - started
-            self.rates.observe_copy(len(slots) * self.device.block_bytes, seconds)
-            self.host_stats.reload_seconds += seconds
-            self.host_stats.reload_batches += 1
-            self.host_stats.reloads += len(slots)
-            self.host_stats.bytes_out += len(slots) * self.device.block_bytes
-            self.host.release(slots)
-        self._in_flight = []
+    def _release_done(self, *, wait: bool = True) -> None:
+        """Release the host slots of the reload copies in flight: all of them, waiting for
+        those still running, or without `wait` only those already complete (never blocks)."""
+        running = []
+        for copy, slots, queued in self._in_flight:
+            if not wait and not copy.query():
+                running.append((copy, slots, queued))
+                continue
+            copy.synchronize()
+            self._finish_reload(slots, queued, copy.seconds())
+        self._in_flight = running
+
+    def _finish_reload(self, slots: list[int], queued: float, copy_seconds: float) -> None:
+        """A reload copy of `slots` completed: the copy's own duration feeds the bandwidth
+        estimate (swap or recompute), the time since it was queued (at the lookup or swap-in)
+        the reload latency; its host slots are free again."""
+        size = len(slots) * self.device.block_bytes
+        self.rates.observe_copy(size, copy_seconds)
+        self.host_stats.copy_seconds += copy_seconds
+        self.host_stats.copy_bytes += size
+        self.host_stats.reload_seconds += time.perf_counter() - queued
+        self.host_stats.reload_batches += 1
+        self.host_stats.reloads += len(slots)
+        self.host_stats.bytes_out += size
+        self.host.release(slots)
 
     # -- swap --------------------------------------------------------------------------------
     def swap_out(self, seq_id: str, block_ids: Sequence[int]) -> bool:
         """Copy a preempted sequence's blocks to host slots of its own; False (nothing
         changed) when the host cannot hold them even after demoting cached blocks."""
         count = len(block_ids)
+        self._release_done(wait=False)  # completed reload copies hold slots nothing reads
         if count > self.host.num_free + self.host.num_cached:
             return False
         if any(block in self._reloads for block in block_ids):
