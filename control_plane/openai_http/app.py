@@ -42,8 +42,9 @@ from control_plane.openai_http.schema import (
     parse_detokenize,
     parse_tokenize,
 )
+from control_plane.openai_http.server import ResponseCut
 from control_plane.openai_http.stream import DONE, Answer, Echo, sse
-from control_plane.run import RpcFailure
+from control_plane.run import RELAY_BUFFER, RpcFailure
 from kvmesh.v1 import generation_pb2
 
 LOG = logging.getLogger("kvmesh.control_plane.http")
@@ -203,7 +204,7 @@ class OpenAIApp:
                 events = stream_events(answer, parsed, firsts, responses, prompt_param)
                 return RunStream(events, responses, runs, deadline)
             await until_disconnect(request, keep_all(answer, firsts, responses))
-            return JSONResponse(answer.final())
+            return BoundedJSON(answer.final(), deadline)
         except PromptFailure as failed:
             return failed.answer(parsed, prompt_param).response()
         except ClientGone:
@@ -291,11 +292,50 @@ def not_unicode(body: object) -> ApiError:
                     param=param, code="invalid_value")  # fmt: skip
 
 
+def bounded(send: Send, deadline: float) -> Send:
+    """`send` whose every write ends by `deadline` (event-loop time): one still waiting for
+    the client to take the bytes before it then raises ResponseCut (the server drops the
+    connection); a write that does not wait is never cut."""
+
+    async def bounded_send(message: Message) -> None:
+        try:
+            async with asyncio.timeout_at(deadline):
+                await send(message)
+        except TimeoutError:
+            raise ResponseCut(
+                "the client did not read the response by the request's deadline"
+            ) from None
+
+    return bounded_send
+
+
+class BoundedJSON(JSONResponse):
+    """A JSON response written a piece at a time, each write bounded by `deadline`: a client
+    that does not read its answer loses the connection then, instead of holding it, and the
+    whole body buffered for it, for as long as it likes."""
+
+    PIECE = 64 << 10  # the transport's high-water mark: a piece waits while it is above that
+
+    def __init__(self, content: Any, deadline: float) -> None:
+        super().__init__(content)
+        self.deadline = deadline
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        send = bounded(send, self.deadline)
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})  # fmt: skip
+        body = memoryview(self.body)
+        for start in range(0, max(len(body), 1), self.PIECE):
+            piece = bytes(body[start : start + self.PIECE])
+            more = start + self.PIECE < len(body)
+            await send({"type": "http.response.body", "body": piece, "more_body": more})
+
+
 class RunStream(StreamingResponse):
     """An SSE response that closes its events (and so its run) however the response ends,
     even when the client left before the first byte was sent. Its writes end by `deadline`
     (event-loop time): a client that stops reading cannot hold its runs past the request's
-    time, the connection is dropped then."""
+    time, the connection is dropped then (`bounded`)."""
 
     def __init__(
         self,
@@ -310,12 +350,8 @@ class RunStream(StreamingResponse):
         self.deadline = deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def bounded(message: Message) -> None:
-            async with asyncio.timeout_at(self.deadline):
-                await send(message)
-
         try:
-            await super().__call__(scope, receive, bounded)
+            await super().__call__(scope, receive, bounded(send, self.deadline))
         finally:  # closing an unstarted generator runs none of its code: close every run too
             await self.events.aclose()
             await self.responses.aclose()
@@ -389,21 +425,22 @@ async def first_responses(runs: list[Responses]) -> list[generation_pb2.Generate
 
 
 async def merged(runs: list[Responses]) -> Responses:
-    """The responses of several runs as they arrive. A run's failure ends it (raised as the
-    run raised it), and closing it closes every run: the others are cancelled, their blocks
-    released."""
-    queue: asyncio.Queue[generation_pb2.GenerateResponse | BaseException | None] = (
-        asyncio.Queue()
-    )  # a run's output is bounded by its max_tokens
+    """The responses of several runs as they arrive. At most RELAY_BUFFER of them wait here
+    (each run's pump waits for room), so a client that reads slowly holds its runs back as a
+    single run's relay does. A run's failure ends it (raised as the run raised it), and closing
+    it closes every run: the others are cancelled, their blocks released."""
+    Item = generation_pb2.GenerateResponse | BaseException | None  # None: a run's end
+    queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=RELAY_BUFFER)
 
     async def pump(run: Responses) -> None:
+        # Cancelled (the consumer left) it puts nothing more: no pump waits for room then.
         try:
             async for response in run:
-                queue.put_nowait(response)
-        except Exception as error:  # handed to the consumer
-            queue.put_nowait(error)
-        finally:
-            queue.put_nowait(None)
+                await queue.put(response)
+        except Exception as error:  # handed to the consumer, which ends there
+            await queue.put(error)
+        else:
+            await queue.put(None)
 
     pumps = [asyncio.ensure_future(pump(run)) for run in runs]
     try:

@@ -28,8 +28,13 @@ _HTTP_CODE = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
+# Failures a client must not retry (the official openai client retries 408, 409, 429 and 5xx
+# unless told `x-should-retry: false`): an owner's Abort (409) would run the request again,
+# and a request that used up the server's max request time (504) would only use it up again.
+_FINAL = (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 # A worker's field name (the start of its INVALID_ARGUMENT message) -> the request's param.
 _PROMPT_FIELDS = ("prompt", "text", "token_ids", "chat")
 _FIELD = re.compile(r"^(?:sampling\.)?([A-Za-z_]+)")
@@ -44,7 +49,8 @@ _CHAT_OPTION = re.compile(r"^(prompt\.chat\.[a-z_]+)(?=$|[.\[:])")
 
 
 class ApiError(Exception):
-    """An HTTP error answer in OpenAI's shape; `param` names the offending request field."""
+    """An HTTP error answer in OpenAI's shape; `param` names the offending request field;
+    `rpc_code` is the gRPC status of the failure it answers (when it answers one)."""
 
     def __init__(
         self,
@@ -55,10 +61,12 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        rpc_code: grpc.StatusCode | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, headers or {}
+        self.rpc_code = rpc_code
 
     def body(self) -> dict[str, object]:
         return {
@@ -75,7 +83,10 @@ class ApiError(Exception):
 
 
 def grpc_code(error: ApiError) -> grpc.StatusCode:
-    """The gRPC status an HTTP refusal is counted as (metrics speak gRPC code names)."""
+    """The gRPC status an HTTP refusal is counted as (metrics speak gRPC code names): the
+    failure's own when it answers one, else its HTTP status's."""
+    if error.rpc_code is not None:
+        return error.rpc_code
     return _HTTP_CODE.get(error.status, grpc.StatusCode.UNKNOWN)
 
 
@@ -85,9 +96,12 @@ def bad_param(param: str, message: str) -> ApiError:
 
 
 def from_failure(failure: RpcFailure, prompt_param: str = "prompt") -> ApiError:
-    """The HTTP answer of a front-door failure; INVALID_ARGUMENT names the request's param."""
+    """The HTTP answer of a front-door failure; INVALID_ARGUMENT names the request's param.
+    An abort or a timed-out request is answered with `x-should-retry: false`."""
     status, kind = _STATUS.get(failure.code, (500, "server_error"))
     headers: dict[str, str] = {}
+    if failure.code in _FINAL:
+        headers["x-should-retry"] = "false"
     param: str | None = None
     message = failure.message
     if failure.retry_after_ms is not None:
@@ -106,4 +120,6 @@ def from_failure(failure: RpcFailure, prompt_param: str = "prompt") -> ApiError:
                 if not message.startswith(param):  # the worker named its own field
                     message = f"{param}: {message}"
     code = failure.code.name.lower()
-    return ApiError(status, message, type=kind, param=param, code=code, headers=headers)
+    return ApiError(
+        status, message, type=kind, param=param, code=code, headers=headers, rpc_code=failure.code
+    )

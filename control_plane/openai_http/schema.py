@@ -29,7 +29,7 @@ Kind = Literal["completion", "chat"]
 MAX_N = 128
 MAX_CHOICES = 256  # prompts x n of one completions request
 MAX_TOP_LOGPROBS = 20
-SEED_LIMIT = 2**63
+SEED_LIMIT = 2**63  # seeds are int64 in OpenAI's and vLLM's API; the workers take [0, 2**63)
 _TYPES: dict[str, tuple[type, ...]] = {
     "integer": (int,),
     "number": (int, float),
@@ -44,7 +44,7 @@ _SAMPLING: dict[str, tuple[str, Callable[[Any], bool] | None, str]] = {
     "top_p": ("number", lambda v: 0 < v <= 1, "in (0, 1]"),
     "presence_penalty": ("number", lambda v: -2 <= v <= 2, "in [-2, 2]"),
     "frequency_penalty": ("number", lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "seed": ("integer", lambda v: 0 <= v < SEED_LIMIT, "in [0, 2**63)"),
+    "seed": ("integer", lambda v: -SEED_LIMIT <= v < SEED_LIMIT, "in [-2**63, 2**63)"),
     "top_k": ("integer", lambda v: v >= -1, ">= -1"),
     "min_p": ("number", lambda v: 0 <= v <= 1, "in [0, 1]"),
     "repetition_penalty": ("number", lambda v: v > 0, "> 0"),
@@ -53,6 +53,9 @@ _SAMPLING: dict[str, tuple[str, Callable[[Any], bool] | None, str]] = {
     "include_stop_str_in_output": ("boolean", None, ""),
     "skip_special_tokens": ("boolean", None, ""),
 }
+# param -> its value on the wire, where that differs: a negative seed is folded into the
+# workers' [0, 2**63) as its low 63 bits (the same seed, the same draws; >= 0 stays as it is).
+_WIRE: dict[str, Callable[[Any], Any]] = {"seed": lambda v: v % SEED_LIMIT}
 TOKEN_ID_LIMIT = 2**31  # token ids travel as int32
 # Fields of OpenAI's or vLLM's API that would change the answer and are not implemented:
 # param -> whether a value changes nothing (null always does). Any other value is a 400.
@@ -234,7 +237,7 @@ def sampling(
         if check is not None and not check(value):
             raise bad_param(name, f"must be {what}, got {value}")
         try:
-            setattr(params, name, value)
+            setattr(params, name, _WIRE[name](value) if name in _WIRE else value)
         except (ValueError, OverflowError):  # beyond the wire type (int32, or a float's range)
             raise bad_param(name, f"is out of range: {value}") from None
     max_length(body, kind, prompt_only, params)

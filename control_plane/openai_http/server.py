@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import ssl
@@ -12,8 +13,8 @@ from typing import Any
 
 import h11
 import uvicorn
-from starlette.types import ASGIApp
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from kvmesh.security import TlsConfig
 
@@ -22,15 +23,51 @@ REQUEST_SECONDS = 60.0  # a request's head and body, however they trickle in
 _RECEIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
 
 
+class ResponseCut(Exception):
+    """Raised by the app to end a response it started, whose client did not take it in time
+    (it stopped reading): the connection is dropped at once, its unsent bytes discarded."""
+
+
 class BoundedH11(H11Protocol):
     """uvicorn's h11 protocol with a bound on receiving a request: from the connection's start
     (or the previous response's end) its head and body must arrive within `request_seconds`,
     else the connection is closed. uvicorn alone waits forever for a head sent a byte at a
     time (its keep-alive timer stops at the first byte), so slow clients could hold every
-    file descriptor (slowloris)."""
+    file descriptor (slowloris).
+
+    Nor does a connection outlive its bounds waiting for a client that does not read: one
+    still closing (its last bytes unsent) when the bound expires again is aborted, and one
+    whose response the app left unfinished (`ResponseCut`, or any failure after the response
+    started) is aborted at once; uvicorn's close would wait for the client to read them all,
+    holding the connection and its buffered bytes with no deadline."""
 
     request_seconds = REQUEST_SECONDS
     _timer: asyncio.TimerHandle | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.app = functools.partial(self._guarded, self.app)
+
+    async def _guarded(self, app: Any, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run `app` for one request; a response it left unfinished drops the connection."""
+        cycle = self.cycle  # this request's (the next starts only after its response ends)
+        try:
+            await app(scope, receive, send)
+        except ResponseCut as cut:
+            LOG.warning("%s: %s; connection dropped", scope.get("path"), cut)
+            self._drop(cycle, cut=True)
+        except BaseException:
+            self._drop(cycle)
+            raise
+        else:
+            self._drop(cycle)
+
+    def _drop(self, cycle: RequestResponseCycle | None, cut: bool = False) -> None:
+        """Abort the connection if `cycle`'s response was `cut`, or started and did not end."""
+        if cycle is None or cycle.response_complete or not (cut or cycle.response_started):
+            return
+        self.transport.abort()
+        cycle.disconnected = True  # gone: uvicorn neither writes to it nor reports the app
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -51,9 +88,13 @@ class BoundedH11(H11Protocol):
         self._timer = self.loop.call_later(self.request_seconds, self._expire)
 
     def _expire(self) -> None:
-        """Close the connection unless the request it waited for has fully arrived."""
-        if self.conn.their_state not in _RECEIVED and not self.transport.is_closing():
+        """Close the connection unless the request it waited for has fully arrived, and abort
+        it if it is still closing a bound later (its client is not taking its last bytes)."""
+        if self.transport.is_closing():
+            self.transport.abort()
+        elif self.conn.their_state not in _RECEIVED:
             self.transport.close()
+            self._arm()
 
 
 class _EmbeddedServer(uvicorn.Server):

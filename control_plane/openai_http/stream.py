@@ -40,8 +40,10 @@ def token_text(token: str, token_id: int) -> str:
 
 def json_logprob(logprob: float) -> float:
     """A logprob JSON can carry: -inf (a token the model rules out) as -9999.0, as vLLM
-    answers (JSON has no infinity; the encoder would fail the whole response)."""
-    return max(logprob, LOWEST_LOGPROB)
+    answers, and so any other non-finite value (a NaN row of raw logprobs): JSON has neither
+    infinity nor NaN, the final body's encoder would fail the whole response and a stream's
+    event would not be JSON."""
+    return max(logprob, LOWEST_LOGPROB) if math.isfinite(logprob) else LOWEST_LOGPROB
 
 
 def chat_logprob(text: str, logprob: float, raw: bytes = b"") -> dict[str, Any]:
@@ -172,17 +174,20 @@ def vllm_prompt_logprobs(
     items: list[generation_pb2.TokenLogprobs], top: int
 ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob,
-    rank, decoded_token}} for the prompt token and the `top` most likely there."""
+    rank, decoded_token}} for the prompt token and the `top` most likely there (logprobs as
+    JSON carries them: `json_logprob`)."""
     out: list[dict[str, dict[str, Any]] | None] = []
     for lp in items:
         if math.isnan(lp.logprob):
             out.append(None)
             continue
-        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank or None,
+        own = json_logprob(lp.logprob)
+        entry = {str(lp.token_id): {"logprob": own, "rank": lp.rank or None,
                                     "decoded_token": lp.token}}  # fmt: skip
         for rank, (text, token_id, logprob) in enumerate(zip_top(lp)[:top], start=1):
             entry.setdefault(
-                str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": text}
+                str(token_id),
+                {"logprob": json_logprob(logprob), "rank": rank, "decoded_token": text},
             )
         out.append(entry)
     return out

@@ -88,3 +88,30 @@ async def test_a_request_received_in_time_keeps_its_connection_for_a_slow_respon
         writer.close()
     finally:
         await http.stop()
+
+
+async def large(request: Request) -> Response:
+    return PlainTextResponse("x" * (20 << 20))  # more than the sockets' buffers take
+
+
+@run_async
+async def test_a_connection_whose_client_does_not_read_its_last_bytes_is_dropped() -> None:
+    """A response written whole into the connection's buffer, never read: closing the
+    connection (its next request did not come within the bound) would wait for the client to
+    take every byte; still closing a bound later, it is aborted, its buffer freed."""
+    app = Starlette(routes=[Route("/large", large)])
+    http = HttpServer(app, "127.0.0.1", 0, request_seconds=BOUND)
+    http.start()
+    try:
+        _unread, writer = await asyncio.open_connection("127.0.0.1", http.port)
+        writer.write(b"GET /large HTTP/1.1\r\nHost: x\r\n\r\n")  # then never read
+        connections = http._server.server_state.connections
+        began = time.monotonic()
+        while not connections:
+            await asyncio.sleep(0.01)
+        while connections and time.monotonic() - began < 10 * BOUND:
+            await asyncio.sleep(0.05)
+        assert not connections and time.monotonic() - began < 4 * BOUND
+        writer.close()
+    finally:
+        await http.stop()

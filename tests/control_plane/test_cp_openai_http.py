@@ -8,14 +8,16 @@ import contextlib
 import json
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import openai
 import pytest
 from cp_harness import Harness, control_plane, run_async
+from cp_workers import FakeWorker
 
 from control_plane.openai_http.app import RunStream, first_responses, merged, numbered
+from control_plane.run import RELAY_BUFFER
 from kvmesh.v1 import generation_pb2
 
 MODEL = "tiny"  # cp_fixtures' model name
@@ -424,3 +426,132 @@ async def test_a_worker_dying_mid_batch_ends_the_stream_and_releases_every_run()
         await asyncio.sleep(0.2)
         assert len(ledger) == 0
         assert await cp.server.front_door.wait_idle(2.0)
+
+
+async def answered_once(
+    cp: Harness, worker: FakeWorker, ended: Callable[[], Awaitable[None]]
+) -> openai.APIStatusError:
+    """The error the official client (its default retries on) raises for a completion whose
+    run `ended` (awaited once the worker streams, its tokens held back until then), after
+    checking that it ran only once: a retry would have been answered (200)."""
+    assert cp.server.http is not None and worker.gate is not None
+    api = openai.AsyncOpenAI(base_url=f"{cp.server.http.url}/v1", api_key="unused")
+    call = asyncio.create_task(api.completions.create(model=MODEL, prompt="x"))
+    await asyncio.wait_for(worker.stream_started.wait(), 5)
+    await ended()
+    worker.gate.set()  # a retry runs to its end now
+    with pytest.raises(openai.APIStatusError) as caught:
+        await asyncio.wait_for(call, 10)
+    await asyncio.sleep(0.2)
+    assert worker.calls.count("Generate") == 1, "the client ran the request again"
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    return caught.value
+
+
+@run_async
+async def test_an_aborted_request_is_answered_not_to_be_retried() -> None:
+    """An owner's Abort is a 409, which the openai client retries by default: the answer says
+    `x-should-retry: false`, so the aborted request is not run again."""
+    async with control_plane(http_port=0) as cp:
+        worker = await cp.add("c0", "colocated")
+        worker.gate = asyncio.Event()  # no token until set
+
+        async def abort() -> None:
+            [request_id] = list(cp.server.front_door._runs)
+            abort = generation_pb2.AbortRequest(request_id=request_id)
+            assert (await cp.generation.Abort(abort, timeout=5)).aborted
+
+        error = await answered_once(cp, worker, abort)
+        assert (error.status_code, error.code) == (409, "aborted")
+        assert await cp.server.front_door.wait_idle(1.0)
+
+
+@run_async
+async def test_a_request_past_max_request_seconds_is_answered_not_to_be_retried() -> None:
+    """A request that used up --max-request-seconds is a 504, which the openai client retries
+    by default (each retry using it up again): the answer says `x-should-retry: false`."""
+    async with control_plane(http_port=0, max_request_seconds=0.5) as cp:
+        worker = await cp.add("c0", "colocated")
+        worker.gate = asyncio.Event()  # no token in time
+
+        async def past_deadline() -> None:
+            while cp.server.front_door.inflight:  # the run ends by its deadline
+                await asyncio.sleep(0.01)
+
+        error = await answered_once(cp, worker, past_deadline)
+        assert (error.status_code, error.code) == (504, "deadline_exceeded")
+        assert await cp.server.front_door.wait_idle(1.0)
+
+
+@run_async
+async def test_a_batch_refused_for_capacity_is_counted_resource_exhausted() -> None:
+    """A batch that does not fit beside the runs in flight (429) is counted in
+    kvmesh_control_requests_total under its gRPC status, as the gRPC door counts it."""
+    async with control_plane(http_port=0, max_inflight=2) as cp:
+        worker = await cp.add("c0", "colocated")
+        worker.gate = asyncio.Event()
+        api = client(cp)
+        first = asyncio.create_task(api.completions.create(model=MODEL, prompt="x"))
+        await asyncio.wait_for(worker.stream_started.wait(), 5)
+        with pytest.raises(openai.RateLimitError):
+            await api.completions.create(model=MODEL, prompt=["a", "b"])
+        worker.gate.set()
+        await first
+        registry = cp.server.cluster.metrics.registry
+
+        def counted(status: str) -> float | None:
+            labels = {"status": status}
+            return registry.get_sample_value("kvmesh_control_requests_total", labels)
+
+        assert (counted("RESOURCE_EXHAUSTED"), counted("UNKNOWN")) == (1.0, None)
+        await idle(cp)
+
+
+@run_async
+async def test_a_negative_seed_is_accepted_and_folded_into_the_workers_range() -> None:
+    """OpenAI and vLLM take any int64 seed: a negative one reaches the workers as its low 63
+    bits (in the engine's [0, 2**63)), the same for the same seed, so its draws repeat."""
+    from kvmesh.service.convert import sampling_from_proto
+
+    async with control_plane(http_port=0) as cp:
+        await cp.add("p0", "prefill")
+        decode = await cp.add("d0", "decode")
+        api = client(cp)
+        seeds = []
+        for seed in (-1, -1, -(2**63), 2**63 - 1):
+            done = await api.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                                seed=seed)  # fmt: skip
+            sampling = decode.reserved[done.id].sampling
+            assert sampling_from_proto(sampling).seed == sampling.seed  # the engine takes it
+            seeds.append(sampling.seed)
+        assert seeds == [2**63 - 1, 2**63 - 1, 0, 2**63 - 1]
+        await idle(cp)
+
+
+def test_a_batch_holds_its_runs_back_while_its_reader_does_not_read() -> None:
+    """`merged` (a streamed batch's responses) keeps at most RELAY_BUFFER responses waiting,
+    each run's pump waiting for room, as a single run's relay does; a reader that leaves while
+    every pump waits closes every run at once."""
+    produced: list[int] = [0, 0, 0]
+    closed: list[int] = []
+
+    async def run(i: int) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            for _ in range(10_000):
+                produced[i] += 1
+                yield generation_pb2.GenerateResponse(index=0, text="x")
+        finally:
+            closed.append(i)
+
+    async def scenario() -> None:
+        runs = [numbered(run(i), i, i) for i in range(3)]
+        responses = merged(runs)
+        await anext(responses)
+        for _ in range(50):  # the pumps run as far as they may
+            await asyncio.sleep(0)
+        assert sum(produced) <= RELAY_BUFFER + 2 * len(runs), produced
+        await asyncio.wait_for(responses.aclose(), 1)
+        assert sorted(closed) == [0, 1, 2]
+        assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    asyncio.run(scenario())

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
 
 from control_plane.openai_http.errors import ApiError
 from control_plane.openai_http.schema import parse
-from control_plane.openai_http.stream import Answer, Echo
+from control_plane.openai_http.stream import Answer, Echo, sse
 from kvmesh.v1 import generation_pb2
 
 
@@ -108,7 +109,7 @@ def test_logit_bias_becomes_the_proto_map() -> None:
         ("completion", {"prompt": "x", "stop_token_ids": 5}, "stop_token_ids"),
         ("completion", {"prompt": "x", "skip_special_tokens": 0}, "skip_special_tokens"),
         ("completion", {"prompt": "x", "top_p": 0}, "top_p"),
-        ("completion", {"prompt": "x", "seed": -1}, "seed"),
+        ("completion", {"prompt": "x", "seed": 2**63}, "seed"),  # beyond int64
         ("completion", {"prompt": "x", "max_tokens": 2**40}, "max_tokens"),
         ("completion", {"prompt": "x", "stream": "yes"}, "stream"),
         ("completion", {"prompt": "x", "stream_options": {"include_usage": True}},
@@ -577,3 +578,74 @@ def test_an_infinite_logprob_is_sent_as_vllms_floor(kind: Any) -> None:
     lp = body["choices"][0]["logprobs"]
     values = [lp["content"][0]["logprob"]] if kind == "chat" else lp["token_logprobs"]
     assert values == [-9999.0]
+
+
+@pytest.mark.parametrize(
+    "seed, wire",
+    [(0, 0), (7, 7), (2**63 - 1, 2**63 - 1), (-1, 2**63 - 1), (-5, 2**63 - 5), (-(2**63), 0)],
+)
+def test_any_int64_seed_is_taken_as_its_low_63_bits(seed: int, wire: int) -> None:
+    """OpenAI's and vLLM's seed is any int64; the workers draw from seeds in [0, 2**63), where
+    a negative one is folded (the same seed always the same wire seed, so the same draws)."""
+    parsed = parse({"prompt": "x", "seed": seed}, "completion")
+    assert parsed.request.sampling.seed == wire
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1])
+def test_a_seed_beyond_int64_is_400_naming_it(seed: int) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse({"prompt": "x", "seed": seed}, "completion")
+    assert caught.value.status == 400 and caught.value.param == "seed"
+
+
+def scored(token_id: int, text: str, own: float, alternative: float) -> Any:
+    """A token's logprobs: its own and one alternative's (token 9, "z")."""
+    return generation_pb2.TokenLogprobs(token_id=token_id, token=text, logprob=own,
+                                        top_token_ids=[9], top_tokens=["z"],
+                                        top_logprobs=[alternative])  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_logprob_is_sent_as_vllms_floor_streamed_or_not(
+    kind: Any, value: float
+) -> None:
+    """A logprob the engine sends non-finite (a NaN row of raw logprobs, -inf for a ruled-out
+    token) goes out as -9999.0, a token's and its alternatives', vLLM's prompt_logprobs too:
+    the final body's encoder refused NaN and infinity (a 500 after the whole generation) and
+    a stream's event carried NaN or -Infinity, which is not JSON. (A completion token or a
+    prompt token whose own logprob is NaN stays unscored: null, as a prompt's first token.)"""
+    nan = math.isnan(value)
+    prompt = [generation_pb2.TokenLogprobs(token_id=7, token="x", logprob=math.nan),
+              scored(8, "y", value, value), scored(8, "y", -1.0, value)]  # fmt: skip
+    response = generation_pb2.GenerateResponse(
+        index=0, text="ab", token_ids=[1, 2], finish_reason=generation_pb2.FINISH_REASON_STOP,
+        logprobs=[scored(1, "a", value, value), scored(2, "b", -1.0, value)],
+        prompt_logprobs=prompt,
+    )  # fmt: skip
+    streamed = Answer(kind, "id-1", "m", logprobs=1, prompt_logprobs=1)
+    whole = Answer(kind, "id-1", "m", logprobs=1, prompt_logprobs=1)
+    whole.keep(response)
+    chunk = json.loads(sse(streamed.chunk(response)).removeprefix("data: "))  # strict JSON
+    final = json.loads(json.dumps(whole.final(), allow_nan=False))
+    low = -9999.0
+    for body in (chunk, final):
+        choice = body["choices"][0]
+        prompt_lp = (body if kind == "chat" else choice)["prompt_logprobs"]
+        assert prompt_lp[0] is None and prompt_lp[2] == {
+            "8": {"logprob": -1.0, "rank": None, "decoded_token": "y"},
+            "9": {"logprob": low, "rank": 1, "decoded_token": "z"},
+        }
+        if nan:
+            assert prompt_lp[1] is None
+        else:
+            assert {k: v["logprob"] for k, v in prompt_lp[1].items()} == {"8": low, "9": low}
+        lp = choice["logprobs"]
+        if kind == "chat":
+            own = [e["logprob"] for e in lp["content"]]
+            alternatives = [e["top_logprobs"][0]["logprob"] for e in lp["content"]]
+            assert (own, alternatives) == ([low, -1.0], [low, low])
+        else:
+            assert lp["token_logprobs"] == [None if nan else low, -1.0]
+            assert lp["top_logprobs"] == [None if nan else {"z": low, "a": low},
+                                          {"z": low, "b": -1.0}]  # fmt: skip

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import grpc
+import httpx
 from cp_harness import Harness, control_plane, run_async, status_of, text_request
 from cp_workers import FakeWorker
 
@@ -124,18 +126,55 @@ async def test_an_unread_http_stream_ends_by_max_request_seconds() -> None:
     async with control_plane(max_request_seconds=1.5, http_port=0) as cp:
         decode = await flooding_pair(cp)
         assert cp.server.http is not None
-        host, port = cp.server.http.url.removeprefix("http://").rsplit(":", 1)
         body = b'{"prompt": "hello", "stream": true, "max_tokens": 2000}'
-        _unread, writer = await asyncio.open_connection(host, int(port))
-        writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        await writer.drain()  # then never read
+        writer = await post_unread(cp.server.http.url, body)
         await until(lambda: cp.server.front_door.inflight == 1, 10)
         started = cp.server.cluster.clock()
         await until(lambda: finished_everywhere(cp, decode), 1.5 + 3)
         assert cp.server.cluster.clock() - started < 1.5 + 3 and decode.sent < TOKENS
         assert len(cp.server.cluster.ledger) == 0
+        await until(lambda: not connections(cp), 1)  # dropped, its unsent bytes with it
+        writer.close()
+
+
+async def post_unread(url: str, body: bytes) -> asyncio.StreamWriter:
+    """POST `body` to /v1/completions at `url` over a raw connection that never reads its
+    answer; the writer, to close at the end."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    _unread, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    return writer
+
+
+def connections(cp: Harness) -> list[Any]:
+    """The HTTP door's open connections (uvicorn's protocol objects)."""
+    assert cp.server.http is not None
+    return list(cp.server.http._server.server_state.connections)
+
+
+@run_async
+async def test_an_unread_http_answer_loses_its_connection_by_max_request_seconds() -> None:
+    """A non-streamed answer (20 MB) whose client never reads it: its writes end by
+    --max-request-seconds and the connection is dropped then, instead of the whole body
+    waiting in the connection's write buffer for as long as the client keeps it open. A
+    client that reads gets the answer whole."""
+    async with control_plane(max_request_seconds=3, http_port=0) as cp:
+        worker = await cp.add("c0", "colocated")
+        worker.tokens, worker.text = 100, TEXT  # 1 MB, read
+        assert cp.server.http is not None
+        async with httpx.AsyncClient(base_url=cp.server.http.url, timeout=10) as reading:
+            read = await reading.post("/v1/completions", json={"prompt": "hi", "max_tokens": 101})
+        assert read.status_code == 200
+        assert len(read.json()["choices"][0]["text"]) == 1 + 100 * len(TEXT)
+        worker.tokens = TOKENS  # 20 MB, never read
+        writer = await post_unread(cp.server.http.url, b'{"prompt": "hello", "max_tokens": 2001}')
+        started = cp.server.cluster.clock()
+        await until(lambda: counted(cp, "OK") == 2, 3)  # the answer was generated in time
+        await until(lambda: not connections(cp), 3 + 2)
+        assert cp.server.cluster.clock() - started < 3 + 2
         writer.close()
