@@ -141,13 +141,13 @@ class Program:
     def __len__(self) -> int:
         return len(self._ops)
 
-    def run(self, rows: int, seqs: int | None = None) -> None:
-        """Replay every op over `rows` token rows of `seqs` sequences (default: one row
-        each); RuntimeError naming the op that failed."""
+    def run(self, rows: int, seqs: int) -> None:
+        """Replay every op over `rows` token rows of `seqs` sequences; RuntimeError naming
+        the op that failed."""
         table = self._table
         if table is None:
             table = self._table = torch.tensor(self._ops, dtype=torch.int64)  # [ops, SLOTS]
-        rc = int(self._run(table.data_ptr(), len(self._ops), rows, rows if seqs is None else seqs))
+        rc = int(self._run(table.data_ptr(), len(self._ops), rows, seqs))
         if rc != 0:
             op, code = divmod(rc, 1000)
             kind = self._ops[op - 1][0] if 0 < op <= len(self._ops) else None

@@ -92,10 +92,10 @@ class EngineConfig:
     )
     decode_program: bool = _setting(
         True,
-        "CPU, native executor: decode steps, and mixed steps of up to 512 tokens in which "
-        "every sequence attends through the cache, replay the step's kernel calls recorded "
-        "once at start (one call from Python per step instead of about ten per layer; the "
-        "same kernels and results); other steps run eagerly",
+        "CPU, native executor: decode steps, and mixed steps of up to max(max_num_seqs, "
+        "512) tokens in which every sequence attends through the cache, replay the step's "
+        "kernel calls recorded once at start (one call from Python per step instead of about "
+        "ten per layer; the same kernels and results); other steps run eagerly",
     )
     block_size: int = _setting(16, "tokens per KV block")
     kv_cache_memory: int | None = _setting(

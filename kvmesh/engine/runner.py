@@ -95,8 +95,9 @@ class ModelRunner:
     ) -> str | None:
         """Run CPU steps of up to `max_num_seqs` sequences, every one attended through the
         cache, as one recorded program (`kvmesh.engine.native.step_program`): decode steps,
-        and mixed steps of up to min(max_num_batched_tokens, MAX_TOKEN_ROWS) token rows.
-        Returns why not where it cannot (None: enabled)."""
+        and mixed steps of up to max(max_num_seqs, min(max_num_batched_tokens,
+        MAX_TOKEN_ROWS)) token rows. Returns why not where it cannot (None: enabled)."""
+        self.decode_program = None  # a rebuild that cannot run keeps no old program (or cache)
         reason = step_program.why_not(self.loaded.model, self.kv_cache)
         if reason is None:
             cap = min(max_num_batched_tokens, step_program.MAX_TOKEN_ROWS)

@@ -76,6 +76,20 @@ def test_the_program_follows_a_moved_kv_cache(tmp_path: Path) -> None:
     assert run(llm) == eager and program.replays >= SAMPLING.max_tokens - 1
 
 
+def test_a_cache_moved_where_the_program_cannot_run_drops_the_program(tmp_path: Path) -> None:
+    """Re-recorded after a move under another kernel backend, the program cannot run: the
+    runner keeps none (not the old one, which held the old cache) and steps run eagerly."""
+    checkpoint = build_tiny_model(tmp_path / "llama", "llama", "test", seed=0)
+    llm, eager, _ = eager_then_program(checkpoint, dtype="float32")
+    dispatch.set_backend("reference")
+    try:
+        llm.engine.move_kv_cache(torch.zeros_like(llm.engine.runner.kv_cache.data), None)
+    finally:
+        dispatch.set_backend(None)
+    assert llm.engine.runner.decode_program is None
+    assert run(llm) == eager
+
+
 def test_the_program_is_on_by_default_and_names_what_it_does_not_cover(tmp_path: Path) -> None:
     llama = build_tiny_model(tmp_path / "llama", "llama", "test", seed=0)
     llm = LLM(str(llama), num_kv_blocks=96, max_num_seqs=8, dtype="float32")
@@ -224,5 +238,5 @@ def test_a_failing_op_is_named_by_its_index_and_code() -> None:
     program.rms_norm(x, w, y, 1e-6)
     program._ops.append([77] + [0] * (cpu_program.SLOTS - 1))  # a kind the runner lacks
     with pytest.raises(RuntimeError, match=r"op 1 \(kind 77\) failed with code 999"):
-        program.run(2)
+        program.run(2, 2)
     assert torch.allclose(y, torch.ones(2, 16), atol=1e-5)  # op 0 ran first
