@@ -22,8 +22,9 @@ ServingListener = Callable[[bool], Awaitable[None]]
 
 
 class ChannelPool:
-    """One grpc.aio channel per worker address, closed when no incarnation uses it. Every call
-    on it carries the cluster token, over TLS when configured."""
+    """One grpc.aio channel per worker address, closed when no registered worker is at that
+    address any more (`Cluster.worker_gone`). Every call on it carries the cluster token, over
+    TLS when configured."""
 
     def __init__(self, max_message_bytes: int, security: Security | None = None) -> None:
         self._security = security or Security()
@@ -92,8 +93,10 @@ class Cluster:
         self.ledger.drop_worker(worker)
         for listener in self._lost_listeners:
             listener(worker)
-        current = self.registry.get(record.worker_id)
-        if current is None or current.address != record.address:  # gone, or back elsewhere
+        # The channel goes only when no registered worker is at that address any more: a worker
+        # back there, under this id or another (a restart with a new id on the same port, a
+        # reused pod IP), has its calls on it.
+        if not self.registry.uses_address(record.address):
             await self.channels.drop(record.address)
         await self.refresh()
 

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from control_plane.limits import MIB, RequestLimits
 from control_plane.routing import DEFAULT_TRANSFER_BACKENDS, RoutingConfig
 from kvmesh.security import Security
+
+# Heartbeat intervals a lease covers at least: the heartbeat that renewed it, one lost without an
+# answer (a worker gives up on a heartbeat after lease - 2 x interval at most), and its retry.
+HEARTBEATS_PER_LEASE = 3
+# What a field out of range must be, where its name alone does not say.
+RANGES = {
+    "heartbeat_interval_seconds": "positive and at most a third of lease_seconds, so that one "
+    "lost heartbeat does not end a worker's lease",
+}
 
 
 @dataclass(frozen=True)
@@ -21,7 +31,8 @@ class ControlConfig:
     security: Security = field(default_factory=Security)
     # Requests in flight at once; beyond it Generate answers RESOURCE_EXHAUSTED.
     max_inflight: int = 256
-    # A worker is dead after this long without a heartbeat.
+    # A worker is dead after this long without a heartbeat. The interval is at most a third of
+    # the lease (HEARTBEATS_PER_LEASE), so one heartbeat lost without an answer ends no lease.
     lease_seconds: float = 3.0
     heartbeat_interval_seconds: float = 1.0
     # How often the reaper looks for dead workers (never longer than the lease).
@@ -72,7 +83,7 @@ class ControlConfig:
         checks = {
             "max_inflight": self.max_inflight >= 1,
             "lease_seconds": self.lease_seconds > 0,
-            "heartbeat_interval_seconds": 0 < self.heartbeat_interval_seconds < self.lease_seconds,
+            "heartbeat_interval_seconds": self._heartbeat_interval_fits(),
             "reap_interval_seconds": 0 < self.reap_interval_seconds <= self.lease_seconds,
             "reservation_lease_seconds": self.reservation_lease_seconds > 0,
             "max_request_seconds": self.max_request_seconds > 0,
@@ -89,4 +100,11 @@ class ControlConfig:
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
-            raise ValueError(f"{bad[0]} is out of range")
+            rule = RANGES.get(bad[0])
+            raise ValueError(f"{bad[0]} is out of range" + (f": it must be {rule}" if rule else ""))
+
+    def _heartbeat_interval_fits(self) -> bool:
+        """Positive, and HEARTBEATS_PER_LEASE intervals fit in the lease (0.1 s in 0.3 s too)."""
+        needed = HEARTBEATS_PER_LEASE * self.heartbeat_interval_seconds
+        fits = needed <= self.lease_seconds or math.isclose(needed, self.lease_seconds)
+        return self.heartbeat_interval_seconds > 0 and fits

@@ -172,9 +172,16 @@ class Driver:
         generation: int,
         decodes: list[WorkerRecord],
     ) -> tuple[WorkerRecord, worker_pb2.ReserveResponse]:
+        """The first of the candidates, in order, that reserves the request's blocks. One no
+        longer registered (its lease lapsed, or it was replaced, while an earlier one answered)
+        is skipped as refused: its loss was announced before the run called it, so nothing
+        would end a run that went on with it, nor release what it reserved."""
         ledger, config = self._cluster.ledger, self._cluster.config
         exhausted, refused = False, []
         for decode in dict.fromkeys(decodes):
+            if not self._cluster.registry.is_current(decode.worker_id, decode.epoch):
+                refused.append(f"{decode.worker_id}: no longer registered")
+                continue
             ledger.expect(run.request_id, generation, ref(decode))
             lease = min(config.reservation_lease_seconds, run.timeout())
             request = worker_pb2.ReserveRequest(

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
@@ -57,6 +58,8 @@ class FrontDoor:
         self._cluster = cluster
         self._driver = Driver(cluster)
         self._runs: dict[str, Run] = {}
+        # Whom each recently finished request belonged to (as many as the ledger's history).
+        self._finished: OrderedDict[str, str | None] = OrderedDict()
         self._idle = asyncio.Event()
         self._idle.set()
         self.draining = False
@@ -384,12 +387,20 @@ class FrontDoor:
         with run.traced():  # the releases are part of the request's trace
             await self._release(self._cluster.ledger.close(run.request_id, status.name))
         self._runs.pop(run.request_id, None)
+        self._remember(run)
         record_run(self._cluster.metrics, run, status, run.model or self._cluster.model_name())
         self._cluster.metrics.inflight.set(len(self._runs))
         self._end_span(run, status)
         run.done.set()
         if not self._runs:
             self._idle.set()
+
+    def _remember(self, run: Run) -> None:
+        """Remember the finished run's owner, for Abort (`history_size` ids at most)."""
+        self._finished[run.request_id] = run.owner
+        self._finished.move_to_end(run.request_id)
+        while len(self._finished) > self._cluster.config.history_size:
+            self._finished.popitem(last=False)
 
     def _end_span(self, run: Run, status: grpc.StatusCode) -> None:
         """The request's last log line and the end of its span."""
@@ -421,8 +432,8 @@ class FrontDoor:
     async def abort(self, request_id: str, owner: str | None = None) -> bool:
         """Abort a running request of `owner` (True), or a recently finished one (False);
         RpcFailure INVALID_ARGUMENT for a bad id, NOT_FOUND for an id never seen or forgotten,
-        and for another owner's running request (as if unknown: it is neither stopped nor
-        revealed)."""
+        and for another owner's request, running or finished (as if unknown: it is neither
+        stopped nor revealed)."""
         try:
             if not request_id:
                 raise FieldError("request_id", "must not be empty")
@@ -440,7 +451,8 @@ class FrontDoor:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.done.wait(), ABORT_WAIT_SECONDS)
             return True
-        if self._cluster.ledger.closed_outcome(request_id) is not None:
+        finished = self._cluster.ledger.closed_outcome(request_id) is not None
+        if finished and self._finished.get(request_id) == owner:
             return False
         raise self._not_found(request_id)
 

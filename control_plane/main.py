@@ -19,7 +19,10 @@ from kvmesh.telemetry.tracing import setup_tracing
 TUNABLES: dict[str, tuple[str, str]] = {
     "--max-inflight": ("max_inflight", "requests in flight before RESOURCE_EXHAUSTED"),
     "--lease-seconds": ("lease_seconds", "worker is dead after this long without heartbeat"),
-    "--heartbeat-interval": ("heartbeat_interval_seconds", "heartbeat interval told to workers"),
+    "--heartbeat-interval": (
+        "heartbeat_interval_seconds",
+        "heartbeat interval told to workers (at most a third of --lease-seconds)",
+    ),
     "--reservation-lease": (
         "reservation_lease_seconds",
         "seconds a decode reservation waits for Decode",

@@ -127,6 +127,10 @@ class Registry:
         record = self._workers.get(worker_id)
         return record is not None and record.epoch == epoch
 
+    def uses_address(self, address: str) -> bool:
+        """Whether a registered worker (under any id, its lease lapsed or not) is at `address`."""
+        return any(r.address == address for r in self._workers.values())
+
     def alive(self, role: str | None = None) -> list[WorkerRecord]:
         """Workers whose lease has not lapsed, optionally of one role, in id order."""
         now = self._clock()

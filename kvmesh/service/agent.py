@@ -5,9 +5,12 @@ interval the control plane asked for, with load and held block sets. `registered
 (the control plane restarted) → register again, reporting what is held. The reply's
 `release_request_ids` name ids by their reported generation: each is released locally only if
 the role still holds exactly the generation this heartbeat reported for it (a set reserved
-since, under a newer generation or a reused id, is kept). Every RPC has a deadline; failures
-back off and retry, so a worker survives control-plane restarts. Every call carries the
-cluster token (over TLS when configured): the control plane's internal port refuses any other.
+since, under a newer generation or a reused id, is kept). Every RPC has a deadline, a
+heartbeat's short enough for the lease the control plane granted that one heartbeat lost without
+an answer is sent again before the lease lapses (`heartbeat_timeout`). A failed call is retried
+at once, further failures back off, so a worker survives control-plane restarts. Every call
+carries the cluster token (over TLS when configured): the control plane's internal port refuses
+any other.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kvmesh.v1 import wire, worker_pb2, worker_pb2_grpc
 
 LOG = logging.getLogger("kvmesh.service.agent")
 RPC_TIMEOUT_SECONDS = 2.0
+MIN_HEARTBEAT_TIMEOUT_SECONDS = 0.1  # a heartbeat's deadline, however short the lease
 BACKOFF_MIN_SECONDS = 0.1
 BACKOFF_MAX_SECONDS = 2.0
 DEFAULT_INTERVAL_SECONDS = 1.0
@@ -53,6 +57,7 @@ class ControlAgent:
         self.runtime = runtime
         self.services = services
         self.interval = DEFAULT_INTERVAL_SECONDS
+        self.lease = 0.0  # the lease the control plane granted (0: not told yet)
         self.registrations = 0
         self.registered = asyncio.Event()
         self._channel: grpc.aio.Channel | None = None
@@ -72,18 +77,18 @@ class ControlAgent:
     async def _run(self) -> None:
         assert self._channel is not None
         stub = worker_pb2_grpc.ControlServiceStub(self._channel)
-        backoff = BACKOFF_MIN_SECONDS
+        backoff = 0.0  # the first retry after a success goes at once: the lease is running
         while True:
             try:
                 if not self.registered.is_set():
                     await self._register(stub)
                 await self._heartbeat(stub)
-                backoff = BACKOFF_MIN_SECONDS
+                backoff = 0.0
                 await asyncio.sleep(self.interval)
             except grpc.aio.AioRpcError as error:
                 LOG.warning("control plane %s: %s %s", self.target, error.code(), error.details())
                 await asyncio.sleep(backoff * (1 + random.random() / 2))
-                backoff = min(backoff * 2, BACKOFF_MAX_SECONDS)
+                backoff = min(max(backoff * 2, BACKOFF_MIN_SECONDS), BACKOFF_MAX_SECONDS)
 
     async def _register(self, stub: worker_pb2_grpc.ControlServiceStub) -> None:
         request = worker_pb2.RegisterRequest(
@@ -92,6 +97,7 @@ class ControlAgent:
         response = await stub.Register(request, timeout=RPC_TIMEOUT_SECONDS)
         if response.heartbeat_interval_seconds > 0:
             self.interval = response.heartbeat_interval_seconds
+        self.lease = response.lease_seconds
         self.registrations += 1
         self.registered.set()
         LOG.info("registered %s with control plane %s", self.info.worker_id, self.target)
@@ -106,7 +112,8 @@ class ControlAgent:
             load=self.runtime.load_proto(),
             held=held,
         )
-        response = await stub.Heartbeat(request, timeout=RPC_TIMEOUT_SECONDS)
+        timeout = heartbeat_timeout(self.lease, self.interval)
+        response = await stub.Heartbeat(request, timeout=timeout)
         if not response.registered:
             self.registered.clear()
             return
@@ -116,6 +123,17 @@ class ControlAgent:
             if generation is not None:
                 # the reported generation only: a set reserved since is never the one freed
                 await self.services.release(request_id, RELEASE_REASON, generation)
+
+
+def heartbeat_timeout(lease: float, interval: float) -> float:
+    """The deadline of one Heartbeat: RPC_TIMEOUT_SECONDS, but never past lease - 2 x interval
+    (nor under MIN_HEARTBEAT_TIMEOUT_SECONDS). Renewed at t, the lease lapses at t + lease; the
+    next heartbeat leaves at t + interval and, lost without an answer, is given up by
+    t + lease - interval and sent again at once, an interval before the lease lapses. Without a
+    lease (0: a control plane that did not say) it is RPC_TIMEOUT_SECONDS."""
+    if lease <= 0:
+        return RPC_TIMEOUT_SECONDS
+    return max(MIN_HEARTBEAT_TIMEOUT_SECONDS, min(RPC_TIMEOUT_SECONDS, lease - 2 * interval))
 
 
 def generations(held: list[worker_pb2.HeldBlockSet]) -> dict[str, int]:

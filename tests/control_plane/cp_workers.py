@@ -2,8 +2,10 @@
 
 It keeps block sets in a dict, so tests can see exactly what a worker holds and what the control
 plane released. Blocks are freed only by Release or by finishing a stream, never by a cancelled
-call, so tests observe the control plane's own cleanup. Knobs: `gate` (Decode/Generate wait for
-it before their first response), `after_first_gate`, `prefill_gate`, `reserve_error`, `tokens`
+call, so tests observe the control plane's own cleanup. `port` binds a chosen port (a worker
+restarted on its `--port`). Knobs: `gate` (Decode/Generate wait for it before their first
+response), `after_first_gate`, `prefill_gate`, `reserve_gate` (Reserve waits for it before it
+answers; `reserve_started` is set on its arrival), `reserve_error`, `tokens`
 (responses after the first token), `pace` (seconds between them), `text` (of each of them),
 `cached_tokens` (on the last one), `jitter` (each call first sleeps up to this many seconds,
 drawn from `rng`, so cancels land at random points), `release_delay` (seconds each Release
@@ -52,8 +54,10 @@ class FakeWorker(
         num_blocks: int = 64,
         block_size: int = 16,
         security: Security | None = None,
+        port: int = 0,
     ) -> None:
         self.worker_id, self.role = worker_id, role
+        self.port = port
         self.security = security or Security()  # token required, TLS served, as a real worker
         self.epoch = next(_EPOCHS)
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -65,6 +69,8 @@ class FakeWorker(
         self.gate: asyncio.Event | None = None
         self.after_first_gate: asyncio.Event | None = None
         self.prefill_gate: asyncio.Event | None = None
+        self.reserve_gate: asyncio.Event | None = None
+        self.reserve_started = asyncio.Event()
         self.stream_started = asyncio.Event()
         self.prefill_started = asyncio.Event()
         self.changed = asyncio.Event()
@@ -89,7 +95,7 @@ class FakeWorker(
         worker_pb2_grpc.add_PrefillServiceServicer_to_server(self, server)
         worker_pb2_grpc.add_DecodeServiceServicer_to_server(self, server)
         worker_pb2_grpc.add_ColocatedServiceServicer_to_server(self, server)
-        port = self.security.add_port(server, "127.0.0.1:0")
+        port = self.security.add_port(server, f"127.0.0.1:{self.port}")
         await server.start()
         self._server, self.address = server, f"127.0.0.1:{port}"
         return self
@@ -266,6 +272,9 @@ class FakeWorker(
         self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReserveResponse:
         self._record("Reserve", context)
+        self.reserve_started.set()
+        if self.reserve_gate is not None:
+            await self.reserve_gate.wait()
         if self.reserve_error is not None:
             await context.abort(self.reserve_error, "no free KV blocks")
         req = request.request

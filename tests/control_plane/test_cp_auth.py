@@ -165,6 +165,22 @@ async def test_only_the_api_key_that_started_a_request_can_abort_it() -> None:
         assert (await status_of(call))[0] == grpc.StatusCode.ABORTED
 
 
+@run_async
+async def test_another_keys_abort_of_a_finished_request_is_not_found() -> None:
+    """A finished request is not revealed to another key either: its Abort is NOT_FOUND, as for
+    an id never seen; its own key's Abort answers aborted=false."""
+    async with control_plane(security=SECURED) as cp:
+        await cp.add("p0", "prefill"), await cp.add("d0", "decode")
+        owner, other = ([("authorization", f"Bearer {key}")] for key in KEYS)
+        call = cp.generation.Generate(text_request(request_id="done"), timeout=10, metadata=owner)
+        assert (await status_of(call))[0] == grpc.StatusCode.OK
+        abort = generation_pb2.AbortRequest(request_id="done")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await cp.generation.Abort(abort, timeout=5, metadata=other)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        assert not (await cp.generation.Abort(abort, timeout=5, metadata=owner)).aborted
+
+
 def http_get(url: str, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
     request = urllib.request.Request(url, headers=headers)
     try:

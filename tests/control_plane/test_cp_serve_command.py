@@ -12,6 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from control_plane.config import ControlConfig
 from control_plane.limits import RequestLimits
 from control_plane.main import TUNABLES, build_parser, config_from_args
 
@@ -85,3 +86,16 @@ def test_out_of_range_flag_exits_2_naming_the_field(capsys: pytest.CaptureFixtur
     assert "heartbeat_interval_seconds is out of range" in capsys.readouterr().err
     assert run(["--max-n", "0", "--insecure-no-auth"]) == 2
     assert "max_n must be at least 1" in capsys.readouterr().err
+
+
+def test_a_heartbeat_interval_over_a_third_of_the_lease_is_refused_naming_it() -> None:
+    """The lease must outlast one heartbeat lost without an answer: the heartbeat that renewed
+    it, the lost one and its retry, three intervals, fit in it."""
+    argv = ["--lease-seconds", "3", "--heartbeat-interval", "1.5", "--insecure-no-auth"]
+    with pytest.raises(ValueError, match=r"^heartbeat_interval_seconds is out of range: .*third"):
+        config_from_args(build_parser().parse_args(argv))
+    for lease, interval in ((3.0, 1.0), (0.3, 0.1), (2.0, 0.5)):
+        config = ControlConfig(
+            lease_seconds=lease, heartbeat_interval_seconds=interval, reap_interval_seconds=0.1
+        )
+        assert config.heartbeat_interval_seconds == interval

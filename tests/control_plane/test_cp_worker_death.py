@@ -1,13 +1,37 @@
 """Worker death over real gRPC: retry before the first token, UNAVAILABLE after it, the lease
-reaper for a silent worker, and no blocks left on the survivors."""
+reaper for a silent worker, and no blocks left on the survivors; a reaped worker touches neither
+another worker at its address nor a run that had not called it yet."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import grpc
-from cp_harness import collect, control_plane, run_async, status_of, text_request
+from cp_harness import Harness, collect, control_plane, run_async, status_of, text_request
+from cp_workers import FakeWorker
+
+FAST_LEASE = {"lease_seconds": 1.0, "heartbeat_interval_seconds": 0.1,
+              "reap_interval_seconds": 0.05}  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def heartbeating(cp: Harness, *workers: FakeWorker) -> AsyncIterator[None]:
+    """Keep `workers` alive (the others fall silent: reaped when their lease lapses)."""
+    tasks = [asyncio.create_task(w.keep_alive(cp.control, 0.05)) for w in workers]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
+    async with asyncio.timeout(seconds):
+        while not condition():
+            await asyncio.sleep(0.02)
 
 
 @run_async
@@ -118,3 +142,52 @@ async def test_a_worker_back_at_a_new_address_leaves_no_channel_to_the_old_one()
             worker = await cp.add("c0", "colocated")
             await collect(cp.generation.Generate(text_request(), timeout=10))
         assert list(cp.server.cluster.channels._channels) == [worker.address]
+
+
+@run_async
+async def test_reaping_a_worker_keeps_the_channel_of_another_worker_at_its_address() -> None:
+    """A worker restarted under a new id on the same port (the default id names the pid; a pod
+    IP reused): when the old id's lease lapses, the channel to the address stays, and the new
+    worker's stream on it goes on."""
+    async with control_plane(**FAST_LEASE) as cp:
+        prefill = await cp.add("p0", "prefill")
+        old = await cp.add("decode-host-100", "decode")
+        await old.kill()  # crashed, and restarted on its port with a new pid
+        port = int(old.address.rsplit(":", 1)[1])
+        new = await cp.add("decode-host-200", "decode", port=port, num_blocks=128)  # first
+        assert new.address == old.address
+        new.after_first_gate = asyncio.Event()
+        async with heartbeating(cp, prefill, new):
+            call = cp.generation.Generate(text_request(request_id="r"), timeout=10)
+            assert list((await asyncio.wait_for(call.read(), 5)).token_ids)
+            await until(lambda: cp.server.cluster.registry.get("decode-host-100") is None)
+            new.after_first_gate.set()
+            code, details, rest = await status_of(call)
+        assert code == grpc.StatusCode.OK and len(rest) == 3, (code, details)
+        assert "Decode" in new.calls and new.held == {}
+        assert new.address in cp.server.cluster.channels._channels
+
+
+@run_async
+async def test_a_decode_candidate_reaped_during_an_earlier_reserve_is_not_called() -> None:
+    """The decode candidates are ranked when the attempt starts; one reaped while an earlier
+    one's Reserve is in flight is skipped as refused: no Reserve or Decode reaches it (nothing
+    would end that run, nor release its blocks), and no channel to it is opened again."""
+    async with control_plane(**FAST_LEASE) as cp:
+        prefill = await cp.add("p0", "prefill")
+        first = await cp.add("d0", "decode", num_blocks=128)  # ranked first; refuses, slowly
+        first.reserve_error = grpc.StatusCode.RESOURCE_EXHAUSTED
+        first.reserve_gate = asyncio.Event()
+        silent = await cp.add("d1", "decode")  # never heartbeats; would hang in Decode
+        silent.gate = asyncio.Event()
+        async with heartbeating(cp, prefill, first):
+            call = cp.generation.Generate(text_request(request_id="r"), timeout=5)
+            await asyncio.wait_for(first.reserve_started.wait(), 5)
+            await until(lambda: cp.server.cluster.registry.get("d1") is None)
+            first.reserve_gate.set()
+            code, details, _ = await status_of(call)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+        assert "d1: no longer registered" in details
+        assert silent.calls == [] and silent.held == {}
+        assert silent.address not in cp.server.cluster.channels._channels
+        assert first.held == prefill.held == {} and len(cp.server.cluster.ledger) == 0

@@ -82,6 +82,7 @@ def gate(svc_loop: LoopThread, monkeypatch: pytest.MonkeyPatch) -> HeartbeatGate
     gate = HeartbeatGate(svc_loop)
     gate.install(monkeypatch)
     # the held-back heartbeat must be answered, not cut by the agent's deadline on a slow host
+    # (bounded by the lease too: the control plane grants a long one)
     monkeypatch.setattr(agent_module, "RPC_TIMEOUT_SECONDS", 30.0)
     return gate
 
@@ -90,7 +91,11 @@ def gate(svc_loop: LoopThread, monkeypatch: pytest.MonkeyPatch) -> HeartbeatGate
 def control(svc_loop: LoopThread, gate: HeartbeatGate) -> Iterator[ControlServer]:
     async def start() -> ControlServer:
         config = ControlConfig(
-            host="127.0.0.1", port=0, internal_port=0, heartbeat_interval_seconds=0.2
+            host="127.0.0.1",
+            port=0,
+            internal_port=0,
+            lease_seconds=30.0,
+            heartbeat_interval_seconds=0.2,
         )
         server = ControlServer(config)
         await server.start()
