@@ -16,8 +16,9 @@ frame. A commit for another epoch, after the lease, outside the window or over b
 committed is refused and changes nothing; END completes only when every block was committed.
 
 A granted window stays open until the sender is known to have stopped writing: its END, its
-CANCEL, its connection closing (`window_closed`), or the reservation's deadline plus
-`WINDOW_GRACE_SECONDS` (`ReceiveHandle.close_window_if_due`: a sender never starts a copy
+CANCEL, its connection closing (`window_closed`, under the epoch that connection was granted
+the window; a connection the receiver cut itself closes none), or the reservation's deadline
+plus `WINDOW_GRACE_SECONDS` (`ReceiveHandle.close_window_if_due`: a sender never starts a copy
 after its grant's lease). Cancelling a transfer only asks the sender to stop (a copy under way
 finishes), so blocks whose window is open must not be reused: `ReceiveHandle.quiet` and
 `when_quiet` say when they can be.
@@ -29,7 +30,7 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -166,7 +167,7 @@ class ReceiverCore:
         self._lock = threading.Lock()
         self._reservations: dict[bytes, _Reservation] = {}
         self._recent: collections.OrderedDict[bytes, TransferRecord] = collections.OrderedDict()
-        self._windows: dict[bytes, _Reservation] = {}  # open windows by transfer id
+        self._windows: dict[tuple[bytes, int], _Reservation] = {}  # open, by (id, epoch)
 
     def expect(
         self, request: TransferRequest, dst_block_ids: object, deadline: float
@@ -245,18 +246,23 @@ class ReceiverCore:
             res.revoke = revoke
             res.window_open = True
             with self._lock:
-                self._windows[header.transfer_id] = res
+                self._windows[header.transfer_id, header.epoch] = res
         kv, scales = self.store.region_offsets(res.dst)
         left = res.record.deadline - time.monotonic()
         return Grant(kv, scales, res.record.deadline).encode(left)
 
     def window_closed(self, transfer_id: bytes, epoch: int | None = None) -> None:
-        """The sender granted the window of `transfer_id` stopped writing into it (its END or
-        CANCEL under `epoch`, or its connection closed: any epoch); a no-op when no window is
-        open for it under that epoch. Only the granted connection may call it."""
+        """The sender granted the window of `transfer_id` under `epoch` stopped writing into it
+        (its END or CANCEL, or its connection closed); a no-op when no window is open for it
+        under that epoch (None: under any). Only the granted connection may call it, naming
+        the epoch it was granted under: a window of the same id granted to another sender
+        under another epoch stays open."""
         with self._lock:
-            res = self._windows.get(transfer_id)
-        if res is not None and epoch in (None, res.record.request.epoch):
+            if epoch is None:
+                found = [r for (tid, _), r in self._windows.items() if tid == transfer_id]
+            else:
+                found = [r for r in [self._windows.get((transfer_id, epoch))] if r is not None]
+        for res in found:
             self.close_window(res)
 
     def close_window(self, res: _Reservation) -> None:
@@ -269,9 +275,10 @@ class ReceiverCore:
                 return
             res.window_open = False
             callbacks, res.on_quiet = res.on_quiet, []
+        key = (res.record.request.transfer_id, res.record.request.epoch)
         with self._lock:
-            if self._windows.get(res.record.request.transfer_id) is res:
-                del self._windows[res.record.request.transfer_id]
+            if self._windows.get(key) is res:
+                del self._windows[key]
         for callback in callbacks:
             callback()
 
@@ -396,12 +403,17 @@ class ReceiverCore:
         res.record.end(TransferState.CANCELLED if cancelled else TransferState.FAILED, error)
         self.forget(res)
 
-    def fail_ids(self, transfer_ids: set[bytes], error: TransferError) -> None:
-        """A connection died: fail the transfers it had begun that are still IN_FLIGHT; one
-        whose reservation deadline already passed ends EXPIRED (the lease ended first: a peer
-        that stopped past it reads as expired, however late its connection is found broken)."""
+    def fail_ids(self, begun: Iterable[tuple[bytes, int]], error: TransferError) -> None:
+        """A connection died: fail the transfers it had begun, `(transfer id, epoch)` pairs,
+        that are still IN_FLIGHT under that epoch (a reservation of the same id under another
+        epoch is another sender's: untouched); one whose reservation deadline already passed
+        ends EXPIRED (the lease ended first: a peer that stopped past it reads as expired,
+        however late its connection is found broken)."""
+        keys = set(begun)
         with self._lock:
-            reservations = [r for t, r in self._reservations.items() if t in transfer_ids]
+            reservations = [
+                r for t, r in self._reservations.items() if (t, r.record.request.epoch) in keys
+            ]
         for res in reservations:
             if res.record.state is not TransferState.IN_FLIGHT:
                 continue

@@ -4,6 +4,8 @@ write windows a receiver grants over it.
 A `SharedRegion` is a memfd (no name in any filesystem) mapped into this process; a cache and
 its scales are tensors over it (`shared_block_store`). The receiver hands the descriptor to a
 same-uid peer over its Unix socket (SCM_RIGHTS) at the handshake, so nothing can leak by name.
+The memfd is sealed at its size once made: a peer holding the descriptor cannot shrink it
+(every page this process touched past the new end would fault: SIGBUS) or grow it.
 
 A `Grant` is what a sender may write: for each reserved block (in reservation order) the byte
 offset of its KV row, and of its scales row when the cache has scales, plus the seconds left
@@ -18,6 +20,7 @@ Grant payload (little-endian): `f64 seconds_left, u32 n, u32 has_scales, i64 kv[
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import itertools
 import mmap
 import os
@@ -40,10 +43,14 @@ class SharedRegion:
         if nbytes <= 0:
             raise FrameError("region_bytes", f"must be positive, got {nbytes}")
         own = fd is None
-        self.fd = os.memfd_create("kvmesh-kv", os.MFD_CLOEXEC) if fd is None else fd
+        if fd is None:
+            fd = os.memfd_create("kvmesh-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.fd = fd
         try:
-            if own:
+            if own:  # sized, then sealed: no holder of the descriptor can resize it under us
                 os.ftruncate(self.fd, nbytes)
+                seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals)
             elif os.fstat(self.fd).st_size < nbytes:
                 raise FrameError("region_bytes", "the shared region is smaller than announced")
             flags = mmap.MAP_SHARED | (0 if own else getattr(mmap, "MAP_POPULATE", 0))

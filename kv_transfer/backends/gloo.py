@@ -338,7 +338,7 @@ class Receiver(KVReceiver):
         return Link(group, SENDER_RANK, self._device, max_frame, window)
 
     def _loop(self, link: Link) -> None:
-        begun: set[bytes] = set()
+        begun: set[tuple[bytes, int]] = set()  # (transfer id, epoch) begun on this link
         staging: list[torch.Tensor] = []  # uint8 [max_frame] each, made when first needed:
         # frame k arrives into one while k-1 is written from another (a second only then)
         pending: tuple[FrameHeader, torch.Tensor] | None = None  # received, not yet answered
@@ -397,7 +397,7 @@ class Receiver(KVReceiver):
         replies.send(frame_header(MsgType.FRAME_ACK, header.transfer_id, header.epoch), None)
 
     def _handle(
-        self, link: Link, header: FrameHeader, begun: set[bytes]
+        self, link: Link, header: FrameHeader, begun: set[tuple[bytes, int]]
     ) -> tuple[FrameHeader, torch.Tensor | None] | None:
         """Read a control message's payload (keeps the stream in step), then apply it."""
         deadline = time.monotonic() + REPLY_SECONDS
@@ -406,14 +406,14 @@ class Receiver(KVReceiver):
         try:
             if kind is MsgType.BEGIN:
                 self.core.on_begin(header, data)
-                begun.add(tid)
+                begun.add((tid, epoch))
                 return frame_header(MsgType.ACCEPT, tid, epoch), None
             if kind is MsgType.END:
-                begun.discard(tid)
+                begun.discard((tid, epoch))
                 self.core.on_end(header, data)
                 return frame_header(MsgType.DONE, tid, epoch), None
             if kind is MsgType.CANCEL:
-                begun.discard(tid)
+                begun.discard((tid, epoch))
                 with contextlib.suppress(TransferError):
                     self.core.on_cancel(header)
                 return None

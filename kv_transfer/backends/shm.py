@@ -13,6 +13,10 @@ wake-ups). With payload checksums a commit covers 16 MiB (verified per commit). 
 connection already up, `start`/`start_stream` send BEGIN on the caller's thread (`_open`), so
 the window comes back while the caller goes on (a prefill computing its KV); the transfer
 thread reads the ACCEPT waiting for it. The window, its lease and every check are unchanged.
+A reservation that ends early revokes the window: the receiver writes CANCEL without waiting
+(it is called on the decode worker's event loop); when that cannot go out at once, or a reply
+is not taken within `REPLY_SECONDS` (10 s), the receiver cuts the connection: the transfers
+begun on it fail, their windows open until the lease plus the grace (a copy may be under way).
 
 **staging** (two copies; for comparison and for a cache that is not in shared memory): the
 sender creates one segment per connection (`slots` x `slot_bytes`, random name), sends its

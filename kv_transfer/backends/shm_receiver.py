@@ -19,6 +19,7 @@ from kv_transfer.blocks import BlockStore
 from kv_transfer.control import recv_msg, send_msg
 from kv_transfer.errors import (
     BackendUnavailableError,
+    DeadlineExpiredError,
     FrameError,
     PeerError,
     TransferError,
@@ -31,6 +32,7 @@ from kv_transfer.unix_server import UnixServer
 
 HANDSHAKE_SECONDS = 10.0
 IDLE_SECONDS = 600.0  # an idle connection is closed; the sender reconnects on its next send
+REPLY_SECONDS = HANDSHAKE_SECONDS  # a reply the sender does not take by then cuts its connection
 SEGMENT_PREFIX = "kvmesh_"
 
 
@@ -112,7 +114,7 @@ class Receiver(KVReceiver):
                 header, payload = recv_msg(conn, time.monotonic() + IDLE_SECONDS)
                 reply = self._dispatch(header, payload, ring, slot_bytes, begun)
                 ends = header.msg_type in (MsgType.END, MsgType.CANCEL)
-                if ends and header.transfer_id in begun:  # granted here: no write follows
+                if ends and begun.end(header.transfer_id, header.epoch):  # no write follows
                     self.core.window_closed(header.transfer_id, header.epoch)
                 if reply is not None and can_reply:
                     try:
@@ -120,11 +122,12 @@ class Receiver(KVReceiver):
                     except PeerError:
                         can_reply = False
         except TransferError as exc:
-            self.core.fail_ids(begun, PeerError(f"sender connection lost: {exc}"))
+            self.core.fail_ids(begun.snapshot(), PeerError(f"sender connection lost: {exc}"))
             raise
-        finally:  # the sender's connection is gone: so are its writes
-            for tid in list(begun):
-                self.core.window_closed(tid)
+        finally:  # the sender closed its connection: so ended its writes under what it began
+            if not begun.close():  # unless this side cut it (those close at lease plus grace)
+                for tid, epoch in begun.snapshot():
+                    self.core.window_closed(tid, epoch)
 
     def _dispatch(
         self,
@@ -132,18 +135,17 @@ class Receiver(KVReceiver):
         payload: bytearray,
         ring: torch.Tensor | None,
         slot_bytes: int,
-        begun: set[bytes],
+        begun: _Begun,
     ) -> tuple[FrameHeader, bytes] | None:
         tid, epoch, kind = header.transfer_id, header.epoch, header.msg_type
         try:
             if kind is MsgType.BEGIN and ring is None:
-                assert isinstance(begun, _Begun)
                 grant = self.core.grant(header, payload, revoke=lambda: begun.revoke(tid, epoch))
-                begun.add(tid)
+                begun.add(tid, epoch)
                 return frame_header(MsgType.ACCEPT, tid, epoch, grant), grant
             if kind is MsgType.BEGIN:
                 self.core.on_begin(header, payload)
-                begun.add(tid)
+                begun.add(tid, epoch)
                 return frame_header(MsgType.ACCEPT, tid, epoch), b""
             if kind is MsgType.FRAME and (ring is None) != bool(header.flags & FLAG_IN_PLACE):
                 raise FrameError("flags", "a commit needs registered mode and vice versa")
@@ -170,23 +172,89 @@ class Receiver(KVReceiver):
             return frame_header(MsgType.ERROR, tid, epoch, wire, aux=header.aux), wire
 
 
-class _Begun(set[bytes]):
-    """Transfers begun on one connection, and its replies sent under one lock (a revoke may
-    come from another thread)."""
+class _Begun:
+    """The transfers, `(transfer id, epoch)`, begun on one connection and not yet ended on it
+    by their END or CANCEL, and the connection's replies, sent under one lock (a revoke comes
+    from another thread: a cancel on the decode side's event loop, which must never wait)."""
 
     def __init__(self, conn: socket.socket) -> None:
-        super().__init__()
         self._conn = conn
+        self._keys: set[tuple[bytes, int]] = set()  # changed by the connection's thread only
         self._lock = threading.Lock()
+        self._cut = False  # this side shut the connection down: its sender may still write
+        self._closed = False  # the connection's thread is done with it (it closes next)
+
+    def add(self, tid: bytes, epoch: int) -> None:
+        self._keys.add((tid, epoch))
+
+    def end(self, tid: bytes, epoch: int) -> bool:
+        """The sender ended `tid` under `epoch` here (END or CANCEL); whether it began it here."""
+        if (tid, epoch) not in self._keys:
+            return False
+        self._keys.discard((tid, epoch))
+        return True
+
+    def snapshot(self) -> list[tuple[bytes, int]]:
+        return list(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
     def send(self, header: FrameHeader, payload: bytes = b"") -> None:
+        """Reply; a sender that does not take it within REPLY_SECONDS (it stopped reading) has
+        its connection cut; PeerError when the reply did not go out."""
         with self._lock:
-            send_msg(self._conn, header, payload)
+            try:
+                self._conn.settimeout(REPLY_SECONDS)
+                send_msg(self._conn, header, payload)
+            except DeadlineExpiredError:
+                self._shut()
+                raise PeerError("the sender did not take a reply in time") from None
+            except OSError as exc:
+                raise PeerError(f"send failed: {exc}") from None
 
     def revoke(self, tid: bytes, epoch: int) -> None:
-        """The reservation ended early: tell the sender to stop writing into its window."""
-        with contextlib.suppress(TransferError):
-            self.send(frame_header(MsgType.CANCEL, tid, epoch))
+        """The reservation ended early: tell the sender to stop writing into its window, never
+        waiting. When the CANCEL cannot go out whole at once (a reply is being sent, or the
+        sender does not read), the connection is cut instead: its thread fails what it began,
+        and the window stays open until the lease plus the grace (the sender may be mid-copy)."""
+        if (tid, epoch) not in self._keys:  # ended here already: the sender stopped writing
+            return
+        if not self._lock.acquire(blocking=False):
+            self._shut()
+            return
+        try:
+            cancel = frame_header(MsgType.CANCEL, tid, epoch)
+            if not self._closed and not _send_now(self._conn, cancel):
+                self._shut()
+        finally:
+            self._lock.release()
+
+    def _shut(self) -> None:
+        self._cut = True
+        with contextlib.suppress(OSError):
+            self._conn.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> bool:
+        """The connection's thread is done (no revoke writes to it any more); whether this side
+        cut it."""
+        with self._lock:
+            self._closed = True
+            return self._cut
+
+
+def _send_now(conn: socket.socket, header: FrameHeader) -> bool:
+    """Write a payload-less message without waiting (the descriptor is non-blocking once the
+    socket has a timeout, which every read set): False when it did not go out whole at once
+    (the sender is not reading). A broken connection counts as sent: its thread finds it so."""
+    data = header.encode()
+    try:
+        fd = conn.fileno()
+        return not os.get_blocking(fd) and os.write(fd, data) == len(data)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 class _Attached:

@@ -124,7 +124,7 @@ def test_a_connection_lost_after_the_lease_ends_expired_not_failed() -> None:
         core.on_begin(frame_header(MsgType.BEGIN, req.transfer_id, 0, dst_ids), dst_ids)
         ids[name] = (req.transfer_id, handle)
     time.sleep(0.05)
-    core.fail_ids({tid for tid, _ in ids.values()}, PeerError("connection lost"))
+    core.fail_ids([(tid, 0) for tid, _ in ids.values()], PeerError("connection lost"))
     assert ids["lapsed"][1].wait(0.0).state is TransferState.EXPIRED
     assert ids["live"][1].wait(0.0).state is TransferState.FAILED
 

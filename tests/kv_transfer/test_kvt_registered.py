@@ -7,7 +7,9 @@ receiver over a real Unix socket, the sender's transfer thread held back."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
+import json
 import os
 import signal
 import socket
@@ -22,6 +24,7 @@ from kvt_peers import SPEC, Peer
 
 from kv_transfer.backends import shm
 from kv_transfer.blocks import BlockStore
+from kv_transfer.control import recv_msg, send_msg, unix_path
 from kv_transfer.errors import (
     ChecksumError,
     DeadlineExpiredError,
@@ -31,6 +34,8 @@ from kv_transfer.errors import (
 )
 from kv_transfer.header import FLAG_IN_PLACE, FLAG_NO_CHECKSUM, FrameHeader, MsgType, frame_header
 from kv_transfer.interface import StreamSendHandle
+from kv_transfer.layout import KVLayout
+from kv_transfer.peer import make_store
 from kv_transfer.receiver_core import WINDOW_GRACE_SECONDS, ReceiveHandle, ReceiverCore
 from kv_transfer.registered import Grant, shared_tensors, write_granted
 from kv_transfer.state import TransferRequest, TransferState
@@ -51,6 +56,20 @@ def stores(scales: bool = False) -> tuple[BlockStore, BlockStore]:
 def begin(core: ReceiverCore, tid: bytes, epoch: int, dst: list[int]) -> Grant:
     payload = torch.tensor(dst, dtype=torch.int32).numpy().tobytes()
     return Grant.decode(core.grant(frame_header(MsgType.BEGIN, tid, epoch, payload), payload))
+
+
+def raw_registered(address: str, layout: KVLayout) -> tuple[socket.socket, int]:
+    """A bare registered-mode connection to the shm receiver at `address` (a peer of our
+    making): the socket after HELLO_ACK, and the cache's descriptor it was passed."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(unix_path(address))
+    hello = layout.to_bytes() + b"\0" + json.dumps({"mode": "registered"}).encode()
+    send_msg(conn, frame_header(MsgType.HELLO, bytes(16), 0, hello), hello)
+    header, _ = recv_msg(conn, time.monotonic() + 10)
+    assert header.msg_type is MsgType.HELLO_ACK
+    _, fds, _, _ = socket.recv_fds(conn, 1, 1)
+    assert len(fds) == 1
+    return conn, fds[0]
 
 
 def commit(
@@ -193,6 +212,31 @@ def test_one_commit_of_many_pieces_between_processes() -> None:
         assert receiver.call("digest", ids=dst) == sender.call("digest", ids=src) != before
     finally:
         sender.close()
+        receiver.close()
+
+
+def test_a_peer_cannot_resize_the_receivers_shared_cache() -> None:
+    """The cache's memfd, which every same-uid sender is passed at the handshake, is sealed at
+    its size: a peer's ftruncate is refused (shrunk, the receiver died of SIGBUS at its next
+    touch of its own cache), and so is a seal of the peer's own (one barring writes would stop
+    later senders from mapping the cache); the receiver goes on serving."""
+    receiver = Peer("shm", SPEC)
+    try:
+        before = receiver.call("digest", ids=[0, 63])
+        conn, fd = raw_registered(receiver.address, make_store({**SPEC, "shared": False}).layout)
+        try:
+            size = os.fstat(fd).st_size
+            for smaller_or_larger in (0, size // 2, size * 2):
+                with pytest.raises(PermissionError):
+                    os.ftruncate(fd, smaller_or_larger)
+            with pytest.raises(PermissionError):
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+            assert os.fstat(fd).st_size == size
+        finally:
+            os.close(fd)
+            conn.close()
+        assert receiver.call("digest", ids=[0, 63]) == before
+    finally:
         receiver.close()
 
 
