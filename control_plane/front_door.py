@@ -520,7 +520,10 @@ class FrontDoor:
             workers = serving[1]
         last = "no usable workers: need a prefill and a decode worker of equal layouts, or a "
         last += "colocated worker"
+        registry = self._cluster.registry
         for worker in sorted(workers, key=lambda w: w.load.waiting + w.load.running):
+            if not registry.is_current(worker.worker_id, worker.epoch):
+                continue  # reaped during an earlier call: no channel opened to it again
             stub = worker_pb2_grpc.PrefillServiceStub(self._cluster.channels.get(worker.address))
             try:
                 return await getattr(stub, method)(message, timeout=TOKENIZE_SECONDS)

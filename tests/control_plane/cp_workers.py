@@ -75,6 +75,9 @@ class FakeWorker(
         self.prefill_started = asyncio.Event()
         self.changed = asyncio.Event()
         self.reserve_error: grpc.StatusCode | None = None
+        self.prepare_gate: asyncio.Event | None = None  # Prepare waits for it, then answers
+        self.prepare_started = asyncio.Event()
+        self.prepare_error: grpc.StatusCode | None = None
         self.tokens = 3
         self.finish_reason = LENGTH  # of the last response
         self.pace = 0.0  # seconds between the responses after the first
@@ -181,6 +184,11 @@ class FakeWorker(
         self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrepareResponse:
         self._record("Prepare", context)
+        self.prepare_started.set()
+        if self.prepare_gate is not None:
+            await self.prepare_gate.wait()
+        if self.prepare_error is not None:
+            await context.abort(self.prepare_error, "draining")
         await self._pause()
         engine = await self._prepare(request.request, context)
         return worker_pb2.PrepareResponse(request=engine)

@@ -191,3 +191,25 @@ async def test_a_decode_candidate_reaped_during_an_earlier_reserve_is_not_called
         assert silent.calls == [] and silent.held == {}
         assert silent.address not in cp.server.cluster.channels._channels
         assert first.held == prefill.held == {} and len(cp.server.cluster.ledger) == 0
+
+
+@run_async
+async def test_a_tokenizer_worker_reaped_during_an_earlier_call_is_not_called() -> None:
+    """/tokenize tries the serving set's prefill workers in turn; one reaped while an earlier
+    one's Prepare is in flight is skipped: no call reaches it and no channel to it is opened
+    again (nothing would close that channel)."""
+    async with control_plane(**FAST_LEASE) as cp:
+        busy = await cp.add("p0", "prefill")  # tried first; answers UNAVAILABLE, slowly
+        busy.prepare_gate, busy.prepare_error = asyncio.Event(), grpc.StatusCode.UNAVAILABLE
+        silent = await cp.add("p1", "prefill")  # never heartbeats
+        decode = await cp.add("d0", "decode")
+        async with heartbeating(cp, busy, decode):
+            request = text_request(request_id="t")
+            call = asyncio.create_task(cp.server.front_door.tokenize(request))
+            await asyncio.wait_for(busy.prepare_started.wait(), 5)
+            await until(lambda: cp.server.cluster.registry.get("p1") is None)
+            busy.prepare_gate.set()
+            with contextlib.suppress(Exception):
+                await call
+        assert busy.calls == ["Prepare"] and silent.calls == []
+        assert silent.address not in cp.server.cluster.channels._channels
