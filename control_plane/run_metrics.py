@@ -20,8 +20,12 @@ def finish_reason_label(reason: int) -> str:
 def record_run(metrics: ControlMetrics, run: Run, status: grpc.StatusCode, model: str) -> None:
     """Count the request by status, its tokens whatever the status; latencies of OK runs
     whose first token was relayed, each ending at the last token relayed (the cleanup that
-    follows, the Releases, is not the client's wait)."""
+    follows, the Releases, is not the client's wait). With no model (refused while no worker
+    was live: it reached none, so it has no tokens and no latencies) only its status counts:
+    no `model_name=""` series."""
     metrics.requests.labels(status.name).inc()
+    if not model:
+        return
     m, t = metrics.request, run.timings
     if t.prompt_tokens:
         m.prompt_tokens.labels(model).inc(t.prompt_tokens)

@@ -15,6 +15,9 @@ Contract:
 - `wait_for(child, pattern, deadline)` returns the first output line matching `pattern`, or
   raises ChildFailed when the child exits or the deadline passes first (with its output tail).
 - `poll(child, pattern)` is the same without waiting (None when no such line came yet).
+- Lines no reader took yet wait in `child.lines`, the newest LINES_KEPT of them (older unread
+  ones are dropped): a child that logs on after its ready line, with nobody reading any more,
+  holds bounded memory. `child.tail` keeps the last TAIL_LINES for error reports.
 - `stop(child, grace)` sends SIGTERM to the group, waits at most `grace` seconds, then SIGKILL.
 """
 
@@ -34,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 TAIL_LINES = 60
+LINES_KEPT = 10_000  # unread output lines kept per child (the newest)
 KILL_WAIT_SECONDS = 5.0  # after SIGKILL, how long to wait for the exit status
 
 
@@ -41,11 +45,23 @@ class ChildFailed(RuntimeError):
     """A child exited or missed its deadline; the message ends with its last output lines."""
 
 
+class RecentLines(queue.Queue[str | None]):
+    """A queue that keeps the newest `limit` items: a put never blocks, and past `limit`
+    unread items the oldest is dropped."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__()
+
+    def _init(self, maxsize: int) -> None:
+        self.queue: collections.deque[str | None] = collections.deque(maxlen=self.limit)
+
+
 @dataclass
 class Child:
     name: str
     process: subprocess.Popen[str]
-    lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
+    lines: queue.Queue[str | None] = field(default_factory=lambda: RecentLines(LINES_KEPT))
     tail: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=TAIL_LINES)
     )

@@ -73,7 +73,8 @@ StepHook = Callable[["LLMEngine", str, "RequestOutput | None"], object]
 class LoadSnapshot:
     total_blocks: int = 0
     free_blocks: int = 0  # free now (uncached) plus evictable cached blocks
-    cached_blocks: int = 0
+    cached_blocks: int = 0  # published in the prefix index (in use or evictable)
+    evictable_blocks: int = 0  # the free blocks still holding a reusable prefix (in free_blocks)
     running: int = 0
     waiting: int = 0
     steps: int = 0
@@ -500,6 +501,7 @@ class AsyncLLMEngine:
             total_blocks=metrics.total_blocks,
             free_blocks=metrics.free_blocks + metrics.evictable_blocks,
             cached_blocks=metrics.cached_blocks,
+            evictable_blocks=metrics.evictable_blocks,
             running=scheduler.num_running,
             waiting=scheduler.num_waiting,
             steps=self._steps,

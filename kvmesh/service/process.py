@@ -241,6 +241,8 @@ def bind_engine_metrics(metrics: WorkerMetrics, runtime: WorkerRuntime) -> None:
     load = runtime.engine.load
     metrics.blocks.labels("used").set_function(lambda: load().total_blocks - load().free_blocks)
     metrics.blocks.labels("free").set_function(lambda: load().free_blocks)
-    metrics.blocks.labels("cached").set_function(lambda: load().cached_blocks)
+    # cached: the free blocks still holding a reusable prefix (a subset of free), not every
+    # block published in the prefix index (those in use by requests included)
+    metrics.blocks.labels("cached").set_function(lambda: load().evictable_blocks)
     observe = metrics.bind_engine(load, runtime.model.model_name)
     runtime.engine.engine.step_observers.append(observe)

@@ -12,16 +12,18 @@ Honoured variables (read once, at `setup_tracing`):
 With exporter `none` a real SDK tracer provider still runs (spans get ids, so trace context
 propagates through the services and appears in logs) but nothing is exported.
 
-gRPC calls are traced by `opentelemetry-instrumentation-grpc`: `server_interceptors()` goes
+gRPC servers are traced by `opentelemetry-instrumentation-grpc`: `server_interceptors()` goes
 first on every grpc.aio server (a SERVER span per call, child of the caller's W3C
-`traceparent`), `client_interceptors()` on every internal grpc.aio channel (a CLIENT span per
-call, its context injected into the metadata). Health checks and heartbeats are not traced.
+`traceparent`). `client_interceptors()` (kvmesh's `TracedCalls`) go on every internal grpc.aio
+channel: a CLIENT span per call, its context injected into the metadata, ended when the call
+is done (a cancel reaches the RPC). Health checks and heartbeats are not traced.
 Response streams are written by a coroutine of the call's own task (`ClosingStreams`), so a
 stream the client cancels is closed, and its span's context detached, where it was attached.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 from collections.abc import Callable, Mapping
@@ -29,7 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from opentelemetry import trace
+from opentelemetry import propagate, trace
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled
+from opentelemetry.propagators.textmap import Setter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -44,6 +48,7 @@ from kvmesh.v1 import wire
 EXPORTERS = ("otlp", "otlp_proto_grpc", "otlp_proto_http", "console", "none")
 PROTOCOLS = ("grpc", "http/protobuf")
 UNTRACED_METHODS = ("/kvmesh.v1.ControlService/Heartbeat",)
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 class TracingConfigError(ValueError):
@@ -188,10 +193,121 @@ def _written(behaviour: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def client_interceptors() -> list[Any]:
-    """The tracing interceptors of a grpc.aio channel (one per call shape)."""
-    from opentelemetry.instrumentation.grpc import aio_client_interceptors
+    """The tracing interceptors of a grpc.aio channel (one per call shape): `TracedCalls`."""
+    tracer = trace.get_tracer("kvmesh.grpc.client")
+    kinds = (_TracedUnaryUnary, _TracedUnaryStream, _TracedStreamUnary, _TracedStreamStream)
+    return [kind(tracer) for kind in kinds]
 
-    return list(aio_client_interceptors(filter_=_traced()))
+
+def _untraced(method: str) -> bool:
+    return method.startswith(HEALTH_PREFIX) or method in UNTRACED_METHODS
+
+
+class _LowerCaseSetter(Setter[grpc.aio.Metadata]):
+    """Sets propagation fields as gRPC metadata keys (lower case)."""
+
+    def set(self, carrier: grpc.aio.Metadata, key: str, value: str) -> None:
+        carrier[key.lower()] = value
+
+
+class TracedCalls:
+    """A CLIENT span per call of a grpc.aio channel, its context injected into the call's
+    metadata (W3C `traceparent`, through the global propagator).
+
+    The interceptor returns the call object as soon as the call is started and ends the span
+    from the call's done callback, with the call's final status: `call.cancel()` (and a
+    cancelled task awaiting the call) reaches the RPC itself, and a cancelled call's span ends
+    CANCELLED. (An interceptor that awaits the call's outcome holds grpc.aio's interceptor task
+    open: a cancel cancels that task instead of the RPC, the RPC runs on, and its span never
+    ends.) Span name `/package.Service/Method`; `rpc.system`, `rpc.service`, `rpc.method`,
+    `rpc.grpc.status_code`; ERROR with `error.type` for any status but OK."""
+
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self._tracer = tracer
+
+    async def _traced(self, continuation: Any, details: Any, request: Any) -> Any:
+        method = details.method
+        method = method.decode() if isinstance(method, bytes) else str(method)
+        if _untraced(method) or not is_instrumentation_enabled():
+            return await continuation(details, request)
+        service, _, name = method.lstrip("/").partition("/")
+        attributes = {
+            "rpc.system": "grpc",
+            "rpc.service": service,
+            "rpc.method": name,
+            "rpc.grpc.status_code": grpc.StatusCode.OK.value[0],
+        }
+        span = self._tracer.start_span(method, kind=trace.SpanKind.CLIENT, attributes=attributes)
+        try:
+            metadata = grpc.aio.Metadata(*(details.metadata or ()))
+            propagate.inject(metadata, trace.set_span_in_context(span), _LowerCaseSetter())
+            call = await continuation(details._replace(metadata=metadata), request)
+        except BaseException as error:
+            _end_span(span, *_status_of_error(error))
+            raise
+        if call.done():
+            _end_span(span, *_status_of_call(call))
+        else:
+            call.add_done_callback(lambda done: _end_span(span, *_status_of_call(done)))
+        return call
+
+
+class _TracedUnaryUnary(TracedCalls, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await self._traced(continuation, details, request)
+
+
+class _TracedUnaryStream(TracedCalls, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await self._traced(continuation, details, request)
+
+
+class _TracedStreamUnary(TracedCalls, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await self._traced(continuation, details, requests)
+
+
+class _TracedStreamStream(TracedCalls, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await self._traced(continuation, details, requests)
+
+
+def _status_of_error(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status a call that failed to start ends with."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code(), error.details() or ""
+    if isinstance(error, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED, "cancelled before the call started"
+    return grpc.StatusCode.UNKNOWN, f"{type(error).__name__}: {error}"
+
+
+def _status_of_call(call: Any) -> tuple[grpc.StatusCode, str]:
+    """The final status of a call that is done. grpc.aio offers it as coroutines only; once the
+    call is done they return without waiting, so they are run to completion here (a done
+    callback cannot await)."""
+    try:
+        return _completed(call.code()), _completed(call.details()) or ""
+    except Exception as error:  # a span must end whatever went wrong
+        return grpc.StatusCode.UNKNOWN, f"the call's status could not be read: {error!r}"
+
+
+def _completed(coroutine: Any) -> Any:
+    """The result of `coroutine`, which must finish without suspending."""
+    try:
+        coroutine.send(None)
+    except StopIteration as finished:
+        return finished.value
+    coroutine.close()
+    raise RuntimeError("the call is not done")
+
+
+def _end_span(span: trace.Span, code: grpc.StatusCode, details: str) -> None:
+    try:
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code != grpc.StatusCode.OK:
+            mark_failed(span, code.name, details)
+    finally:
+        span.end()
 
 
 def mark_failed(span: trace.Span, code_name: str, message: str) -> None:

@@ -4,10 +4,12 @@ last token relayed, never at the cleanup that follows it (the Releases, however 
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 
 import grpc
 import pytest
 from cp_harness import control_plane, run_async, status_of, text_request
+from prometheus_client.parser import text_string_to_metric_families
 
 RELEASE_SECONDS = 0.5
 
@@ -52,3 +54,19 @@ async def test_a_request_keeps_the_model_it_was_admitted_for_when_every_worker_d
         tokens = "kvmesh:generation_tokens_total"
         assert registry.get_sample_value(tokens, {"model_name": "tiny"}) == 1
         assert registry.get_sample_value(tokens, {"model_name": ""}) is None
+
+
+@run_async
+async def test_a_request_refused_while_no_worker_is_live_adds_no_empty_model_series() -> None:
+    """No worker registered (an outage): the refused request is counted by status, and no
+    model-labelled family gets a `model_name=""` series (in a scrape of /metrics)."""
+    async with control_plane(metrics_port=0) as cp:
+        code, _, _ = await status_of(cp.generation.Generate(text_request("hi"), timeout=5))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        url = f"http://{cp.server.metrics_address}/metrics"
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+    samples = [s for f in text_string_to_metric_families(text.decode()) for s in f.samples]
+    refused = [s for s in samples if s.name == "kvmesh_control_requests_total"]
+    assert [(s.labels, s.value) for s in refused] == [({"status": "UNAVAILABLE"}, 1.0)]
+    unnamed = [s.name for s in samples if s.labels.get("model_name") == ""]
+    assert not unnamed, unnamed

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
+from typing import Literal
 
 import grpc
 import pytest
@@ -114,6 +117,46 @@ def test_refused_request_marks_the_span_error(exporter: InMemorySpanExporter) ->
     assert dict(span.attributes or {})["error.type"] == "INVALID_ARGUMENT"
 
 
+def post_json(url: str, body: dict[str, object]) -> int:
+    """POST `body` as JSON with the caller's `traceparent`; the HTTP status."""
+    headers = {"content-type": "application/json", **dict(METADATA)}
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "INVALID_ARGUMENT"),
+        ({"model": "other", "prompt": "hi"}, 404, "NOT_FOUND"),
+    ],
+)
+def test_a_request_the_http_door_refuses_marks_its_span_error(
+    exporter: InMemorySpanExporter, body: dict[str, object], status: int, code: str
+) -> None:
+    """Refused while its body is read (before any run): the HTTP SERVER span is ERROR with the
+    gRPC code it is counted under, as the gRPC door's span of a refused request is."""
+    exporter.clear()
+
+    async def run() -> None:
+        async with control_plane(http_port=0) as cp:
+            await cp.add("c0", "colocated")
+            url = f"{cp.server.http.url}/v1/completions"
+            assert await asyncio.to_thread(post_json, url, body) == status
+
+    asyncio.run(run())
+    (span,) = request_spans(exporter)
+    attributes = dict(span.attributes or {})
+    assert span.kind is trace.SpanKind.SERVER and span.name == "POST /v1/completions"
+    assert span.status.status_code is trace.StatusCode.ERROR
+    assert attributes["error.type"] == code
+    assert attributes["rpc.grpc.status_code"] == grpc.StatusCode[code].value[0]
+
+
 def traced_colocated(
     exporter: InMemorySpanExporter, request: generation_pb2.GenerateRequest, cached: int = 0
 ) -> tuple[dict[str, object], generation_pb2.Usage]:
@@ -199,3 +242,71 @@ def test_a_cancel_while_the_write_is_blocked_still_completes_the_span(
     assert attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
     assert attributes["gen_ai.usage.input_tokens"] == 11  # "hello world"
     assert "gen_ai.usage.output_tokens" in attributes
+    (decode,) = worker_call_spans(exporter, "Decode")
+    assert decode.status.status_code is trace.StatusCode.ERROR
+    assert dict(decode.attributes or {})["rpc.grpc.status_code"] == 1  # CANCELLED
+
+
+def worker_call_spans(exporter: InMemorySpanExporter, method: str) -> list[ReadableSpan]:
+    """The CLIENT spans of the control plane's calls of `method` on workers."""
+    return [
+        s for s in exporter.get_finished_spans()
+        if s.kind is trace.SpanKind.CLIENT and s.name.endswith(f"Service/{method}")
+        and "ControlService" not in s.name
+    ]  # fmt: skip
+
+
+class Gate(asyncio.Event):
+    """A worker's gate that records its waiter (the worker's handler) being cancelled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled = asyncio.Event()
+
+    async def wait(self) -> Literal[True]:
+        try:
+            return await super().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+@pytest.mark.parametrize("method", ["Reserve", "PrefillAhead"])
+def test_a_cancelled_request_cancels_the_worker_call_in_flight_and_ends_its_span(
+    exporter: InMemorySpanExporter, method: str
+) -> None:
+    """The client cancels while a unary-response worker call (Reserve, PrefillAhead) is in
+    flight: the call is cancelled on the worker (its handler stops, nothing completes after
+    the control plane's Release), and its CLIENT span ends CANCELLED, a child of the request
+    span."""
+    exporter.clear()
+
+    async def run() -> None:
+        async with control_plane() as cp:
+            prefill = await cp.add("p0", "prefill")
+            decode = await cp.add("d0", "decode")
+            gate = Gate()
+            if method == "Reserve":
+                decode.reserve_gate, started = gate, decode.reserve_started
+            else:
+                prefill.prefill_gate, started = gate, prefill.prefill_started
+            request = text_request(request_id="cancel-1")
+            call = cp.generation.Generate(request, timeout=20, metadata=METADATA)
+            await asyncio.wait_for(started.wait(), 5)
+            call.cancel()
+            await asyncio.wait_for(gate.cancelled.wait(), 5)  # the worker's handler stopped
+            await asyncio.wait_for(cp.server.front_door.wait_idle(5.0), 6)
+            gate.set()  # a handler still running would complete now
+            await asyncio.sleep(0.2)
+            await decode.wait_empty(1.0)
+            await prefill.wait_empty(1.0)
+
+    asyncio.run(run())
+    (request_span,) = request_spans(exporter)
+    (span,) = worker_call_spans(exporter, method)
+    attributes = dict(span.attributes or {})
+    assert span.status.status_code is trace.StatusCode.ERROR
+    assert attributes["error.type"] == "CANCELLED"
+    assert attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert attributes["rpc.system"] == "grpc" and attributes["rpc.method"] == method
+    assert span.parent is not None and span.parent.span_id == request_span.context.span_id

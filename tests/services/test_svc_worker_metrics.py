@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import grpc
-from svc_harness import NUM_BLOCKS, svc_loop, svc_model_dir, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+from svc_harness import NUM_BLOCKS, engine_config, start_worker, svc_loop, svc_model_dir, wait_until
 from test_svc_disagg import ControlDriver, backends_here
 from test_svc_disagg_stream import PROMPT, workers
 from test_svc_prefill_ahead import AheadCall, held_final_step, prefilled
 
+from decode_svc.colocated import install as install_colocated
 from kv_transfer.state import TransferState
-from kvmesh.v1 import worker_pb2
+from kvmesh.service.process import bind_engine_metrics
+from kvmesh.telemetry.metrics import WorkerMetrics, serve_metrics
+from kvmesh.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 __all__ = ["held_final_step", "prefilled", "svc_loop", "svc_model_dir", "workers"]
 TARGET_LATE_SECONDS = 1.0
@@ -114,3 +120,60 @@ def test_a_prefill_ahead_cancelled_before_its_target_is_counted_cancelled(worker
         2.0,
         "five calls counted CANCELLED, none INVALID_ARGUMENT",
     )
+
+
+def scraped_blocks(port: int) -> dict[str, float]:
+    """`kvmesh_kv_blocks` by state, scraped from a worker's /metrics."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "kvmesh_kv_blocks"]
+    return {sample.labels["state"]: sample.value for sample in family.samples}
+
+
+class StepHold:
+    """A step observer that, once `hold` is set, holds the engine thread at its next step
+    until `go` (the load snapshot then stays that of the step before)."""
+
+    def __init__(self) -> None:
+        self.hold, self.held, self.go = threading.Event(), threading.Event(), threading.Event()
+
+    def __call__(self, tokens: int) -> None:
+        if self.hold.is_set() and not self.go.is_set():
+            self.held.set()
+            self.go.wait(10)
+
+
+def test_cached_kv_blocks_are_the_free_blocks_that_still_hold_a_prefix(
+    svc_loop: Any, svc_model_dir: Path
+) -> None:
+    """`kvmesh_kv_blocks{state="cached"}` is a subset of `free`: while a request decodes, its
+    own prompt blocks (published in the prefix index, but in use) are `used`, not `cached`;
+    once it finished they are free and cached."""
+    worker = start_worker(svc_loop, engine_config(svc_model_dir), "colocated", install_colocated)
+    hold = StepHold()
+    try:
+        metrics = WorkerMetrics("colocated")
+        bind_engine_metrics(metrics, worker.runtime)
+        port = serve_metrics(metrics, 0)
+        worker.runtime.engine.engine.step_observers.append(hold)
+        sampling = generation_pb2.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        prompt = [100 + i for i in range(160)]  # 10 full blocks
+        request = worker_pb2.EngineRequest(request_id="cached-blocks", prompt_ids=prompt,
+                                           sampling=sampling)  # fmt: skip
+        stub = worker_pb2_grpc.ColocatedServiceStub(worker.channel)
+        stream = stub.Generate(worker_pb2.ColocatedRequest(request=request), timeout=30)
+        next(stream)  # prefilled: decoding now
+        hold.hold.set()
+        assert hold.held.wait(10)
+        decoding = scraped_blocks(port)
+        hold.go.set()
+        assert list(stream)[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
+        wait_until(lambda: worker.runtime.engine.load().running == 0, 5.0, "the request ended")
+        finished = scraped_blocks(port)
+    finally:
+        hold.go.set()
+        worker.stop()
+    assert decoding["used"] >= 10 and decoding["used"] + decoding["free"] == NUM_BLOCKS
+    assert decoding["cached"] == 0  # every prompt block is the running request's
+    assert finished["used"] == 0 and finished["free"] == NUM_BLOCKS
+    assert 10 <= finished["cached"] <= finished["free"]

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kvmesh.cli.supervisor import ChildFailed, Supervisor
+from kvmesh.cli.supervisor import LINES_KEPT, ChildFailed, Supervisor
 
 # Prints a ready line, then ignores SIGTERM and sleeps (a child that will not stop by itself).
 STUBBORN = textwrap.dedent(
@@ -92,6 +92,37 @@ def test_output_that_is_not_utf8_is_read_on_and_the_ready_line_seen() -> None:
         assert supervisor.wait_for(child, "caf\ufffd$", time.monotonic() + 30)
         supervisor.wait_for(child, "READY", time.monotonic() + 30)
         assert child.alive()
+    finally:
+        supervisor.close()
+
+
+def test_output_nobody_reads_after_the_ready_line_is_bounded() -> None:
+    """A child that logs on after its ready line (`kvmesh up` stops reading a child there):
+    its unread lines are the newest LINES_KEPT, not all it ever printed; the latest is still
+    seen by a later wait, and the output tail kept for error reports."""
+    script = textwrap.dedent(
+        f"""
+        import time
+        print("READY", flush=True)
+        for i in range({3 * LINES_KEPT}):
+            print(f"log line {{i}}")
+        print("LAST", flush=True)
+        time.sleep(600)
+        """
+    )
+    supervisor = Supervisor(grace=1.0)
+    try:
+        child = supervisor.start("chatty", [sys.executable, "-c", script])
+        supervisor.wait_for(child, "READY", time.monotonic() + 30)
+        deadline = time.monotonic() + 30
+        while not (child.tail and child.tail[-1] == "LAST"):
+            assert time.monotonic() < deadline, "the child's output was not read"
+            time.sleep(0.01)
+        assert child.lines.qsize() <= LINES_KEPT
+        oldest = supervisor.poll(child, r"log line (\d+)")
+        assert oldest is not None and int(oldest.group(1)) >= 2 * LINES_KEPT - 1
+        supervisor.wait_for(child, "^LAST$", time.monotonic() + 5)
+        assert child.output_tail().endswith(f"log line {3 * LINES_KEPT - 1}\nLAST")
     finally:
         supervisor.close()
 

@@ -69,7 +69,7 @@ def test_unknown_protocol_names_the_variable() -> None:
 def test_health_checks_and_heartbeats_are_not_traced() -> None:
     import grpc
 
-    from kvmesh.telemetry.tracing import _traced
+    from kvmesh.telemetry.tracing import _traced, _untraced
 
     def call(method: str) -> grpc.aio.ClientCallDetails:
         return grpc.aio.ClientCallDetails(method.encode(), None, None, None, None)
@@ -79,6 +79,10 @@ def test_health_checks_and_heartbeats_are_not_traced() -> None:
     assert not traced(call("/kvmesh.v1.ControlService/Heartbeat"))
     assert traced(call("/kvmesh.v1.ControlService/Register"))
     assert traced(call("/kvmesh.v1.DecodeService/Decode"))
+    # the client side (CLIENT spans) skips the same methods
+    assert _untraced("/grpc.health.v1.Health/Check")
+    assert _untraced("/kvmesh.v1.ControlService/Heartbeat")
+    assert not _untraced("/kvmesh.v1.ControlService/Register")
 
 
 def test_each_role_registers_only_what_it_records() -> None:
