@@ -21,6 +21,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +41,7 @@ from kvmesh.telemetry import request_scope
 from kvmesh.telemetry.metrics import WorkerMetrics, status_name
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from prefill_svc.export import KVExport
-from prefill_svc.senders import SenderPool
+from prefill_svc.senders import SenderPool, endpoint_problem
 from prefill_svc.spans import ChunkEvents, TransferSpan
 
 if TYPE_CHECKING:
@@ -154,7 +155,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         context: grpc.aio.ServicerContext,
         timings: Timings,
     ) -> worker_pb2.PrefillResponse:
-        first = await anext(messages, None)
+        remaining = context.time_remaining()
+        wait = self.transfer_timeout if remaining is None else remaining
+        try:
+            first = await asyncio.wait_for(anext(messages, None), max(0.0, wait))
+        except TimeoutError:
+            raise ServiceError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "request: the call's first message did not come before its deadline",
+            ) from None
         if first is None:
             raise ServiceError(INVALID_ARGUMENT, "request: the call carried no message")
         if first.HasField("target"):
@@ -200,6 +209,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                 FAILED_PRECONDITION,
                 f"target.backend: {target.backend!r} is not one of {self.senders.backends}",
             )
+        problem = endpoint_problem(target.backend, target.endpoint)
+        if problem is not None:
+            raise ServiceError(INVALID_ARGUMENT, f"target.endpoint: {problem}")
         block_size = self.runtime.layout.block_size
         needed = -(-len(request.seqs[0].prompt_ids) // block_size)
         if len(target.block_ids) != needed:
@@ -267,7 +279,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         with TransferSpan(target, len(target.block_ids)) as span:
             try:
                 if sender is None:
-                    sender = await self._connect(backend, endpoint)
+                    sender = await self._connect(backend, endpoint, active.deadline)
                 transfer = TransferRequest(bytes.fromhex(target.transfer_id), target.generation)
                 handle = sender.start_stream(
                     transfer, list(target.block_ids), deadline=active.deadline
@@ -292,18 +304,28 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
                 if sender is not None:
                     self._give_back(backend, endpoint, sender, handle)
 
-    async def _connect(self, backend: str, endpoint: str) -> KVSender:
-        """A sender to `endpoint` (connecting on a thread). One that finishes connecting after
-        the call was cancelled (its caller left, a Release) goes back to the pool rather than
-        being dropped unclosed."""
-        connect = asyncio.ensure_future(asyncio.to_thread(self.senders.acquire, backend, endpoint))
+    async def _connect(self, backend: str, endpoint: str, deadline: float) -> KVSender:
+        """A sender to `endpoint`, connected on the pool's own threads with a handshake that
+        ends by the call's `deadline` (DEADLINE_EXCEEDED naming `target` when it failed at
+        it). A connect its call was cancelled before (its caller left, a Release) never runs;
+        one already running goes back to the pool once connected rather than being dropped
+        unclosed."""
+        connect = self.senders.connect(backend, endpoint, deadline)
         try:
-            return await asyncio.shield(connect)
+            return await asyncio.shield(asyncio.wrap_future(connect))
         except asyncio.CancelledError:
-            connect.add_done_callback(partial(self._late_sender, backend, endpoint))
+            if not connect.cancel():  # running: it ends by the deadline
+                connect.add_done_callback(partial(self._late_sender, backend, endpoint))
             raise
+        except Exception:
+            if time.monotonic() < deadline:
+                raise
+            raise ServiceError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"target: connecting to {endpoint!r} did not finish before the call's deadline",
+            ) from None
 
-    def _late_sender(self, backend: str, endpoint: str, connect: asyncio.Future[KVSender]) -> None:
+    def _late_sender(self, backend: str, endpoint: str, connect: Future[KVSender]) -> None:
         if not connect.cancelled() and connect.exception() is None:
             self.senders.release(backend, endpoint, connect.result())
 

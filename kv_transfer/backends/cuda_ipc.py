@@ -173,12 +173,19 @@ class Sender(shm.Sender):
         frame_bytes: int | None = None,
         slots: int = 4,
         mode: str = "auto",
+        connect_deadline: float | None = None,
     ) -> None:
         _require_cuda(store)
         base, self._token = split_address(address)
         self._ring_storage: torch.Tensor | None = None
         super().__init__(
-            store, base, frame_bytes=frame_bytes, slots=slots, checksum=False, mode=mode
+            store,
+            base,
+            frame_bytes=frame_bytes,
+            slots=slots,
+            checksum=False,
+            mode=mode,
+            connect_deadline=connect_deadline,
         )
 
     def _hello(self, extras: dict[str, object]) -> bytes:

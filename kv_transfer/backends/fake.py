@@ -42,7 +42,12 @@ class Receiver(KVReceiver):
 
 class Sender(KVSender):
     def __init__(
-        self, store: BlockStore, address: str, *, frame_bytes: int = DEFAULT_FRAME_BYTES
+        self,
+        store: BlockStore,
+        address: str,
+        *,
+        frame_bytes: int = DEFAULT_FRAME_BYTES,
+        connect_deadline: float | None = None,  # connecting never waits here
     ) -> None:
         super().__init__(store, frame_bytes)
         with _LOCK:

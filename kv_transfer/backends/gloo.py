@@ -524,9 +524,11 @@ class Sender(KVSender):
         frame_bytes: int = FRAME_BYTES,
         checksum: bool | None = None,
         security: Security | None = None,
+        connect_deadline: float | None = None,
     ) -> None:
         """With `security`'s cluster token, HELLOs are signed and only a receiver whose answer
-        proves the token is linked with (else `AuthenticationError`); TLS does not apply."""
+        proves the token is linked with (else `AuthenticationError`); TLS does not apply. A new
+        link is built by `connect_deadline` (monotonic), at most HANDSHAKE_SECONDS."""
         super().__init__(store, frame_bytes)
         self.address = address
         self._token = security.token if security is not None else None
@@ -539,7 +541,7 @@ class Sender(KVSender):
         self._staging: list[torch.Tensor] = []  # uint8 [max_frame] each, made when first needed
         self._close_lock = threading.Lock()
         self._closed = False  # guarded by _close_lock: a closed sender takes no new link
-        self._link: Link | None = self._take()
+        self._link: Link | None = self._take(connect_deadline)
 
     @property
     def stale(self) -> bool:

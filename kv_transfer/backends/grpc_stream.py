@@ -362,7 +362,10 @@ class Sender(KVSender):
         frame_bytes: int = DEFAULT_FRAME_BYTES,
         max_message_bytes: int = 8 << 20,
         security: Security | None = None,
+        connect_deadline: float | None = None,
     ) -> None:
+        """The handshake ends by `connect_deadline` (monotonic), at most HANDSHAKE_SECONDS
+        after the start."""
         super().__init__(store, frame_bytes)
         self.checksum = True  # the bytes cross a network: every payload is hashed
         security = security or Security()
@@ -373,10 +376,11 @@ class Sender(KVSender):
             PUSH_FRAMES, request_serializer=None, response_deserializer=pb.PushResult.FromString
         )
         request = pb.HandshakeRequest(layout=self.layout.to_bytes())
+        timeout = HANDSHAKE_SECONDS
+        if connect_deadline is not None:
+            timeout = max(0.001, min(timeout, connect_deadline - time.monotonic()))
         try:
-            reply = self._stub.Handshake(
-                request, timeout=HANDSHAKE_SECONDS, metadata=self._metadata
-            )
+            reply = self._stub.Handshake(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             reply = _handshake_refused(exc)
         self.layout.check_compatible(KVLayout.from_bytes(reply.layout))

@@ -91,7 +91,8 @@ class Sender(KVSender):
     `frame_bytes`: the staging slot size, and in registered mode how many bytes one commit
     covers (default: the whole transfer up to 1 GiB, 16 MiB with checksums; a commit moves no
     bytes, fewer wake the receiver less). `piece_bytes`: registered mode copies at most this
-    much between two checks of the window's lease and of a refusal."""
+    much between two checks of the window's lease and of a refusal. The handshake ends by
+    `connect_deadline` (monotonic), at most HANDSHAKE_SECONDS after the start."""
 
     def __init__(
         self,
@@ -103,6 +104,7 @@ class Sender(KVSender):
         checksum: bool = CHECKSUM_DEFAULT,
         mode: str = "auto",
         piece_bytes: int = PIECE_BYTES,
+        connect_deadline: float | None = None,
     ) -> None:
         super().__init__(store, frame_bytes or DEFAULT_FRAME_BYTES)
         self._commit_bytes = frame_bytes or (CHECKED_COMMIT_BYTES if checksum else COMMIT_BYTES)
@@ -124,7 +126,8 @@ class Sender(KVSender):
         # held while a copy into the receiver's window runs: close() waits for it, so once the
         # connection is closed (the receiver's sign that writes ended) nothing more is written
         self._write_lock = threading.Lock()
-        self._connect(time.monotonic() + HANDSHAKE_SECONDS)
+        handshake = time.monotonic() + HANDSHAKE_SECONDS  # `connect_deadline` may cut it short
+        self._connect(handshake if connect_deadline is None else min(handshake, connect_deadline))
 
     @property
     def blocks_per_frame(self) -> int:

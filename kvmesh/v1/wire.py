@@ -3,7 +3,10 @@
 - `DecodeCheck`: a server interceptor that parses each unary request itself, so a request that
   is not a valid protobuf message, or has a string field that is not UTF-8, ends with
   INVALID_ARGUMENT and a plain message naming the field where it can be found (grpc's own
-  deserialization failure is UNKNOWN, with a Python class name in the message).
+  deserialization failure is UNKNOWN, with a Python class name in the message). A streamed
+  request's messages are parsed as the handler reads them: an undecodable one raises
+  `UndecodableMessage` there, which the handler's status mapping answers INVALID_ARGUMENT
+  naming the field.
 - Rich status: `failure_status` builds the `grpc.Status` of a failure with the standard
   `google.rpc` details — `BadRequest` naming the field, `RetryInfo` with the retry delay — and
   the `grpc-retry-pushback-ms` / `retry-after-ms` trailers; `field_of`, `retry_delay_ms` and
@@ -183,8 +186,21 @@ def server_options(
 # -- request decoding ----------------------------------------------------------------------------
 
 
+class UndecodableMessage(DecodeError):
+    """A streamed request's message that is not a valid protobuf message (or has a string field
+    that is not UTF-8): INVALID_ARGUMENT naming `field` (read by the status mapping through
+    `status_name` and `field`)."""
+
+    status_name = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class DecodeCheck(grpc.aio.ServerInterceptor):
-    """Parse unary requests in the handler, answering undecodable ones INVALID_ARGUMENT."""
+    """Parse unary requests in the handler, answering undecodable ones INVALID_ARGUMENT; parse
+    streamed requests' messages as the handler reads them (`UndecodableMessage`)."""
 
     async def intercept_service(
         self,
@@ -192,9 +208,18 @@ class DecodeCheck(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Any:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
         parse = handler.request_deserializer
+        if handler.request_streaming and handler.response_streaming:
+            return handler._replace(
+                request_deserializer=None,
+                stream_stream=_stream_in_out(parse, handler.stream_stream),
+            )
+        if handler.request_streaming:
+            return handler._replace(
+                request_deserializer=None, stream_unary=_stream_in(parse, handler.stream_unary)
+            )
         if handler.response_streaming:
             return handler._replace(
                 request_deserializer=None, unary_stream=_streaming(parse, handler.unary_stream)
@@ -219,6 +244,35 @@ def _streaming(parse: Callable[[bytes], Any], behaviour: Any) -> Any:
     return checked
 
 
+def _stream_in(parse: Callable[[bytes], Any], behaviour: Any) -> Any:
+    async def checked(raws: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+        return await behaviour(parsed_messages(parse, raws), context)
+
+    return checked
+
+
+def _stream_in_out(parse: Callable[[bytes], Any], behaviour: Any) -> Any:
+    async def checked(
+        raws: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        async for response in responses_of(behaviour(parsed_messages(parse, raws), context)):
+            yield response
+
+    return checked
+
+
+async def parsed_messages(
+    parse: Callable[[bytes], Any], raws: AsyncIterator[bytes]
+) -> AsyncIterator[Any]:
+    """The messages of a request stream, parsed; `UndecodableMessage` for one that is not."""
+    async for raw in raws:
+        try:
+            message = parse(raw)
+        except DecodeError as error:
+            raise UndecodableMessage(*_undecodable(parse, raw, error)) from None
+        yield message
+
+
 async def responses_of(result: Any) -> AsyncIterator[Any]:
     """What a unary-stream behaviour returned, as responses: an async generator's, or none
     from a coroutine that writes with `context.write` (awaited)."""
@@ -236,15 +290,19 @@ async def decoded(
     try:
         return parse(raw)
     except DecodeError as error:
-        message_type = _descriptor_of(parse)
-        name = message_type.full_name if message_type is not None else "request message"
-        field = bad_utf8_field(message_type, raw) if "UTF-8" in str(error) else None
-        if field is not None:
-            text = f"{field}: not valid UTF-8"
-        else:
-            field, text = "request", f"request: not a valid {name} (the wire format is corrupt)"
+        field, text = _undecodable(parse, raw, error)
     await abort(context, failure_status(grpc.StatusCode.INVALID_ARGUMENT, text, field=field))
     raise AssertionError("unreachable")
+
+
+def _undecodable(parse: Callable[[bytes], Any], raw: bytes, error: DecodeError) -> tuple[str, str]:
+    """The field at fault in `raw`, which `parse` refused, and the message naming it."""
+    message_type = _descriptor_of(parse)
+    name = message_type.full_name if message_type is not None else "request message"
+    field = bad_utf8_field(message_type, raw) if "UTF-8" in str(error) else None
+    if field is not None:
+        return field, f"{field}: not valid UTF-8"
+    return "request", f"request: not a valid {name} (the wire format is corrupt)"
 
 
 def _descriptor_of(parse: Callable[[bytes], Any]) -> descriptor.Descriptor | None:
@@ -335,6 +393,7 @@ __all__ = [
     "PUSHBACK_KEY",
     "RETRY_AFTER_KEY",
     "DecodeCheck",
+    "UndecodableMessage",
     "abort",
     "failure_status",
     "field_of",

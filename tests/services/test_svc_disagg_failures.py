@@ -283,10 +283,10 @@ def test_a_sender_connected_after_its_call_was_released_goes_back_to_the_pool(
     connecting, made = threading.Event(), []
     connect = pool.acquire
 
-    def slow(backend: str, endpoint: str) -> Any:
+    def slow(backend: str, endpoint: str, deadline: float | None = None) -> Any:
         connecting.set()
         time.sleep(1.0)
-        made.append(connect(backend, endpoint))
+        made.append(connect(backend, endpoint, deadline))
         return made[-1]
 
     monkeypatch.setattr(pool, "acquire", slow)

@@ -1,14 +1,23 @@
-"""The prefill worker's sender pool closes idle senders whose decode worker is gone."""
+"""The prefill worker's sender pool: it closes idle senders whose decode worker is gone, and
+connects new ones on its own threads, each by its caller's deadline."""
 
 from __future__ import annotations
 
+import os
+import socket
+import tempfile
 import time
+from collections.abc import Iterator
+from typing import Any
 
+import pytest
 import torch
 
 from kv_transfer.backends import shm
 from kv_transfer.blocks import BlockStore
+from kv_transfer.errors import TransferError
 from kv_transfer.registered import shared_tensors
+from prefill_svc import senders
 from prefill_svc.senders import SenderPool
 
 SHAPE = (8, 1, 2, 4, 1, 8)
@@ -71,3 +80,57 @@ def test_a_sender_given_back_after_the_pool_closed_is_closed() -> None:
     finally:
         pool.close()
         receiver.close()
+
+
+@pytest.fixture
+def stalled() -> Iterator[str]:
+    """The address of a Unix socket that accepts connections and never answers."""
+    folder = tempfile.mkdtemp(prefix="kvm-stall-")
+    path = os.path.join(folder, "stall.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    yield f"unix:{path}"
+    listener.close()
+    os.unlink(path)
+    os.rmdir(folder)
+
+
+def test_a_connect_to_a_stalled_receiver_ends_at_its_deadline(stalled: str) -> None:
+    """The handshake with a receiver that never answers ends by the caller's deadline, not
+    the backend's own (longer) handshake bound."""
+    pool = SenderPool(BlockStore(torch.zeros(SHAPE)), ["shm"])
+    try:
+        start = time.monotonic()
+        with pytest.raises(TransferError):
+            pool.acquire("shm", stalled, deadline=start + 0.3)
+        assert time.monotonic() - start < 2.0
+    finally:
+        pool.close()
+
+
+def test_a_connect_cancelled_before_it_started_never_runs(
+    stalled: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connects run on the pool's own threads; one whose call was cancelled while it waited
+    for a thread is dropped, never run."""
+    monkeypatch.setattr(senders, "CONNECT_THREADS", 1)
+    pool = SenderPool(BlockStore(torch.zeros(SHAPE)), ["shm"])
+    ran: list[str] = []
+    acquire = pool.acquire
+
+    def spy(backend: str, endpoint: str, deadline: float | None = None) -> Any:
+        ran.append(endpoint)
+        return acquire(backend, endpoint, deadline)
+
+    monkeypatch.setattr(pool, "acquire", spy)
+    try:
+        busy = pool.connect("shm", stalled, time.monotonic() + 0.5)
+        queued = pool.connect("shm", stalled + ".other", time.monotonic() + 0.5)
+        assert queued.cancel()
+        with pytest.raises(TransferError):
+            busy.result(timeout=5)
+        time.sleep(0.1)
+        assert ran == [stalled]
+    finally:
+        pool.close()
