@@ -311,9 +311,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         one already running goes back to the pool once connected rather than being dropped
         unclosed."""
         connect = self.senders.connect(backend, endpoint, deadline)
+        waited = asyncio.wrap_future(connect)
         try:
-            return await asyncio.shield(asyncio.wrap_future(connect))
+            return await asyncio.shield(waited)
         except asyncio.CancelledError:
+            waited.add_done_callback(_outcome_taken)  # `_late_sender` handles it
             if not connect.cancel():  # running: it ends by the deadline
                 connect.add_done_callback(partial(self._late_sender, backend, endpoint))
             raise
@@ -515,5 +517,11 @@ async def named_by(
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
     """Mark a failed future's exception retrieved (whoever awaits it reports it)."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _outcome_taken(future: asyncio.Future[Any]) -> None:
+    """Mark a future's outcome as seen (asyncio logs an exception nobody retrieved)."""
     if not future.cancelled():
         future.exception()
