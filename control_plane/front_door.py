@@ -232,13 +232,14 @@ class FrontDoor:
         try:
             return self._admit(request, client_left, owner, nested)
         except RpcFailure as failure:
-            self.count_rejected(failure.code)
-            mark_refused(failure.code, failure.message)
+            self.refused(failure.code, failure.message)
             raise
 
-    def count_rejected(self, code: grpc.StatusCode) -> None:
-        """Count a request refused before it ran (either door)."""
+    def refused(self, code: grpc.StatusCode, message: str) -> None:
+        """A request refused before it ran (either door): counted by status, and its span
+        (the current one) marked ERROR."""
         self._cluster.metrics.requests.labels(code.name).inc()
+        mark_refused(code, message)
 
     def _admit(
         self,

@@ -149,14 +149,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         target.set_result(message.target)
         return await self._prefill(request, message.target.generation, target, context, timings)
 
+    def _call_deadline(self, context: grpc.aio.ServicerContext) -> float:
+        """When the call must end (monotonic): its own deadline, or the worker's transfer
+        bound from now for a call without one."""
+        remaining = context.time_remaining()
+        return time.monotonic() + (self.transfer_timeout if remaining is None else remaining)
+
     async def _prefill_ahead(
         self,
         messages: AsyncIterator[worker_pb2.PrefillRequest],
         context: grpc.aio.ServicerContext,
         timings: Timings,
     ) -> worker_pb2.PrefillResponse:
-        remaining = context.time_remaining()
-        wait = self.transfer_timeout if remaining is None else remaining
+        wait = self._call_deadline(context) - time.monotonic()
         try:
             first = await asyncio.wait_for(anext(messages, None), max(0.0, wait))
         except TimeoutError:
@@ -248,8 +253,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
     ) -> worker_pb2.PrefillResponse:
         """Prefill at once, its KV (and then its first tokens) streamed to `target` once known."""
         rid, engine = request.request_id, self.runtime.engine
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + (self.transfer_timeout if remaining is None else remaining)
+        deadline = self._call_deadline(context)
         self.active[rid] = active = ActivePrefill(generation, deadline, asyncio.current_task())
         export = KVExport(overlap=self.transfer_overlap)
         export.events = ChunkEvents(trace.get_current_span())
@@ -315,7 +319,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         try:
             return await asyncio.shield(waited)
         except asyncio.CancelledError:
-            waited.add_done_callback(_outcome_taken)  # `_late_sender` handles it
+            waited.add_done_callback(_retrieve)  # `_late_sender` handles the outcome
             if not connect.cancel():  # running: it ends by the deadline
                 connect.add_done_callback(partial(self._late_sender, backend, endpoint))
             raise
@@ -517,11 +521,5 @@ async def named_by(
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
     """Mark a failed future's exception retrieved (whoever awaits it reports it)."""
-    if not future.cancelled():
-        future.exception()
-
-
-def _outcome_taken(future: asyncio.Future[Any]) -> None:
-    """Mark a future's outcome as seen (asyncio logs an exception nobody retrieved)."""
     if not future.cancelled():
         future.exception()

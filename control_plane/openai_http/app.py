@@ -44,7 +44,6 @@ from control_plane.openai_http.schema import (
 )
 from control_plane.openai_http.server import ResponseCut
 from control_plane.openai_http.stream import DONE, Answer, Echo, sse
-from control_plane.request_span import mark_refused
 from control_plane.run import RELAY_BUFFER, RpcFailure
 from kvmesh.v1 import generation_pb2
 
@@ -187,8 +186,7 @@ class OpenAIApp:
         try:
             parsed, answer = await self.accept(request, kind)
         except ApiError as error:  # refused before a run: counted and traced like the door's
-            self.door.count_rejected(grpc_code(error))
-            mark_refused(grpc_code(error), error.message)
+            self.door.refused(grpc_code(error), error.message)
             raise
         n = parsed.n
         deadline = asyncio.get_running_loop().time() + self.door.request_seconds

@@ -48,7 +48,6 @@ from kvmesh.v1 import wire
 EXPORTERS = ("otlp", "otlp_proto_grpc", "otlp_proto_http", "console", "none")
 PROTOCOLS = ("grpc", "http/protobuf")
 UNTRACED_METHODS = ("/kvmesh.v1.ControlService/Heartbeat",)
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 class TracingConfigError(ValueError):
@@ -199,10 +198,6 @@ def client_interceptors() -> list[Any]:
     return [kind(tracer) for kind in kinds]
 
 
-def _untraced(method: str) -> bool:
-    return method.startswith(HEALTH_PREFIX) or method in UNTRACED_METHODS
-
-
 class _LowerCaseSetter(Setter[grpc.aio.Metadata]):
     """Sets propagation fields as gRPC metadata keys (lower case)."""
 
@@ -224,12 +219,13 @@ class TracedCalls:
 
     def __init__(self, tracer: trace.Tracer) -> None:
         self._tracer = tracer
+        self.traces = _traced()  # details -> bool: the servers' filter (no health, heartbeat)
 
     async def _traced(self, continuation: Any, details: Any, request: Any) -> Any:
+        if not self.traces(details) or not is_instrumentation_enabled():
+            return await continuation(details, request)
         method = details.method
         method = method.decode() if isinstance(method, bytes) else str(method)
-        if _untraced(method) or not is_instrumentation_enabled():
-            return await continuation(details, request)
         service, _, name = method.lstrip("/").partition("/")
         attributes = {
             "rpc.system": "grpc",

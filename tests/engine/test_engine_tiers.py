@@ -94,15 +94,21 @@ def test_host_tier_spills_and_reloads_with_identical_greedy_output(
     assert 'kvmesh_preemptions_total{mode="swap"} 0.0' in text
 
 
+def persistent_tiers(folder: Path, host_blocks: int = 2) -> dict[str, Any]:
+    """Engine options of a 5-block device, a host tier of `host_blocks` blocks and a
+    persistent disk tier in `folder`."""
+    return {
+        "num_kv_blocks": 5,
+        "host_kv_gib": gib(host_blocks),
+        "disk_kv_dir": str(folder),
+        "disk_kv_persist": True,
+    }
+
+
 def test_persistent_disk_tier_serves_hits_after_restart(
     checkpoint: Path, expected: list[list[int]], tmp_path: Path
 ) -> None:
-    options = {
-        "num_kv_blocks": 5,
-        "host_kv_gib": gib(2),
-        "disk_kv_dir": str(tmp_path),
-        "disk_kv_persist": True,
-    }
+    options = persistent_tiers(tmp_path)
     first = LLM(str(checkpoint), **options)
     tokens, _ = run_each(first, [make_prompts()[0], make_prompts()[2]])
     assert tokens == [expected[0], expected[2]]
@@ -155,12 +161,7 @@ def test_an_llm_writes_its_persistent_tier_down_when_dropped_or_closed(
     when the offline LLM goes away: dropped without `close` (collected; the finalizer holds
     the engine, not the LLM) or left in a `with` block. Before, only `LLMEngine.close` wrote
     them, and a restart after the usual `del llm` (or the end of a script) found nothing."""
-    options = {
-        "num_kv_blocks": 5,
-        "host_kv_gib": gib(8),
-        "disk_kv_dir": str(tmp_path),
-        "disk_kv_persist": True,
-    }
+    options = persistent_tiers(tmp_path, host_blocks=8)
     first = LLM(str(checkpoint), **options)
     run_each(first, [make_prompts()[0]])
     assert not list(tmp_path.glob("*.kvblock"))  # nothing overflowed to disk while running
@@ -229,12 +230,7 @@ def test_salts_stay_apart_in_the_host_and_disk_tiers_and_after_a_restart(
 ) -> None:
     """A prefix spilled to the host and disk tiers (and kept across a restart) is reloaded for
     its own cache salt only: another salt, or none, computes it afresh."""
-    options = {
-        "num_kv_blocks": 5,
-        "host_kv_gib": gib(2),
-        "disk_kv_dir": str(tmp_path),
-        "disk_kv_persist": True,
-    }
+    options = persistent_tiers(tmp_path)
     prompts = make_prompts()
     first = LLM(str(checkpoint), **options)
     assert salted_cached_tokens(first, prompts[0], b"a") == 0
@@ -255,12 +251,7 @@ def test_a_checkpoint_rewritten_in_place_never_reads_the_old_kv(tmp_path: Path) 
     rebuilt in the same folder (retrained, re-converted), a restart serves the new weights'
     output from an empty tier, never KV of the old weights under the same path."""
     folder = tmp_path / "model"
-    options = {
-        "num_kv_blocks": 5,
-        "host_kv_gib": gib(2),
-        "disk_kv_dir": str(tmp_path / "kv"),
-        "disk_kv_persist": True,
-    }
+    options = persistent_tiers(tmp_path / "kv")
     prompts = make_prompts()
     first = LLM(str(build_tiny_model(folder, "llama", "test", seed=0)), **options)
     run_each(first, [prompts[0], prompts[2]])

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -37,21 +34,6 @@ def pair(svc_loop: Any, svc_model_dir: Path) -> Any:
     yield prefill, decode
     prefill.stop()
     decode.stop()
-
-
-@pytest.fixture
-def stalled() -> Iterator[str]:
-    """The address of a Unix socket that accepts connections and never answers (a decode
-    worker that stalled)."""
-    folder = tempfile.mkdtemp(prefix="kvm-stall-")
-    path = os.path.join(folder, "stall.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(128)
-    yield f"unix:{path}"
-    listener.close()
-    os.unlink(path)
-    os.rmdir(folder)
 
 
 def test_a_stalled_decode_worker_does_not_hold_up_connects_to_a_healthy_one(

@@ -3,11 +3,7 @@ connects new ones on its own threads, each by its caller's deadline."""
 
 from __future__ import annotations
 
-import os
-import socket
-import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -80,20 +76,6 @@ def test_a_sender_given_back_after_the_pool_closed_is_closed() -> None:
     finally:
         pool.close()
         receiver.close()
-
-
-@pytest.fixture
-def stalled() -> Iterator[str]:
-    """The address of a Unix socket that accepts connections and never answers."""
-    folder = tempfile.mkdtemp(prefix="kvm-stall-")
-    path = os.path.join(folder, "stall.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(16)
-    yield f"unix:{path}"
-    listener.close()
-    os.unlink(path)
-    os.rmdir(folder)
 
 
 def test_a_connect_to_a_stalled_receiver_ends_at_its_deadline(stalled: str) -> None:

@@ -68,8 +68,9 @@ def test_unknown_protocol_names_the_variable() -> None:
 
 def test_health_checks_and_heartbeats_are_not_traced() -> None:
     import grpc
+    from opentelemetry import trace
 
-    from kvmesh.telemetry.tracing import _traced, _untraced
+    from kvmesh.telemetry.tracing import TracedCalls, _traced
 
     def call(method: str) -> grpc.aio.ClientCallDetails:
         return grpc.aio.ClientCallDetails(method.encode(), None, None, None, None)
@@ -80,9 +81,10 @@ def test_health_checks_and_heartbeats_are_not_traced() -> None:
     assert traced(call("/kvmesh.v1.ControlService/Register"))
     assert traced(call("/kvmesh.v1.DecodeService/Decode"))
     # the client side (CLIENT spans) skips the same methods
-    assert _untraced("/grpc.health.v1.Health/Check")
-    assert _untraced("/kvmesh.v1.ControlService/Heartbeat")
-    assert not _untraced("/kvmesh.v1.ControlService/Register")
+    client = TracedCalls(trace.get_tracer("test"))
+    assert not client.traces(call("/grpc.health.v1.Health/Check"))
+    assert not client.traces(call("/kvmesh.v1.ControlService/Heartbeat"))
+    assert client.traces(call("/kvmesh.v1.ControlService/Register"))
 
 
 def test_each_role_registers_only_what_it_records() -> None:

@@ -17,11 +17,11 @@ It replays decode steps and mixed steps (decodes with prompt chunks) in which ev
 attends through the cache: chunks with cached context, or any chunk where the runner sends
 first chunks through the paged kernel too. A step with a "fresh" first chunk (attended by
 torch's sdpa on the step's own K/V, `kvmesh.engine.attention`) or more rows than the program
-has runs eagerly; so do larger steps, whose kernels take far longer than the Python between
-them. It applies where the eager forward would take exactly these kernels: CPU, float32 or
-bfloat16, kvmesh's GEMM for q|k|v, o and down and its SiLU-and-mul epilogue for gate|up, the
-fused norms (Qwen3's per-head q/k norms too) and rotary, a cache the fused attention and
-KV-write kernels take (`why_not` names what else runs).
+has runs eagerly (`MAX_TOKEN_ROWS` bounds the static buffers' memory). It applies where the
+eager forward would take exactly these kernels: CPU, float32 or bfloat16, kvmesh's GEMM for
+q|k|v, o and down and its SiLU-and-mul epilogue for gate|up, the fused norms (Qwen3's
+per-head q/k norms too) and rotary, a cache the fused attention and KV-write kernels take
+(`why_not` names what else runs).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from kvmesh.engine.attention import ForwardContext
 from kvmesh.engine.cpu_linear import CpuGemmGateUpSilu, CpuGemmLinear
 from kvmesh.engine.native.llama import NativeCausalLM, NativeDecoderLayer
 
-MAX_TOKEN_ROWS = 512  # a step of more token rows runs eagerly (its kernels dominate it)
+MAX_TOKEN_ROWS = 512  # a step of more token rows runs eagerly (bounds the static buffers)
 
 
 def why_not(model: nn.Module, cache: PagedKVCache) -> str | None:
@@ -114,13 +114,9 @@ class StaticStepInputs:
         self.block_tables[:b, :width].copy_(ctx.block_tables)
 
 
-def paged_step(ctx: ForwardContext, num_tokens: int) -> bool:
+def paged_step(ctx: ForwardContext) -> bool:
     """Every sequence of the step attends through the cache (no fresh first chunk)."""
-    return (
-        ctx.num_paged_seqs == ctx.num_seqs
-        and ctx.num_paged_tokens == num_tokens
-        and (not ctx.fresh_bounds)
-    )
+    return ctx.num_paged_seqs == ctx.num_seqs and not ctx.fresh_bounds
 
 
 class CpuStepProgram:
@@ -137,7 +133,7 @@ class CpuStepProgram:
     ) -> None:
         reason = why_not(model, cache)
         assert reason is None, reason
-        self.model, self.cache, self.max_tokens = model, cache, max_tokens
+        self.model, self.cache = model, cache
         self.inputs = StaticStepInputs(max_tokens, max_seqs, max_blocks)
         self.threads = torch.get_num_threads()
         self.replays = 0
@@ -156,6 +152,11 @@ class CpuStepProgram:
         self.act = rows(_linear(layer0.gate_up).out_features)
         self.program = cpu_program.Program(dtype, self.threads)
         self._record()
+
+    @property
+    def max_tokens(self) -> int:
+        """Token rows of the static buffers."""
+        return self.inputs.max_tokens
 
     def _record(self) -> None:
         model, p = self.model, self.program
@@ -243,7 +244,7 @@ class CpuStepProgram:
         return (
             ctx.kv_cache is self.cache
             and self.inputs.fits(num_tokens, ctx)
-            and paged_step(ctx, num_tokens)
+            and paged_step(ctx)
             and torch.get_num_threads() == self.threads
             and ctx.attention_plan.backend == "torch"  # as eager: the fused kernels
         )
